@@ -1,0 +1,398 @@
+"""The rank-population law for a tensor-parallel deployment.
+
+Given a *declared* observation of the workers a deployment is running on
+(which global rank and tensor-parallel rank each reports, on which host, under
+which host-local process key and which incarnation), decide whether that
+population is coherent, or refuse it with every finding at once.
+
+This module is pure: standard library and pydantic only. It acquires nothing and
+claims no provenance; an acquisition adapter (``kiln.cluster.acquire``) owns the
+record of how an observation was obtained and joins that record to the decision.
+
+How the rank set is pinned without a caller-supplied list: the law demands that
+the number of participants equals ``world_size``, that no global rank appears
+twice and that every global rank lies in ``[0, world_size)``. Together these
+force every rank of the range to appear exactly once (pigeonhole), so
+completeness follows without enumerating the expected ranks.
+
+Checks are independent of one another and all of them run; the decision lists
+their findings in a stable order (by kind, in the order of ``FINDING_KINDS``,
+then by the details that locate each finding).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kiln.canonical import CanonicalJSONError, strict_json_loads
+
+__all__ = [
+    "MAX_IDENTIFIER_CHARS",
+    "MAX_PARTICIPANTS",
+    "MAX_SELECTED_HOSTS",
+    "MAX_WORLD_SIZE",
+    "FINDING_KINDS",
+    "ObservationInputError",
+    "Participant",
+    "DeclaredObservation",
+    "Finding",
+    "RankPopulationDecision",
+    "MAX_OBSERVATION_BYTES",
+    "MAX_RANK_MAGNITUDE",
+    "parse_observation_json",
+    "decide_rank_population",
+]
+
+# ----------------------------------------------------------------------- limits
+
+MAX_WORLD_SIZE = 1 << 20
+"""Largest world size (and parallel degree) the law accepts as input."""
+MAX_PARTICIPANTS = 1 << 16
+"""Most participants one observation may list."""
+MAX_SELECTED_HOSTS = 1 << 16
+"""Most entries ``selected_hosts`` may list."""
+MAX_IDENTIFIER_CHARS = 256
+"""Longest host name, incarnation or process key, in characters."""
+MAX_RANK_MAGNITUDE = (1 << 31) - 1
+"""Largest absolute value of a declared global or tensor-parallel rank."""
+MAX_OBSERVATION_BYTES = 8 << 20
+"""Largest observation JSON document read, in bytes."""
+
+
+class ObservationInputError(ValueError):
+    """An observation is not valid input to the law (wrong shape, type or bound)."""
+
+
+# ------------------------------------------------------------------ observation
+
+_Identifier = Annotated[str, Field(min_length=1, max_length=MAX_IDENTIFIER_CHARS)]
+# Ranks are deliberately unbounded below: a negative rank is a *finding*
+# (rank_out_of_range), not malformed input.
+_Rank = Annotated[int, Field(ge=-MAX_RANK_MAGNITUDE, le=MAX_RANK_MAGNITUDE)]
+_Degree = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+
+_STRICT = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Participant(BaseModel):
+    """One worker as the observation declares it."""
+
+    model_config = _STRICT
+
+    global_rank: _Rank
+    tensor_parallel_rank: _Rank
+    host: _Identifier
+    host_local_worker_process_key: _Identifier
+    """Key of the worker process, meaningful only on its own host (a pid, say)."""
+    incarnation: _Identifier
+
+
+class DeclaredObservation(BaseModel):
+    """A population of workers as declared to the law, with no provenance."""
+
+    model_config = _STRICT
+
+    incarnation: _Identifier
+    returned_completely: bool
+    world_size: _Degree
+    tensor_parallel_size: _Degree
+    pipeline_parallel_size: _Degree
+    data_parallel_size: _Degree
+    selected_hosts: Annotated[tuple[_Identifier, ...], Field(max_length=MAX_SELECTED_HOSTS)]
+    participants: Annotated[tuple[Participant, ...], Field(max_length=MAX_PARTICIPANTS)]
+
+
+def parse_observation_json(data: bytes) -> DeclaredObservation:
+    """Parse and validate the JSON bytes of an observation.
+
+    Duplicate keys, NaN/Infinity, unknown fields, wrong types (no coercion: ``"2"``
+    is not ``2`` and ``1`` is not ``true``) and out-of-bound values are all
+    rejected with an :class:`ObservationInputError` naming every offending field.
+    """
+    if len(data) > MAX_OBSERVATION_BYTES:
+        raise ObservationInputError(
+            f"the observation is {len(data)} bytes, over the {MAX_OBSERVATION_BYTES}-byte limit; "
+            "split the deployment or check that the right file was given"
+        )
+    try:
+        value = strict_json_loads(data)
+    except (CanonicalJSONError, UnicodeDecodeError) as exc:
+        raise ObservationInputError(f"the observation is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ObservationInputError(
+            f"the observation must be a JSON object, got {type(value).__name__}; "
+            "see docs/cluster.md for the expected fields"
+        )
+    try:
+        return DeclaredObservation.model_validate_json(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ObservationInputError(
+            f"invalid observation ({exc.error_count()} problem(s)): {problems}. "
+            "Fix these fields; see docs/cluster.md for the format"
+        ) from None
+
+
+# --------------------------------------------------------------------- findings
+
+_FINDING = ConfigDict(frozen=True, extra="forbid")
+
+
+class ParticipantCountMismatch(BaseModel):
+    model_config = _FINDING
+    kind: Literal["participant_count_mismatch"] = "participant_count_mismatch"
+    world_size: int
+    participant_count: int
+
+
+class DuplicatedRank(BaseModel):
+    model_config = _FINDING
+    kind: Literal["duplicated_rank"] = "duplicated_rank"
+    global_rank: int
+    occurrences: int
+    hosts: tuple[str, ...]
+
+
+class RankOutOfRange(BaseModel):
+    model_config = _FINDING
+    kind: Literal["rank_out_of_range"] = "rank_out_of_range"
+    global_rank: int
+    host: str
+    world_size: int
+
+
+class ParticipantOnUnselectedHost(BaseModel):
+    model_config = _FINDING
+    kind: Literal["participant_on_unselected_host"] = "participant_on_unselected_host"
+    global_rank: int
+    host: str
+
+
+class SelectedHostCarriedNoRank(BaseModel):
+    model_config = _FINDING
+    kind: Literal["selected_host_carried_no_rank"] = "selected_host_carried_no_rank"
+    host: str
+
+
+class SelectedHostNamedMoreThanOnce(BaseModel):
+    model_config = _FINDING
+    kind: Literal["selected_host_named_more_than_once"] = "selected_host_named_more_than_once"
+    host: str
+    occurrences: int
+
+
+class RanksShareHostLocalWorkerProcessKey(BaseModel):
+    model_config = _FINDING
+    kind: Literal["ranks_share_host_local_worker_process_key"] = "ranks_share_host_local_worker_process_key"
+    host: str
+    process_key: str
+    global_ranks: tuple[int, ...]
+
+
+class ParticipantFromAnotherIncarnation(BaseModel):
+    model_config = _FINDING
+    kind: Literal["participant_from_another_incarnation"] = "participant_from_another_incarnation"
+    global_rank: int
+    host: str
+    participant_incarnation: str
+    observation_incarnation: str
+
+
+class ObservationIncomplete(BaseModel):
+    model_config = _FINDING
+    kind: Literal["observation_incomplete"] = "observation_incomplete"
+    participant_count: int
+
+
+class NotATensorParallelDecomposition(BaseModel):
+    model_config = _FINDING
+    kind: Literal["not_a_tensor_parallel_decomposition"] = "not_a_tensor_parallel_decomposition"
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+
+
+class DecompositionInconsistentWithWorldSize(BaseModel):
+    model_config = _FINDING
+    kind: Literal["decomposition_inconsistent_with_world_size"] = "decomposition_inconsistent_with_world_size"
+    world_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    product: int
+
+
+class TensorParallelRankDoesNotMatchGlobalRank(BaseModel):
+    model_config = _FINDING
+    kind: Literal["tensor_parallel_rank_does_not_match_global_rank"] = (
+        "tensor_parallel_rank_does_not_match_global_rank"
+    )
+    global_rank: int
+    tensor_parallel_rank: int
+    host: str
+
+
+Finding = Annotated[
+    Union[
+        ParticipantCountMismatch,
+        DuplicatedRank,
+        RankOutOfRange,
+        ParticipantOnUnselectedHost,
+        SelectedHostCarriedNoRank,
+        SelectedHostNamedMoreThanOnce,
+        RanksShareHostLocalWorkerProcessKey,
+        ParticipantFromAnotherIncarnation,
+        ObservationIncomplete,
+        NotATensorParallelDecomposition,
+        DecompositionInconsistentWithWorldSize,
+        TensorParallelRankDoesNotMatchGlobalRank,
+    ],
+    Field(discriminator="kind"),
+]
+
+FINDING_KINDS: tuple[str, ...] = (
+    "participant_count_mismatch",
+    "duplicated_rank",
+    "rank_out_of_range",
+    "participant_on_unselected_host",
+    "selected_host_carried_no_rank",
+    "selected_host_named_more_than_once",
+    "ranks_share_host_local_worker_process_key",
+    "participant_from_another_incarnation",
+    "observation_incomplete",
+    "not_a_tensor_parallel_decomposition",
+    "decomposition_inconsistent_with_world_size",
+    "tensor_parallel_rank_does_not_match_global_rank",
+)
+"""Every finding kind, in the order a decision lists them."""
+
+# --------------------------------------------------------------------- decision
+
+
+class RankPopulationDecision(BaseModel):
+    """``coherent`` with no findings, or ``refused`` with every finding."""
+
+    model_config = _FINDING
+
+    decision: Literal["coherent", "refused"]
+    findings: tuple[Finding, ...]
+
+    @model_validator(mode="after")
+    def _decision_matches_findings(self) -> "RankPopulationDecision":
+        if (self.decision == "coherent") != (not self.findings):
+            raise ValueError("a coherent decision carries no findings; a refused one carries at least one")
+        return self
+
+    @property
+    def coherent(self) -> bool:
+        return self.decision == "coherent"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(f.kind for f in self.findings)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """``{"decision": ..., "findings": [{"kind": ..., ...}]}`` with ``kind`` first."""
+        return {"decision": self.decision, "findings": [f.model_dump(mode="json") for f in self.findings]}
+
+
+def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDecision:
+    """Decide a declared observation; every check runs, every finding is kept."""
+    obs = observation
+    parts = obs.participants
+    findings: list[Any] = []
+
+    # Rank set: count, uniqueness and range together pin it (see module docstring).
+    if len(parts) != obs.world_size:
+        findings.append(ParticipantCountMismatch(world_size=obs.world_size, participant_count=len(parts)))
+
+    hosts_by_rank: dict[int, list[str]] = defaultdict(list)
+    for p in parts:
+        hosts_by_rank[p.global_rank].append(p.host)
+    for rank, hosts in sorted(hosts_by_rank.items()):
+        if len(hosts) > 1:
+            findings.append(DuplicatedRank(global_rank=rank, occurrences=len(hosts), hosts=tuple(sorted(hosts))))
+
+    for p in _by_location(parts):
+        if not 0 <= p.global_rank < obs.world_size:
+            findings.append(RankOutOfRange(global_rank=p.global_rank, host=p.host, world_size=obs.world_size))
+
+    # Host join, in both directions, over distinct host identities.
+    selected = set(obs.selected_hosts)
+    carrying = {p.host for p in parts}
+    for p in _by_location(parts):
+        if p.host not in selected:
+            findings.append(ParticipantOnUnselectedHost(global_rank=p.global_rank, host=p.host))
+    for host in sorted(selected - carrying):
+        findings.append(SelectedHostCarriedNoRank(host=host))
+    for host, n in sorted(Counter(obs.selected_hosts).items()):
+        if n > 1:
+            findings.append(SelectedHostNamedMoreThanOnce(host=host, occurrences=n))
+
+    # Process keys are host-local: only compare them within one host.
+    ranks_by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for p in parts:
+        ranks_by_key[(p.host, p.host_local_worker_process_key)].append(p.global_rank)
+    for (host, key), ranks in sorted(ranks_by_key.items()):
+        if len(ranks) > 1:
+            findings.append(
+                RanksShareHostLocalWorkerProcessKey(host=host, process_key=key, global_ranks=tuple(sorted(ranks)))
+            )
+
+    for p in _by_location(parts):
+        if p.incarnation != obs.incarnation:
+            findings.append(
+                ParticipantFromAnotherIncarnation(
+                    global_rank=p.global_rank,
+                    host=p.host,
+                    participant_incarnation=p.incarnation,
+                    observation_incarnation=obs.incarnation,
+                )
+            )
+
+    if not obs.returned_completely:
+        findings.append(ObservationIncomplete(participant_count=len(parts)))
+
+    # Decomposition: only a pure tensor-parallel world is in this law's scope.
+    tp, pp, dp = obs.tensor_parallel_size, obs.pipeline_parallel_size, obs.data_parallel_size
+    if pp != 1 or dp != 1:
+        findings.append(
+            NotATensorParallelDecomposition(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp)
+        )
+    if tp * pp * dp != obs.world_size:
+        findings.append(
+            DecompositionInconsistentWithWorldSize(
+                world_size=obs.world_size,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                data_parallel_size=dp,
+                product=tp * pp * dp,
+            )
+        )
+
+    # In a pure TP world the TP rank *is* the global rank; this one equality also
+    # covers TP ranks out of range or repeated, given the global-rank checks.
+    for p in _by_location(parts):
+        if p.tensor_parallel_rank != p.global_rank:
+            findings.append(
+                TensorParallelRankDoesNotMatchGlobalRank(
+                    global_rank=p.global_rank, tensor_parallel_rank=p.tensor_parallel_rank, host=p.host
+                )
+            )
+
+    if findings:
+        return RankPopulationDecision(decision="refused", findings=tuple(findings))
+    return RankPopulationDecision(decision="coherent", findings=())
+
+
+def _by_location(parts: tuple[Participant, ...]) -> list[Participant]:
+    """Participants in a stable order that does not depend on list order."""
+    return sorted(
+        parts,
+        key=lambda p: (p.global_rank, p.host, p.host_local_worker_process_key, p.tensor_parallel_rank, p.incarnation),
+    )

@@ -1,0 +1,255 @@
+"""Kiln settings with per-field provenance.
+
+Precedence, lowest to highest::
+
+    defaults  <  kiln.toml  <  KILN_<SECTION>_<FIELD> environment  <  CLI flags
+
+The TOML file is the first of ``--config``, ``$KILN_CONFIG`` and ``./kiln.toml``
+that is given/exists. Unknown sections or keys and invalid values fail at start-up
+with a :class:`ConfigError` that names the key. Every effective value remembers
+where it came from; ``GET /v1/config`` reports both.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "KILN_"
+DEFAULT_PORT = 8420
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the offending key and its source."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ModelSettings(_Section):
+    path: str | None = None  # None: the built-in model under $KILN_HOME
+    served_model_id: str | None = None  # default: the model directory's name
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    threads: int = Field(0, ge=0, le=1024)  # 0: leave torch's default
+
+
+class BatchingSettings(_Section):
+    token_budget: int = Field(512, ge=1, le=1_000_000)
+    max_running_rows: int = Field(32, ge=1, le=4096)
+    max_queued_rows: int = Field(256, ge=0, le=1_000_000)
+    prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)
+
+
+class LimitsSettings(_Section):
+    max_model_len: int = Field(2048, ge=8, le=1_048_576)
+    default_max_tokens: int = Field(256, ge=1, le=1_048_576)
+    max_tokens_cap: int = Field(2048, ge=1, le=1_048_576)
+    max_n: int = Field(16, ge=1, le=256)
+    max_messages: int = Field(512, ge=1, le=100_000)
+    max_stop_sequences: int = Field(8, ge=0, le=64)
+    max_logprobs: int = Field(20, ge=0, le=1000)
+    max_prompt_logprobs: int = Field(20, ge=0, le=1000)
+
+
+class TrainingSettings(_Section):
+    enabled: bool = True
+    queue_max: int = Field(16, ge=1, le=10_000)
+    data_dir: str | None = None  # default: $KILN_HOME/data
+    max_examples: int = Field(10_000, ge=1, le=10_000_000)
+
+
+class AdapterSettings(_Section):
+    dir: str | None = None  # default: $KILN_HOME/adapters
+    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)
+
+
+class Settings(_Section):
+    home: str | None = None
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    batching: BatchingSettings = BatchingSettings()
+    limits: LimitsSettings = LimitsSettings()
+    training: TrainingSettings = TrainingSettings()
+    adapters: AdapterSettings = AdapterSettings()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Settings":
+        if self.limits.default_max_tokens > self.limits.max_tokens_cap:
+            raise ValueError("limits.default_max_tokens must not exceed limits.max_tokens_cap")
+        if self.limits.max_tokens_cap > self.limits.max_model_len:
+            raise ValueError("limits.max_tokens_cap must not exceed limits.max_model_len")
+        return self
+
+    # -- derived paths -------------------------------------------------------
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser() if self.home else kiln_home()
+
+    @property
+    def adapters_path(self) -> Path:
+        return Path(self.adapters.dir).expanduser() if self.adapters.dir else self.home_path / "adapters"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.training.data_dir).expanduser() if self.training.data_dir else self.home_path / "data"
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in Settings.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, _Section)
+}
+TOP_LEVEL = {"home"}
+
+
+def kiln_home() -> Path:
+    """``$KILN_HOME`` or ``~/.cache/kiln``."""
+    env = os.environ.get("KILN_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kiln"
+
+
+class LoadedSettings:
+    """Effective settings plus the source of every field."""
+
+    def __init__(self, settings: Settings, sources: dict[str, str], config_file: Path | None):
+        self.settings = settings
+        self.sources = sources
+        self.config_file = config_file
+
+    def effective(self) -> dict[str, dict[str, Any]]:
+        """``{"section.field": {"value": ..., "source": ...}}`` for every field."""
+        out: dict[str, dict[str, Any]] = {}
+        dumped = self.settings.model_dump(mode="json")
+        for key in TOP_LEVEL:
+            out[key] = {"value": dumped[key], "source": self.sources.get(key, "default")}
+        for section in SECTIONS:
+            for name, value in dumped[section].items():
+                dotted = f"{section}.{name}"
+                out[dotted] = {"value": value, "source": self.sources.get(dotted, "default")}
+        return dict(sorted(out.items()))
+
+
+def _check_key(section: str, key: str | None, origin: str) -> None:
+    if section in TOP_LEVEL and key is None:
+        return
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} ({origin}); known: {sorted(SECTIONS) + sorted(TOP_LEVEL)}")
+    if key is not None and key not in SECTIONS[section].model_fields:
+        raise ConfigError(
+            f"unknown config key {section}.{key} ({origin}); known keys in [{section}]: "
+            f"{sorted(SECTIONS[section].model_fields)}"
+        )
+
+
+def _layer_from_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    origin = f"file {path}"
+    for section, body in data.items():
+        if section in TOP_LEVEL:
+            continue
+        _check_key(section, None, origin)
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{section}] in {path} must be a table")
+        for key in body:
+            _check_key(section, key, origin)
+    return data
+
+
+def _layer_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    layer: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        if rest == "home":
+            layer["home"] = value
+            continue
+        section, _, key = rest.partition("_")
+        if section not in SECTIONS:
+            continue  # KILN_CONFIG, KILN_VENV, test switches: not settings
+        if not key:
+            raise ConfigError(f"environment variable {name} names no field of [{section}]")
+        _check_key(section, key, f"environment variable {name}")
+        layer.setdefault(section, {})[key] = value
+    return layer
+
+
+def _merge(base: dict[str, Any], layer: dict[str, Any], sources: dict[str, str], label: str) -> None:
+    for section, body in layer.items():
+        if section in TOP_LEVEL:
+            base[section] = body
+            sources[section] = label
+            continue
+        for key, value in body.items():
+            base.setdefault(section, {})[key] = value
+            sources[f"{section}.{key}"] = label
+
+
+def load_settings(
+    cli: Mapping[str, Any] | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LoadedSettings:
+    """Resolve the effective settings.
+
+    ``cli`` maps dotted keys (``"server.port"``) to values; ``None`` values are
+    treated as "not given".
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    path: Path | None = None
+    if config_path is not None:
+        path = Path(config_path)
+    elif environ.get("KILN_CONFIG"):
+        path = Path(environ["KILN_CONFIG"])
+    elif Path("kiln.toml").is_file():
+        path = Path("kiln.toml")
+    if path is not None:
+        _merge(merged, _layer_from_toml(path), sources, "file")
+
+    _merge(merged, _layer_from_env(environ), sources, "env")
+
+    cli_layer: dict[str, Any] = {}
+    for dotted, value in (cli or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        _check_key(section, key or None, f"command-line flag for {dotted}")
+        if key:
+            cli_layer.setdefault(section, {})[key] = value
+        else:
+            cli_layer[section] = value
+    _merge(merged, cli_layer, sources, "cli")
+
+    try:
+        settings = Settings.model_validate(merged)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            dotted = ".".join(str(p) for p in err["loc"]) or "(settings)"
+            src = sources.get(dotted, "default")
+            problems.append(f"{dotted} (from {src}): {err['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+    return LoadedSettings(settings, sources, path)

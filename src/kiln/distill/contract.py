@@ -1,0 +1,594 @@
+"""Autodistill v1 artifact models: plan, capture-token row, shard manifest,
+consumption event and tokenized teacher example.
+
+Every model is frozen, strict (no type coercion), rejects unknown fields and
+carries an exact ``schema`` discriminator (Python attribute ``schema_id``).
+All fields are required: optional values are written as explicit ``null`` so
+that the canonical JSON, and therefore every hash, is fully determined.
+
+Parse untrusted bytes with ``Model.parse(data)``: it rejects duplicate keys and
+non-finite numbers, names an unknown major version as such, and raises
+``ContractError`` with the failing field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln.canonical import (
+    JSONL_C14N_ALGORITHM,
+    CanonicalJSONError,
+    canonical_json_bytes,
+    sha256_hex,
+    strict_json_loads,
+)
+from kiln.distill import estimate as _estimate
+from kiln.distill.errors import ContractError, DistillError, UnknownSchemaError
+from kiln.distill.paths import check_relative_path
+from kiln.distill.probability import check_row_probabilities
+
+__all__ = [
+    "PLAN_SCHEMA",
+    "CAPTURE_TOKEN_SCHEMA",
+    "SHARD_MANIFEST_SCHEMA",
+    "CONSUMPTION_EVENT_SCHEMA",
+    "TOKENIZED_TEACHER_EXAMPLE_SCHEMA",
+    "SCHEMA_PREFIX",
+    "MAX_ARTIFACT_JSON_BYTES",
+    "MAX_SEQUENCE_TOKENS",
+    "MAX_PAYLOADS",
+    "FileDigest",
+    "ModelFingerprint",
+    "TokenizerFingerprint",
+    "DatasetFingerprint",
+    "CaptureSettings",
+    "ProbabilityPolicy",
+    "ConsumptionPolicy",
+    "ThroughputProfile",
+    "Estimate",
+    "Plan",
+    "CaptureTokenRow",
+    "TokenizedTeacherExample",
+    "PayloadCommitment",
+    "ShardManifest",
+    "ConsumptionEvent",
+    "plan_sha256",
+    "parse_artifact",
+    "Trajectory",
+    "ShardState",
+    "ConsumptionState",
+]
+
+SCHEMA_PREFIX = "soup.autodistill."
+PLAN_SCHEMA = "soup.autodistill.plan.v1"
+CAPTURE_TOKEN_SCHEMA = "soup.autodistill.capture-token.v1"
+SHARD_MANIFEST_SCHEMA = "soup.autodistill.shard-manifest.v1"
+CONSUMPTION_EVENT_SCHEMA = "soup.autodistill.consumption-event.v1"
+TOKENIZED_TEACHER_EXAMPLE_SCHEMA = "soup.autodistill.tokenized-teacher-example.v1"
+
+MAX_ARTIFACT_JSON_BYTES = 8 << 20  # one plan/manifest/event document
+MAX_SEQUENCE_TOKENS = 1 << 20  # prompt, target or context IDs in one row
+MAX_FILES_PER_FINGERPRINT = 4096
+MAX_PAYLOADS = 4096
+MAX_FILE_BYTES = 1 << 50
+MAX_COUNT = 10**15
+
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Revision = Annotated[str, Field(pattern=r"^[0-9a-f]{40,64}$")]
+Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,255}$")]
+PortableId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+TokenId = Annotated[int, Field(ge=0, lt=_estimate.MAX_VOCAB_SIZE)]
+Width = Annotated[int, Field(ge=1, le=_estimate.MAX_WIDTH_BYTES)]
+
+Trajectory = Literal["teacher-expert", "student-rollout"]
+ShardState = Literal["staging", "complete", "verified", "available", "quarantined"]
+ConsumptionState = Literal["available", "reserved", "committed"]
+
+_SCHEMA_RE = re.compile(r"^soup\.autodistill\.([a-z0-9-]+)\.v([0-9]+)$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+    )
+
+    def to_obj(self) -> dict[str, Any]:
+        """JSON-ready dict with the ``schema`` key spelled as on the wire."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json_bytes(self.to_obj())
+
+    def sha256(self) -> str:
+        """SHA-256 of this document's canonical JSON bytes."""
+        return sha256_hex(self.canonical_bytes())
+
+    @classmethod
+    def parse(cls, data: bytes | str | dict[str, Any]):
+        """Validate untrusted JSON (bytes/str) or an already parsed object."""
+        if isinstance(data, (bytes, str)):
+            if len(data) > MAX_ARTIFACT_JSON_BYTES:
+                raise ContractError(f"{cls.__name__} document exceeds {MAX_ARTIFACT_JSON_BYTES} bytes")
+            try:
+                data = strict_json_loads(data)
+            except CanonicalJSONError as exc:
+                raise ContractError(f"{cls.__name__}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ContractError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
+        expected = getattr(cls, "SCHEMA", None)
+        if expected is not None:
+            _check_schema(data.get("schema"), expected)
+        try:
+            # Round-trip through canonical JSON so strict validation sees JSON
+            # arrays (accepted for tuples) exactly as a file reader would.
+            return cls.model_validate_json(canonical_json_bytes(data))
+        except CanonicalJSONError as exc:
+            raise ContractError(f"{cls.__name__}: {exc}") from exc
+        except ValidationError as exc:
+            raise ContractError(f"{cls.__name__} is invalid: {_describe(exc)}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{loc}: {err['msg']}")
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+
+
+def _check_schema(found: object, expected: str) -> None:
+    if found == expected:
+        return
+    if not isinstance(found, str):
+        raise UnknownSchemaError(f"missing or non-string 'schema'; expected {expected!r}")
+    m, want = _SCHEMA_RE.match(found), _SCHEMA_RE.match(expected)
+    if m and want and m.group(1) == want.group(1):
+        raise UnknownSchemaError(
+            f"unknown major version v{m.group(2)} of {SCHEMA_PREFIX}{m.group(1)}; this reader supports "
+            f"only v{want.group(2)}; upgrade Kiln or re-create the artifact"
+        )
+    raise UnknownSchemaError(f"schema {found[:100]!r} is not {expected!r}")
+
+
+def _sorted_unique(name: str, keys: list[Any]) -> None:
+    if keys != sorted(keys) or len(set(keys)) != len(keys):
+        raise ValueError(f"{name} must be sorted ascending with no duplicates")
+
+
+# ----------------------------------------------------------------- fingerprints
+
+
+class FileDigest(_Model):
+    """One file bound by path (relative, normalized), exact byte size and SHA-256."""
+
+    path: str
+    size: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
+    sha256: Sha256
+
+    @field_validator("path")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        try:
+            return check_relative_path(v)
+        except DistillError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+FileList = Annotated[tuple[FileDigest, ...], Field(min_length=1, max_length=MAX_FILES_PER_FINGERPRINT)]
+
+
+class ModelFingerprint(_Model):
+    model_id: Identifier
+    revision: Revision
+    config_sha256: Sha256
+    weight_files: FileList
+
+    @field_validator("weight_files")
+    @classmethod
+    def _sorted(cls, v: tuple[FileDigest, ...]) -> tuple[FileDigest, ...]:
+        _sorted_unique("weight_files", [f.path for f in v])
+        return v
+
+
+class TokenizerFingerprint(_Model):
+    tokenizer_id: Identifier
+    revision: Revision
+    vocab_size: Annotated[int, Field(ge=1, le=_estimate.MAX_VOCAB_SIZE)]
+    files: FileList
+    chat_template_sha256: Sha256
+    renderer_name: Label
+    renderer_version: Label
+
+    @field_validator("files")
+    @classmethod
+    def _sorted(cls, v: tuple[FileDigest, ...]) -> tuple[FileDigest, ...]:
+        _sorted_unique("tokenizer files", [f.path for f in v])
+        return v
+
+
+class DatasetFingerprint(_Model):
+    """Ordered source files (order is meaningful), row count and normalized hash."""
+
+    files: FileList
+    rows: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    normalization: Literal["soup-jsonl-c14n-v1"]
+    normalized_sha256: Sha256
+
+    @field_validator("files")
+    @classmethod
+    def _unique(cls, v: tuple[FileDigest, ...]) -> tuple[FileDigest, ...]:
+        if len({f.path for f in v}) != len(v):
+            raise ValueError("dataset files list one path twice")
+        return v
+
+
+assert JSONL_C14N_ALGORITHM == "soup-jsonl-c14n-v1"
+
+
+class CaptureSettings(_Model):
+    backend: Label
+    backend_version: Label
+    dtype: Label
+    quantization: Label
+    max_sequence_length: Annotated[int, Field(ge=2, le=MAX_SEQUENCE_TOKENS)]
+    truncation: Literal["left", "right"]
+    planned_tokens: Annotated[int, Field(ge=1, le=_estimate.MAX_PLANNED_TOKENS)]
+    max_forced_ids: Annotated[int, Field(ge=1, le=_estimate.MAX_FORCED_IDS)]
+
+
+class ProbabilityPolicy(_Model):
+    top_k: Annotated[int, Field(ge=1, le=_estimate.MAX_TOP_K)]
+    temperature: Annotated[float, Field(gt=0)]
+    renormalize_selected: Literal[False]
+    id_bytes: Width
+    logprob_bytes: Width
+    tail_bytes: Width
+    entropy_bytes: Width
+
+
+class ConsumptionPolicy(_Model):
+    """How the student may consume the artifact.
+
+    ``rollout_checkpoint_sha256`` names the exact student checkpoint that sampled
+    student-rollout prefixes (required there, ``null`` for teacher-expert).
+    Student rollouts are consume-once, so their replay must be ``forbidden``.
+    """
+
+    trajectory: Trajectory
+    replay: Literal["forbidden", "chained"]
+    rollout_checkpoint_sha256: Optional[Sha256]
+
+    @model_validator(mode="after")
+    def _rollout_rules(self) -> "ConsumptionPolicy":
+        if self.trajectory == "student-rollout":
+            if self.replay != "forbidden":
+                raise ValueError("student-rollout artifacts are consume-once: replay must be 'forbidden'")
+            if self.rollout_checkpoint_sha256 is None:
+                raise ValueError("student-rollout needs rollout_checkpoint_sha256 (the student that sampled)")
+        elif self.rollout_checkpoint_sha256 is not None:
+            raise ValueError("rollout_checkpoint_sha256 applies only to student-rollout artifacts")
+        return self
+
+
+class ThroughputProfile(_Model):
+    """A previously measured end-to-end capture throughput range and its context."""
+
+    backend: Label
+    teacher_fingerprint_sha256: Sha256
+    dtype: Label
+    quantization: Label
+    sequence_length_min: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_TOKENS)]
+    sequence_length_max: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_TOKENS)]
+    hardware_class: Label
+    tokens_per_second_min: Annotated[float, Field(gt=0)]
+    tokens_per_second_max: Annotated[float, Field(gt=0)]
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "ThroughputProfile":
+        if self.sequence_length_min > self.sequence_length_max:
+            raise ValueError("sequence_length_min exceeds sequence_length_max")
+        if self.tokens_per_second_min > self.tokens_per_second_max:
+            raise ValueError("tokens_per_second_min exceeds tokens_per_second_max")
+        return self
+
+
+class Estimate(_Model):
+    dense_bytes: Count
+    sparse_ids_max: Count
+    sparse_upper_bytes: Count
+    seconds_min: Optional[Annotated[float, Field(ge=0)]]
+    seconds_max: Optional[Annotated[float, Field(ge=0)]]
+    excludes_metadata: Literal[True]
+
+
+# ------------------------------------------------------------------------- plan
+
+
+class Plan(_Model):
+    SCHEMA: ClassVar[str] = PLAN_SCHEMA
+
+    schema_id: Literal["soup.autodistill.plan.v1"] = Field(alias="schema")
+    run_id: PortableId
+    teacher: ModelFingerprint
+    student: ModelFingerprint
+    tokenizer: TokenizerFingerprint
+    dataset: DatasetFingerprint
+    capture: CaptureSettings
+    probability: ProbabilityPolicy
+    consumption: ConsumptionPolicy
+    throughput_profile: Optional[ThroughputProfile]
+    throughput_profile_sha256: Optional[Sha256]
+    estimate: Estimate
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        if self.probability.top_k > self.tokenizer.vocab_size:
+            raise ValueError(f"top_k {self.probability.top_k} exceeds vocab_size {self.tokenizer.vocab_size}")
+        prof = self.throughput_profile
+        if (prof is None) != (self.throughput_profile_sha256 is None):
+            raise ValueError("throughput_profile and throughput_profile_sha256 come together or not at all")
+        if prof is not None:
+            if prof.sha256() != self.throughput_profile_sha256:
+                raise ValueError("throughput_profile_sha256 does not match the profile's canonical hash")
+            _check_profile_compatible(self, prof)
+        if self.estimate.to_obj() != expected_estimate(self):
+            raise ValueError("estimate does not equal the estimate recomputed from the plan (tampered?)")
+        return self
+
+
+def _check_profile_compatible(plan: Plan, prof: ThroughputProfile) -> None:
+    cap = plan.capture
+    mismatches = [
+        name
+        for name, ok in (
+            ("backend", prof.backend == cap.backend),
+            ("dtype", prof.dtype == cap.dtype),
+            ("quantization", prof.quantization == cap.quantization),
+            ("teacher_fingerprint_sha256", prof.teacher_fingerprint_sha256 == plan.teacher.sha256()),
+            (
+                "sequence length band",
+                prof.sequence_length_min <= cap.max_sequence_length <= prof.sequence_length_max,
+            ),
+        )
+        if not ok
+    ]
+    if mismatches:
+        raise ValueError(f"throughput profile is not compatible with this capture: {', '.join(mismatches)}")
+
+
+def expected_estimate(plan: Plan) -> dict[str, Any]:
+    """The estimate a plan must carry, recomputed from its own fields."""
+    prof = plan.throughput_profile
+    return _estimate.estimate_numbers(
+        tokens=plan.capture.planned_tokens,
+        vocab_size=plan.tokenizer.vocab_size,
+        top_k=plan.probability.top_k,
+        max_forced=plan.capture.max_forced_ids,
+        id_bytes=plan.probability.id_bytes,
+        logprob_bytes=plan.probability.logprob_bytes,
+        tail_bytes=plan.probability.tail_bytes,
+        entropy_bytes=plan.probability.entropy_bytes,
+        throughput_min=prof.tokens_per_second_min if prof else None,
+        throughput_max=prof.tokens_per_second_max if prof else None,
+    )
+
+
+def plan_sha256(plan: Plan) -> str:
+    """SHA-256 of the plan's canonical JSON: the run identity embedded in every shard."""
+    return plan.sha256()
+
+
+# ------------------------------------------------------------------------- rows
+
+TokenIds = Annotated[tuple[TokenId, ...], Field(max_length=MAX_SEQUENCE_TOKENS)]
+
+
+class TokenizedTeacherExample(_Model):
+    """One dataset row: already tokenized prompt and teacher target IDs."""
+
+    SCHEMA: ClassVar[str] = TOKENIZED_TEACHER_EXAMPLE_SCHEMA
+
+    schema_id: Literal["soup.autodistill.tokenized-teacher-example.v1"] = Field(alias="schema")
+    example_id: PortableId
+    prompt_token_ids: Annotated[TokenIds, Field(min_length=1)]
+    target_token_ids: Annotated[TokenIds, Field(min_length=1)]
+
+
+class CaptureTokenRow(_Model):
+    """Teacher probabilities at one position of one trajectory.
+
+    ``target_token_id`` is set on teacher-expert rows, ``sampled_token_id`` on
+    student-rollout rows (the other is ``null``); that ID must be forced into S.
+    """
+
+    SCHEMA: ClassVar[str] = CAPTURE_TOKEN_SCHEMA
+
+    schema_id: Literal["soup.autodistill.capture-token.v1"] = Field(alias="schema")
+    example_id: PortableId
+    trajectory: Trajectory
+    position: Annotated[int, Field(ge=0, lt=MAX_SEQUENCE_TOKENS)]
+    vocab_size: Annotated[int, Field(ge=1, le=_estimate.MAX_VOCAB_SIZE)]
+    context_token_ids: Annotated[TokenIds, Field(min_length=1)]
+    target_token_id: Optional[TokenId]
+    sampled_token_id: Optional[TokenId]
+    top_k_ids: Annotated[TokenIds, Field(min_length=1)]
+    forced_ids: Annotated[TokenIds, Field(min_length=1, max_length=_estimate.MAX_FORCED_IDS)]
+    selected_ids: Annotated[TokenIds, Field(min_length=1)]
+    selected_logprobs: Annotated[tuple[float, ...], Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+    tail_mass: float
+    entropy: float
+    temperature: float
+
+    @model_validator(mode="after")
+    def _semantics(self) -> "CaptureTokenRow":
+        if self.trajectory == "teacher-expert":
+            forced, other = self.target_token_id, self.sampled_token_id
+            want, stray = "target_token_id", "sampled_token_id"
+        else:
+            forced, other = self.sampled_token_id, self.target_token_id
+            want, stray = "sampled_token_id", "target_token_id"
+        if forced is None or other is not None:
+            raise ValueError(f"{self.trajectory} rows set {want} and leave {stray} null")
+        if forced not in self.forced_ids:
+            raise ValueError(f"{want} {forced} must be one of forced_ids")
+        if any(t >= self.vocab_size for t in self.context_token_ids):
+            raise ValueError("context_token_ids hold an ID outside the vocabulary")
+        check_row_probabilities(
+            vocab_size=self.vocab_size,
+            top_k_ids=self.top_k_ids,
+            forced_ids=self.forced_ids,
+            selected_ids=self.selected_ids,
+            selected_logprobs=self.selected_logprobs,
+            tail_mass=self.tail_mass,
+            entropy=self.entropy,
+            temperature=self.temperature,
+        )
+        return self
+
+    @property
+    def forced_token_id(self) -> int:
+        """The trajectory's own next token: the teacher target or the student sample."""
+        return self.target_token_id if self.trajectory == "teacher-expert" else self.sampled_token_id  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------- shards
+
+
+class PayloadCommitment(_Model):
+    path: str
+    bytes: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
+    rows: Count
+    tokens: Count
+    sha256: Sha256
+
+    @field_validator("path")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        try:
+            return check_relative_path(v)
+        except DistillError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+class ShardManifest(_Model):
+    """One state of one shard transaction; states chain by predecessor hash."""
+
+    SCHEMA: ClassVar[str] = SHARD_MANIFEST_SCHEMA
+
+    schema_id: Literal["soup.autodistill.shard-manifest.v1"] = Field(alias="schema")
+    shard_id: PortableId
+    transaction_id: PortableId
+    state: ShardState
+    plan_sha256: Sha256
+    tokenizer_sha256: Sha256
+    dataset_sha256: Sha256
+    previous_manifest_sha256: Optional[Sha256]
+    rows: Count
+    tokens: Count
+    payloads: Annotated[tuple[PayloadCommitment, ...], Field(max_length=MAX_PAYLOADS)]
+    quarantine_reason: Optional[Annotated[str, Field(min_length=1, max_length=1024)]]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ShardManifest":
+        if self.state == "staging":
+            if self.previous_manifest_sha256 is not None:
+                raise ValueError("a staging manifest has no predecessor")
+            if self.payloads:
+                raise ValueError("a staging manifest commits no payloads yet")
+        elif self.previous_manifest_sha256 is None:
+            raise ValueError(f"a {self.state} manifest must name its predecessor's hash")
+        if self.state in ("complete", "verified", "available") and not self.payloads:
+            raise ValueError(f"a {self.state} manifest needs at least one payload")
+        if (self.state == "quarantined") != (self.quarantine_reason is not None):
+            raise ValueError("quarantine_reason is required for, and only for, the quarantined state")
+        _sorted_unique("payloads", [p.path for p in self.payloads])
+        if self.rows != sum(p.rows for p in self.payloads) or self.tokens != sum(p.tokens for p in self.payloads):
+            raise ValueError("rows/tokens must equal the sums over payloads")
+        return self
+
+
+# --------------------------------------------------------------- consumption
+
+
+class ConsumptionEvent(_Model):
+    """One append-only ledger entry moving an artifact view between states.
+
+    available->reserved (reserve), reserved->available (release),
+    reserved->committed (commit, with the durable checkpoint SHA-256), and
+    committed->reserved (explicit teacher-expert replay, ``replay_of`` = the
+    prior commit event's hash).
+    """
+
+    SCHEMA: ClassVar[str] = CONSUMPTION_EVENT_SCHEMA
+
+    schema_id: Literal["soup.autodistill.consumption-event.v1"] = Field(alias="schema")
+    artifact_sha256: Sha256
+    view: Trajectory
+    sequence: Count
+    prior_state: ConsumptionState
+    next_state: ConsumptionState
+    run_id: PortableId
+    reservation_id: PortableId
+    checkpoint_sha256: Optional[Sha256]
+    replay_of: Optional[Sha256]
+
+    @model_validator(mode="after")
+    def _local_rules(self) -> "ConsumptionEvent":
+        committing = self.next_state == "committed"
+        if committing and self.checkpoint_sha256 is None:
+            raise ValueError("a commit requires the durable student checkpoint_sha256")
+        if not committing and self.checkpoint_sha256 is not None:
+            raise ValueError("only a commit carries checkpoint_sha256")
+        replaying = self.prior_state == "committed" and self.next_state == "reserved"
+        if replaying != (self.replay_of is not None):
+            raise ValueError("replay_of is required for, and only for, a committed->reserved replay")
+        return self
+
+    @property
+    def action(self) -> str:
+        return {
+            ("available", "reserved"): "reserve",
+            ("reserved", "available"): "release",
+            ("reserved", "committed"): "commit",
+            ("committed", "reserved"): "replay",
+        }.get((self.prior_state, self.next_state), "invalid")
+
+
+_BY_SCHEMA: dict[str, type[_Model]] = {
+    m.SCHEMA: m  # type: ignore[attr-defined]
+    for m in (Plan, CaptureTokenRow, ShardManifest, ConsumptionEvent, TokenizedTeacherExample)
+}
+
+
+def parse_artifact(data: bytes | str | dict[str, Any]) -> _Model:
+    """Dispatch on the ``schema`` discriminator; unknown kinds/major versions refuse."""
+    obj = data
+    if isinstance(data, (bytes, str)):
+        if len(data) > MAX_ARTIFACT_JSON_BYTES:
+            raise ContractError(f"document exceeds {MAX_ARTIFACT_JSON_BYTES} bytes")
+        try:
+            obj = strict_json_loads(data)
+        except CanonicalJSONError as exc:
+            raise ContractError(str(exc)) from exc
+    if not isinstance(obj, dict):
+        raise ContractError("artifact must be a JSON object")
+    found = obj.get("schema")
+    if found in _BY_SCHEMA:
+        return _BY_SCHEMA[found].parse(obj)
+    m = _SCHEMA_RE.match(found) if isinstance(found, str) else None
+    for known in _BY_SCHEMA:
+        if m and _SCHEMA_RE.match(known).group(1) == m.group(1):  # type: ignore[union-attr]
+            _check_schema(found, known)
+    raise UnknownSchemaError(f"unknown artifact schema {str(found)[:100]!r}")

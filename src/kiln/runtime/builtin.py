@@ -1,0 +1,196 @@
+"""Kiln's built-in model: a tiny Qwen3 built offline and deterministically.
+
+``build_builtin_model(out_dir)`` trains a byte-level BPE tokenizer on text that
+ships inside the package, gives it a ChatML chat template (with ``{% generation %}``
+markers so assistant-token masks work), creates a small Qwen3 model with fixed
+seeds, trains it briefly on the same text rendered as chats, and saves everything
+as safetensors. The result is bit-for-bit reproducible on one machine and loads in
+transformers, PEFT and vLLM (head size 32).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from kiln.canonical import atomic_publish_dir
+
+BUILTIN_NAME = "kiln-builtin-v1"
+VOCAB_SIZE = 2048
+SEED = 20261130
+PRETRAIN_STEPS = 240
+PRETRAIN_SEQ = 64
+PRETRAIN_BATCH = 8
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def corpus_text() -> str:
+    return resources.files("kiln.runtime").joinpath("corpus/builtin.txt").read_text("utf-8")
+
+
+def _qa_pairs(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for line in text.splitlines():
+        if line.startswith("Question:") and " Answer: " in line:
+            q, a = line[len("Question:"):].split(" Answer: ", 1)
+            pairs.append((q.strip(), a.strip()))
+    for line in text.splitlines():
+        if line.startswith("The capital of "):
+            for sent in line.split(". "):
+                sent = sent.strip().rstrip(".")
+                if sent.startswith("The capital of ") and " is " in sent:
+                    country = sent[len("The capital of "):].split(" is ")[0]
+                    pairs.append((f"What is the capital of {country}?", sent + "."))
+    return pairs
+
+
+def _arithmetic_lines() -> list[str]:
+    return [f"{a} + {b} = {a + b}" for a in range(0, 10) for b in range(0, 10, 3)]
+
+
+def _train_tokenizer(text: str, out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    fast.save_pretrained(out_dir)
+
+
+def _pretrain(model, tokenizer, text: str) -> None:
+    import torch
+
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+        )
+        for q, a in _qa_pairs(text)
+    ]
+    stream: list[int] = []
+    for piece in [text] + chats * 4 + _arithmetic_lines():
+        stream.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.pad_token_id)
+    data = torch.tensor(stream, dtype=torch.long)
+    gen = torch.Generator().manual_seed(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(PRETRAIN_STEPS):
+        starts = torch.randint(0, len(data) - PRETRAIN_SEQ - 1, (PRETRAIN_BATCH,), generator=gen)
+        batch = torch.stack([data[s : s + PRETRAIN_SEQ] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def build_builtin_model(out_dir: Path, *, progress: bool = False) -> Path:
+    """Build the built-in model into ``out_dir`` (which must not exist) and return it.
+
+    The build happens in a sibling temporary directory that is renamed into place
+    only when complete, so an interrupted build never leaves a half-written model.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    threads = torch.get_num_threads()
+    try:
+        text = corpus_text()
+        _train_tokenizer(text + "\n" + "\n".join(_arithmetic_lines()), staging)
+        tokenizer = AutoTokenizer.from_pretrained(staging)
+        # One thread and deterministic kernels: the same bytes on every run.
+        torch.set_num_threads(1)
+        torch.manual_seed(SEED)
+        config = Qwen3Config(
+            vocab_size=len(tokenizer),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            torch_dtype="float32",
+            **MODEL_SHAPE,
+        )
+        model = Qwen3ForCausalLM(config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            _pretrain(model, tokenizer, text)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+        )
+        model.save_pretrained(staging, safe_serialization=True)
+        for leftover in staging.glob("*.bin"):
+            leftover.unlink()
+        for f in staging.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(staging, 0o755)
+        atomic_publish_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def builtin_model_dir(home: Path) -> Path:
+    return Path(home) / "models" / BUILTIN_NAME
+
+
+def ensure_builtin_model(home: Path) -> Path:
+    """Return the built-in model under ``home``, building it first if missing."""
+    path = builtin_model_dir(home)
+    if not (path / "config.json").is_file():
+        build_builtin_model(path)
+    return path
