@@ -1,7 +1,194 @@
-"""`kiln distill` commands."""
+"""`kiln distill` commands.
+
+Every command prints one JSON object on stdout. Exit 0 means success; exit 2
+means a refusal, printed as ``{"error": {"code": ..., "message": ...}}``. No
+traceback is ever shown: expected failures are typed ``DistillError``s, and
+numeric options are parsed here so a bad number is a refusal too.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import typer
 
 app = typer.Typer(help="Offline distillation artifacts (autodistill v1).", no_args_is_help=True)
+
+MAX_C14N_INPUT_BYTES = 1 << 30
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _Refusal(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    typer.echo(json.dumps(obj, sort_keys=True, ensure_ascii=False, allow_nan=False))
+
+
+def _run(body: Callable[[], dict[str, Any]]) -> None:
+    from kiln.distill.errors import DistillError
+
+    try:
+        result = body()
+    except _Refusal as exc:
+        code, message = exc.code, str(exc)
+    except DistillError as exc:
+        code, message = exc.code, str(exc)
+    except OSError as exc:
+        code, message = "io_error", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
+    except ValueError as exc:
+        code, message = "invalid_input", str(exc)
+    else:
+        _emit(result)
+        return
+    _emit({"error": {"code": code, "message": message}})
+    raise typer.Exit(2)
+
+
+def _int(name: str, raw: Optional[str]) -> int:
+    if raw is None:
+        raise _Refusal("missing_option", f"--{name} is required")
+    try:
+        return int(raw, 10)
+    except ValueError:
+        raise _Refusal("invalid_option", f"--{name} must be an integer, got {raw!r}") from None
+
+
+def _float(name: str, raw: Optional[str]) -> Optional[float]:
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _Refusal("invalid_option", f"--{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise _Refusal("invalid_option", f"--{name} must be finite")
+    return value
+
+
+def _read_bounded(path: Path, limit: int) -> bytes:
+    from kiln.distill.paths import read_bytes_nofollow
+
+    path = Path(os.path.abspath(path))
+    try:
+        return read_bytes_nofollow(path.parent, path.name, max_bytes=limit)
+    except FileNotFoundError:
+        raise _Refusal("not_found", f"{path} does not exist") from None
+
+
+@app.command()
+def estimate(
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="N: planned captured token count"),
+    vocab_size: Optional[str] = typer.Option(None, "--vocab-size", help="V: vocabulary size"),
+    top_k: Optional[str] = typer.Option(None, "--top-k", help="K: explicit top-k"),
+    max_forced: Optional[str] = typer.Option(None, "--max-forced", help="F: max extra forced IDs per position"),
+    id_bytes: Optional[str] = typer.Option(None, "--id-bytes", help="bytes per stored token ID"),
+    logprob_bytes: Optional[str] = typer.Option(None, "--logprob-bytes", help="bytes per stored log p"),
+    tail_bytes: Optional[str] = typer.Option(None, "--tail-bytes", help="bytes per stored tail mass"),
+    entropy_bytes: Optional[str] = typer.Option(None, "--entropy-bytes", help="bytes per stored entropy"),
+    throughput_min: Optional[str] = typer.Option(None, "--throughput-min", help="measured tokens/s, low end"),
+    throughput_max: Optional[str] = typer.Option(None, "--throughput-max", help="measured tokens/s, high end"),
+) -> None:
+    """Exact dense/sparse byte counts; seconds only from a measured throughput range."""
+
+    def body() -> dict[str, Any]:
+        from kiln.distill.estimate import estimate_numbers
+
+        return estimate_numbers(
+            tokens=_int("tokens", tokens),
+            vocab_size=_int("vocab-size", vocab_size),
+            top_k=_int("top-k", top_k),
+            max_forced=_int("max-forced", max_forced),
+            id_bytes=_int("id-bytes", id_bytes),
+            logprob_bytes=_int("logprob-bytes", logprob_bytes),
+            tail_bytes=_int("tail-bytes", tail_bytes),
+            entropy_bytes=_int("entropy-bytes", entropy_bytes),
+            throughput_min=_float("throughput-min", throughput_min),
+            throughput_max=_float("throughput-max", throughput_max),
+        )
+
+    _run(body)
+
+
+@app.command()
+def c14n(file: Path = typer.Argument(..., help="JSONL file to normalize (soup-jsonl-c14n-v1)")) -> None:
+    """Row count, source-byte SHA-256 and normalized SHA-256 of a JSONL file."""
+
+    def body() -> dict[str, Any]:
+        from kiln.canonical import JSONLNormalizationError, jsonl_c14n
+
+        raw = _read_bounded(file, MAX_C14N_INPUT_BYTES)
+        try:
+            d = jsonl_c14n(raw)
+        except JSONLNormalizationError as exc:
+            raise _Refusal("invalid_jsonl", str(exc)) from None
+        return {
+            "algorithm": d.algorithm,
+            "rows": d.rows,
+            "source_bytes": d.source_bytes,
+            "source_sha256": d.source_sha256,
+            "normalized_bytes": d.normalized_bytes,
+            "normalized_sha256": d.normalized_sha256,
+        }
+
+    _run(body)
+
+
+@app.command()
+def plan(
+    config: Optional[Path] = typer.Option(None, "--config", help="JSON: every plan field except the estimate"),
+    out: Optional[Path] = typer.Option(None, "--out", help="directory that receives plan.json"),
+) -> None:
+    """Validate a plan config, derive its estimate, write DIR/plan.json, print plan_sha256."""
+
+    def body() -> dict[str, Any]:
+        from kiln.canonical import atomic_write_bytes
+        from kiln.distill.contract import complete_plan
+        from kiln.distill.errors import ContractError
+
+        if config is None or out is None:
+            raise _Refusal("missing_option", "both --config FILE and --out DIR are required")
+        from kiln.canonical import CanonicalJSONError, strict_json_loads
+
+        try:
+            obj = strict_json_loads(_read_bounded(config, MAX_CONFIG_BYTES))
+        except CanonicalJSONError as exc:
+            raise ContractError(f"{config}: {exc}") from None
+        result = complete_plan(obj)
+        data = result.canonical_bytes()
+        target = out / "plan.json"
+        if target.is_symlink():
+            raise _Refusal("unsafe_path", f"{target} is a symlink")
+        if target.exists():
+            if target.read_bytes() != data:
+                raise _Refusal(
+                    "plan_exists", f"{target} holds a different plan; a changed plan is a new run, use a new --out"
+                )
+        else:
+            atomic_write_bytes(target, data)
+        return {"path": str(target), "plan_sha256": result.digest(), "estimate": result.estimate.to_obj()}
+
+    _run(body)
+
+
+@app.command()
+def verify(
+    shard_dir: Path = typer.Argument(..., help="a shard transaction directory"),
+    plan_sha256: Optional[str] = typer.Option(None, "--plan-sha256", help="refuse a shard of any other plan"),
+) -> None:
+    """Verify a shard's chain and payload commitments; print the verdict and resume decision."""
+
+    def body() -> dict[str, Any]:
+        from kiln.distill.shards import verify_shard
+
+        verdict = verify_shard(shard_dir, expected_plan_sha256=plan_sha256)
+        return {"verdict": verdict.to_obj(), "decision": verdict.decision}
+
+    _run(body)

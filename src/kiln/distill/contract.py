@@ -26,7 +26,7 @@ from kiln.canonical import (
     strict_json_loads,
 )
 from kiln.distill import estimate as _estimate
-from kiln.distill.errors import ContractError, DistillError, UnknownSchemaError
+from kiln.distill.errors import ContractError, DistillError, EstimateError, UnknownSchemaError
 from kiln.distill.paths import check_relative_path
 from kiln.distill.probability import check_row_probabilities
 
@@ -56,6 +56,8 @@ __all__ = [
     "ShardManifest",
     "ConsumptionEvent",
     "plan_sha256",
+    "complete_plan",
+    "expected_estimate",
     "parse_artifact",
     "Trajectory",
     "ShardState",
@@ -110,7 +112,7 @@ class _Model(BaseModel):
     def canonical_bytes(self) -> bytes:
         return canonical_json_bytes(self.to_obj())
 
-    def sha256(self) -> str:
+    def digest(self) -> str:
         """SHA-256 of this document's canonical JSON bytes."""
         return sha256_hex(self.canonical_bytes())
 
@@ -340,7 +342,7 @@ class Plan(_Model):
         if (prof is None) != (self.throughput_profile_sha256 is None):
             raise ValueError("throughput_profile and throughput_profile_sha256 come together or not at all")
         if prof is not None:
-            if prof.sha256() != self.throughput_profile_sha256:
+            if prof.digest() != self.throughput_profile_sha256:
                 raise ValueError("throughput_profile_sha256 does not match the profile's canonical hash")
             _check_profile_compatible(self, prof)
         if self.estimate.to_obj() != expected_estimate(self):
@@ -356,7 +358,7 @@ def _check_profile_compatible(plan: Plan, prof: ThroughputProfile) -> None:
             ("backend", prof.backend == cap.backend),
             ("dtype", prof.dtype == cap.dtype),
             ("quantization", prof.quantization == cap.quantization),
-            ("teacher_fingerprint_sha256", prof.teacher_fingerprint_sha256 == plan.teacher.sha256()),
+            ("teacher_fingerprint_sha256", prof.teacher_fingerprint_sha256 == plan.teacher.digest()),
             (
                 "sequence length band",
                 prof.sequence_length_min <= cap.max_sequence_length <= prof.sequence_length_max,
@@ -368,26 +370,52 @@ def _check_profile_compatible(plan: Plan, prof: ThroughputProfile) -> None:
         raise ValueError(f"throughput profile is not compatible with this capture: {', '.join(mismatches)}")
 
 
+def _estimate_inputs(plan_obj: dict[str, Any]) -> dict[str, Any]:
+    cap, prob, prof = plan_obj["capture"], plan_obj["probability"], plan_obj["throughput_profile"]
+    return {
+        "tokens": cap["planned_tokens"],
+        "vocab_size": plan_obj["tokenizer"]["vocab_size"],
+        "top_k": prob["top_k"],
+        "max_forced": cap["max_forced_ids"],
+        "id_bytes": prob["id_bytes"],
+        "logprob_bytes": prob["logprob_bytes"],
+        "tail_bytes": prob["tail_bytes"],
+        "entropy_bytes": prob["entropy_bytes"],
+        "throughput_min": prof["tokens_per_second_min"] if prof else None,
+        "throughput_max": prof["tokens_per_second_max"] if prof else None,
+    }
+
+
 def expected_estimate(plan: Plan) -> dict[str, Any]:
     """The estimate a plan must carry, recomputed from its own fields."""
-    prof = plan.throughput_profile
-    return _estimate.estimate_numbers(
-        tokens=plan.capture.planned_tokens,
-        vocab_size=plan.tokenizer.vocab_size,
-        top_k=plan.probability.top_k,
-        max_forced=plan.capture.max_forced_ids,
-        id_bytes=plan.probability.id_bytes,
-        logprob_bytes=plan.probability.logprob_bytes,
-        tail_bytes=plan.probability.tail_bytes,
-        entropy_bytes=plan.probability.entropy_bytes,
-        throughput_min=prof.tokens_per_second_min if prof else None,
-        throughput_max=prof.tokens_per_second_max if prof else None,
-    )
+    return _estimate.estimate_numbers(**_estimate_inputs(plan.model_dump(mode="json", by_alias=True)))
+
+
+def complete_plan(config: dict[str, Any]) -> Plan:
+    """Build a plan from every field except the derived ``estimate`` (and ``schema``).
+
+    A config that already carries an estimate must carry exactly the computed one.
+    Malformed inputs fall through to ``Plan.parse`` so its error names the field.
+    """
+    if not isinstance(config, dict):
+        raise ContractError("plan config must be a JSON object")
+    obj = dict(config)
+    obj.setdefault("schema", PLAN_SCHEMA)
+    given = obj.get("estimate")
+    try:
+        computed = _estimate.estimate_numbers(**_estimate_inputs(obj))
+    except (KeyError, TypeError, AttributeError, DistillError):
+        computed = None
+    if computed is not None:
+        if given is not None and given != computed:
+            raise EstimateError("the config's estimate differs from the one computed from its fields")
+        obj["estimate"] = computed
+    return Plan.parse(obj)
 
 
 def plan_sha256(plan: Plan) -> str:
     """SHA-256 of the plan's canonical JSON: the run identity embedded in every shard."""
-    return plan.sha256()
+    return plan.digest()
 
 
 # ------------------------------------------------------------------------- rows

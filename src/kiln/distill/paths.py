@@ -8,6 +8,7 @@ a shard (or above a payload) is refused instead of followed.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
@@ -87,8 +88,15 @@ def _open_dir_chain(root: str | os.PathLike[str], parts: list[str]) -> int:
             fd = nxt
     except OSError as exc:
         os.close(fd)
-        raise PathSafetyError(f"cannot open directory {part!r} under {root} without following links: {exc}") from exc
+        _raise_unsafe(exc, f"directory {part!r} under {root}")
+        raise
     return fd
+
+
+def _raise_unsafe(exc: OSError, what: str) -> None:
+    """Turn a refused symlink (ELOOP) or a file where a directory belongs into PathSafetyError."""
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+        raise PathSafetyError(f"{what} is a symlink or not a directory; refusing to follow it") from exc
 
 
 def read_bytes_nofollow(root: str | os.PathLike[str], rel: str, *, max_bytes: int) -> bytes:
@@ -104,7 +112,8 @@ def read_bytes_nofollow(root: str | os.PathLike[str], rel: str, *, max_bytes: in
         try:
             fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
         except OSError as exc:
-            raise PathSafetyError(f"cannot open {rel!r} without following links: {exc}") from exc
+            _raise_unsafe(exc, repr(rel))
+            raise
     finally:
         os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:

@@ -1,0 +1,465 @@
+"""Shard publication (write-last manifests), verification and resume decisions.
+
+Layout under a publication root (one filesystem)::
+
+    <root>/.staging/<transaction_id>/   work area; consumers never scan dot-dirs
+    <root>/<transaction_id>/            the published group (one directory rename)
+        plan.json                       canonical plan bytes; sha256 == plan_sha256
+        manifests/<n>-<state>.json      the manifest chain, n = 0, 1, 2, ...
+        payload/<name>.jsonl            canonical JSONL of capture-token rows
+
+Protocol: ``begin`` writes plan + staging manifest; ``write_payload`` writes each
+payload through a synced temp sibling and rename; ``mark_complete`` hashes and
+counts the bytes on disk and chains the complete manifest; ``mark_verified``
+reopens and verifies everything, then chains the verified manifest; ``publish``
+renames the directory as one group and writes the available manifest last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from kiln.canonical import atomic_publish_dir, atomic_write_bytes, sha256_hex
+from kiln.distill.contract import (
+    MAX_ARTIFACT_JSON_BYTES,
+    MAX_PAYLOADS,
+    SHARD_MANIFEST_SCHEMA,
+    CaptureTokenRow,
+    PayloadCommitment,
+    Plan,
+    ShardManifest,
+)
+from kiln.distill.errors import ContractError, DistillError, ShardError
+from kiln.distill.paths import check_relative_path, list_regular_files, read_bytes_nofollow
+from kiln.distill.states import check_manifest_chain, check_manifest_step
+
+__all__ = [
+    "MAX_PAYLOAD_BYTES",
+    "MAX_ROWS_PER_PAYLOAD",
+    "MAX_CHAIN_LENGTH",
+    "STAGING_DIRNAME",
+    "RESUME_ACTIONS",
+    "Verdict",
+    "resume_decision",
+    "begin",
+    "write_payload",
+    "mark_complete",
+    "mark_verified",
+    "publish",
+    "quarantine",
+    "capture_shard",
+    "verify_shard",
+    "parse_payload",
+    "check_rows_against_plan",
+    "resume",
+]
+
+MAX_PAYLOAD_BYTES = 1 << 30
+MAX_ROWS_PER_PAYLOAD = 10_000_000
+MAX_CHAIN_LENGTH = 5  # staging, complete, verified, available, quarantined
+STAGING_DIRNAME = ".staging"
+PLAN_FILE = "plan.json"
+MANIFEST_DIR = "manifests"
+PAYLOAD_DIR = "payload"
+
+_MANIFEST_NAME = re.compile(r"^([0-9])-([a-z]+)\.json$")
+_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.jsonl$")
+_TEMP_NAME = re.compile(r"^\..+\.tmp$")
+
+# The closed resume table: (observed state, integrity ok) -> action.
+RESUME_ACTIONS: dict[tuple[str, bool], str] = {
+    ("staging", True): "resume-staging",
+    ("complete", True): "verify-then-publish",
+    ("verified", True): "publish",
+    ("available", True): "reuse",
+}
+
+
+def resume_decision(state: str | None, intact: bool) -> str:
+    """Map an observed shard state and its integrity to the one allowed action.
+
+    ``quarantined`` always refuses; valid staging/complete/verified/available
+    resume, verify+publish, publish or reuse; anything else (corruption, a
+    mismatched plan or fingerprint, or no readable state) is quarantined and a
+    new transaction is started.
+    """
+    if state == "quarantined":
+        return "refuse"
+    return RESUME_ACTIONS.get((state, intact), "quarantine-and-restart") if state else "quarantine-and-restart"
+
+
+@dataclass
+class Verdict:
+    """Outcome of verifying one transaction directory."""
+
+    path: str
+    state: str | None = None
+    ok: bool = False
+    problems: list[str] = field(default_factory=list)
+    shard_id: str | None = None
+    transaction_id: str | None = None
+    plan_sha256: str | None = None
+    manifest_sha256: str | None = None
+    rows: int | None = None
+    tokens: int | None = None
+
+    @property
+    def decision(self) -> str:
+        return resume_decision(self.state, self.ok)
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "state": self.state,
+            "ok": self.ok,
+            "problems": list(self.problems),
+            "shard_id": self.shard_id,
+            "transaction_id": self.transaction_id,
+            "plan_sha256": self.plan_sha256,
+            "manifest_sha256": self.manifest_sha256,
+            "rows": self.rows,
+            "tokens": self.tokens,
+        }
+
+
+# -------------------------------------------------------------------- reading
+
+
+def _read_json_artifact(root: Path, rel: str, model: type) -> Any:
+    raw = read_bytes_nofollow(root, rel, max_bytes=MAX_ARTIFACT_JSON_BYTES)
+    doc = model.parse(raw)
+    if doc.canonical_bytes() != raw:
+        raise ContractError(f"{rel} is not stored as canonical JSON bytes")
+    return doc
+
+
+def _read_chain(shard_dir: Path) -> list[ShardManifest]:
+    names = list_regular_files(shard_dir, MANIFEST_DIR, max_entries=MAX_CHAIN_LENGTH + 8)
+    names = [n for n in names if not _TEMP_NAME.match(n)]
+    if not names:
+        raise ShardError("no manifest: an interrupted transaction before its staging manifest")
+    if len(names) > MAX_CHAIN_LENGTH:
+        raise ShardError(f"more than {MAX_CHAIN_LENGTH} manifests")
+    chain = []
+    for i, name in enumerate(sorted(names)):
+        m = _MANIFEST_NAME.match(name)
+        if not m or int(m.group(1)) != i:
+            raise ShardError(f"unexpected manifest file {name!r}; expected {i}-<state>.json")
+        manifest = _read_json_artifact(shard_dir, f"{MANIFEST_DIR}/{name}", ShardManifest)
+        if manifest.state != m.group(2):
+            raise ShardError(f"{name} holds a {manifest.state!r} manifest")
+        chain.append(manifest)
+    check_manifest_chain(chain)
+    return chain
+
+
+def parse_payload(raw: bytes, name: str) -> list[CaptureTokenRow]:
+    """Parse a payload that must be canonical JSONL (every row canonical, LF-ended)."""
+    if raw and not raw.endswith(b"\n"):
+        raise ShardError(f"{name}: final row is not LF-terminated (truncated write?)")
+    rows = []
+    for i, line in enumerate(raw.split(b"\n")[:-1], start=1):
+        if i > MAX_ROWS_PER_PAYLOAD:
+            raise ShardError(f"{name}: more than {MAX_ROWS_PER_PAYLOAD} rows")
+        try:
+            row = CaptureTokenRow.parse(line)
+        except DistillError as exc:
+            raise ShardError(f"{name} row {i}: {exc}") from exc
+        if row.canonical_bytes() != line:
+            raise ShardError(f"{name} row {i} is not canonical JSON")
+        rows.append(row)
+    return rows
+
+
+def check_rows_against_plan(rows: Sequence[CaptureTokenRow], plan: Plan) -> None:
+    """Rows must follow the plan and form whole, ordered example trajectories.
+
+    Per example: positions 0, 1, 2, ... in order with no gap or duplicate, each
+    context extending the previous one by its forced token (cut to
+    ``max_sequence_length`` from the left under left truncation), and no example
+    reappearing after another one started.
+    """
+    cap, prob, traj = plan.capture, plan.probability, plan.consumption.trajectory
+    seen: set[str] = set()
+    prev: CaptureTokenRow | None = None
+    for n, row in enumerate(rows, start=1):
+        where = f"row {n} ({row.example_id}@{row.position})"
+        if row.trajectory != traj:
+            raise ShardError(f"{where}: trajectory {row.trajectory!r}, plan says {traj!r}")
+        if row.vocab_size != plan.tokenizer.vocab_size:
+            raise ShardError(f"{where}: vocab_size {row.vocab_size} differs from the plan's tokenizer")
+        if len(row.top_k_ids) != prob.top_k or len(row.forced_ids) > cap.max_forced_ids:
+            raise ShardError(f"{where}: top-k width or forced-ID count differs from the plan")
+        if row.temperature != prob.temperature:
+            raise ShardError(f"{where}: temperature {row.temperature} differs from the plan")
+        if len(row.context_token_ids) > cap.max_sequence_length:
+            raise ShardError(f"{where}: context longer than max_sequence_length")
+        if prev is not None and prev.example_id == row.example_id:
+            if row.position != prev.position + 1:
+                raise ShardError(f"{where}: position follows {prev.position}; duplicate or reordered record")
+            expected = prev.context_token_ids + (prev.forced_token_id,)
+            if len(expected) > cap.max_sequence_length:
+                if cap.truncation != "left":
+                    raise ShardError(f"{where}: right truncation cannot capture past max_sequence_length")
+                expected = expected[-cap.max_sequence_length :]
+            if row.context_token_ids != expected:
+                raise ShardError(f"{where}: context does not extend the previous position's context")
+        else:
+            if row.example_id in seen:
+                raise ShardError(f"{where}: example reappears; trajectories are never split or repeated")
+            if row.position != 0:
+                raise ShardError(f"{where}: an example's first record must be position 0")
+            seen.add(row.example_id)
+        prev = row
+
+
+def verify_shard(shard_dir: str | os.PathLike[str], *, expected_plan_sha256: str | None = None) -> Verdict:
+    """Reopen a transaction directory and check every commitment.
+
+    Checks the manifest chain, plan hash (and ``expected_plan_sha256`` when
+    given), tokenizer and dataset fingerprints, and, from ``complete`` on,
+    payload membership, byte counts, SHA-256, parseability, row/token counts and
+    row semantics against the plan. Raises ``ShardError`` only when the path is
+    not a real directory; every integrity problem is reported in the verdict.
+    """
+    root = Path(shard_dir)
+    if root.is_symlink() or not root.is_dir():
+        raise ShardError(f"{root} is not a directory (symlinks are refused)")
+    verdict = Verdict(path=str(root))
+    try:
+        chain = _read_chain(root)
+        head = chain[-1]
+        verdict.state, verdict.shard_id, verdict.transaction_id = head.state, head.shard_id, head.transaction_id
+        verdict.manifest_sha256, verdict.plan_sha256 = head.digest(), head.plan_sha256
+        verdict.rows, verdict.tokens = head.rows, head.tokens
+        plan = _read_json_artifact(root, PLAN_FILE, Plan)
+        _check_identity(head, plan, expected_plan_sha256)
+        if head.state == "staging":
+            _check_staged_payloads(root, plan)
+        else:
+            # A quarantined manifest keeps its evidence; its payloads are checked too
+            # but the resume decision refuses regardless.
+            _check_committed_payloads(root, head, plan)
+    except DistillError as exc:
+        verdict.problems.append(str(exc))
+    except OSError as exc:
+        verdict.problems.append(f"cannot read shard: {exc}")
+    verdict.ok = not verdict.problems
+    return verdict
+
+
+def _check_identity(head: ShardManifest, plan: Plan, expected_plan_sha256: str | None) -> None:
+    actual = plan.digest()
+    if head.plan_sha256 != actual:
+        raise ShardError("manifest plan_sha256 does not match plan.json")
+    if expected_plan_sha256 is not None and actual != expected_plan_sha256:
+        raise ShardError(f"shard belongs to plan {actual}, not the expected {expected_plan_sha256}")
+    if head.tokenizer_sha256 != plan.tokenizer.digest():
+        raise ShardError("manifest tokenizer fingerprint differs from the plan's tokenizer")
+    if head.dataset_sha256 != plan.dataset.digest():
+        raise ShardError("manifest dataset fingerprint differs from the plan's dataset")
+
+
+def _payload_names(root: Path) -> list[str]:
+    return list_regular_files(root, PAYLOAD_DIR, max_entries=MAX_PAYLOADS + 64)
+
+
+def _check_staged_payloads(root: Path, plan: Plan) -> None:
+    rows: list[CaptureTokenRow] = []
+    for name in _payload_names(root):
+        if _TEMP_NAME.match(name):
+            continue  # an uncommitted fragment: discarded on resume, never read
+        rel = f"{PAYLOAD_DIR}/{name}"
+        rows += parse_payload(read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES), rel)
+    check_rows_against_plan(rows, plan)
+
+
+def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> None:
+    on_disk = {f"{PAYLOAD_DIR}/{n}" for n in _payload_names(root)}
+    committed = {p.path for p in head.payloads}
+    if on_disk != committed:
+        missing, extra = sorted(committed - on_disk), sorted(on_disk - committed)
+        raise ShardError(f"payload membership differs: missing {missing}, unlisted {extra}")
+    rows: list[CaptureTokenRow] = []
+    for p in head.payloads:
+        raw = read_bytes_nofollow(root, p.path, max_bytes=MAX_PAYLOAD_BYTES)
+        if len(raw) != p.bytes:
+            raise ShardError(f"{p.path}: {len(raw)} bytes on disk, {p.bytes} committed")
+        if sha256_hex(raw) != p.sha256:
+            raise ShardError(f"{p.path}: SHA-256 differs from its commitment (tampering or bit rot)")
+        parsed = parse_payload(raw, p.path)
+        if len(parsed) != p.rows or len(parsed) != p.tokens:
+            raise ShardError(f"{p.path}: {len(parsed)} rows/tokens on disk, {p.rows}/{p.tokens} committed")
+        rows += parsed
+    check_rows_against_plan(rows, plan)
+    if head.tokens > plan.capture.planned_tokens:
+        raise ShardError("shard holds more tokens than the plan's planned_tokens")
+
+
+# -------------------------------------------------------------------- writing
+
+
+def _write_manifest(root: Path, index: int, manifest: ShardManifest) -> ShardManifest:
+    atomic_write_bytes(root / MANIFEST_DIR / f"{index}-{manifest.state}.json", manifest.canonical_bytes())
+    return manifest
+
+
+def _next_manifest(prev: ShardManifest, state: str, **changes: Any) -> ShardManifest:
+    obj = prev.to_obj()
+    obj.update(state=state, previous_manifest_sha256=prev.digest(), quarantine_reason=None)
+    obj.update(changes)
+    nxt = ShardManifest.parse(obj)
+    check_manifest_step(prev, nxt)
+    return nxt
+
+
+def begin(root: str | os.PathLike[str], plan: Plan, shard_id: str, transaction_id: str) -> Path:
+    """Create ``<root>/.staging/<transaction_id>`` with the plan and staging manifest."""
+    txn = Path(root) / STAGING_DIRNAME / check_relative_path(transaction_id)
+    if txn.exists() or (Path(root) / transaction_id).exists():
+        raise ShardError(f"transaction {transaction_id!r} already exists under {root}; use a new ID")
+    (txn / PAYLOAD_DIR).mkdir(parents=True)
+    (txn / MANIFEST_DIR).mkdir()
+    atomic_write_bytes(txn / PLAN_FILE, plan.canonical_bytes())
+    staging = ShardManifest.parse(
+        {
+            "schema": SHARD_MANIFEST_SCHEMA,
+            "shard_id": shard_id,
+            "transaction_id": transaction_id,
+            "state": "staging",
+            "plan_sha256": plan.digest(),
+            "tokenizer_sha256": plan.tokenizer.digest(),
+            "dataset_sha256": plan.dataset.digest(),
+            "previous_manifest_sha256": None,
+            "rows": 0,
+            "tokens": 0,
+            "payloads": [],
+            "quarantine_reason": None,
+        }
+    )
+    _write_manifest(txn, 0, staging)
+    return txn
+
+
+def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[CaptureTokenRow]) -> None:
+    """Write one payload of canonical rows (temp sibling, fsync, rename)."""
+    if not _PAYLOAD_NAME.match(name):
+        raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
+    target = Path(txn) / PAYLOAD_DIR / name
+    if target.exists():
+        raise ShardError(f"payload {name} already written; payloads are immutable")
+    atomic_write_bytes(target, b"".join(r.canonical_bytes() + b"\n" for r in rows))
+
+
+def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
+    """Hash and count the payload bytes on disk and chain the complete manifest."""
+    txn = Path(txn)
+    chain = _read_chain(txn)
+    if chain[-1].state != "staging":
+        raise ShardError(f"cannot complete a {chain[-1].state!r} transaction")
+    commitments = []
+    for name in _payload_names(txn):
+        if _TEMP_NAME.match(name):
+            raise ShardError(f"uncommitted fragment {name} present; resume the staging transaction first")
+        rel = f"{PAYLOAD_DIR}/{name}"
+        raw = read_bytes_nofollow(txn, rel, max_bytes=MAX_PAYLOAD_BYTES)
+        n = len(parse_payload(raw, rel))
+        commitments.append(
+            PayloadCommitment(path=rel, bytes=len(raw), rows=n, tokens=n, sha256=sha256_hex(raw)).to_obj()
+        )
+    complete = _next_manifest(
+        chain[-1],
+        "complete",
+        payloads=commitments,
+        rows=sum(c["rows"] for c in commitments),
+        tokens=sum(c["tokens"] for c in commitments),
+    )
+    return _write_manifest(txn, len(chain), complete)
+
+
+def mark_verified(txn: str | os.PathLike[str]) -> ShardManifest:
+    """Reopen and verify every payload; chain the verified manifest only if all pass."""
+    txn = Path(txn)
+    verdict = verify_shard(txn)
+    if not verdict.ok or verdict.state != "complete":
+        raise ShardError(f"cannot mark verified: state {verdict.state!r}, problems {verdict.problems}")
+    chain = _read_chain(txn)
+    return _write_manifest(txn, len(chain), _next_manifest(chain[-1], "verified"))
+
+
+def publish(txn: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+    """Rename the verified group into ``<root>/<transaction_id>``; write available last.
+
+    The rename is one atomic step: either the whole group is visible or none of
+    it. If the available manifest cannot be written, the group stays ``verified``
+    and ``resume`` publishes it again.
+    """
+    txn = Path(txn)
+    chain = _read_chain(txn)
+    head = chain[-1]
+    if head.state != "verified":
+        raise ShardError(f"only a verified transaction is published, not {head.state!r}")
+    final = Path(root) / head.transaction_id
+    if txn.resolve() != final.resolve():
+        atomic_publish_dir(txn, final)
+    _write_manifest(final, len(chain), _next_manifest(head, "available"))
+    return final
+
+
+def quarantine(shard_dir: str | os.PathLike[str], reason: str) -> ShardManifest:
+    """Chain a quarantined manifest; payload bytes stay exactly as found."""
+    shard_dir = Path(shard_dir)
+    chain = _read_chain(shard_dir)
+    q = _next_manifest(chain[-1], "quarantined", quarantine_reason=reason[:1024])
+    return _write_manifest(shard_dir, len(chain), q)
+
+
+def capture_shard(
+    root: str | os.PathLike[str],
+    plan: Plan,
+    shard_id: str,
+    transaction_id: str,
+    payloads: dict[str, Sequence[CaptureTokenRow]],
+) -> Path:
+    """Run the whole write-last protocol for already captured rows."""
+    txn = begin(root, plan, shard_id, transaction_id)
+    for name in sorted(payloads):
+        write_payload(txn, name, payloads[name])
+    mark_complete(txn)
+    mark_verified(txn)
+    return publish(txn, root)
+
+
+def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan: Plan) -> tuple[str, Path]:
+    """Apply the resume table to one transaction directory of ``plan``.
+
+    Returns (decision, directory). ``resume-staging`` removes uncommitted temp
+    fragments and hands the staging directory back for more payloads;
+    ``verify-then-publish`` and ``publish`` finish publication; ``reuse`` leaves
+    an available shard alone; ``quarantine-and-restart`` chains a quarantined
+    manifest when the chain is readable (otherwise the directory is left as it is,
+    already unusable) and the caller starts a new transaction ID; ``refuse``
+    changes nothing.
+    """
+    shard_dir = Path(shard_dir)
+    verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest())
+    decision = verdict.decision
+    if decision == "resume-staging":
+        for name in _payload_names(shard_dir):
+            if _TEMP_NAME.match(name):
+                os.unlink(shard_dir / PAYLOAD_DIR / name)
+    elif decision == "verify-then-publish":
+        mark_verified(shard_dir)
+        shard_dir = publish(shard_dir, root)
+    elif decision == "publish":
+        shard_dir = publish(shard_dir, root)
+    elif decision == "quarantine-and-restart":
+        try:
+            quarantine(shard_dir, "; ".join(verdict.problems) or "integrity check failed")
+        except (DistillError, OSError):
+            pass  # unreadable chain: nothing can be chained; the directory is never reused
+    return decision, shard_dir

@@ -1,0 +1,43 @@
+"""Shared fixtures.
+
+``builtin_model_dir`` builds Kiln's built-in model once and caches it, keyed by
+the builder's source, under ``$KILN_TEST_CACHE`` (default: the system temp dir),
+so every test session and every helper process reuses the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _builder_key() -> str:
+    h = hashlib.sha256()
+    for rel in ("src/kiln/runtime/builtin.py", "src/kiln/runtime/corpus/builtin.txt"):
+        h.update((ROOT / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def built_model_path() -> Path:
+    """Build (or reuse) the built-in model for tests; safe under concurrent sessions."""
+    from kiln.runtime.builtin import build_builtin_model
+
+    cache = Path(os.environ.get("KILN_TEST_CACHE") or Path(tempfile.gettempdir()) / "kiln-test-cache")
+    target = cache / f"builtin-{_builder_key()}"
+    if not (target / "config.json").is_file():
+        try:
+            build_builtin_model(target)
+        except FileExistsError:
+            pass  # another session published it first
+    return target
+
+
+@pytest.fixture(scope="session")
+def builtin_model_dir() -> Path:
+    return built_model_path()

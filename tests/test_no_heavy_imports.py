@@ -1,0 +1,47 @@
+"""Pure contract modules and the CLI entry point import no heavy ML runtime.
+
+Each module is imported in a fresh interpreter; the test fails if torch,
+transformers, peft, vllm, mlx or numpy ended up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "peft", "vllm", "mlx", "numpy", "safetensors")
+
+PURE_MODULES = [
+    "kiln.canonical",
+    "kiln.config",
+    "kiln.cli",
+    "kiln.runtime.loader",
+    "kiln.runtime.builtin",
+    "kiln.runtime.ownership",
+    "kiln.distill.contract",
+    "kiln.cluster.ranks",
+    "kiln.teachers.identity",
+    "kiln.teachers.launcher",
+]
+
+_PROBE = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+heavy = sorted({m.split('.')[0] for m in sys.modules} & set(sys.argv[2].split(',')))
+print(json.dumps(heavy))
+"""
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_imports_no_heavy_runtime(module: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, module, ",".join(HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [], f"{module} pulled in heavy modules"
