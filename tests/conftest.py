@@ -41,3 +41,14 @@ def built_model_path() -> Path:
 @pytest.fixture(scope="session")
 def builtin_model_dir() -> Path:
     return built_model_path()
+
+
+_OPT_IN = {"slow": "KILN_SLOW", "vllm": "KILN_VLLM"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Opt-in lanes: ``slow`` runs with KILN_SLOW=1, ``vllm`` with KILN_VLLM=1."""
+    for item in items:
+        for marker, env in _OPT_IN.items():
+            if marker in item.keywords and os.environ.get(env) != "1":
+                item.add_marker(pytest.mark.skip(reason=f"opt-in lane: set {env}=1 to run"))
