@@ -496,9 +496,9 @@ class CaptureTokenRow(_Model):
 
 class PayloadCommitment(_Model):
     path: str
-    bytes: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
-    rows: Count
-    tokens: Count
+    bytes: Annotated[int, Field(ge=1, le=MAX_FILE_BYTES)]
+    rows: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)]
     sha256: Sha256
 
     @field_validator("path")

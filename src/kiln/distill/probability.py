@@ -151,6 +151,7 @@ def sparsify(dense_logprobs: Sequence[float], top_k: int, forced_ids: Sequence[i
     """Reduce a dense distribution ``[V]`` to the v1 stored fields for one position.
 
     ``top_k_ids`` are ranked by descending probability (lower ID first on ties).
+    The tail is exactly 0.0 when S covers the whole vocabulary.
     """
     v = len(dense_logprobs)
     if not 1 <= top_k <= v:
@@ -160,12 +161,14 @@ def sparsify(dense_logprobs: Sequence[float], top_k: int, forced_ids: Sequence[i
     forced = tuple(forced_ids)
     sel = selected_union(top, forced)
     logprobs = tuple(float(dense_logprobs[i]) for i in sel)
+    # S = the whole vocabulary has no tail by definition; don't store rounding residue.
+    tail = 0.0 if len(sel) == v else residual_tail(logprobs)
     return {
         "top_k_ids": top,
         "forced_ids": forced,
         "selected_ids": sel,
         "selected_logprobs": logprobs,
-        "tail_mass": residual_tail(logprobs),
+        "tail_mass": tail,
         "entropy": _partial_entropy(dense_logprobs),
     }
 
