@@ -31,6 +31,8 @@ PURE_MODULES = [
     "kiln.distill.paths",
     "kiln.distill.cli",
     "kiln.cluster.ranks",
+    "kiln.cluster.acquire",
+    "kiln.cluster.cli",
     "kiln.teachers.identity",
     "kiln.teachers.launcher",
 ]

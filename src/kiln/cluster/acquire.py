@@ -2,8 +2,10 @@
 
 The law in :mod:`kiln.cluster.ranks` decides declared observations and claims
 nothing about where they came from. This adapter is the part that *does*
-acquire: it starts worker processes with ``torch.multiprocessing``, has them
-form a gloo process group over a TCP rendezvous, builds one tensor-parallel
+acquire: it spawns one fresh interpreter per local rank (the ``spawn`` start
+method of ``multiprocessing``, which ``torch.multiprocessing.spawn`` also uses;
+the supervising process itself never imports torch), has them form a gloo
+process group over a TCP rendezvous, builds one tensor-parallel
 group spanning the whole world (so pipeline and data parallel degrees are 1),
 and lets every rank report:
 
@@ -24,24 +26,33 @@ For several hosts run the same command on every host with ``nnodes``,
 node 0. Set ``GLOO_SOCKET_IFNAME`` where the host name does not resolve to the
 interface the other hosts can reach.
 
-torch is imported only inside functions, so importing this module is cheap.
+torch is imported only inside the spawned ranks, so importing this module, and
+supervising a world, is cheap.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import secrets
 import socket
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import Self
 
-from kiln.canonical import atomic_write_json, strict_json_loads
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from kiln.canonical import CanonicalJSONError, atomic_write_json, strict_json_loads
 from kiln.cluster.ranks import (
+    MAX_IDENTIFIER_CHARS,
     DeclaredObservation,
     Participant,
     RankPopulationDecision,
@@ -66,7 +77,7 @@ __all__ = [
     "acquire_rank_population",
 ]
 
-ACQUISITION_METHOD = "torch.multiprocessing.spawn+gloo"
+ACQUISITION_METHOD = "multiprocessing.spawn+gloo"
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 60.0
 """Seconds the rendezvous and each collective may wait for missing peers."""
@@ -76,6 +87,11 @@ MAX_NNODES = 4096
 MAX_REPORT_BYTES = 64 << 20
 """Largest gathered report file the collector reads back, in bytes."""
 _INCARNATION_TOKEN_BYTES = 16
+_COLLECTIVES_PER_WORLD = 4
+"""Rendezvous, group creation, broadcast, gather: each may wait ``timeout_s``."""
+_SUPERVISION_SLACK_S = 60.0
+"""Extra seconds the supervisor allows for interpreter and torch start-up."""
+_MAX_ERROR_CHARS = 2000
 
 
 class AcquisitionError(RuntimeError):
@@ -127,6 +143,11 @@ class WorldPlan:
                 "a multi-host world must name its selected hosts on node 0 (one --selected-host per host); "
                 "the law checks the observed hosts against them"
             )
+        for host in self.selected_hosts:
+            if not 1 <= len(host) <= MAX_IDENTIFIER_CHARS:
+                raise AcquisitionConfigError(
+                    f"selected host {host!r} must be 1 to {MAX_IDENTIFIER_CHARS} characters long"
+                )
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise AcquisitionConfigError(f"timeout_s={self.timeout_s} must be in (0, {MAX_TIMEOUT_S}]")
 
@@ -145,7 +166,8 @@ class AcquisitionRecord(BaseModel):
 
     model_config = _MODEL
 
-    method: Literal["torch.multiprocessing.spawn+gloo"]
+    method: Literal["multiprocessing.spawn+gloo"]
+    """How the world was started and which torch.distributed backend it used."""
     backend: Literal["gloo"]
     torch_version: str
     started_at: str
@@ -179,11 +201,26 @@ class _OutcomeFields(BaseModel):
         return self
 
     def to_json_dict(self) -> dict[str, Any]:
+        """The decision's own JSON (``decision``, ``findings``) followed by the record and observation."""
         return {
             **self.decision.to_json_dict(),
             "acquisition": self.acquisition.model_dump(mode="json"),
             "observation": self.observation.model_dump(mode="json"),
         }
+
+    @classmethod
+    def from_json_dict(cls, value: dict[str, Any]) -> Self:
+        """Rebuild from :meth:`to_json_dict` output; the decision is re-derived and must agree."""
+        known = {"decision", "findings", "acquisition", "observation"}
+        if set(value) != known:
+            raise ValueError(f"expected exactly the fields {sorted(known)}, got {sorted(value)}")
+        return cls.model_validate(
+            {
+                "acquisition": value["acquisition"],
+                "observation": DeclaredObservation.model_validate_json(json.dumps(value["observation"])),
+                "decision": {"decision": value["decision"], "findings": value["findings"]},
+            }
+        )
 
 
 class AcquisitionOutcome(_OutcomeFields):
@@ -229,57 +266,99 @@ def acquire_rank_population(plan: WorldPlan) -> AcquisitionOutcome | None:
     reports travel to rank 0 through the gather). Raises
     :class:`AcquisitionError` when the world does not form or a worker fails.
     """
-    import torch
-    import torch.multiprocessing as mp
-
     port = plan.master_port or _free_port(plan.master_addr)
     started_at = _utc_now()
     with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
         report_path = Path(tmp) / "gathered.json"
-        try:
-            mp.spawn(
-                _worker,
-                args=(plan, port, str(report_path)),
-                nprocs=plan.nproc_per_host,
-                join=True,
-            )
-        except Exception as exc:  # ProcessRaisedException / ProcessExitedException
+        failure = _run_workers(plan, port, Path(tmp))
+        if failure is not None:
             raise AcquisitionError(
                 f"the gloo world at {plan.master_addr}:{port} did not complete "
-                f"(node {plan.node_rank} of {plan.nnodes}): {_last_line(exc)}. "
+                f"(node {plan.node_rank} of {plan.nnodes}): {failure}. "
                 "Check that every host runs the same plan, that master_addr is reachable, "
                 "and GLOO_SOCKET_IFNAME if the host name does not resolve"
-            ) from exc
+            )
         if plan.node_rank != 0:
             return None
         gathered = _read_report(report_path)
     finished_at = _utc_now()
 
-    observation = _project(gathered, plan)
-    record = AcquisitionRecord(
-        method=ACQUISITION_METHOD,
-        backend="gloo",
-        torch_version=str(torch.__version__),
-        started_at=started_at,
-        finished_at=finished_at,
-        master_addr=plan.master_addr,
-        master_port=port,
-        world_size=plan.world_size,
-        nnodes=plan.nnodes,
-        nproc_per_host=plan.nproc_per_host,
-        collector_host=socket.gethostname(),
-        collector_pid=os.getpid(),
-        rank0_pid=int(gathered["rank0_pid"]),
-        tensor_parallel_group_ranks=tuple(gathered["tensor_parallel_group_ranks"]),
-    )
+    try:
+        observation = _project(gathered, plan)
+        record = AcquisitionRecord(
+            method=ACQUISITION_METHOD,
+            backend="gloo",
+            torch_version=gathered["torch_version"],
+            started_at=started_at,
+            finished_at=finished_at,
+            master_addr=plan.master_addr,
+            master_port=port,
+            world_size=plan.world_size,
+            nnodes=plan.nnodes,
+            nproc_per_host=plan.nproc_per_host,
+            collector_host=socket.gethostname(),
+            collector_pid=os.getpid(),
+            rank0_pid=gathered["rank0_pid"],
+            tensor_parallel_group_ranks=tuple(gathered["tensor_parallel_group_ranks"]),
+        )
+    except (KeyError, TypeError, ValidationError) as exc:
+        raise AcquisitionError(
+            f"rank 0's gathered reports do not project into an observation: {exc}. "
+            "Every host must run the same kiln version"
+        ) from None
     return AcquisitionOutcome(
         acquisition=record, observation=observation, decision=decide_rank_population(observation)
     )
 
 
-def _last_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+def _run_workers(plan: WorldPlan, port: int, workdir: Path) -> str | None:
+    """Spawn this host's ranks and wait for them; ``None`` on success, else why not.
+
+    A fresh interpreter per rank (the ``spawn`` start method, as
+    ``torch.multiprocessing.spawn`` uses) keeps torch out of this supervising
+    process. When one rank fails the others are stopped at once instead of
+    waiting out their collective timeouts.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        # daemon: if this supervisor exits, its ranks do not outlive it.
+        ctx.Process(
+            target=_worker, args=(local_rank, plan, port, str(workdir)), name=f"kiln-rank-{local_rank}", daemon=True
+        )
+        for local_rank in range(plan.nproc_per_host)
+    ]
+    for proc in procs:
+        proc.start()
+    allowed_s = plan.timeout_s * _COLLECTIVES_PER_WORLD + _SUPERVISION_SLACK_S
+    deadline = time.monotonic() + allowed_s
+    failure: str | None = None
+    try:
+        pending = {proc.sentinel: proc for proc in procs}
+        while pending and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                failure = f"the workers were still running after {allowed_s:.0f} s"
+                break
+            for sentinel in multiprocessing.connection.wait(list(pending), timeout=remaining):
+                proc = pending.pop(sentinel)
+                proc.join()
+                if proc.exitcode != 0:
+                    failure = _worker_failure(workdir, proc)
+                    break
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    return failure
+
+
+def _worker_failure(workdir: Path, proc: Any) -> str:
+    local_rank = int(proc.name.rsplit("-", 1)[1])
+    path = workdir / f"error-{local_rank}.txt"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace")[:_MAX_ERROR_CHARS].strip()
+    return f"local rank {local_rank} exited with code {proc.exitcode}"
 
 
 def _read_report(path: Path) -> dict[str, Any]:
@@ -289,7 +368,10 @@ def _read_report(path: Path) -> dict[str, Any]:
         raise AcquisitionError("rank 0 finished without writing its gathered reports") from None
     if size > MAX_REPORT_BYTES:
         raise AcquisitionError(f"the gathered reports are {size} bytes, over the {MAX_REPORT_BYTES}-byte limit")
-    value = strict_json_loads(path.read_bytes())
+    try:
+        value = strict_json_loads(path.read_bytes())
+    except (CanonicalJSONError, UnicodeDecodeError) as exc:
+        raise AcquisitionError(f"rank 0 wrote unreadable gathered reports: {exc}") from None
     if not isinstance(value, dict):
         raise AcquisitionError("rank 0 wrote gathered reports that are not a JSON object")
     return value
@@ -322,8 +404,20 @@ def _project(gathered: dict[str, Any], plan: WorldPlan) -> DeclaredObservation:
     )
 
 
-def _worker(local_rank: int, plan: WorldPlan, port: int, report_path: str) -> None:
-    """One rank of the world (runs in a spawned process)."""
+def _worker(local_rank: int, plan: WorldPlan, port: int, workdir: str) -> None:
+    """Entry point of one spawned rank: run it, leave a one-line reason on failure."""
+    try:
+        _rank_main(local_rank, plan, port, Path(workdir) / "gathered.json")
+    except BaseException as exc:  # noqa: BLE001  (reported to the supervisor, then exit 1)
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": .")
+        Path(workdir, f"error-{local_rank}.txt").write_text(reason, encoding="utf-8")
+        sys.exit(1)
+
+
+def _rank_main(local_rank: int, plan: WorldPlan, port: int, report_path: Path) -> None:
+    """One rank of the world: join, report, and (rank 0) write the gathered reports."""
+    import torch
     import torch.distributed as dist
 
     rank = plan.node_rank * plan.nproc_per_host + local_rank
@@ -359,6 +453,7 @@ def _worker(local_rank: int, plan: WorldPlan, port: int, report_path: str) -> No
                     "tensor_parallel_size": dist.get_world_size(group=tp_group),
                     "tensor_parallel_group_ranks": tp_ranks,
                     "rank0_pid": os.getpid(),
+                    "torch_version": str(torch.__version__),
                     "reports": gathered,
                 },
             )

@@ -7,7 +7,6 @@ Exit codes (both commands): 0 coherent, 1 refused, 2 invalid input or options.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any, List, Optional
@@ -28,7 +27,10 @@ def _fail(code: int, message: str) -> "typer.Exit":
 
 
 def _emit(value: dict[str, Any]) -> None:
-    typer.echo(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    """One line of compact JSON on stdout, keys in the order given."""
+    from kiln.canonical import ordered_json_bytes
+
+    typer.echo(ordered_json_bytes(value).decode("utf-8"))
 
 
 def _read_bounded(path: str, limit: int) -> bytes:
@@ -65,27 +67,31 @@ def observe(
     nproc_per_host: int = typer.Option(..., "--nproc-per-host", help="Worker processes to start on this host."),
     nnodes: int = typer.Option(1, "--nnodes", help="Hosts in the world; run this command on each."),
     node_rank: int = typer.Option(0, "--node-rank", help="This host's index; node 0 collects and decides."),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Rendezvous address (node 0)."),
+    master_addr: Optional[str] = typer.Option(
+        None, "--master-addr", show_default=False, help="Rendezvous address of node 0 [default: 127.0.0.1]."
+    ),
     master_port: int = typer.Option(0, "--master-port", help="Rendezvous port; 0 picks one (single host only)."),
     selected_host: Optional[List[str]] = typer.Option(
         None, "--selected-host", help="A host the deployment meant to use (repeat per host; default: this host)."
     ),
-    timeout_s: float = typer.Option(60.0, "--timeout-s", help="Seconds to wait for missing peers."),
+    timeout_s: Optional[float] = typer.Option(
+        None, "--timeout-s", show_default=False, help="Seconds each rendezvous step waits for peers [default: 60]."
+    ),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result here (atomically)."),
 ) -> None:
     """Start a gloo world, gather every rank's report and decide the population."""
     from kiln.canonical import atomic_write_json
     from kiln.cluster.acquire import AcquisitionConfigError, AcquisitionError, WorldPlan, acquire_rank_population
 
+    given: dict[str, Any] = {"master_addr": master_addr, "timeout_s": timeout_s}
     try:
         plan = WorldPlan(
             nproc_per_host=nproc_per_host,
             nnodes=nnodes,
             node_rank=node_rank,
-            master_addr=master_addr,
             master_port=master_port,
             selected_hosts=tuple(selected_host or ()),
-            timeout_s=timeout_s,
+            **{name: value for name, value in given.items() if value is not None},
         )
     except AcquisitionConfigError as exc:
         raise _fail(EXIT_INVALID_INPUT, str(exc)) from None
@@ -94,7 +100,7 @@ def observe(
     except AcquisitionError as exc:
         raise _fail(EXIT_ACQUISITION_FAILED, str(exc)) from None
     if outcome is None:
-        result: dict[str, Any] = {"node_rank": node_rank, "reported_to": f"{master_addr}:{master_port}"}
+        result: dict[str, Any] = {"node_rank": node_rank, "reported_to": f"{plan.master_addr}:{plan.master_port}"}
         code = EXIT_COHERENT
     else:
         result = outcome.to_json_dict()

@@ -23,7 +23,7 @@ then by the details that locate each finding).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,7 +31,9 @@ from kiln.canonical import CanonicalJSONError, strict_json_loads
 
 __all__ = [
     "MAX_IDENTIFIER_CHARS",
+    "MAX_OBSERVATION_BYTES",
     "MAX_PARTICIPANTS",
+    "MAX_RANK_MAGNITUDE",
     "MAX_SELECTED_HOSTS",
     "MAX_WORLD_SIZE",
     "FINDING_KINDS",
@@ -40,8 +42,6 @@ __all__ = [
     "DeclaredObservation",
     "Finding",
     "RankPopulationDecision",
-    "MAX_OBSERVATION_BYTES",
-    "MAX_RANK_MAGNITUDE",
     "parse_observation_json",
     "decide_rank_population",
 ]
@@ -69,8 +69,8 @@ class ObservationInputError(ValueError):
 # ------------------------------------------------------------------ observation
 
 _Identifier = Annotated[str, Field(min_length=1, max_length=MAX_IDENTIFIER_CHARS)]
-# Ranks are deliberately unbounded below: a negative rank is a *finding*
-# (rank_out_of_range), not malformed input.
+# A negative rank, or one at or beyond world_size, is a *finding*
+# (rank_out_of_range), not malformed input; the bound only keeps numbers sane.
 _Rank = Annotated[int, Field(ge=-MAX_RANK_MAGNITUDE, le=MAX_RANK_MAGNITUDE)]
 _Degree = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
 
@@ -114,7 +114,7 @@ def parse_observation_json(data: bytes) -> DeclaredObservation:
     """
     if len(data) > MAX_OBSERVATION_BYTES:
         raise ObservationInputError(
-            f"the observation is {len(data)} bytes, over the {MAX_OBSERVATION_BYTES}-byte limit; "
+            f"the observation is larger than the {MAX_OBSERVATION_BYTES}-byte limit; "
             "split the deployment or check that the right file was given"
         )
     try:
@@ -140,62 +140,58 @@ def parse_observation_json(data: bytes) -> DeclaredObservation:
 
 # --------------------------------------------------------------------- findings
 
-_FINDING = ConfigDict(frozen=True, extra="forbid")
+
+class _Finding(BaseModel):
+    """Base of every finding: immutable, no fields beyond its own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ParticipantCountMismatch(BaseModel):
-    model_config = _FINDING
+class ParticipantCountMismatch(_Finding):
     kind: Literal["participant_count_mismatch"] = "participant_count_mismatch"
     world_size: int
     participant_count: int
 
 
-class DuplicatedRank(BaseModel):
-    model_config = _FINDING
+class DuplicatedRank(_Finding):
     kind: Literal["duplicated_rank"] = "duplicated_rank"
     global_rank: int
     occurrences: int
     hosts: tuple[str, ...]
 
 
-class RankOutOfRange(BaseModel):
-    model_config = _FINDING
+class RankOutOfRange(_Finding):
     kind: Literal["rank_out_of_range"] = "rank_out_of_range"
     global_rank: int
     host: str
     world_size: int
 
 
-class ParticipantOnUnselectedHost(BaseModel):
-    model_config = _FINDING
+class ParticipantOnUnselectedHost(_Finding):
     kind: Literal["participant_on_unselected_host"] = "participant_on_unselected_host"
     global_rank: int
     host: str
 
 
-class SelectedHostCarriedNoRank(BaseModel):
-    model_config = _FINDING
+class SelectedHostCarriedNoRank(_Finding):
     kind: Literal["selected_host_carried_no_rank"] = "selected_host_carried_no_rank"
     host: str
 
 
-class SelectedHostNamedMoreThanOnce(BaseModel):
-    model_config = _FINDING
+class SelectedHostNamedMoreThanOnce(_Finding):
     kind: Literal["selected_host_named_more_than_once"] = "selected_host_named_more_than_once"
     host: str
     occurrences: int
 
 
-class RanksShareHostLocalWorkerProcessKey(BaseModel):
-    model_config = _FINDING
+class RanksShareHostLocalWorkerProcessKey(_Finding):
     kind: Literal["ranks_share_host_local_worker_process_key"] = "ranks_share_host_local_worker_process_key"
     host: str
     process_key: str
     global_ranks: tuple[int, ...]
 
 
-class ParticipantFromAnotherIncarnation(BaseModel):
-    model_config = _FINDING
+class ParticipantFromAnotherIncarnation(_Finding):
     kind: Literal["participant_from_another_incarnation"] = "participant_from_another_incarnation"
     global_rank: int
     host: str
@@ -203,22 +199,19 @@ class ParticipantFromAnotherIncarnation(BaseModel):
     observation_incarnation: str
 
 
-class ObservationIncomplete(BaseModel):
-    model_config = _FINDING
+class ObservationIncomplete(_Finding):
     kind: Literal["observation_incomplete"] = "observation_incomplete"
     participant_count: int
 
 
-class NotATensorParallelDecomposition(BaseModel):
-    model_config = _FINDING
+class NotATensorParallelDecomposition(_Finding):
     kind: Literal["not_a_tensor_parallel_decomposition"] = "not_a_tensor_parallel_decomposition"
     tensor_parallel_size: int
     pipeline_parallel_size: int
     data_parallel_size: int
 
 
-class DecompositionInconsistentWithWorldSize(BaseModel):
-    model_config = _FINDING
+class DecompositionInconsistentWithWorldSize(_Finding):
     kind: Literal["decomposition_inconsistent_with_world_size"] = "decomposition_inconsistent_with_world_size"
     world_size: int
     tensor_parallel_size: int
@@ -227,8 +220,7 @@ class DecompositionInconsistentWithWorldSize(BaseModel):
     product: int
 
 
-class TensorParallelRankDoesNotMatchGlobalRank(BaseModel):
-    model_config = _FINDING
+class TensorParallelRankDoesNotMatchGlobalRank(_Finding):
     kind: Literal["tensor_parallel_rank_does_not_match_global_rank"] = (
         "tensor_parallel_rank_does_not_match_global_rank"
     )
@@ -255,19 +247,8 @@ Finding = Annotated[
     Field(discriminator="kind"),
 ]
 
-FINDING_KINDS: tuple[str, ...] = (
-    "participant_count_mismatch",
-    "duplicated_rank",
-    "rank_out_of_range",
-    "participant_on_unselected_host",
-    "selected_host_carried_no_rank",
-    "selected_host_named_more_than_once",
-    "ranks_share_host_local_worker_process_key",
-    "participant_from_another_incarnation",
-    "observation_incomplete",
-    "not_a_tensor_parallel_decomposition",
-    "decomposition_inconsistent_with_world_size",
-    "tensor_parallel_rank_does_not_match_global_rank",
+FINDING_KINDS: tuple[str, ...] = tuple(
+    cls.model_fields["kind"].default for cls in get_args(get_args(Finding)[0])
 )
 """Every finding kind, in the order a decision lists them."""
 
@@ -277,7 +258,7 @@ FINDING_KINDS: tuple[str, ...] = (
 class RankPopulationDecision(BaseModel):
     """``coherent`` with no findings, or ``refused`` with every finding."""
 
-    model_config = _FINDING
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     decision: Literal["coherent", "refused"]
     findings: tuple[Finding, ...]
