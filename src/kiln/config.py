@@ -37,6 +37,7 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    system_fingerprint: str | None = Field(None, min_length=1, max_length=512)  # default: kiln-<model sha256[:16]>
 
 
 class ModelSettings(_Section):

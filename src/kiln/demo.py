@@ -1,10 +1,167 @@
-"""`kiln demo`: the correction loop end to end on the built-in model."""
+"""`kiln demo`: the correction loop end to end on the built-in model.
+
+Starts ``kiln serve`` (a subprocess on a free loopback port), asks a question,
+submits one correction as an SFT job with ``auto_load``, waits for it, asks
+again with ``"model": <adapter>`` and prints how long every step took.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
 import typer
 
+QUESTION = "How many legs does an ant have?"
+CORRECTION = "An ant has six legs."
+ADAPTER = "demo-correction"
+STARTUP_TIMEOUT_S = 300.0  # the first run builds the built-in model (~20 s on 2 cores)
+JOB_TIMEOUT_S = 120.0
+POLL_S = 0.05
+STOP_TIMEOUT_S = 20.0
 
-def demo() -> None:
-    """Start Kiln on the built-in model, ask, correct, ask again (being implemented)."""
-    raise typer.Exit(1)
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(client: Any, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`kiln serve` exited with code {proc.returncode} before it was ready")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"`kiln serve` was not ready within {timeout:.0f} s")
+
+
+def _ask(client: Any, model: str, question: str) -> tuple[str, str | None]:
+    r = client.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 32})
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"], r.headers.get("x-kiln-adapter-revision")
+
+
+@contextmanager
+def kiln_server(home: Path | None, *, extra_env: dict[str, str] | None = None,
+                timeout: float = STARTUP_TIMEOUT_S) -> Iterator[Any]:
+    """Run ``kiln serve`` on a free loopback port; yield an ``httpx.Client`` for it.
+
+    The server's output goes to a temp file whose tail is printed to stderr if
+    the server dies or fails to start. It is stopped with SIGINT (then killed).
+    """
+    import httpx
+
+    port = _free_port()
+    env = dict(os.environ)
+    if home is not None:
+        env["KILN_HOME"] = str(home)
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    ok = False
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            _wait_ready(client, proc, timeout)
+            yield client
+            ok = True
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if not ok:
+            log.seek(0)
+            print(f"kiln serve output (tail):\n{log.read()[-3000:]}", file=sys.stderr)
+        log.close()
+
+
+def wait_job(client: Any, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
+    """Poll a training job until it is terminal."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/train/jobs/{job_id}").json()
+        if job["state"] in ("succeeded", "failed", "cancelled"):
+            return job
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"training job {job_id} did not finish within {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+def correction_body(adapter: str, question: str, correction: str) -> dict[str, Any]:
+    return {"adapter": adapter, "auto_load": True, "examples": [{"messages": [
+        {"role": "user", "content": question}, {"role": "assistant", "content": correction}]}]}
+
+
+def run_correction(client: Any, *, question: str, correction: str, adapter: str,
+                   echo: Any = print) -> dict[str, float]:
+    """Ask, correct, ask again on a running server; return the step timings in seconds."""
+    timings: dict[str, float] = {}
+    base = client.get("/v1/models").json()["data"][0]["id"]
+    t = time.perf_counter()
+    before, _ = _ask(client, base, question)
+    timings["ask (base model)"] = time.perf_counter() - t
+    echo(f"\nQ: {question}\nA ({base}): {before}")
+
+    echo(f"\ncorrecting it: {correction!r} -> adapter {adapter!r}")
+    t_submit = time.perf_counter()
+    r = client.post("/v1/train/sft", json=correction_body(adapter, question, correction))
+    if r.status_code != 202:
+        raise RuntimeError(f"submitting the correction failed: {r.status_code} {r.text}")
+    job = wait_job(client, r.json()["id"])
+    if job["state"] != "succeeded":
+        raise RuntimeError(f"the correction job {job['state']}: {job.get('error')}")
+    timings["train + publish + hot-swap"] = time.perf_counter() - t_submit
+
+    t = time.perf_counter()
+    after, revision = _ask(client, adapter, question)
+    timings["ask (corrected adapter)"] = time.perf_counter() - t
+    timings["submit -> corrected answer"] = time.perf_counter() - t_submit
+    echo(f"\nQ: {question}\nA ({adapter} @ {str(revision)[:12]}): {after}")
+    rep = job["result"]["report"]
+    echo(f"({rep['steps']} steps, final loss {rep['final_loss']:.4f}; server-side: "
+         + ", ".join(f"{k} {v:.2f}s" for k, v in job["result"]["timings_s"].items()) + ")")
+    if after.strip() != correction.strip():
+        echo("warning: the adapter's answer differs from the correction")
+    return timings
+
+
+def demo(
+    home: Optional[Path] = typer.Option(None, "--home", help="KILN_HOME for the demo server (default: $KILN_HOME)"),
+    question: str = typer.Option(QUESTION, help="the question to ask"),
+    correction: str = typer.Option(CORRECTION, help="the answer to teach"),
+    adapter: str = typer.Option(ADAPTER, help="name of the correction adapter"),
+) -> None:
+    """Start Kiln on the built-in model, ask, correct, ask again; print each step's time."""
+    typer.echo("starting kiln serve on the built-in model (the first run builds it) ...")
+    t0 = time.perf_counter()
+    try:
+        with kiln_server(home) as client:
+            timings = {"server start": time.perf_counter() - t0}
+            timings |= run_correction(client, question=question, correction=correction, adapter=adapter,
+                                      echo=typer.echo)
+    except RuntimeError as exc:
+        typer.secho(f"demo failed: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    typer.echo("\nstep timings:")
+    for name, seconds in timings.items():
+        typer.echo(f"  {name:<28} {seconds:7.2f} s")

@@ -4,4 +4,58 @@ from __future__ import annotations
 
 import typer
 
+from kiln.training.cli import UrlOpt, _request
+
 app = typer.Typer(help="List, load, unload and delete adapters on a running server.", no_args_is_help=True)
+
+REVISION_CHARS = 12
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command("list")
+def list_cmd(url: str = UrlOpt) -> None:
+    """Show the stored adapters, their current revision and whether the server is serving them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    data = _request("GET", f"{url}/v1/adapters")["data"]
+    table = Table(title=f"adapters on {url}")
+    for col in ("name", "revision", "kind", "base", "size", "created", "active"):
+        table.add_column(col)
+    for a in data:
+        active = "yes" if a["active"] else ""
+        if a["active"] and a["active_revision"] != a["revision"]:
+            active = f"yes (older {a['active_revision'][:REVISION_CHARS]})"
+        table.add_row(a["name"], a["revision"][:REVISION_CHARS], a["kind"], a["base_model_sha256"][:REVISION_CHARS],
+                      _size(a["size_bytes"]), a["created"], active)
+    Console(width=160).print(table)
+    if not data:
+        typer.echo("no adapters stored yet (train one with `kiln train sft`)")
+
+
+@app.command()
+def load(name: str, url: str = UrlOpt) -> None:
+    """Serve NAME's current revision (requests select it with "model": NAME)."""
+    body = _request("POST", f"{url}/v1/adapters/{name}/load")
+    typer.echo(f"serving {body['name']} revision {body['revision']}")
+
+
+@app.command()
+def unload(name: str, url: str = UrlOpt) -> None:
+    """Stop serving NAME (running requests finish on their revision)."""
+    _request("POST", f"{url}/v1/adapters/{name}/unload")
+    typer.echo(f"unloaded {name}")
+
+
+@app.command()
+def delete(name: str, url: str = UrlOpt) -> None:
+    """Delete NAME and all its stored revisions (refused while it is being served)."""
+    body = _request("DELETE", f"{url}/v1/adapters/{name}")
+    typer.echo(f"deleted {name} (revision {body['revision']})")

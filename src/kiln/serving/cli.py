@@ -1,10 +1,112 @@
-"""`kiln serve`."""
+"""`kiln serve`: start the OpenAI-compatible server.
+
+Start-up order: merge and validate the configuration (flags are its CLI layer),
+pick the device, verify and load the model (the built-in one when no path is
+configured), size the KV cache, start the engine and training, then bind HTTP and
+print the URLs. SIGINT/SIGTERM shut down gracefully: open requests end, the
+engine stops, the process exits 0.
+"""
 
 from __future__ import annotations
 
+import shlex
+import sys
+from typing import Optional
+
 import typer
 
+GRACEFUL_SHUTDOWN_S = 5
 
-def serve() -> None:
-    """Start the OpenAI-compatible server (being implemented)."""
-    raise typer.Exit(1)
+
+def serve(
+    config: Optional[str] = typer.Option(None, "--config", help="kiln.toml to read (else $KILN_CONFIG or ./kiln.toml)"),
+    host: Optional[str] = typer.Option(None, help="bind address [server.host]"),
+    port: Optional[int] = typer.Option(None, help="TCP port, 0 for any free one [server.port]"),
+    model: Optional[str] = typer.Option(None, "--model", help="local model directory [model.path]; default built-in"),
+    served_model_id: Optional[str] = typer.Option(None, help="model ID clients send [model.served_model_id]"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [model.device]"),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [model.dtype]"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads, 0 = torch default [model.threads]"),
+    token_budget: Optional[int] = typer.Option(None, help="tokens per scheduling cycle [batching.token_budget]"),
+    max_running_rows: Optional[int] = typer.Option(None, help="rows decoding at once [batching.max_running_rows]"),
+    max_queued_rows: Optional[int] = typer.Option(None, help="rows waiting for a slot [batching.max_queued_rows]"),
+    prefill_chunk_tokens: Optional[int] = typer.Option(None, help="prompt chunk size [batching.prefill_chunk_tokens]"),
+    max_model_len: Optional[int] = typer.Option(None, help="prompt + output token limit [limits.max_model_len]"),
+    request_timeout_s: Optional[float] = typer.Option(None, help="per-request limit [server.request_timeout_s]"),
+    log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error [server.log_level]"),
+    training: Optional[bool] = typer.Option(None, "--training/--no-training", help="[training.enabled]"),
+    home: Optional[str] = typer.Option(None, help="Kiln home directory [home] (default $KILN_HOME, ~/.cache/kiln)"),
+) -> None:
+    """Start the OpenAI-compatible server (built-in model unless --model is given)."""
+    from kiln.config import ConfigError, load_settings
+
+    cli = {
+        "home": home,
+        "server.host": host,
+        "server.port": port,
+        "server.request_timeout_s": request_timeout_s,
+        "server.log_level": log_level,
+        "model.path": model,
+        "model.served_model_id": served_model_id,
+        "model.device": device,
+        "model.dtype": dtype,
+        "model.threads": threads,
+        "batching.token_budget": token_budget,
+        "batching.max_running_rows": max_running_rows,
+        "batching.max_queued_rows": max_queued_rows,
+        "batching.prefill_chunk_tokens": prefill_chunk_tokens,
+        "limits.max_model_len": max_model_len,
+        "training.enabled": training,
+    }
+    try:
+        loaded = load_settings(cli=cli, config_path=config)
+    except ConfigError as exc:
+        typer.echo(f"kiln serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = loaded.settings
+
+    import uvicorn
+
+    from kiln.runtime.loader import ModelLoadError
+    from kiln.serving.app import build_state, create_app
+
+    typer.echo(f"kiln serve: loading model {settings.model.path or '(built-in)'} ...", err=True)
+    try:
+        state = build_state(loaded)
+    except ModelLoadError as exc:
+        typer.echo(f"kiln serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    app = create_app(loaded, state=state)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.should_exit or not self.servers:
+                return
+            bound = self.servers[0].sockets[0].getsockname()
+            _print_ready(bound[0], bound[1], state.model_id)
+
+    server = _Server(uvicorn.Config(
+        app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=settings.server.log_level == "debug",
+    ))
+    server.run()
+    if not server.started:
+        raise typer.Exit(1)
+
+
+def _print_ready(host: str, port: int, model_id: str) -> None:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown}:{port}" if ":" not in shown else f"http://[{shown}]:{port}"
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}]}' % model_id
+    lines = [
+        f"Kiln is ready: serving {model_id!r}",
+        f"  OpenAI base URL: {base}/v1",
+        f"  health:          {base}/health",
+        f"  metrics:         {base}/metrics",
+        f"  API docs:        {base}/docs",
+        "Try it:",
+        f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+    ]
+    print("\n".join(lines), flush=True)
+    sys.stdout.flush()

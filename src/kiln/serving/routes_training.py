@@ -1,7 +1,60 @@
-"""HTTP routes for /v1/train/* (owned by the training work)."""
+"""HTTP routes for ``/v1/train/*``: submit SFT/GRPO jobs, follow and cancel them.
+
+Thin layer: the wire models live in :mod:`kiln.training.schemas`, the logic in
+:class:`kiln.training.service.TrainingService` (``request.app.state.kiln.trainer``).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Any
 
-router = APIRouter()
+from fastapi import APIRouter, Request
+
+from kiln.serving.errors import APIError
+from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
+
+router = APIRouter(tags=["training"])
+
+
+def _trainer(request: Request) -> Any:
+    trainer = getattr(request.app.state.kiln, "trainer", None)
+    if trainer is None:
+        raise APIError(503, "training_disabled", "training is not enabled on this server",
+                       "start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
+    return trainer
+
+
+def _job_id(job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise APIError(404, "job_not_found", f"no job {job_id!r}", "job IDs look like 'job-0123456789abcdef'")
+    return job_id
+
+
+@router.post("/v1/train/sft", status_code=202)
+def submit_sft(body: SFTRequest, request: Request) -> dict[str, Any]:
+    """Queue a LoRA SFT job (loss on assistant tokens only)."""
+    return _trainer(request).submit(body)
+
+
+@router.post("/v1/train/grpo", status_code=202)
+def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
+    """Queue a GRPO job over pre-scored completion groups."""
+    return _trainer(request).submit(body)
+
+
+@router.get("/v1/train/status")
+def train_status(request: Request) -> dict[str, Any]:
+    """The running job, the queue (FIFO) and the most recent finished jobs."""
+    return _trainer(request).status()
+
+
+@router.get("/v1/train/jobs/{job_id}")
+def train_job(job_id: str, request: Request) -> dict[str, Any]:
+    """One job: state, step, loss, tokens/s, ETA, result or error."""
+    return _trainer(request).job(_job_id(job_id))
+
+
+@router.delete("/v1/train/queue/{job_id}")
+def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+    """Cancel a queued job, or stop a running one at its next step boundary."""
+    return _trainer(request).cancel(_job_id(job_id))

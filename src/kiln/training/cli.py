@@ -2,6 +2,175 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
 
 app = typer.Typer(help="Submit and follow LoRA training jobs on a running server.", no_args_is_help=True)
+
+DEFAULT_URL = os.environ.get("KILN_URL", "http://127.0.0.1:8420")
+MAX_FILE_BYTES = 64 * 1024 * 1024
+POLL_S = 0.25
+HTTP_TIMEOUT_S = 60.0
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+UrlOpt = typer.Option(DEFAULT_URL, "--url", help="Kiln server URL ($KILN_URL)")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+def _request(method: str, url: str, **kw: Any) -> dict[str, Any]:
+    import httpx
+
+    try:
+        r = httpx.request(method, url, timeout=HTTP_TIMEOUT_S, **kw)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {url}: {exc} (is `kiln serve` running? pass --url)")
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code >= 400:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
+        _fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
+    return body
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """A JSONL file (one object per line) or a JSON array."""
+    if not path.is_file():
+        _fail(f"{path} is not a file")
+    if path.stat().st_size > MAX_FILE_BYTES:
+        _fail(f"{path} is larger than {MAX_FILE_BYTES} bytes; put it in the server's data dir and use dataset_path")
+    text = path.read_text("utf-8")
+    try:
+        if text.lstrip().startswith("["):
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        _fail(f"{path}: not JSON/JSONL: {exc}")
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        _fail(f"{path} must hold one JSON object per line")
+    return rows
+
+
+def follow(url: str, job_id: str) -> dict[str, Any]:
+    """Show a progress bar for ``job_id`` until it finishes; return the final job."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task(job_id, total=None, info="queued")
+        while True:
+            job = _request("GET", f"{url}/v1/train/jobs/{job_id}")
+            info = job["state"]
+            if job.get("loss") is not None:
+                info = f"loss {job['loss']:.4f}  {job.get('tokens_per_s') or 0:.0f} tok/s  ETA {job.get('eta_s') or 0:.1f}s"
+            elif job.get("queue_position"):
+                info = f"queued (position {job['queue_position']})"
+            bar.update(task, total=job.get("total_steps"), completed=job.get("step") or 0, info=info)
+            if job["state"] in TERMINAL:
+                return job
+            time.sleep(POLL_S)
+
+
+def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
+    job = _request("POST", f"{url}/v1/train/{kind}", json=body)
+    typer.echo(f"submitted {job['id']} (adapter {job['adapter']!r})")
+    if not wait:
+        return
+    job = follow(url, job["id"])
+    if job["state"] != "succeeded":
+        _fail(f"job {job['id']} {job['state']}: {job.get('error')}")
+    res = job["result"]
+    typer.echo(f"published {res['adapter']} revision {res['revision'][:12]}"
+               + (" (serving now)" if res["activated"] else "") + f" in {res['timings_s']['total']:.2f}s")
+
+
+def _common(adapter: str, epochs: Optional[int], lr: Optional[float], rank: Optional[int], base: Optional[str],
+            auto_load: bool, seed: int, batch_size: Optional[int]) -> dict[str, Any]:
+    body: dict[str, Any] = {"adapter": adapter, "auto_load": auto_load, "seed": seed}
+    for key, value in (("epochs", epochs), ("learning_rate", lr), ("lora_rank", rank), ("base_adapter", base),
+                       ("batch_size", batch_size)):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+@app.command()
+def sft(
+    file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\": [...]} examples"),
+    adapter: str = typer.Option(..., "--adapter", "-a", help="name to publish the adapter under"),
+    url: str = UrlOpt,
+    epochs: Optional[int] = typer.Option(None, help="default: enough for a short run (see docs/training.md)"),
+    learning_rate: Optional[float] = typer.Option(None, "--lr"),
+    rank: Optional[int] = typer.Option(None, "--rank"),
+    base_adapter: Optional[str] = typer.Option(None, "--base-adapter", help="continue from this adapter"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    seed: int = typer.Option(0),
+    auto_load: bool = typer.Option(True, "--auto-load/--no-auto-load", help="serve the adapter once trained"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the job with a progress bar"),
+) -> None:
+    """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
+    body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
+    body["examples"] = _read_rows(file)
+    _submit("sft", url.rstrip("/"), body, wait)
+
+
+@app.command()
+def grpo(
+    file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\", \"completions\": [{text, reward}]}"),
+    adapter: str = typer.Option(..., "--adapter", "-a"),
+    url: str = UrlOpt,
+    epochs: Optional[int] = typer.Option(None),
+    learning_rate: Optional[float] = typer.Option(None, "--lr"),
+    rank: Optional[int] = typer.Option(None, "--rank"),
+    base_adapter: Optional[str] = typer.Option(None, "--base-adapter"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    seed: int = typer.Option(0),
+    kl_coef: float = typer.Option(0.0, "--kl-coef"),
+    kl_estimator: str = typer.Option("k3", "--kl-estimator", help="k1 or k3"),
+    auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
+    wait: bool = typer.Option(True, "--wait/--no-wait"),
+) -> None:
+    """Train a LoRA adapter with GRPO on scored completion groups."""
+    body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
+    body.update(groups=_read_rows(file), kl_coef=kl_coef, kl_estimator=kl_estimator)
+    _submit("grpo", url.rstrip("/"), body, wait)
+
+
+@app.command()
+def status(url: str = UrlOpt) -> None:
+    """Show the running job, the queue and recent jobs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    st = _request("GET", f"{url.rstrip('/')}/v1/train/status")
+    table = Table(title=f"training queue ({len(st['queued'])}/{st['queue_max']} queued)")
+    for col in ("job", "kind", "adapter", "state", "step", "loss", "tok/s", "ETA s", "note"):
+        table.add_column(col)
+    jobs = list(st["recent"]) + ([st["running"]] if st["running"] else []) + list(st["queued"])
+    for j in jobs:
+        step = f"{j.get('step') or 0}/{j.get('total_steps') or '?'}"
+        loss = f"{j['loss']:.4f}" if j.get("loss") is not None else ""
+        note = j.get("error") or (f"position {j['queue_position']}" if j.get("queue_position") else "")
+        table.add_row(j["id"], j["kind"], j["adapter"], j["state"], step, loss,
+                      str(j.get("tokens_per_s") or ""), str(j.get("eta_s") or ""), (note or "")[:60])
+    Console().print(table)
+
+
+@app.command()
+def cancel(job_id: str, url: str = UrlOpt) -> None:
+    """Cancel a queued job, or stop a running one at its next step."""
+    job = _request("DELETE", f"{url.rstrip('/')}/v1/train/queue/{job_id}")
+    typer.echo(f"{job['id']}: {job['state']}" + (" (stopping at the next step)" if job["state"] == "running" else ""))
