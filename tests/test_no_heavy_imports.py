@@ -33,6 +33,13 @@ PURE_MODULES = [
     "kiln.cluster.ranks",
     "kiln.cluster.acquire",
     "kiln.cluster.cli",
+    "kiln.adapters.errors",
+    "kiln.adapters.manifest",
+    "kiln.adapters.validate",
+    "kiln.adapters.store",
+    "kiln.adapters.archive",
+    "kiln.adapters.merge",
+    "kiln.adapters.cli",
     "kiln.teachers.identity",
     "kiln.teachers.launcher",
 ]

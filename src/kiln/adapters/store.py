@@ -1,0 +1,496 @@
+"""The durable adapter store and its transactional publication.
+
+Layout under the store root (``settings.adapters_path``)::
+
+    <root>/.lock                               flock serialising every mutation
+    <root>/.staging/<id>/ + <id>.lock          private work dirs; the flock on <id>.lock
+                                               is held while the owner process lives
+    <root>/.trash/                             directories being removed
+    <root>/<name>/HEAD                         {"revision": R, "history": [older R, ...]}
+    <root>/<name>/revisions/<R>/adapter_config.json
+                              /adapter_model.safetensors
+                              /kiln-manifest.json
+
+A revision directory only ever appears through one ``rename`` of a fully written,
+validated and fsynced staging directory, and an adapter only becomes visible (or
+changes revision) through one atomic replacement of ``HEAD``. Killing the process
+at any point therefore leaves either the old state or the complete new adapter;
+:meth:`AdapterStore.cleanup` removes what a crash left behind (stale staging,
+revisions no HEAD refers to, names whose first publication never reached HEAD).
+
+Named fault points (``KILN_FAULT_POINT=<point>``) make the process exit with
+status 137 at that step, so tests can kill publication at every step for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import stat
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from kiln.adapters.errors import AdapterIntegrityError, AdapterNotFound, InvalidAdapter
+from kiln.adapters.manifest import (
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    NAME_RE,
+    FileEntry,
+    Manifest,
+    check_name,
+    check_revision,
+)
+from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE, base_weight_shapes, validate_lora_dir
+from kiln.canonical import (
+    CanonicalJSONError,
+    atomic_publish_dir,
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_file,
+    strict_json_loads,
+)
+
+FAULT_ENV = "KILN_FAULT_POINT"
+FAULT_EXIT_CODE = 137
+PUBLISH_FAULT_POINTS = ("after_validate", "after_manifest", "after_rename", "after_head")
+DELETE_FAULT_POINTS = ("delete_after_trash",)
+FAULT_POINTS = PUBLISH_FAULT_POINTS + DELETE_FAULT_POINTS
+
+STAGING_DIR = ".staging"
+TRASH_DIR = ".trash"
+LOCK_FILE = ".lock"
+HEAD_FILE = "HEAD"
+REVISIONS_DIR = "revisions"
+ADAPTER_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
+DROPPED_FILES = frozenset({"README.md"})  # the model card PEFT writes beside the weights
+KEEP_PREVIOUS_REVISIONS = 2
+MAX_HEAD_BYTES = 4096
+MAX_STAGED_ENTRIES = 16
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fault_point(point: str) -> None:
+    """Exit abruptly (no cleanup, no atexit) if ``KILN_FAULT_POINT`` names this step."""
+    if os.environ.get(FAULT_ENV) == point:
+        os._exit(FAULT_EXIT_CODE)
+
+
+@dataclass(frozen=True)
+class AdapterRecord:
+    name: str
+    revision: str
+    path: Path  # the revision directory: load it with PeftModel.from_pretrained(base, path)
+    manifest: Manifest
+
+    @property
+    def size(self) -> int:
+        return self.manifest.size
+
+    def summary(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "name": self.name,
+            "revision": self.revision,
+            "base_model_sha256": m.base_model_sha256,
+            "kind": m.kind,
+            "parent_revision": m.parent_revision,
+            "size_bytes": m.size,
+            "created": m.created,
+        }
+
+
+# Live staging dirs of this process by path, so publish() also accepts Path(staging).
+_LIVE_STAGINGS: dict[str, "Staging"] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+class Staging:
+    """A private work directory inside the store, on the store's filesystem.
+
+    Use it like a path (``os.fspath(staging)``, ``staging / "file"``) or via
+    ``.path``. It stays reserved while this process lives; ``discard()`` (or
+    leaving a ``with`` block without publishing) removes it.
+    """
+
+    def __init__(self, path: Path, lock_path: Path, lock_fd: int):
+        self.path = path
+        self._lock_path = lock_path
+        self._lock_fd: int | None = lock_fd
+        with _LIVE_LOCK:
+            _LIVE_STAGINGS[str(path)] = self
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, other: str) -> Path:
+        return self.path / other
+
+    def __repr__(self) -> str:
+        return f"Staging({str(self.path)!r})"
+
+    @property
+    def active(self) -> bool:
+        return self._lock_fd is not None
+
+    def discard(self) -> None:
+        if self._lock_fd is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock_fd is None:
+            return
+        with _LIVE_LOCK:
+            _LIVE_STAGINGS.pop(str(self.path), None)
+        try:
+            self._lock_path.unlink(missing_ok=True)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.discard()
+
+
+@dataclass(frozen=True)
+class CleanupReport:
+    staging_removed: int = 0
+    revisions_removed: int = 0
+    names_removed: int = 0
+    temp_files_removed: int = 0
+
+
+class AdapterStore:
+    """Adapters on disk: publication, lookup, verification, deletion, crash cleanup.
+
+    Instances hold no state besides the root, so any number of them (in any number
+    of processes) may share one root; mutations serialise on a file lock.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = self.root.resolve()
+        (self.root / STAGING_DIR).mkdir(mode=0o700, exist_ok=True)
+        (self.root / TRASH_DIR).mkdir(mode=0o700, exist_ok=True)
+
+    # ------------------------------------------------------------------ locking
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ staging
+    def new_staging(self) -> Staging:
+        """Reserve a fresh private directory for writing adapter files."""
+        with self._locked():
+            sid = uuid.uuid4().hex
+            lock_path = self.root / STAGING_DIR / f"{sid}.lock"
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path = self.root / STAGING_DIR / sid
+            path.mkdir(mode=0o700)
+        return Staging(path, lock_path, fd)
+
+    def _flatten_staging(self, staging: Path) -> None:
+        """Bring PEFT output to the top level and drop PEFT's model card; reject anything else.
+
+        ``save_pretrained`` writes into ``<dir>/<adapter name>/`` for non-default
+        adapter names; a single such sub-directory is moved up.
+        """
+        entries = list(staging.iterdir())
+        if len(entries) > MAX_STAGED_ENTRIES:
+            raise InvalidAdapter(f"staging holds {len(entries)} entries; expected the PEFT files only")
+        names = {e.name for e in entries}
+        if CONFIG_FILE not in names:
+            subdirs = [e for e in entries if e.is_dir() and not e.is_symlink()]
+            if len(subdirs) == 1 and (subdirs[0] / CONFIG_FILE).is_file():
+                for inner in subdirs[0].iterdir():
+                    if inner.name in names - {subdirs[0].name}:
+                        raise InvalidAdapter(f"{inner.name} exists both at the top and in {subdirs[0].name}/")
+                    os.rename(inner, staging / inner.name)
+                subdirs[0].rmdir()
+                entries = list(staging.iterdir())
+        for entry in entries:
+            st = os.lstat(entry)
+            if entry.name in DROPPED_FILES and stat.S_ISREG(st.st_mode):
+                entry.unlink()
+                continue
+            if entry.name not in ADAPTER_FILES:
+                raise InvalidAdapter(
+                    f"unexpected entry {entry.name!r} in the adapter files",
+                    hint=f"An adapter consists of exactly {CONFIG_FILE} and {WEIGHTS_FILE}.",
+                )
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidAdapter(f"{entry.name} is not a regular file (links are not accepted)")
+
+    # -------------------------------------------------------------- publication
+    def publish(
+        self,
+        staging: Staging | str | os.PathLike[str],
+        *,
+        name: str,
+        base_model_sha256: str,
+        kind: str,
+        config: dict[str, Any],
+        inputs_sha256: str | None = None,
+        parent_revision: str | None = None,
+        base_model_dir: Any,
+    ) -> AdapterRecord:
+        """Validate the staged PEFT files, write the manifest and make them ``name``'s HEAD.
+
+        ``base_model_dir`` is the base model directory (path) or an already computed
+        :class:`kiln.runtime.loader.ModelDirInfo` (saves re-hashing the weights). Its
+        identity must equal ``base_model_sha256``. ``staging`` may also be given as
+        its path. On any validation error the staging directory is discarded and the
+        store is unchanged.
+        """
+        from kiln.runtime.loader import ModelDirInfo, ModelLoadError, inspect_model_dir
+
+        if not isinstance(staging, Staging):
+            with _LIVE_LOCK:
+                staging = _LIVE_STAGINGS.get(os.fspath(staging), staging)  # type: ignore[arg-type]
+        if not isinstance(staging, Staging) or not staging.active:
+            raise InvalidAdapter(f"{staging} is not a live staging directory from new_staging() in this process")
+        if staging.path.parent != self.root / STAGING_DIR:
+            raise InvalidAdapter(f"{staging.path} does not belong to the store at {self.root}")
+        try:
+            check_name(name)
+            check_revision(base_model_sha256, "base_model_sha256")
+            if isinstance(base_model_dir, ModelDirInfo):
+                info = base_model_dir
+            else:
+                try:
+                    info = inspect_model_dir(base_model_dir)
+                except ModelLoadError as exc:
+                    raise InvalidAdapter(f"base model: {exc}") from exc
+            if info.base_model_sha256 != base_model_sha256:
+                raise InvalidAdapter(
+                    f"base_model_sha256 {base_model_sha256} does not match the base model at {info.path} "
+                    f"({info.base_model_sha256})",
+                    hint="Publish against the base model the adapter was trained on.",
+                )
+            self._flatten_staging(staging.path)
+            validate_lora_dir(staging.path, base_weight_shapes(info.path))
+            fault_point("after_validate")
+
+            files = []
+            for fname in sorted(ADAPTER_FILES):
+                digest, size = sha256_file(staging.path / fname)
+                files.append(FileEntry(fname, size, digest))
+            manifest = Manifest.build(
+                name=name,
+                files=files,
+                base_model_sha256=base_model_sha256,
+                kind=kind,
+                config=config,
+                inputs_sha256=inputs_sha256,
+                parent_revision=parent_revision,
+            )
+            atomic_write_bytes(staging.path / MANIFEST_FILE, manifest.to_bytes())
+            fault_point("after_manifest")
+
+            with self._locked():
+                name_dir = self.root / name
+                final = name_dir / REVISIONS_DIR / manifest.revision
+                old = self._read_head(name)
+                if final.is_dir():
+                    shutil.rmtree(staging.path)  # identical content is already stored
+                else:
+                    (name_dir / REVISIONS_DIR).mkdir(parents=True, exist_ok=True)
+                    atomic_publish_dir(staging.path, final)
+                    fault_point("after_rename")
+                history: list[str] = []
+                if old is not None:
+                    history = [r for r in [old[0], *old[1]] if r != manifest.revision]
+                head = {"revision": manifest.revision, "history": history[:KEEP_PREVIOUS_REVISIONS]}
+                atomic_write_json(name_dir / HEAD_FILE, head)
+                fault_point("after_head")
+                self._prune_revisions(name_dir, {head["revision"], *head["history"]})
+        except BaseException:
+            staging.discard()
+            raise
+        staging._release()
+        self.cleanup()
+        return self._load_record(name, manifest.revision)
+
+    # ------------------------------------------------------------------- reading
+    def _read_head(self, name: str) -> tuple[str, list[str]] | None:
+        path = self.root / name / HEAD_FILE
+        try:
+            data = path.read_bytes()[: MAX_HEAD_BYTES + 1]
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            obj = strict_json_loads(data) if len(data) <= MAX_HEAD_BYTES else None
+        except CanonicalJSONError:
+            obj = None
+        if not isinstance(obj, dict) or set(obj) != {"revision", "history"} or not isinstance(obj["history"], list):
+            raise AdapterIntegrityError(f"{path} is corrupt")
+        check_revision(obj["revision"])
+        for r in obj["history"]:
+            check_revision(r)
+        return obj["revision"], list(obj["history"])
+
+    def _load_record(self, name: str, revision: str) -> AdapterRecord:
+        rev_dir = self.root / name / REVISIONS_DIR / revision
+        mpath = rev_dir / MANIFEST_FILE
+        try:
+            with open(mpath, "rb") as f:
+                data = f.read(MAX_MANIFEST_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise AdapterNotFound(f"adapter {name!r} has no revision {revision}") from exc
+        try:
+            manifest = Manifest.from_bytes(data)
+        except InvalidAdapter as exc:
+            raise AdapterIntegrityError(f"adapter {name!r} revision {revision}: {exc.message}") from exc
+        if manifest.name != name or manifest.revision != revision:
+            raise AdapterIntegrityError(
+                f"manifest in {rev_dir} names {manifest.name!r}@{manifest.revision}, not {name!r}@{revision}"
+            )
+        return AdapterRecord(name=name, revision=revision, path=rev_dir, manifest=manifest)
+
+    def get(self, name: str, revision: str | None = None) -> AdapterRecord:
+        """The record of ``name`` at HEAD (or at a retained earlier ``revision``)."""
+        check_name(name)
+        head = self._read_head(name)
+        if head is None:
+            raise AdapterNotFound(f"no adapter named {name!r}")
+        if revision is not None:
+            check_revision(revision)
+            if revision not in (head[0], *head[1]):
+                raise AdapterNotFound(f"adapter {name!r} has no retained revision {revision}")
+        return self._load_record(name, revision or head[0])
+
+    def list(self) -> list[AdapterRecord]:
+        records = []
+        for entry in sorted(self.root.iterdir()):
+            if not NAME_RE.fullmatch(entry.name) or not entry.is_dir():
+                continue  # the store's own dot-dirs, or something not put here by Kiln
+            try:
+                records.append(self.get(entry.name))
+            except AdapterNotFound:
+                continue  # deleted meanwhile, or a first publication that never reached HEAD
+        return records
+
+    def verify(self, name: str, revision: str | None = None) -> AdapterRecord:
+        """Re-hash every file against the manifest; raise :class:`AdapterIntegrityError` on any mismatch."""
+        record = self.get(name, revision)
+        problems = []
+        expected = {f.path: f for f in record.manifest.files}
+        present = {p.name for p in record.path.iterdir()} - {MANIFEST_FILE}
+        for extra in sorted(present - set(expected)):
+            problems.append(f"unexpected file {extra}")
+        for fname, entry in sorted(expected.items()):
+            path = record.path / fname
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    problems.append(f"{fname} is not a regular file")
+                    continue
+                digest, size = sha256_file(path)
+            except FileNotFoundError:
+                problems.append(f"{fname} is missing")
+                continue
+            if size != entry.size:
+                problems.append(f"{fname} has {size} bytes, manifest says {entry.size}")
+            elif digest != entry.sha256:
+                problems.append(f"{fname} sha256 {digest} differs from the manifest's {entry.sha256}")
+        if problems:
+            raise AdapterIntegrityError(f"adapter {name!r} revision {record.revision}: " + "; ".join(problems))
+        return record
+
+    # ------------------------------------------------------------------ removal
+    def _to_trash(self, path: Path) -> None:
+        """Atomically move ``path`` out of sight, then remove it."""
+        target = self.root / TRASH_DIR / f"{path.name}-{uuid.uuid4().hex}"
+        os.rename(path, target)
+        shutil.rmtree(target, ignore_errors=True)
+
+    def _prune_revisions(self, name_dir: Path, keep: set[str]) -> int:
+        removed = 0
+        rev_root = name_dir / REVISIONS_DIR
+        if not rev_root.is_dir():
+            return 0
+        for rev in rev_root.iterdir():
+            if rev.name not in keep:
+                self._to_trash(rev)
+                removed += 1
+        return removed
+
+    def delete(self, name: str) -> AdapterRecord:
+        """Remove an adapter with all its revisions; returns the record that was HEAD.
+
+        Callers that serve adapters must refuse this while the adapter is active.
+        """
+        record = self.get(name)
+        with self._locked():
+            target = self.root / TRASH_DIR / f"{name}-{uuid.uuid4().hex}"
+            try:
+                os.rename(self.root / name, target)
+            except FileNotFoundError as exc:
+                raise AdapterNotFound(f"no adapter named {name!r}") from exc
+            fault_point("delete_after_trash")
+            shutil.rmtree(target, ignore_errors=True)
+        return record
+
+    def cleanup(self) -> CleanupReport:
+        """Remove what interrupted operations left behind. Safe to run at any time."""
+        staging_removed = revisions_removed = names_removed = temps_removed = 0
+        with self._locked():
+            staging_root = self.root / STAGING_DIR
+            for lock_path in staging_root.glob("*.lock"):
+                fd = os.open(lock_path, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    continue  # its owner is alive
+                else:
+                    shutil.rmtree(staging_root / lock_path.stem, ignore_errors=True)
+                    lock_path.unlink(missing_ok=True)
+                    staging_removed += 1
+                finally:
+                    os.close(fd)
+            for entry in staging_root.iterdir():
+                if entry.suffix != ".lock" and not (staging_root / f"{entry.name}.lock").exists():
+                    _remove(entry)
+                    staging_removed += 1
+            for entry in (self.root / TRASH_DIR).iterdir():
+                _remove(entry)
+            for name_dir in self.root.iterdir():
+                if name_dir.name.startswith(".") or not name_dir.is_dir():
+                    continue
+                for tmp in name_dir.glob(f".{HEAD_FILE}.*.tmp"):
+                    tmp.unlink()
+                    temps_removed += 1
+                try:
+                    head = self._read_head(name_dir.name)
+                except AdapterIntegrityError:
+                    continue  # leave corrupt state for a human; get() reports it
+                if head is None:
+                    self._to_trash(name_dir)  # first publication died before HEAD
+                    names_removed += 1
+                else:
+                    revisions_removed += self._prune_revisions(name_dir, {head[0], *head[1]})
+        return CleanupReport(staging_removed, revisions_removed, names_removed, temps_removed)
