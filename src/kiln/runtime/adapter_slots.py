@@ -1,0 +1,179 @@
+"""Live LoRA adapters on the one served model (PEFT multi-adapter, no second copy).
+
+Served adapter *names* map to internal PEFT adapter *keys* (``name@revision[:12]``).
+A request resolves its name to a key once, at admission, and holds a reference
+on that key until its row is cleaned up; activation of a new revision loads the
+new key, checks it with a canary, then flips the name's mapping in one step.
+Keys no longer mapped are deleted when their last row lets go.
+
+PEFT wraps the base model in place the first time an adapter is needed. It needs
+one adapter to exist, so the wrap installs a rank-1 placeholder whose B matrix is
+zero (a no-op); every forward passes explicit per-row ``adapter_names``, so the
+placeholder or any adapter the trainer sets active is never applied by accident.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+PLACEHOLDER_KEY = "__kiln_placeholder__"
+KEY_REVISION_CHARS = 12
+MAX_ADAPTER_NAME_CHARS = 128
+
+
+class AdapterError(RuntimeError):
+    """An adapter could not be activated or found; the message says what to do."""
+
+
+class UnknownAdapter(AdapterError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def adapter_key(name: str, revision: str) -> str:
+    return f"{name}@{revision[:KEY_REVISION_CHARS]}"
+
+
+class AdapterSlots:
+    def __init__(self, model: Any, ownership: Any):
+        self._base = model
+        self._peft: Any = None
+        self._ownership = ownership
+        self._lock = threading.Lock()
+        self._names: dict[str, tuple[str, str]] = {}  # name -> (key, revision)
+        self._refs: dict[str, int] = {}  # key -> rows holding it
+        self._retired: set[str] = set()  # keys no name maps to any more
+
+    # -- model objects ---------------------------------------------------------
+    @property
+    def forward_model(self) -> Any:
+        return self._peft if self._peft is not None else self._base
+
+    @property
+    def wrapped(self) -> bool:
+        return self._peft is not None
+
+    def peft_model(self) -> Any:
+        """The PeftModel over the served model, wrapping it in place on first use."""
+        if self._peft is not None:
+            return self._peft
+        with self._ownership.exclusive():
+            self._wrap_locked()
+        return self._peft
+
+    def _wrap_locked(self) -> None:
+        if self._peft is not None:
+            return
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        target = next(
+            (name.rsplit(".", 1)[-1] for name, mod in self._base.named_modules()
+             if isinstance(mod, torch.nn.Linear) and ".layers." in name),
+            None,
+        )
+        if target is None:
+            raise AdapterError("the served model has no linear layers inside `.layers.`; LoRA adapters are unsupported")
+        config = LoraConfig(r=1, lora_alpha=1, target_modules=[target], lora_dropout=0.0)
+        was_training = self._base.training
+        self._peft = get_peft_model(self._base, config, adapter_name=PLACEHOLDER_KEY)
+        self._peft.train(was_training)
+        if not was_training:
+            self._peft.eval()
+
+    # -- request side ------------------------------------------------------------
+    def acquire(self, name: str) -> tuple[str, str]:
+        """Resolve a served name to (key, revision) and hold a reference on the key."""
+        with self._lock:
+            try:
+                key, revision = self._names[name]
+            except KeyError:
+                raise UnknownAdapter(f"no active adapter named {name!r}") from None
+            self._refs[key] = self._refs.get(key, 0) + 1
+            return key, revision
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if self._refs[key] > 0:
+                return
+            del self._refs[key]
+            drop = key in self._retired
+        if drop:
+            with self._ownership.exclusive():
+                self._delete_key(key)
+
+    # -- control side ------------------------------------------------------------
+    def activate(self, name: str, path: Path, revision: str, canary: Callable[[str], None]) -> None:
+        if not name or len(name) > MAX_ADAPTER_NAME_CHARS or "@" in name:
+            raise AdapterError(f"invalid adapter name {name!r}: 1-{MAX_ADAPTER_NAME_CHARS} characters, no '@'")
+        key = adapter_key(name, revision)
+        with self._ownership.exclusive():
+            self._wrap_locked()
+            with self._lock:
+                if self._names.get(name, (None,))[0] == key:
+                    return  # already serving this revision
+            if key in self._peft.peft_config:
+                self._delete_key(key)  # a stale retired copy still in use cannot be, or refs would hold it
+            try:
+                self._peft.load_adapter(str(path), adapter_name=key, is_trainable=False)
+                self._peft.eval()
+                canary(key)
+            except Exception as exc:
+                if key in self._peft.peft_config:
+                    self._delete_key(key)
+                raise AdapterError(
+                    f"cannot activate adapter {name!r} revision {revision[:KEY_REVISION_CHARS]} from {path}: {exc}; "
+                    "the previous revision (if any) stays active"
+                ) from exc
+            with self._lock:
+                old = self._names.get(name)
+                self._names[name] = (key, revision)
+                self._retired.discard(key)
+                stale = old[0] if old and old[0] != key else None
+                if stale is not None:
+                    self._retired.add(stale)
+                    if self._refs.get(stale, 0) > 0:
+                        stale = None
+            if stale is not None:
+                self._delete_key(stale)
+
+    def deactivate(self, name: str) -> None:
+        with self._lock:
+            entry = self._names.pop(name, None)
+            if entry is None:
+                raise UnknownAdapter(f"no active adapter named {name!r}")
+            key = entry[0]
+            self._retired.add(key)
+            busy = self._refs.get(key, 0) > 0
+        if not busy:
+            with self._ownership.exclusive():
+                self._delete_key(key)
+
+    def active(self) -> dict[str, str]:
+        with self._lock:
+            return {name: rev for name, (_key, rev) in sorted(self._names.items())}
+
+    def delete_private(self, key: str) -> None:
+        """Delete an adapter the trainer added under its own private name."""
+        with self._lock:
+            if any(k == key for k, _ in self._names.values()):
+                raise AdapterError(f"{key!r} is a served adapter key; use deactivate_adapter")
+        with self._ownership.exclusive():
+            self._delete_key(key)
+
+    def _delete_key(self, key: str) -> None:
+        """Caller holds exclusive ownership."""
+        if self._peft is None or key not in self._peft.peft_config:
+            with self._lock:
+                self._retired.discard(key)
+            return
+        active = self._peft.active_adapters if hasattr(self._peft, "active_adapters") else []
+        if key in active:
+            self._peft.set_adapter(PLACEHOLDER_KEY)
+        self._peft.delete_adapter(key)
+        with self._lock:
+            self._retired.discard(key)

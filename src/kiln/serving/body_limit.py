@@ -1,0 +1,70 @@
+"""ASGI middleware that bounds request bodies before anything parses them.
+
+A declared ``Content-Length`` over the limit is refused at once; a body sent
+without one (chunked) is counted as it streams and refused as soon as it passes
+the limit. Either way the client gets a 413 in Kiln's error envelope.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.exceptions import HTTPException
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` mid-stream; the app's HTTP error handler turns it into a 413."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the {limit}-byte limit (server.max_body_bytes)")
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_body_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return await self._refuse(send, 400, "bad_request", "Content-Length is not an integer")
+                if declared > limit:
+                    return await self._refuse(send, 413, "payload_too_large",
+                                              f"request body of {declared} bytes exceeds the {limit}-byte limit")
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(send, 413, "payload_too_large", f"request body exceeds the {limit}-byte limit")
+
+    @staticmethod
+    async def _refuse(send, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": {"code": code, "message": message,
+                                     "hint": "send a smaller body (server.max_body_bytes bounds it)"}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

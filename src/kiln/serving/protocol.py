@@ -1,0 +1,211 @@
+"""OpenAI/vLLM wire models (requests and responses), apart from the logic that serves them.
+
+Static bounds here are hard ceilings for any configuration; the configured limits
+(``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.openai`.
+Requests forbid unknown fields, so a typo or an unsupported option is a 422 rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+MAX_MODEL_NAME_CHARS = 256
+MAX_CONTENT_CHARS = 1_000_000
+MAX_STOP_CHARS = 256
+MAX_STOP_SEQUENCES = 64
+MAX_PROMPT_TOKEN_IDS = 1_048_576
+MAX_N = 256
+MAX_LOGPROBS = 1000
+MAX_TOKENS = 1_048_576
+MAX_SEED = 2**63 - 1
+MAX_USER_CHARS = 256
+MAX_CONTENT_PARTS = 256
+MAX_MESSAGES = 100_000
+
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
+        list[TextPart], Field(max_length=MAX_CONTENT_PARTS)
+    ]
+    name: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _Sampling(_Request):
+    model: ModelName
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=1_000_000)  # 0 or -1: off (vLLM accepts -1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension: keep going past end-of-sequence
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # accepted only at the neutral value
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)
+    ]
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported; use prompt_logprobs to score the prompt")
+        return v
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(_Response):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kiln"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+    base_model_sha256: str
+    revision: str | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(_Response):
+    code: str
+    message: str
+    hint: str
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody

@@ -1,0 +1,445 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Route code validates against the configured limits, renders and tokenizes the
+prompt, resolves ``model`` to the base model or a live adapter, submits rows to
+the engine and turns the engine's per-choice output into JSON or SSE. A client
+disconnect (or the request timeout) cancels the rows.
+
+Every generation response carries ``x-kiln-adapter-revision``: the adapter
+revision the request was admitted with, or ``base`` for the base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kiln.runtime.engine import EngineNotRunning, EngineOverloaded, PromptTooLong, Submission, UnknownAdapter
+from kiln.runtime.sampling import SamplingParams, TokenChoice
+from kiln.runtime.scoring import PromptLogprobRow
+from kiln.serving.errors import APIError
+from kiln.serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    PromptLogprob,
+    TopLogprob,
+    Usage,
+)
+
+router = APIRouter()
+
+ADAPTER_HEADER = "x-kiln-adapter-revision"
+BASE_REVISION = "base"
+LARGE_PROMPT_CHARS = 20_000  # render/tokenize bigger prompts off the event loop
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# -- shared helpers -----------------------------------------------------------------------
+
+
+def _state(request: Request):
+    return request.app.state.kiln
+
+
+def _resolve_model(state, model: str) -> str | None:
+    """``None`` for the base model, else the adapter name; unknown -> 404."""
+    if model == state.model_id:
+        return None
+    if model in state.engine.active_adapters():
+        return model
+    known = [state.model_id, *state.engine.active_adapters()]
+    raise APIError(404, "model_not_found", f"model {model!r} does not exist",
+                   f"use one of {known} (GET /v1/models lists them)")
+
+
+def _check_limits(state, req, logprobs: int | None, stop: tuple[str, ...]) -> None:
+    lim = state.settings.limits
+    if req.n > lim.max_n:
+        raise APIError(400, "limit_exceeded", f"n={req.n} exceeds limits.max_n={lim.max_n}", "lower n")
+    if len(stop) > lim.max_stop_sequences:
+        raise APIError(400, "limit_exceeded",
+                       f"{len(stop)} stop sequences exceed limits.max_stop_sequences={lim.max_stop_sequences}",
+                       "send fewer stop sequences")
+    if logprobs is not None and logprobs > lim.max_logprobs:
+        raise APIError(400, "limit_exceeded", f"{logprobs} logprobs exceed limits.max_logprobs={lim.max_logprobs}",
+                       "ask for fewer logprobs")
+
+
+def _max_tokens(state, requested: int | None, prompt_len: int) -> int:
+    lim = state.settings.limits
+    room = lim.max_model_len - prompt_len
+    if room <= 0:
+        raise APIError(400, "context_length_exceeded",
+                       f"the prompt has {prompt_len} tokens; the model's limit is {lim.max_model_len}",
+                       "shorten the prompt")
+    if requested is None:
+        return min(lim.default_max_tokens, room)
+    if requested > lim.max_tokens_cap:
+        raise APIError(400, "limit_exceeded", f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}",
+                       "lower max_tokens")
+    if requested > room:
+        raise APIError(400, "context_length_exceeded",
+                       f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's limit of "
+                       f"{lim.max_model_len} tokens", "shorten the prompt or lower max_tokens")
+    return requested
+
+
+def _params(req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    top_k = 0 if req.top_k in (-1, 0) else req.top_k
+    return [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
+            seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
+            logprobs=logprobs, ignore_eos=req.ignore_eos,
+        )
+        for i in range(req.n)
+    ]
+
+
+def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None) -> Submission:
+    try:
+        return state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop())
+    except EngineOverloaded as exc:
+        raise APIError(429, "overloaded", str(exc), "retry after a short wait") from exc
+    except EngineNotRunning as exc:
+        raise APIError(503, "engine_unavailable", str(exc), "check GET /health; restart the server") from exc
+    except PromptTooLong as exc:
+        raise APIError(400, "context_length_exceeded", str(exc), "shorten the prompt or lower max_tokens") from exc
+    except UnknownAdapter as exc:
+        raise APIError(404, "model_not_found", str(exc), "GET /v1/models lists the served models") from exc
+
+
+def _revision_header(sub: Submission | None, adapter: str | None, state) -> dict[str, str]:
+    if adapter is None:
+        return {ADAPTER_HEADER: BASE_REVISION}
+    rev = sub.adapter_revision if sub is not None else state.engine.active_adapters().get(adapter)
+    return {ADAPTER_HEADER: rev or BASE_REVISION}
+
+
+async def _await_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, sub: Submission, timeout_s: float) -> list[tuple[str, list[TokenChoice], str]]:
+    """Run a submission to the end; cancels it on disconnect or timeout."""
+    texts: dict[int, list[str]] = {s.index: [] for s in sub.streams}
+    toks: dict[int, list[TokenChoice]] = {s.index: [] for s in sub.streams}
+    reasons: dict[int, str] = {}
+
+    async def drain() -> None:
+        while True:
+            chunks = await sub.next_chunks()
+            if not chunks:
+                return
+            for i, c in chunks:
+                texts[i].append(c.text)
+                toks[i].extend(c.tokens)
+                if c.finish_reason is not None:
+                    reasons[i] = c.finish_reason
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(_await_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work not in done:
+        work.cancel()
+        sub.cancel()
+        if watch in done:
+            raise APIError(499, "client_closed", "the client disconnected", "")
+        raise APIError(503, "request_timeout", f"the request did not finish within {timeout_s} s",
+                       "lower max_tokens or raise server.request_timeout_s")
+    work.result()
+    _raise_on_engine_error(reasons.values())
+    return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
+
+
+def _raise_on_engine_error(reasons) -> None:
+    if "error" in reasons:
+        raise APIError(500, "engine_error", "the engine failed while generating", "see the server log; GET /health")
+    if "abort" in reasons:
+        raise APIError(503, "engine_unavailable", "generation was aborted (the server is shutting down)",
+                       "retry against a running server")
+
+
+class _TokenText:
+    """Token id -> its text, cached (logprob entries name tokens by text)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def _token_text(state) -> _TokenText:
+    tt = state.extras.get("token_text")
+    if tt is None:
+        tt = state.extras["token_text"] = _TokenText(state.model.tokenizer)
+    return tt
+
+
+def _chat_logprobs(tokens: list[TokenChoice], tt: _TokenText) -> ChatLogprobs:
+    content = []
+    for t in tokens:
+        s = tt(t.token_id)
+        content.append(ChatTokenLogprob(
+            token=s, logprob=t.logprob, bytes=list(s.encode()),
+            top_logprobs=[TopLogprob(token=tt(i), logprob=lp, bytes=list(tt(i).encode())) for i, lp in t.top],
+        ))
+    return ChatLogprobs(content=content)
+
+
+def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int = 0) -> CompletionLogprobs:
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for t in tokens:
+        s = tt(t.token_id)
+        out.tokens.append(s)
+        out.token_logprobs.append(t.logprob)
+        out.top_logprobs.append({tt(i): lp for i, lp in t.top})
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _stream(
+    request: Request,
+    sub: Submission,
+    timeout_s: float,
+    make_chunk: Callable[[int, Any, str | None], dict],
+    first: Callable[[int], dict] | None,
+    usage_chunk: Callable[[int], dict] | None,
+) -> AsyncIterator[bytes]:
+    """SSE events for a submission, ending with ``data: [DONE]``; cancels rows when the client goes."""
+    deadline = time.monotonic() + timeout_s
+    completion_tokens = 0
+    try:
+        if first is not None:
+            for s in sub.streams:
+                yield _sse(first(s.index))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                yield _sse({"error": {"code": "request_timeout", "message": f"no completion within {timeout_s} s",
+                                      "hint": "lower max_tokens or raise server.request_timeout_s"}})
+                break
+            try:
+                chunks = await asyncio.wait_for(sub.next_chunks(), left)
+            except asyncio.TimeoutError:
+                continue
+            if not chunks:
+                break
+            for index, c in chunks:
+                completion_tokens += len(c.tokens)
+                if c.text or c.tokens or c.finish_reason is not None:
+                    yield _sse(make_chunk(index, c, c.finish_reason))
+        if usage_chunk is not None:
+            yield _sse(usage_chunk(completion_tokens))
+        yield b"data: [DONE]\n\n"
+    finally:
+        sub.cancel()
+
+
+# -- endpoints -------------------------------------------------------------------------------
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    created = int(state.started_at)
+    limit = state.settings.limits.max_model_len
+    cards = [ModelCard(id=state.model_id, created=created, root=str(state.model.path), max_model_len=limit,
+                       base_model_sha256=state.model.base_model_sha256)]
+    for name, rev in state.engine.active_adapters().items():
+        cards.append(ModelCard(id=name, created=created, root=name, parent=state.model_id, max_model_len=limit,
+                               base_model_sha256=state.model.base_model_sha256, revision=rev))
+    return ModelList(data=cards)
+
+
+async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
+    lim = state.settings.limits
+    if len(req.messages) > lim.max_messages:
+        raise APIError(400, "limit_exceeded", f"{len(req.messages)} messages exceed limits.max_messages="
+                       f"{lim.max_messages}", "send fewer messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    size = sum(len(m["content"]) for m in messages)
+    try:
+        if size > LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(state.engine.encode_chat, messages)
+        return state.engine.encode_chat(messages)
+    except Exception as exc:  # template errors (e.g. a role the template rejects) are the caller's input
+        raise APIError(400, "template_error", f"the chat template could not render these messages: {exc}",
+                       "check message roles and order") from exc
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    adapter = _resolve_model(state, body.model)
+    top = body.top_logprobs if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "invalid_request", "top_logprobs requires logprobs=true", "set logprobs to true")
+    logprobs = (top or 0) if body.logprobs else None
+    _check_limits(state, body, logprobs, body.stop_list())
+    prompt = await _render_chat(state, body)
+    max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
+    sub = _submit(state, prompt, _params(body, max_tokens, logprobs), adapter)
+    headers = _revision_header(sub, adapter, state)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    timeout = state.settings.server.request_timeout_s
+    tt = _token_text(state)
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+            "system_fingerprint": state.system_fingerprint}
+
+    if body.stream:
+        def first(i: int) -> dict:
+            return {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+
+        def chunk(i: int, c, reason: str | None) -> dict:
+            lp = _chat_logprobs(c.tokens, tt).model_dump() if logprobs is not None else None
+            delta = {"content": c.text} if c.text or reason is None else {}
+            return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
+
+        usage = None
+        if body.stream_options is not None and body.stream_options.include_usage:
+            def usage(done: int) -> dict:
+                return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
+                                                         "total_tokens": len(prompt) + done}}
+        return StreamingResponse(_stream(request, sub, timeout, chunk, first, usage),
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    results = await _collect(request, sub, timeout)
+    completion = sum(len(t) for _, t, _ in results)
+    resp = ChatCompletionResponse(
+        id=rid, created=created, model=body.model, system_fingerprint=state.system_fingerprint,
+        choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=text),
+                       logprobs=_chat_logprobs(toks, tt) if logprobs is not None else None, finish_reason=reason)
+            for i, (text, toks, reason) in enumerate(results)
+        ],
+        usage=Usage(prompt_tokens=len(prompt), completion_tokens=completion, total_tokens=len(prompt) + completion),
+    )
+    return JSONResponse(resp.model_dump(), headers=headers)
+
+
+def _prompt_ids(state, body: CompletionRequest) -> list[int]:
+    if isinstance(body.prompt, str):
+        if not body.prompt:
+            raise APIError(400, "invalid_request", "the prompt is empty", "send a non-empty prompt")
+        return state.engine.encode_text(body.prompt)
+    vocab = len(state.model.tokenizer)
+    bad = next((t for t in body.prompt if t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, "invalid_token_id", f"token id {bad} is outside the vocabulary (size {vocab})",
+                       f"token ids must be in [0, {vocab})")
+    return list(body.prompt)
+
+
+def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: _TokenText) -> list[dict[str, PromptLogprob] | None]:
+    return [
+        None if row is None else {
+            str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=tt(e.token_id)) for e in row
+        }
+        for row in rows
+    ]
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    adapter = _resolve_model(state, body.model)
+    _check_limits(state, body, body.logprobs, body.stop_list())
+    lim = state.settings.limits
+    if body.prompt_logprobs is not None:
+        if body.prompt_logprobs > lim.max_prompt_logprobs:
+            raise APIError(400, "limit_exceeded", f"prompt_logprobs={body.prompt_logprobs} exceeds "
+                           f"limits.max_prompt_logprobs={lim.max_prompt_logprobs}", "ask for fewer prompt logprobs")
+        if body.stream:
+            raise APIError(400, "invalid_request", "prompt_logprobs is not supported with stream=true",
+                           "send the scoring request with stream=false")
+    prompt = _prompt_ids(state, body)
+    max_tokens = _max_tokens(state, body.max_tokens, len(prompt))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    timeout = state.settings.server.request_timeout_s
+    tt = _token_text(state)
+
+    prompt_rows = None
+    if body.prompt_logprobs is not None:
+        try:
+            fut = state.engine.score_prompt(prompt, body.prompt_logprobs, adapter=adapter)
+        except EngineNotRunning as exc:
+            raise APIError(503, "engine_unavailable", str(exc), "check GET /health") from exc
+        except UnknownAdapter as exc:
+            raise APIError(404, "model_not_found", str(exc), "GET /v1/models lists the served models") from exc
+        prompt_rows = _prompt_logprobs_json(await asyncio.wait_for(asyncio.wrap_future(fut), timeout), tt)
+
+    if max_tokens == 0:
+        headers = _revision_header(None, adapter, state)
+        results = [("", [], "length")] * body.n
+    else:
+        sub = _submit(state, prompt, _params(body, max_tokens, body.logprobs), adapter)
+        headers = _revision_header(sub, adapter, state)
+        if body.stream:
+            base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                    "system_fingerprint": state.system_fingerprint}
+            offsets = [0] * body.n
+
+            def chunk(i: int, c, reason: str | None) -> dict:
+                lp = None
+                if body.logprobs is not None:
+                    lp = _completion_logprobs(c.tokens, tt, offsets[i]).model_dump()
+                offsets[i] += len(c.text)
+                return {**base, "choices": [{"index": i, "text": c.text, "logprobs": lp, "finish_reason": reason}]}
+
+            usage = None
+            if body.stream_options is not None and body.stream_options.include_usage:
+                def usage(done: int) -> dict:
+                    return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
+                                                             "total_tokens": len(prompt) + done}}
+            return StreamingResponse(_stream(request, sub, timeout, chunk, None, usage),
+                                     media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        results = await _collect(request, sub, timeout)
+
+    completion = sum(len(t) for _, t, _ in results)
+    resp = CompletionResponse(
+        id=rid, created=created, model=body.model, system_fingerprint=state.system_fingerprint,
+        choices=[
+            CompletionChoice(index=i, text=text, finish_reason=reason, prompt_logprobs=prompt_rows,
+                             logprobs=_completion_logprobs(toks, tt) if body.logprobs is not None else None)
+            for i, (text, toks, reason) in enumerate(results)
+        ],
+        usage=Usage(prompt_tokens=len(prompt), completion_tokens=completion, total_tokens=len(prompt) + completion),
+    )
+    return JSONResponse(resp.model_dump(), headers=headers)

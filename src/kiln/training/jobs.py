@@ -1,0 +1,259 @@
+"""The training job queue: FIFO, persisted in SQLite (WAL) under the Kiln home.
+
+States: ``queued -> running -> succeeded | failed | cancelled`` and
+``queued -> cancelled``. The table is the source of truth; the worker claims
+the oldest queued job in one transaction. Opening a store after a crash or
+restart fails every job left ``running`` with the reason, so queued jobs
+behind it still run. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from kiln.canonical import canonical_json
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+SQLITE_BUSY_TIMEOUT_S = 10.0
+MAX_LIST_JOBS = 100
+RESTART_REASON = "interrupted: the server stopped while this job was running"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    adapter TEXT NOT NULL,
+    state TEXT NOT NULL,
+    request TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    progress TEXT NOT NULL DEFAULT '{}',
+    result TEXT,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
+"""
+
+
+class QueueFullError(RuntimeError):
+    """The queue holds ``queue_max`` queued jobs; retry after one has started."""
+
+
+class JobNotFoundError(KeyError):
+    pass
+
+
+class JobStateError(RuntimeError):
+    """The job is in a state that does not allow the operation (e.g. cancel a finished job)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    seq: int
+    id: str
+    kind: str
+    adapter: str
+    state: str
+    request: dict[str, Any]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    cancel_requested: bool
+    progress: dict[str, Any]
+    result: dict[str, Any] | None
+    error: str | None
+
+    def public(self, *, queue_position: int | None = None) -> dict[str, Any]:
+        """The job as reported over HTTP (request body omitted: it can be large)."""
+        out = {
+            "id": self.id,
+            "kind": self.kind,
+            "adapter": self.adapter,
+            "state": self.state,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "cancel_requested": self.cancel_requested,
+            "error": self.error,
+            "result": self.result,
+            **{k: self.progress.get(k) for k in ("step", "total_steps", "loss", "tokens_per_s", "eta_s")},
+            "progress": self.progress,
+        }
+        if queue_position is not None:
+            out["queue_position"] = queue_position
+        return out
+
+
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(8)
+
+
+class JobStore:
+    """Thread-safe access to ``jobs.sqlite3``; one connection guarded by a lock."""
+
+    def __init__(self, path: Path, *, queue_max: int):
+        self.path = Path(path)
+        self.queue_max = queue_max
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(
+            str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
+        )
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self.recovered = self._fail_interrupted()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _fail_interrupted(self) -> list[str]:
+        now = time.time()
+        with self._tx() as db:
+            ids = [r["id"] for r in db.execute("SELECT id FROM jobs WHERE state = ?", (RUNNING,))]
+            for job_id in ids:
+                row = db.execute("SELECT progress FROM jobs WHERE id = ?", (job_id,)).fetchone()
+                progress = json.loads(row["progress"])
+                reason = RESTART_REASON + f" (at step {progress.get('step', 0)} of {progress.get('total_steps', '?')})"
+                if progress.get("checkpoint_step"):
+                    reason += (
+                        f"; its checkpoint at step {progress['checkpoint_step']} can be continued by "
+                        f"submitting the same request with resume_from_job={job_id!r}"
+                    )
+                db.execute(
+                    "UPDATE jobs SET state = ?, error = ?, finished_at = ? WHERE id = ?", (FAILED, reason, now, job_id)
+                )
+        return ids
+
+    # ----------------------------------------------------------------- writes
+    def submit(self, kind: str, adapter: str, request: dict[str, Any]) -> Job:
+        job_id = new_job_id()
+        with self._tx() as db:
+            (queued,) = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()
+            if queued >= self.queue_max:
+                raise QueueFullError(f"the training queue is full ({queued} of {self.queue_max} jobs queued)")
+            db.execute(
+                "INSERT INTO jobs (id, kind, adapter, state, request, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, kind, adapter, QUEUED, canonical_json(request), time.time()),
+            )
+        return self.get(job_id)
+
+    def claim_next(self) -> Job | None:
+        """Move the oldest queued job to ``running`` and return it (None if none)."""
+        with self._tx() as db:
+            row = db.execute("SELECT id FROM jobs WHERE state = ? ORDER BY seq LIMIT 1", (QUEUED,)).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE jobs SET state = ?, started_at = ? WHERE id = ?", (RUNNING, time.time(), row["id"]))
+        return self.get(row["id"])
+
+    def update_progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (canonical_json(progress), job_id))
+
+    def finish(self, job_id: str, state: str, *, result: dict[str, Any] | None = None, error: str | None = None) -> None:
+        if state not in TERMINAL:
+            raise ValueError(f"{state!r} is not a terminal state")
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET state = ?, result = ?, error = ?, finished_at = ? WHERE id = ? AND state = ?",
+                (state, None if result is None else canonical_json(result), error, time.time(), job_id, RUNNING),
+            )
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a queued job now, or flag a running job to stop at its next step boundary."""
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            if row["state"] == QUEUED:
+                db.execute(
+                    "UPDATE jobs SET state = ?, cancel_requested = 1, finished_at = ?, error = ? WHERE id = ?",
+                    (CANCELLED, time.time(), "cancelled before it started", job_id),
+                )
+            elif row["state"] == RUNNING:
+                db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job_id,))
+            else:
+                raise JobStateError(f"job {job_id} is already {row['state']}; only queued or running jobs can be cancelled")
+        return self.get(job_id)
+
+    # ------------------------------------------------------------------ reads
+    def get(self, job_id: str) -> Job:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return _job(row)
+
+    def cancel_requested(self, job_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return bool(row and row["cancel_requested"])
+
+    def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS) -> list[Job]:
+        """Jobs in FIFO order (oldest first), optionally filtered by state."""
+        limit = max(1, min(limit, MAX_LIST_JOBS))
+        with self._lock:
+            if states:
+                marks = ",".join("?" * len(states))
+                rows = self._db.execute(
+                    f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY seq LIMIT ?", (*sorted(states), limit)
+                ).fetchall()
+            else:
+                rows = self._db.execute(
+                    "SELECT * FROM (SELECT * FROM jobs ORDER BY seq DESC LIMIT ?) ORDER BY seq", (limit,)
+                ).fetchall()
+        return [_job(r) for r in rows]
+
+    def queue_position(self, job: Job) -> int | None:
+        """1-based position among queued jobs, or None when not queued."""
+        if job.state != QUEUED:
+            return None
+        with self._lock:
+            (ahead,) = self._db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (QUEUED, job.seq)
+            ).fetchone()
+        return ahead + 1
+
+
+def _job(row: sqlite3.Row) -> Job:
+    return Job(
+        seq=row["seq"],
+        id=row["id"],
+        kind=row["kind"],
+        adapter=row["adapter"],
+        state=row["state"],
+        request=json.loads(row["request"]),
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        cancel_requested=bool(row["cancel_requested"]),
+        progress=json.loads(row["progress"]),
+        result=None if row["result"] is None else json.loads(row["result"]),
+        error=row["error"],
+    )

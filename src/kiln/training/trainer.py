@@ -1,0 +1,378 @@
+"""The LoRA training loops (SFT and GRPO) on the served model.
+
+The model being trained is the engine's own ``PeftModel``: the job adds a
+private adapter to it, and every optimizer step runs inside ``exclusive()``
+(the accelerator-ownership lock) with that adapter active, then hands the
+model back to serving. Nothing else about the model changes, so inference
+between two steps sees exactly what it saw before the job.
+
+Both loops read top to bottom: build the optimizer, restore a checkpoint if
+given, then ``for epoch: for batch: forward -> loss -> backward -> step``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from kiln.training.checkpoints import Checkpoint, save_checkpoint
+from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
+from kiln.training.losses import GRPOLoss, group_advantages, sft_loss, shifted_token_logprobs
+
+PROGRESS_EVERY_S = 0.25
+
+
+class JobCancelled(Exception):
+    """Raised at a step boundary when the job was asked to stop."""
+
+    def __init__(self, step: int):
+        super().__init__(f"cancelled at step {step}")
+        self.step = step
+
+
+class TrainingFailed(RuntimeError):
+    """The loop cannot continue (non-finite loss, bad checkpoint...)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that determines the arithmetic of a run (hashed for resume)."""
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    seed: int
+    checkpoint_interval: int = 0
+
+
+@dataclass
+class Hooks:
+    """How the loop talks to the outside world; defaults make it self-contained."""
+
+    exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext
+    should_cancel: Callable[[], bool] = lambda: False
+    on_progress: Callable[[dict[str, Any]], None] = lambda p: None
+    checkpoint_root: Path | None = None
+    plan_sha256: str = ""
+
+
+@dataclass
+class Report:
+    steps: int
+    total_steps: int
+    final_loss: float
+    tokens: int
+    train_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "total_steps": self.total_steps,
+            "final_loss": self.final_loss,
+            "tokens": self.tokens,
+            "train_seconds": round(self.train_seconds, 4),
+            "tokens_per_s": round(self.tokens / self.train_seconds, 2) if self.train_seconds > 0 else None,
+            **self.extra,
+        }
+
+
+# ------------------------------------------------------------- private adapter
+
+
+def lora_config(rank: int, alpha: float, target_modules: Sequence[str]) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_private_adapter(
+    peft_model: Any, name: str, config: Any, *, seed: int, init_state: dict[str, torch.Tensor] | None = None
+) -> list[torch.nn.Parameter]:
+    """Add adapter ``name`` (seeded init, or ``init_state`` weights) and return its parameters.
+
+    Call under exclusive ownership. The global RNG is left as it was.
+    """
+    from peft import set_peft_model_state_dict
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model.add_adapter(name, config)
+    if init_state is not None:
+        result = set_peft_model_state_dict(peft_model, init_state, adapter_name=name)
+        missing = [k for k in result.missing_keys if f".{name}." in k]
+        if missing or result.unexpected_keys:
+            raise TrainingFailed(
+                f"the base adapter's weights do not match its LoRA config ({len(missing)} missing, "
+                f"{len(result.unexpected_keys)} unexpected keys)"
+            )
+    return private_parameters(peft_model, name)
+
+
+def private_parameters(peft_model: Any, name: str) -> list[torch.nn.Parameter]:
+    params = [p for n, p in peft_model.named_parameters() if f".{name}." in n]
+    if not params:
+        raise TrainingFailed(f"adapter {name!r} has no parameters; do its target modules exist in the model?")
+    return params
+
+
+def adapter_state(peft_model: Any, name: str) -> dict[str, torch.Tensor]:
+    """The adapter's weights keyed as in ``adapter_model.safetensors``."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(peft_model, adapter_name=name)
+
+
+@contextmanager
+def private_active(peft_model: Any, name: str) -> Iterator[None]:
+    """Make ``name`` the active, trainable adapter; restore the previous one after."""
+    previous = peft_model.active_adapter
+    peft_model.base_model.set_adapter(name)
+    try:
+        yield
+    finally:
+        if previous in peft_model.peft_config:
+            peft_model.base_model.set_adapter(previous, inference_mode=True)
+        for p in private_parameters(peft_model, name):
+            p.requires_grad_(False)
+
+
+def save_adapter_files(peft_model: Any, name: str, out_dir: Path, *, base_model_dir: str) -> None:
+    """Write standard PEFT files (``adapter_config.json`` + ``adapter_model.safetensors``) into ``out_dir``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().clone() for k, v in adapter_state(peft_model, name).items()}
+    for key, tensor in state.items():
+        if not torch.isfinite(tensor).all():
+            raise TrainingFailed(f"trained weight {key} is not finite; lower the learning rate")
+    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = peft_model.peft_config[name].to_dict()
+    cfg["base_model_name_or_path"] = base_model_dir
+    cfg["inference_mode"] = True
+    for k, v in list(cfg.items()):
+        if isinstance(v, set):
+            cfg[k] = sorted(v)
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+
+
+# ------------------------------------------------------------------ shared loop
+
+
+class _Loop:
+    """Optimizer, counters, progress and checkpoints shared by both loops."""
+
+    def __init__(self, peft_model: Any, name: str, plan: Plan, hooks: Hooks, total_steps: int,
+                 resume: Checkpoint | None):
+        self.peft_model, self.name, self.plan, self.hooks = peft_model, name, plan, hooks
+        self.total_steps = total_steps
+        self.params = private_parameters(peft_model, name)
+        self.opt = torch.optim.AdamW(self.params, lr=plan.learning_rate, weight_decay=0.0)
+        self.step, self.epoch, self.batch = 0, 0, 0
+        self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
+        self.stats: dict[str, Any] = {}
+        self._last_progress = 0.0
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.peft_model, ckpt.adapter_state, adapter_name=self.name)
+        self.opt.load_state_dict(ckpt.optimizer_state)
+        torch.set_rng_state(ckpt.rng_state)
+        self.step, self.epoch, self.batch = ckpt.step, ckpt.epoch, ckpt.batch
+        self.tokens = int(ckpt.stats.get("tokens", 0))
+        self.train_s = float(ckpt.stats.get("train_s", 0.0))
+        self.loss = float(ckpt.stats.get("loss", float("nan")))
+        self.stats.update(ckpt.stats.get("extra", {}))
+        self.stats["resumed_from_step"] = ckpt.step
+        self.checkpoint_step = ckpt.step
+
+    checkpoint_step = 0
+
+    def check_cancel(self) -> None:
+        if self.hooks.should_cancel():
+            raise JobCancelled(self.step)
+
+    def optimizer_step(self, loss: torch.Tensor, tokens: int, started: float) -> None:
+        if not torch.isfinite(loss):
+            raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = float(loss.detach())
+        self.step += 1
+        self.tokens += tokens
+        self.train_s += time.perf_counter() - started
+
+    def after_step(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self.epoch, self.batch = next_epoch, next_batch
+        p = self.plan
+        if (p.checkpoint_interval and self.hooks.checkpoint_root is not None
+                and self.step % p.checkpoint_interval == 0 and self.step < self.total_steps):
+            save_checkpoint(
+                self.hooks.checkpoint_root, step=self.step, epoch=next_epoch, batch=next_batch,
+                plan_sha256=self.hooks.plan_sha256, adapter_state=adapter_state(self.peft_model, self.name),
+                optimizer_state=self.opt.state_dict(), tensors=tensors,
+                stats={"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss, "extra": self.stats},
+            )
+            self.checkpoint_step = self.step
+        now = time.perf_counter()
+        if now - self._last_progress >= PROGRESS_EVERY_S or self.step == self.total_steps:
+            self._last_progress = now
+            self.hooks.on_progress(self.progress())
+
+    def progress(self) -> dict[str, Any]:
+        per_step = self.train_s / self.step if self.step else None
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "epoch": self.epoch,
+            "loss": None if math.isnan(self.loss) else round(self.loss, 6),
+            "tokens_per_s": round(self.tokens / self.train_s, 1) if self.train_s > 0 else None,
+            "eta_s": round(per_step * (self.total_steps - self.step), 2) if per_step is not None else None,
+            "checkpoint_step": self.checkpoint_step,
+            **self.stats,
+        }
+
+    def report(self) -> Report:
+        return Report(self.step, self.total_steps, self.loss, self.tokens, self.train_s, dict(self.stats))
+
+
+# -------------------------------------------------------------------------- SFT
+
+
+def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
+            hooks: Hooks | None = None, resume: Checkpoint | None = None) -> Report:
+    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens)."""
+    hooks = hooks or Hooks()
+    per_epoch = batches_per_epoch(len(rows), plan.batch_size)
+    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    for epoch in range(loop.epoch, plan.epochs):
+        order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
+        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+            loop.check_cancel()
+            batch = collate([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]], pad_id)
+            with hooks.exclusive(), private_active(peft_model, name):
+                t0 = time.perf_counter()
+                logits = peft_model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+                ).logits
+                loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+                loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+            loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
+    return loop.report()
+
+
+# ------------------------------------------------------------------------- GRPO
+
+
+@dataclass(frozen=True)
+class GRPOItem:
+    """One usable group: its rows and one advantage per row."""
+
+    rows: list[Row]
+    advantages: torch.Tensor  # [G]
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    clip_epsilon: float = 0.2
+    scale_rewards: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def grpo_items(groups_rows: Sequence[list[Row]], rewards: Sequence[Sequence[float]], *,
+               scale_rewards: bool) -> tuple[list[GRPOItem], int]:
+    """Compute advantages; drop zero-variance groups. Returns ``(items, skipped)``."""
+    items, skipped = [], 0
+    for rows, r in zip(groups_rows, rewards):
+        adv = group_advantages(torch.tensor(list(r), dtype=torch.float64), scale_by_std=scale_rewards)
+        if adv is None:
+            skipped += 1
+        else:
+            items.append(GRPOItem(list(rows), adv))
+    return items, skipped
+
+
+def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, T-1]`` log-probabilities of each next token."""
+    logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    return shifted_token_logprobs(logits, batch["input_ids"])
+
+
+def _padded(rows_logp: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows_logp), width), dtype=torch.float32)
+    for i, v in enumerate(rows_logp):
+        out[i, : v.numel()] = v
+    return out
+
+
+def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, settings: GRPOSettings, *,
+             pad_id: int, skipped_groups: int = 0, hooks: Hooks | None = None,
+             resume: Checkpoint | None = None) -> Report:
+    """Group-relative policy optimisation over fixed, pre-scored completions.
+
+    The ratio's denominator (``old_logp``) is the policy at the start of the job,
+    computed once before the first step (and kept in checkpoints); the KL
+    reference is the base model (all adapters disabled).
+    """
+    hooks = hooks or Hooks()
+    if not items:
+        raise TrainingFailed(
+            f"all {skipped_groups} groups have equal rewards within the group; nothing to learn from"
+        )
+    loss_fn = GRPOLoss(settings.clip_epsilon, settings.kl_coef, settings.kl_estimator)  # type: ignore[arg-type]
+    per_epoch = batches_per_epoch(len(items), plan.batch_size)
+    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    loop.stats.update({"groups": len(items) + skipped_groups, "skipped_zero_variance_groups": skipped_groups})
+
+    # old_logp: one [len-1] tensor per row, from the policy before any update.
+    if resume is not None:
+        old = [resume.tensors[f"old.{i}"] for i in range(sum(len(it.rows) for it in items))]
+    else:
+        old = []
+        with torch.no_grad(), hooks.exclusive(), private_active(peft_model, name):
+            for it in items:
+                lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id))
+                old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
+    offsets = [0]
+    for it in items:
+        offsets.append(offsets[-1] + len(it.rows))
+    old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
+
+    for epoch in range(loop.epoch, plan.epochs):
+        order = epoch_order(len(items), seed=plan.seed, epoch=epoch)
+        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+            loop.check_cancel()
+            chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
+            rows = [r for g in chosen for r in items[g].rows]
+            adv = torch.cat([items[g].advantages for g in chosen])
+            old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
+            batch = collate(rows, pad_id)
+            mask = batch["loss_mask"][:, 1:]
+            with hooks.exclusive():
+                t0 = time.perf_counter()
+                ref = None
+                if settings.kl_coef > 0:
+                    with torch.no_grad(), peft_model.disable_adapter():
+                        ref = _sequence_logprobs(peft_model, batch)
+                with private_active(peft_model, name):
+                    logp = _sequence_logprobs(peft_model, batch)
+                    loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1]), adv, mask, ref)
+                    loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+            loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+            loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
+    return loop.report()

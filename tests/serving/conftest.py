@@ -1,0 +1,115 @@
+"""One real ``kiln serve`` subprocess shared by the serving tests.
+
+It is started with settings from all three layers so the config-precedence test
+can read them back from GET /v1/config: the TOML file sets three keys, the
+environment overrides two of them, and a CLI flag overrides one of those again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 120
+KILN = Path(sys.executable).with_name("kiln")
+
+CONFIG_TOML = """
+[server]
+request_timeout_s = 120.0
+
+[batching]
+token_budget = 300
+max_queued_rows = 200
+
+[limits]
+max_n = 5
+max_tokens_cap = 480
+"""
+ENV_OVERRIDES = {"KILN_BATCHING_TOKEN_BUDGET": "320", "KILN_LIMITS_MAX_N": "6"}
+CLI_FLAGS = ["--token-budget", "384", "--max-model-len", "512", "--no-training"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen
+    model_id: str
+    model_dir: Path
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_server(model_dir: Path, home: Path, *, extra_args: list[str], env_extra: dict[str, str],
+                 config: Path | None) -> Server:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(env_extra)
+    env["KILN_HOME"] = str(home)
+    args = [str(KILN), "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    if config is not None:
+        args += ["--config", str(config)]
+    log_path = home / f"serve-{port}.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kiln serve exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return Server(base, proc, model_dir.name, model_dir, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"kiln serve did not become healthy:\n{log_path.read_text(errors='replace')}")
+
+
+def stop_server(server: Server) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        return server.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("kiln-home")
+    config = home / "kiln.toml"
+    config.write_text(CONFIG_TOML)
+    srv = start_server(builtin_model_dir, home, extra_args=CLI_FLAGS, env_extra=ENV_OVERRIDES, config=config)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def oai(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)

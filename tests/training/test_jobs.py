@@ -1,0 +1,91 @@
+"""The SQLite job queue with a real database file."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from kiln.training.jobs import (
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    JobNotFoundError,
+    JobStateError,
+    JobStore,
+    QueueFullError,
+)
+
+
+def test_fifo_and_persistence(tmp_path):
+    db = tmp_path / "jobs.sqlite3"
+    store = JobStore(db, queue_max=4)
+    a = store.submit("sft", "one", {"x": 1})
+    b = store.submit("grpo", "two", {"x": 2})
+    assert [store.queue_position(store.get(j.id)) for j in (a, b)] == [1, 2]
+    claimed = store.claim_next()
+    assert claimed.id == a.id and claimed.state == RUNNING and claimed.started_at is not None
+    store.update_progress(a.id, {"step": 3, "total_steps": 10, "loss": 0.5, "tokens_per_s": 100.0, "eta_s": 1.2})
+    store.finish(a.id, SUCCEEDED, result={"revision": "r"})
+    store.close()
+
+    again = JobStore(db, queue_max=4)
+    assert again.recovered == []
+    done = again.get(a.id)
+    assert done.state == SUCCEEDED and done.result == {"revision": "r"} and done.progress["step"] == 3
+    assert done.public()["loss"] == 0.5 and done.public()["eta_s"] == 1.2
+    assert again.get(b.id).request == {"x": 2}
+    assert again.claim_next().id == b.id
+    assert again.claim_next() is None
+    mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_restart_fails_the_interrupted_job_and_keeps_the_queue(tmp_path):
+    db = tmp_path / "jobs.sqlite3"
+    store = JobStore(db, queue_max=4)
+    a = store.submit("sft", "one", {})
+    b = store.submit("sft", "two", {})
+    store.claim_next()
+    store.update_progress(a.id, {"step": 4, "total_steps": 9, "checkpoint_step": 4})
+    # The process dies here: no finish(), no close().
+    del store
+
+    fresh = JobStore(db, queue_max=4)
+    assert fresh.recovered == [a.id]
+    failed = fresh.get(a.id)
+    assert failed.state == FAILED
+    assert "interrupted" in failed.error and "step 4 of 9" in failed.error and "resume_from_job" in failed.error
+    assert fresh.get(b.id).state == QUEUED
+    assert fresh.claim_next().id == b.id
+
+
+def test_full_queue_refuses(tmp_path):
+    store = JobStore(tmp_path / "j.sqlite3", queue_max=2)
+    store.submit("sft", "a", {})
+    store.submit("sft", "b", {})
+    with pytest.raises(QueueFullError, match="2 of 2"):
+        store.submit("sft", "c", {})
+    store.claim_next()  # a running job frees a queue slot
+    store.submit("sft", "c", {})
+
+
+def test_cancel_queued_running_and_finished(tmp_path):
+    store = JobStore(tmp_path / "j.sqlite3", queue_max=5)
+    a = store.submit("sft", "a", {})
+    b = store.submit("sft", "b", {})
+    store.claim_next()
+    running = store.cancel(a.id)
+    assert running.state == RUNNING and running.cancel_requested and store.cancel_requested(a.id)
+    queued = store.cancel(b.id)
+    assert queued.state == CANCELLED
+    assert store.claim_next() is None  # the cancelled job never starts
+    store.finish(a.id, CANCELLED, error="cancelled at step 2")
+    with pytest.raises(JobStateError, match="already cancelled"):
+        store.cancel(a.id)
+    with pytest.raises(JobNotFoundError):
+        store.cancel("job-0000000000000000")
+    with pytest.raises(ValueError):
+        store.finish(b.id, RUNNING)
