@@ -41,6 +41,13 @@ PURE_MODULES = [
     "kiln.adapters.merge",
     "kiln.adapters.cli",
     "kiln.teachers.identity",
+    "kiln.teachers.options",
+    "kiln.teachers.snapshot",
+    "kiln.teachers.private_dirs",
+    "kiln.teachers.provenance_io",
+    "kiln.teachers.runtime_hash",
+    "kiln.teachers.supervise",
+    "kiln.teachers.model_facts",
     "kiln.teachers.launcher",
 ]
 
