@@ -221,3 +221,28 @@ def test_inference_config_binds_every_input():
         runtime_versions={}, runtime_content_sha256=H, accelerator={}, environment={}, determinism={})
     canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     assert ident.inference_config_digest(doc) == hashlib.sha256(b"kiln.teacher-inference-config.v1\x00" + canon).hexdigest()
+
+
+def test_candidate_ceiling_refuses_a_row_wider_than_the_aggregate_limit():
+    # min(k + 1, vocab) = 1_000_001 > 1_000_000: no legal ceiling exists, the default included
+    with pytest.raises(TeacherIdentityError, match="lower --max-top-k"):
+        ident.resolve_candidate_ceiling(None, 1_000_000, 8, 2_000_000)
+    assert ident.resolve_candidate_ceiling(None, 999_999, 8, 2_000_000) == 1_000_000
+
+
+def test_model_width_rejects_non_integer_text_config():
+    with pytest.raises(TeacherIdentityError, match="text_config.vocab_size"):
+        ident.model_vocab_width({"vocab_size": 1, "text_config": {"vocab_size": True}})
+
+
+def test_input_parser_rejects_uppercase_hex_and_normalizes_adapter_order():
+    with pytest.raises(TeacherIdentityError, match="64 lowercase hex"):
+        ident.parse_teacher_input(json.dumps(_input(tokenizer_config_sha256="AB" * 32)).encode())
+    with pytest.raises(TeacherIdentityError, match="adapter.config_sha256"):
+        ident.parse_teacher_input(json.dumps(_input(
+            adapter={"weights_sha256": H, "config_sha256": "g" * 64}, adapter_max_rank=8)).encode())
+    inp = ident.parse_teacher_input(json.dumps(_input(
+        adapter={"config_sha256": "cd" * 32, "weights_sha256": H}, adapter_max_rank=8)).encode())
+    assert list(inp.adapter) == ["weights_sha256", "config_sha256"]
+    identity = make_identity(adapter={"config_sha256": "cd" * 32, "weights_sha256": H})
+    assert list(identity.to_json()["adapter"]) == ["weights_sha256", "config_sha256"]

@@ -154,18 +154,20 @@ def test_runtime_probe_binds_installed_files(tmp_path):
     assert code == 1 and "missing" in err
 
 
+_INPUT = {
+    "schema": "kiln.vllm-teacher-input.v2", "base_model_sha256": H, "snapshot_content_sha256": H,
+    "model_config_sha256": H, "tokenizer_vocab_sha256": H, "tokenizer_config_sha256": H,
+    "adapter": None, "adapter_max_rank": None, "vocab_size": 152064, "implementation": "vllm:0.25.0",
+    "runtime_versions": {"python": "3.12.7", "python_implementation": "CPython", "vllm": "0.25.0",
+                         "torch": "2.9.1", "transformers": "5.0.0", "tokenizers": "0.22.2"},
+    "runtime_content_sha256": H,
+    "accelerator": {"type": "cuda", "driver": "nvidia:580.65", "devices": []},
+}
+
+
 def test_manifest_only_from_identity_input(tmp_path):
-    doc = {
-        "schema": "kiln.vllm-teacher-input.v2", "base_model_sha256": H, "snapshot_content_sha256": H,
-        "model_config_sha256": H, "tokenizer_vocab_sha256": H, "tokenizer_config_sha256": H,
-        "adapter": None, "adapter_max_rank": None, "vocab_size": 152064, "implementation": "vllm:0.25.0",
-        "runtime_versions": {"python": "3.12.7", "python_implementation": "CPython", "vllm": "0.25.0",
-                             "torch": "2.9.1", "transformers": "5.0.0", "tokenizers": "0.22.2"},
-        "runtime_content_sha256": H,
-        "accelerator": {"type": "cuda", "driver": "nvidia:580.65", "devices": []},
-    }
     path = tmp_path / "input.json"
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(_INPUT))
     # Plain system python without Kiln's venv: no vLLM, Transformers or torch needed.
     res = subprocess.run([sys.executable, "-S", str(LAUNCHER_SCRIPT), f"--identity-input={path}",
                           "--served-model-id=teacher-large", "--max-top-k=32", "--max-model-len=32768", "--manifest-only"],
@@ -343,3 +345,97 @@ def test_kiln_teacher_cli_passes_flags_through(tmp_path):
     stale.mkdir()
     res = CliRunner().invoke(app, ["recover-stale", str(stale.parent)])
     assert res.exit_code == 0 and "removed" in res.output and not stale.exists()
+
+
+# ------------------------------------------------- read limiter, signals, flags
+
+
+@pytest.mark.parametrize("value,ok", [("0", False), ("1", True), ("16384", True), ("16385", False), ("1.5", False)])
+def test_read_rate_flag_bounds(tiny_model, roots, value, ok, capsys):
+    args = base_args(tiny_model, roots, "--manifest-only", f"--max-provenance-read-mib-per-second={value}")
+    if ok:
+        assert launcher.parse_config(args, {}).read_mib_per_second == int(value)
+    else:
+        with pytest.raises(SystemExit) as exc:
+            launcher.parse_config(args, {})
+        assert exc.value.code == 2 and "1..=16384" in capsys.readouterr().err
+
+
+class _CountingLimiter(launcher.ReadLimiter):
+    made: list = []
+
+    def __init__(self, rate):
+        super().__init__(rate)
+        _CountingLimiter.made.append(self)
+
+
+def test_one_limiter_spans_every_phase_of_a_real_launch(fixed_runtime, tiny_model, roots, monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(_CountingLimiter, "made", [])
+    monkeypatch.setattr(launcher, "ReadLimiter", _CountingLimiter)
+    monkeypatch.setattr(launcher, "probe_runtime", lambda limiter: seen.setdefault("probe", limiter) and dict(FIXED_RUNTIME))
+    monkeypatch.setattr(launcher, "_recheck_runtime", lambda cfg, env, expected: seen.setdefault("recheck", cfg))
+    # vLLM is absent from this interpreter, so the spawned child exits at once: staging and cleanup are real.
+    code = launcher.main(base_args(tiny_model, roots, "--max-provenance-read-mib-per-second=16384"))
+    assert code != 0 and "recheck" in seen
+    assert len(_CountingLimiter.made) == 1 and seen["probe"] is _CountingLimiter.made[0]
+    model_bytes = sum(p.stat().st_size for p in tiny_model.rglob("*") if p.is_file())
+    # source + copy + re-hash + post-rename and pre-spawn verifications, then the config/tokenizer reads
+    assert _CountingLimiter.made[0].total > 5 * model_bytes
+    assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("hook", ["_seal_dirs", "verify"])
+def test_signal_during_staging_cleans_up(fixed_runtime, tiny_model, roots, monkeypatch, capsys, hook):
+    from kiln.teachers import snapshot
+
+    original = getattr(snapshot, hook)
+
+    def interrupted(*args):
+        assert [n for n in os.listdir(roots["snapshot"]) if n.startswith((".building-", "ready-"))]
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the launcher: unwinds staging
+        return original(*args)
+
+    monkeypatch.setattr(snapshot, hook, interrupted)
+    previous = signal.getsignal(signal.SIGTERM)
+    code = launcher.main(base_args(tiny_model, roots))
+    assert code == 128 + signal.SIGTERM, capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
+
+
+def test_identity_input_adapter_needs_adapter_path_for_dry_run(tmp_path, tiny_model, capsys):
+    doc = json.loads(json.dumps(_INPUT))
+    doc.update(adapter={"weights_sha256": H, "config_sha256": H}, adapter_max_rank=8)
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(doc))
+    code = launcher.main([f"--identity-input={path}", f"--model-path={tiny_model}", "--served-model-id=t",
+                          "--max-top-k=4", "--max-model-len=64", "--dry-run"])
+    assert code == 2 and "--adapter-path" in capsys.readouterr().err
+
+
+def test_identity_input_fifo_refused_without_blocking(tmp_path, capsys):
+    os.mkfifo(tmp_path / "input.json")
+    code = launcher.main([f"--identity-input={tmp_path / 'input.json'}", "--served-model-id=t", "--max-top-k=4",
+                          "--max-model-len=64", "--manifest-only"])
+    assert code == 2 and "not a regular file" in capsys.readouterr().err
+
+
+def test_symlinked_model_or_adapter_root_refused(tiny_model, tmp_path, roots, capsys):
+    os.symlink(tiny_model, tmp_path / "model-link")
+    code, err = run_in_process(base_args(tmp_path / "model-link", roots), capsys)
+    assert code == 2 and "not a link" in err
+    adapter = build_tiny_adapter(tmp_path / "adapter")
+    os.symlink(adapter, tmp_path / "adapter-link")
+    code, err = run_in_process(base_args(tiny_model, roots, f"--adapter-path={tmp_path / 'adapter-link'}"), capsys)
+    assert code == 2 and "not a link" in err
+
+
+@pytest.mark.parametrize("name,value", [("PYTHONHOME", "/x"), ("LD_LIBRARY_PATH", "/x"), ("HF_HOME", "/x"),
+                                        ("VLLM_LORA_RESOLVER_CACHE_DIR", "/x")])
+def test_more_environment_refusals_reach_the_launcher(tiny_model, roots, name, value, monkeypatch, capsys):
+    monkeypatch.setenv(name, value)
+    code, err = run_in_process(base_args(tiny_model, roots), capsys)
+    assert code == 2 and name in err
+    assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []

@@ -210,7 +210,8 @@ def test_removal_does_not_follow_links(tmp_path, roots):
     (victim / "keep.txt").write_text("keep")
     fd = private_dirs.open_private_parent(roots["snapshot"], create=False)
     try:
-        name = private_dirs.make_private_child(fd, "ready")
+        name = f"ready-{private_dirs.launch_token()}"
+        private_dirs.make_private_child(fd, name)
         os.symlink(victim, roots["snapshot"] / name / "escape")
         (roots["snapshot"] / name / "f").write_text("x")
         private_dirs.remove_child(fd, name)
@@ -235,3 +236,65 @@ def test_stale_recovery_removes_only_abandoned_children(roots):
     assert sorted(report.removed) == sorted(stale)
     assert report.kept_owned == [owned]
     assert sorted(os.listdir(parent)) == sorted([owned, "unrelated"])
+
+
+# ------------------------------------------------------------ read limiter
+
+
+@pytest.mark.parametrize("bad", [0, 16385, True, 2.5])
+def test_read_limiter_range(bad):
+    with pytest.raises(ValueError, match="1..=16384"):
+        ReadLimiter(bad)
+
+
+def test_read_limiter_earns_no_burst_credit_while_idle():
+    limiter = ReadLimiter(4)  # 4 MiB/s
+    time.sleep(0.3)  # idle: must not allow the next 1 MiB to go through at once
+    start = time.monotonic()
+    limiter.consume(1 << 20)
+    limiter.consume(1 << 20)
+    assert time.monotonic() - start >= 0.45  # 2 MiB at 4 MiB/s = 0.5 s, whatever happened before
+
+
+def test_read_small_file_refuses_fifos_and_oversize(tmp_path):
+    from kiln.teachers.provenance_io import read_small_file
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ProvenanceError, match="not a regular file"):
+        read_small_file(tmp_path / "fifo", 10, None, "input")  # refused at once, never blocks
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    with pytest.raises(ProvenanceError, match="larger than 10"):
+        read_small_file(tmp_path / "big", 10, None, "input")
+    limiter = ReadLimiter(None)
+    assert read_small_file(tmp_path / "big", 11, limiter, "input") == b"x" * 11 and limiter.total == 11
+
+
+def test_link_or_special_file_under_adapter_root_refused(tiny_model, tmp_path):
+    adapter = build_tiny_adapter(tmp_path / "adapter")
+    (adapter / "sub").mkdir()
+    os.symlink("/etc/hostname", adapter / "sub" / "l")
+    with pytest.raises(SnapshotError, match="symbolic link"):
+        snapshot.inventory({"model": tiny_model, "adapter": adapter})
+    os.unlink(adapter / "sub" / "l")
+    os.mkfifo(adapter / "sub" / "p")
+    with pytest.raises(SnapshotError, match="special file"):
+        snapshot.inventory({"model": tiny_model, "adapter": adapter})
+
+
+def test_failed_final_verification_removes_ready_child(tiny_model, roots, monkeypatch):
+    def broken(snap, limiter):
+        assert os.path.isdir(snap.path) and snap.name.startswith("ready-")
+        raise SnapshotError("injected")
+
+    monkeypatch.setattr(snapshot, "verify", broken)
+    with pytest.raises(SnapshotError, match="injected"):
+        _stage({"model": tiny_model}, roots["snapshot"])
+    assert os.listdir(roots["snapshot"]) == []
+
+
+def test_private_parent_foreign_owner_refused_without_root(tmp_path, monkeypatch):
+    p = private_dir(tmp_path / "parent")
+    me = os.geteuid()
+    monkeypatch.setattr(private_dirs.os, "geteuid", lambda: me + 4242)  # the directory now looks foreign
+    with pytest.raises(private_dirs.PrivateDirError, match=f"owned by uid {me}, not the launcher uid {me + 4242}"):
+        private_dirs.open_private_parent(p, create=False)

@@ -79,6 +79,7 @@ IDENTITY_FIELDS = (
     "inference_config_sha256",
 )
 
+ADAPTER_FIELDS = ("weights_sha256", "config_sha256")
 RUNTIME_VERSION_KEYS = ("python", "python_implementation", "vllm", "torch", "transformers", "tokenizers")
 
 _SERVED_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
@@ -144,6 +145,11 @@ def candidate_ceiling_bounds(max_top_k: int, max_model_len: int, vocab_size: int
 def resolve_candidate_ceiling(requested: int | None, max_top_k: int, max_model_len: int, vocab_size: int) -> int:
     """Check a requested aggregate ceiling, or return the default (the largest legal value)."""
     lo, hi = candidate_ceiling_bounds(max_top_k, max_model_len, vocab_size)
+    if lo > hi:
+        raise TeacherIdentityError(
+            f"one full row of {lo} candidates (min(max_top_k + 1, vocab_size)) exceeds the aggregate limit of "
+            f"{MAX_RESPONSE_CANDIDATES}; lower --max-top-k"
+        )
     if requested is None:
         return hi
     _require_int("max_prompt_logprob_candidates", requested, 1, MAX_RESPONSE_CANDIDATES)
@@ -169,9 +175,13 @@ def model_vocab_width(config: Mapping[str, Any]) -> int:
     text = config.get("text_config", {}).get("vocab_size") if isinstance(config.get("text_config"), dict) else None
     if top is None and text is None:
         raise TeacherIdentityError("config.json has no vocab_size (neither top level nor text_config)")
+    if top is not None:
+        _require_int("config.json vocab_size", top, 1, MAX_VOCAB_SIZE)
+    if text is not None:
+        _require_int("config.json text_config.vocab_size", text, 1, MAX_VOCAB_SIZE)
     if top is not None and text is not None and top != text:
         raise TeacherIdentityError(f"config.json vocab_size {top} disagrees with text_config.vocab_size {text}")
-    return _require_int("config.json vocab_size", top if top is not None else text, 1, MAX_VOCAB_SIZE)
+    return top if top is not None else text  # type: ignore[return-value]
 
 
 def tokenizer_vocab_digest(vocab: Mapping[str, int], *, reported_size: int, model_width: int) -> str:
@@ -336,6 +346,8 @@ class TeacherIdentityV1:
             "logprobs_mode": LOGPROBS_MODE,
             **{k: getattr(self, k) for k in IDENTITY_FIELDS if hasattr(self, k)},
         }
+        if self.adapter is not None:
+            values["adapter"] = _check_adapter_object(self.adapter)  # normative key order
         return {k: values[k] for k in IDENTITY_FIELDS}
 
     def compact_json(self) -> bytes:
@@ -347,11 +359,10 @@ class TeacherIdentityV1:
 
 
 def _check_adapter_object(adapter: object) -> dict[str, str]:
-    if not isinstance(adapter, dict) or list(adapter) != ["weights_sha256", "config_sha256"]:
-        raise TeacherIdentityError('adapter must be null or {"weights_sha256": ..., "config_sha256": ...} in that order')
-    _require_hex("adapter.weights_sha256", adapter["weights_sha256"])
-    _require_hex("adapter.config_sha256", adapter["config_sha256"])
-    return adapter
+    """The adapter object with its two digests, returned in the normative key order."""
+    if not isinstance(adapter, dict) or set(adapter) != set(ADAPTER_FIELDS):
+        raise TeacherIdentityError('adapter must be null or {"weights_sha256": ..., "config_sha256": ...}')
+    return {k: _require_hex(f"adapter.{k}", adapter[k]) for k in ADAPTER_FIELDS}
 
 
 # --------------------------------------------------- kiln.vllm-teacher-input.v2
@@ -374,6 +385,17 @@ INPUT_FIELDS = (
 )
 _ACCELERATOR_KEYS = ("type", "driver", "devices")
 _DEVICE_KEYS = ("index", "name", "architecture", "total_memory_bytes")
+
+
+def parse_json_object(data: bytes, where: object) -> dict[str, Any]:
+    """Strict JSON (no duplicate keys, no NaN) that must be one object."""
+    try:
+        obj = strict_json_loads(data)
+    except (CanonicalJSONError, UnicodeDecodeError) as exc:
+        raise TeacherIdentityError(f"{where} is not strict JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise TeacherIdentityError(f"{where} must hold a JSON object")
+    return obj
 
 
 def _exact_keys(where: str, obj: object, keys: Sequence[str]) -> dict[str, Any]:
@@ -432,11 +454,7 @@ def parse_teacher_input(data: bytes) -> TeacherInputV2:
     """Parse ``kiln.vllm-teacher-input.v2`` bytes: exact fields, strict JSON, bounded size."""
     if len(data) > MAX_INPUT_BYTES:
         raise TeacherIdentityError(f"identity input is {len(data)} bytes; the limit is {MAX_INPUT_BYTES}")
-    try:
-        obj = strict_json_loads(data)
-    except (CanonicalJSONError, UnicodeDecodeError) as exc:
-        raise TeacherIdentityError(f"identity input is not strict JSON: {exc}") from exc
-    obj = _exact_keys("identity input", obj, INPUT_FIELDS)
+    obj = _exact_keys("identity input", parse_json_object(data, "identity input"), INPUT_FIELDS)
     if obj["schema"] != INPUT_SCHEMA:
         raise TeacherIdentityError(f"identity input schema must be {INPUT_SCHEMA!r}, got {obj['schema']!r}")
     for name in (
@@ -453,7 +471,7 @@ def parse_teacher_input(data: bytes) -> TeacherInputV2:
         if rank is not None:
             raise TeacherIdentityError("adapter_max_rank must be null when adapter is null")
     else:
-        _check_adapter_object(adapter)
+        adapter = _check_adapter_object(adapter)
         _require_int("adapter_max_rank", rank, 1, VLLM_LORA_RANK_CAPS[-1])
     _require_int("vocab_size", obj["vocab_size"], 1, MAX_VOCAB_SIZE)
     _require_implementation(obj["implementation"])

@@ -22,6 +22,7 @@ from kiln.canonical import ordered_json_bytes
 from kiln.teachers.identity import (
     LOAD_FORMAT,
     LOGPROBS_MODE,
+    MAX_INPUT_BYTES,
     MAX_MODEL_LEN_LIMIT,
     MAX_TOP_K_LIMIT,
     TeacherIdentityError,
@@ -43,21 +44,27 @@ from kiln.teachers.options import (
     launch_environment,
     parse_vllm_options,
 )
-from kiln.teachers.private_dirs import PrivateDirError, make_private_child, open_private_parent, remove_child
+from kiln.teachers.private_dirs import (
+    PrivateDirError,
+    launch_token,
+    make_private_child,
+    open_private_parent,
+    remove_child,
+)
 from kiln.teachers.provenance_io import (
     MAX_READ_MIB_PER_SECOND,
     MIN_READ_MIB_PER_SECOND,
     ProvenanceError,
     ReadLimiter,
+    read_small_file,
 )
 from kiln.teachers.runtime_hash import RuntimeProbeError, parse_probe_output, probe_runtime, source_root
-from kiln.teachers.snapshot import SnapshotError, inventory, manifest_of_sources, stage, verify
+from kiln.teachers.snapshot import Manifest, SnapshotError, inventory, manifest_of_sources, stage, verify
 from kiln.teachers.supervise import LaunchInterrupted, SupervisionError, Supervisor, check_inherited_mode
 
 SNAPSHOT_ROOT_ENV = "KILN_VLLM_SNAPSHOT_ROOT"
 DEFAULT_SNAPSHOT_ROOT = "~/.cache/kiln/teacher-snapshots"
 DEFAULT_CACHE_ROOT = "~/.cache/kiln/vllm-runtime-caches"
-MAX_IDENTITY_INPUT_BYTES = 64 * 1024
 RECHECK_TIMEOUT_SECONDS = 3600
 EXIT_REFUSED = 2
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
@@ -237,9 +244,9 @@ def _identity(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any],
     )
 
 
-def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest) -> dict[str, Any]:
-    m = model_facts(model_dir, manifest)
-    a = adapter_facts(adapter_dir, manifest) if adapter_dir is not None else None
+def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest: Manifest, limiter: ReadLimiter) -> dict[str, Any]:
+    m = model_facts(model_dir, manifest, limiter)
+    a = adapter_facts(adapter_dir, manifest, limiter) if adapter_dir is not None else None
     return {
         "base_model_sha256": m.base_model_sha256,
         "snapshot_content_sha256": manifest.digest,
@@ -253,10 +260,7 @@ def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest) -> di
 
 
 def _facts_from_input(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_IDENTITY_INPUT_BYTES + 1)
-    inp = parse_teacher_input(data)
+    inp = parse_teacher_input(read_small_file(path, MAX_INPUT_BYTES, None, "--identity-input"))
     facts = {k: getattr(inp, k) for k in (
         "base_model_sha256", "snapshot_content_sha256", "model_config_sha256", "tokenizer_vocab_sha256",
         "tokenizer_config_sha256", "adapter", "adapter_max_rank", "vocab_size")}
@@ -314,6 +318,8 @@ def vllm_command(
 
 def _adapter_arg(adapter_dir: Path | None, facts: dict[str, Any]) -> tuple[Path, int] | None:
     if adapter_dir is None:
+        if facts["adapter_max_rank"] is not None:
+            raise LauncherError("the identity input describes an adapter; pass its directory with --adapter-path")
         return None
     if facts["adapter_max_rank"] is None:
         raise LauncherError("--adapter-path was given but the identity input describes no adapter")
@@ -340,7 +346,7 @@ def inspect(cfg: LaunchConfig, env: dict[str, str]) -> int:
         trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
         runtime = probe_runtime(limiter)
         manifest = manifest_of_sources(trees, inventory(trees), limiter)
-        facts = _facts_from_trees(cfg.model_path, cfg.adapter_path, manifest)
+        facts = _facts_from_trees(cfg.model_path, cfg.adapter_path, manifest, limiter)
     identity = _identity(cfg, facts, runtime, child_env)
     out: dict[str, Any] = {"identity": identity.to_json(), "system_fingerprint": identity.fingerprint()}
     if cfg.dry_run:
@@ -378,21 +384,22 @@ def launch(cfg: LaunchConfig, env: dict[str, str]) -> int:
     if cfg.process_group_mode == "inherited":
         check_inherited_mode()
     assert cfg.model_path is not None
+    token = launch_token()  # every child name is known before anything is created
+    cache_name = f"cache-{token}"
     sup = Supervisor(cfg.process_group_mode)
-    sup.install()
     limiter = ReadLimiter(cfg.read_mib_per_second)
-    snap_fd = cache_fd = None
-    snap = cache_name = None
+    parents: dict[str, int] = {}
+    sup.install()
     try:
-        snap_fd = open_private_parent(cfg.snapshot_root, create=True)
-        cache_fd = open_private_parent(cfg.cache_root, create=True)
+        parents["snapshot"] = open_private_parent(cfg.snapshot_root, create=True)
+        parents["cache"] = open_private_parent(cfg.cache_root, create=True)
         trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
         inv = inventory(trees)
         runtime = probe_runtime(limiter)
-        snap = stage(trees, inv, snap_fd, cfg.snapshot_root, limiter)
+        snap = stage(trees, inv, parents["snapshot"], cfg.snapshot_root, limiter, token)
         adapter_dir = snap.tree("adapter") if cfg.adapter_path else None
-        facts = _facts_from_trees(snap.tree("model"), adapter_dir, snap.manifest)
-        cache_name = make_private_child(cache_fd, "cache")
+        facts = _facts_from_trees(snap.tree("model"), adapter_dir, snap.manifest, limiter)
+        make_private_child(parents["cache"], cache_name)
         child_env = launch_environment(env, str(cfg.cache_root / cache_name))
         identity = _identity(cfg, facts, runtime, child_env)
         adapter = _adapter_arg(adapter_dir, facts)
@@ -413,24 +420,47 @@ def launch(cfg: LaunchConfig, env: dict[str, str]) -> int:
         code = sup.wait()
         if sup.received and code == 0:
             code = 128 + sup.received[0]
-        return code
-    finally:
-        try:
-            sup.drain()
-        finally:
-            sup.restore()
-            if cache_fd is not None and cache_name is not None:
-                remove_child(cache_fd, cache_name)
-            if snap_fd is not None and snap is not None:
-                remove_child(snap_fd, snap.name)
-            for fd in (snap_fd, cache_fd):
-                if fd is not None:
-                    os.close(fd)
+    except BaseException:
+        _clean_up(sup, parents, token, quiet=True)
+        raise
+    _clean_up(sup, parents, token, quiet=False)
+    return code
+
+
+def _clean_up(sup: Supervisor, parents: dict[str, int], token: str, *, quiet: bool) -> None:
+    """Drain the group, then remove this launch's cache and snapshot children; every step is attempted.
+
+    Signals arriving now are only recorded. With ``quiet`` (an error is already
+    propagating) failures are reported on stderr; otherwise the first one is raised.
+    """
+    sup.begin_cleanup()
+    errors: list[BaseException] = []
+    try:
+        sup.drain()
+    except (SupervisionError, OSError) as exc:
+        errors.append(exc)
+    owned = {"cache": [f"cache-{token}"], "snapshot": [f".building-{token}", f"ready-{token}"]}
+    for parent, fd in parents.items():
+        for name in owned[parent]:
+            try:
+                remove_child(fd, name, missing_ok=True)
+            except (OSError, PrivateDirError) as exc:
+                errors.append(exc)
+        os.close(fd)
+    sup.restore()
+    if errors and quiet:
+        for exc in errors:
+            print(f"kiln-teacher: cleanup: {exc}", file=sys.stderr)
+    elif errors:
+        raise LauncherError(f"cleanup failed: {errors[0]}") from errors[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
+    # Importing torch/Transformers below must not write bytecode into an identity-bound tree
+    # (the pre-spawn recheck would then see a changed runtime).
+    previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         cfg = parse_config(argv, env)
         return launch(cfg, env) if cfg.real_launch else inspect(cfg, env)
@@ -440,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     except REFUSALS as exc:
         print(f"kiln-teacher: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    finally:
+        sys.dont_write_bytecode = previous
 
 
 if __name__ == "__main__":

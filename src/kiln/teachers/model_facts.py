@@ -1,8 +1,10 @@
 """Model, tokenizer and adapter facts of a (staged or source) tree, from its manifest.
 
 File digests come from the snapshot manifest (already hashed under the shared
-read limiter); small JSON files are re-read with a size bound. The tokenizer is
-fingerprinted with Transformers, imported lazily, from the same tree.
+read limiter); small JSON files are re-read with a size bound through the same
+limiter. The tokenizer is fingerprinted with Transformers, imported lazily, from
+the same tree; the bytes it may read (every top-level file except the weights)
+are charged to the limiter too.
 """
 
 from __future__ import annotations
@@ -12,36 +14,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.canonical import CanonicalJSONError, base_model_digest, strict_json_loads
+from kiln.canonical import base_model_digest, sha256_hex
 from kiln.teachers.identity import (
     TeacherIdentityError,
     adapter_max_rank,
     adapter_weights_digest,
     model_vocab_width,
+    parse_json_object,
     tokenizer_config_digest,
     tokenizer_vocab_digest,
 )
+from kiln.teachers.provenance_io import ReadLimiter, read_small_file
 from kiln.teachers.snapshot import Manifest
 
 MAX_JSON_CONFIG_BYTES = 4 << 20
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 REMOTE_CODE_KEYS = ("auto_map",)
+JSON_READ_HERE = ("config.json", "tokenizer_config.json")  # charged when read, not again for the tokenizer
 
 
-def read_json_bounded(path: Path) -> dict[str, Any]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_JSON_CONFIG_BYTES + 1)
-    if len(data) > MAX_JSON_CONFIG_BYTES:
-        raise TeacherIdentityError(f"{path} is larger than {MAX_JSON_CONFIG_BYTES} bytes")
-    try:
-        obj = strict_json_loads(data)
-    except (CanonicalJSONError, UnicodeDecodeError) as exc:
-        raise TeacherIdentityError(f"{path} is not strict JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise TeacherIdentityError(f"{path} must hold a JSON object")
-    return obj
+def read_json_bounded(path: Path, limiter: ReadLimiter, expected_sha256: str) -> dict[str, Any]:
+    """A small JSON object whose bytes must still hash to its manifest digest."""
+    data = read_small_file(path, MAX_JSON_CONFIG_BYTES, limiter, "config file")
+    if sha256_hex(data) != expected_sha256:
+        raise TeacherIdentityError(f"{path} changed after it was hashed into the snapshot manifest")
+    return parse_json_object(data, path)
 
 
 def _refuse_remote_code(obj: dict[str, Any], where: Path) -> None:
@@ -59,7 +57,7 @@ class ModelFacts:
     tokenizer_config_sha256: str
 
 
-def model_facts(model_dir: Path, manifest: Manifest, prefix: str = "model") -> ModelFacts:
+def model_facts(model_dir: Path, manifest: Manifest, limiter: ReadLimiter, prefix: str = "model") -> ModelFacts:
     """Facts of the model tree whose manifest paths start with ``prefix/``."""
     top = {p[len(prefix) + 1 :]: (s, d) for p, s, d in manifest.files if p.startswith(prefix + "/") and p.count("/") == 1}
     if "config.json" not in top:
@@ -67,12 +65,16 @@ def model_facts(model_dir: Path, manifest: Manifest, prefix: str = "model") -> M
     shards = [(d, s) for name, (s, d) in top.items() if name.endswith(".safetensors")]
     if not shards:
         raise TeacherIdentityError(f"{model_dir} has no *.safetensors base weights; the launcher loads safetensors only")
-    config = read_json_bounded(model_dir / "config.json")
+    config = read_json_bounded(model_dir / "config.json", limiter, top["config.json"][1])
     _refuse_remote_code(config, model_dir / "config.json")
     if "tokenizer_config.json" in top:
-        _refuse_remote_code(read_json_bounded(model_dir / "tokenizer_config.json"), model_dir / "tokenizer_config.json")
+        tok_config = read_json_bounded(model_dir / "tokenizer_config.json", limiter, top["tokenizer_config.json"][1])
+        _refuse_remote_code(tok_config, model_dir / "tokenizer_config.json")
     width = model_vocab_width(config)
     vocab_sha, config_sha = tokenizer_digests(model_dir, width)
+    limiter.consume(
+        sum(size for name, (size, _d) in top.items() if name not in JSON_READ_HERE and not name.endswith(".safetensors"))
+    )
     return ModelFacts(
         base_model_sha256=base_model_digest(shards),
         model_config_sha256=top["config.json"][1],
@@ -123,11 +125,11 @@ def check_adapter_layout(adapter_dir: Path) -> str:
     return present[0]
 
 
-def adapter_facts(adapter_dir: Path, manifest: Manifest, prefix: str = "adapter") -> AdapterFacts:
+def adapter_facts(adapter_dir: Path, manifest: Manifest, limiter: ReadLimiter, prefix: str = "adapter") -> AdapterFacts:
     weights = check_adapter_layout(adapter_dir)
     files = {p: (s, d) for p, s, d in manifest.files}
     size, digest = files[f"{prefix}/{weights}"]
-    config = read_json_bounded(adapter_dir / ADAPTER_CONFIG)
+    config = read_json_bounded(adapter_dir / ADAPTER_CONFIG, limiter, files[f"{prefix}/{ADAPTER_CONFIG}"][1])
     _refuse_remote_code(config, adapter_dir / ADAPTER_CONFIG)
     return AdapterFacts(
         weights_file=weights,

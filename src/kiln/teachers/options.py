@@ -20,6 +20,7 @@ MAX_EXTRA_OPTIONS = 64
 MAX_OPTION_TOKEN_CHARS = 4096
 API_KEY_OPTION = "api-key"
 REDACTED = "<redacted>"
+REVIEWED_ATTENTION_BACKENDS = ("TRITON_ATTN",)
 
 
 class OptionError(ValueError):
@@ -51,6 +52,16 @@ def _fraction(v: str) -> str:
         raise ValueError("must be a number in (0, 1]") from None
     if not (0.0 < f <= 1.0) or not re.fullmatch(r"[0-9]*\.?[0-9]+", v):
         raise ValueError("must be a number in (0, 1]")
+    return v
+
+
+def _attention_backend(v: str) -> str:
+    # vLLM may import a class named here, so the value set is closed.
+    if v not in REVIEWED_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"is not reviewed; accepted: {', '.join(REVIEWED_ATTENTION_BACKENDS)} (omit the option for vLLM's "
+            "automatic choice)"
+        )
     return v
 
 
@@ -87,8 +98,7 @@ INFERENCE_OPTIONS: dict[str, Callable[[str], str]] = {
     "scheduling-policy": _choice("fcfs", "priority"),
     "kv-cache-dtype": _choice("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
     "distributed-executor-backend": _choice("mp", "uni"),
-    # vLLM may import a class named here, so the value set is closed.
-    "attention-backend": _choice("TRITON_ATTN"),
+    "attention-backend": _attention_backend,
 }
 INFERENCE_SWITCHES = frozenset(
     {
@@ -163,11 +173,6 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
         if name in seen:
             raise OptionError(f"--{name} is given twice")
         seen.add(name)
-        if name == "attention-backend" and has_value and value != "TRITON_ATTN":
-            raise OptionError(
-                f"--attention-backend={value} is not reviewed; the only accepted explicit value is TRITON_ATTN "
-                "(omit the option for vLLM's automatic choice)"
-            )
         refusal = _classify_refusal(name)
         if refusal is not None:
             raise OptionError(refusal)

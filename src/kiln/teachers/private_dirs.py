@@ -97,21 +97,29 @@ def open_private_parent(path: Path, *, create: bool) -> int:
     return fd
 
 
-def unique_child_name(kind: str) -> str:
-    """``<kind>-<pid>-<16 hex nonce>``: the pid lets stale recovery tell owned from abandoned."""
-    return f"{kind}-{os.getpid()}-{secrets.token_hex(8)}"
+def launch_token() -> str:
+    """``<pid>-<16 hex nonce>``; children are named ``<kind>-<token>``.
+
+    The pid lets stale recovery tell owned from abandoned entries. The launcher
+    draws the token before creating anything, so it knows every name it may
+    have to remove even if it is interrupted between a ``mkdir`` and its return.
+    """
+    return f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def make_private_child(parent_fd: int, kind: str) -> str:
-    name = unique_child_name(kind)
+def make_private_child(parent_fd: int, name: str) -> None:
     os.mkdir(name, PRIVATE_MODE, dir_fd=parent_fd)
-    return name
 
 
-def remove_child(parent_fd: int, name: str) -> None:
+def remove_child(parent_fd: int, name: str, *, missing_ok: bool = False) -> None:
     """Remove ``name`` under ``parent_fd`` recursively, never following links or crossing filesystems."""
     dev = os.fstat(parent_fd).st_dev
-    _remove_at(parent_fd, name, dev)
+    try:
+        _remove_at(parent_fd, name, dev)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+        return
     os.fsync(parent_fd)
 
 

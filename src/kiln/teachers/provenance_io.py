@@ -23,26 +23,34 @@ class ProvenanceError(RuntimeError):
 
 
 class ReadLimiter:
-    """Average-rate ceiling over all bytes read since creation (``None`` = unlimited)."""
+    """Rate ceiling over every byte read since creation (``None`` = unlimited).
+
+    Pacing: after ``n`` bytes, the next read may not start before the previous
+    deadline (or now, if later) plus ``n / rate``. Idle time therefore earns no
+    burst credit, and the ceiling holds across files and phases alike.
+    """
 
     def __init__(self, mib_per_second: int | None) -> None:
-        if mib_per_second is not None and not (
-            MIN_READ_MIB_PER_SECOND <= mib_per_second <= MAX_READ_MIB_PER_SECOND
+        if mib_per_second is not None and (
+            isinstance(mib_per_second, bool)
+            or not isinstance(mib_per_second, int)
+            or not MIN_READ_MIB_PER_SECOND <= mib_per_second <= MAX_READ_MIB_PER_SECOND
         ):
             raise ValueError(
                 f"read ceiling must be {MIN_READ_MIB_PER_SECOND}..={MAX_READ_MIB_PER_SECOND} MiB/s, got {mib_per_second}"
             )
         self.mib_per_second = mib_per_second
         self._rate = None if mib_per_second is None else mib_per_second * 1024 * 1024
-        self._start = time.monotonic()
+        self._next = time.monotonic()
         self.total = 0
 
     def consume(self, n: int) -> None:
         self.total += n
         if self._rate is None:
             return
-        due = self._start + self.total / self._rate
-        delay = due - time.monotonic()
+        now = time.monotonic()
+        self._next = max(self._next, now) + n / self._rate
+        delay = self._next - now
         if delay > 0:
             time.sleep(delay)
 
@@ -82,3 +90,25 @@ def hash_fd_exact(fd: int, length: int, limiter: ReadLimiter, label: str, *, cop
     if file_identity(after) != file_identity(before):
         raise ProvenanceError(f"{label}: modified while reading (size, mtime or ctime moved)")
     return h.hexdigest()
+
+
+def read_small_file(path: str | os.PathLike[str], limit: int, limiter: ReadLimiter | None, label: str) -> bytes:
+    """All bytes of a regular file of at most ``limit`` bytes (no links, FIFOs or devices)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ProvenanceError(f"{label} {path} is not a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(READ_CHUNK, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ProvenanceError(f"{label} {path} is larger than {limit} bytes")
+    if limiter is not None:
+        limiter.consume(size)
+    return b"".join(chunks)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.teachers.identity import snapshot_manifest_digest
-from kiln.teachers.private_dirs import DIR_OPEN_FLAGS, PrivateDirError, make_private_child, remove_child
+from kiln.teachers.private_dirs import DIR_OPEN_FLAGS, PrivateDirError, launch_token, make_private_child, remove_child
 from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
 
 MAX_TREE_FILES = 100_000
@@ -305,12 +305,22 @@ def _rehash(top_fd: int, manifest: Manifest, limiter: ReadLimiter, where: str) -
             os.close(fd)
 
 
-def stage(trees: dict[str, Path], inv: Inventory, parent_fd: int, parent: Path, limiter: ReadLimiter) -> StagedSnapshot:
-    """Copy the inventoried trees into a verified ``ready-*`` child of ``parent_fd``."""
+def stage(
+    trees: dict[str, Path], inv: Inventory, parent_fd: int, parent: Path, limiter: ReadLimiter, token: str | None = None
+) -> StagedSnapshot:
+    """Copy the inventoried trees into a verified ``ready-<token>`` child of ``parent_fd``.
+
+    On any failure (an interrupting signal included) both ``.building-<token>``
+    and ``ready-<token>`` are removed before the error propagates.
+    """
     check_capacity(parent_fd, inv, str(parent))
-    roots = {name: os.open(path, DIR_OPEN_FLAGS) for name, path in trees.items()}
-    building = make_private_child(parent_fd, ".building")
+    token = token or launch_token()
+    building, ready = f".building-{token}", f"ready-{token}"
+    roots: dict[str, int] = {}
     try:
+        for name, path in trees.items():
+            roots[name] = os.open(path, DIR_OPEN_FLAGS)
+        make_private_child(parent_fd, building)
         build_fd = os.open(building, DIR_OPEN_FLAGS, dir_fd=parent_fd)
         try:
             files, reflinked = _copy_tree(roots, build_fd, inv, limiter)
@@ -321,22 +331,18 @@ def stage(trees: dict[str, Path], inv: Inventory, parent_fd: int, parent: Path, 
             os.fsync(build_fd)
         finally:
             os.close(build_fd)
-        ready = "ready-" + building[len(".building-"):]
         os.rename(building, ready, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+        os.fsync(parent_fd)
+        snap = StagedSnapshot(parent_fd, parent, ready, manifest, reflinked)
+        verify(snap, limiter)
+        return snap
     except BaseException:
         _remove_quietly(parent_fd, building)
+        _remove_quietly(parent_fd, ready)
         raise
     finally:
         for fd in roots.values():
             os.close(fd)
-    snap = StagedSnapshot(parent_fd, parent, ready, manifest, reflinked)
-    try:
-        os.fsync(parent_fd)
-        verify(snap, limiter)
-    except BaseException:
-        _remove_quietly(parent_fd, ready)
-        raise
-    return snap
 
 
 def verify(snap: StagedSnapshot, limiter: ReadLimiter) -> None:
@@ -352,9 +358,7 @@ def verify(snap: StagedSnapshot, limiter: ReadLimiter) -> None:
 
 def _remove_quietly(parent_fd: int, name: str) -> None:
     try:
-        remove_child(parent_fd, name)
-    except FileNotFoundError:
-        pass
+        remove_child(parent_fd, name, missing_ok=True)
     except (OSError, PrivateDirError):
         # The original error matters more; stale recovery handles the remainder.
         pass

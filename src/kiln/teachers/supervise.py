@@ -110,6 +110,7 @@ class Supervisor:
         self.proc: subprocess.Popen[bytes] | None = None
         self.received: list[int] = []
         self._spawning = False
+        self._cleaning = False
         self._previous: dict[int, object] = {}
 
     # -- signals
@@ -123,12 +124,16 @@ class Supervisor:
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
 
+    def begin_cleanup(self) -> None:
+        """From now on a signal is only recorded (and forwarded), so cleanup cannot be cut short."""
+        self._cleaning = True
+
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
         if self.proc is not None:
             self._forward(signum)
-        elif not self._spawning:
-            raise LaunchInterrupted(signum)
+        elif not (self._spawning or self._cleaning) and len(self.received) == 1:
+            raise LaunchInterrupted(signum)  # only once: a second signal must not cut the unwinding short
 
     def _forward(self, signum: int) -> None:
         assert self.proc is not None
