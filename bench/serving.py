@@ -10,9 +10,15 @@ like for like. Peers, in one run:
 * ``kiln-cC``: ``kiln serve`` as a subprocess, C concurrent streaming HTTP clients;
 * ``vllm-cC``: vLLM's OpenAI server (``--dtype float32``) when ``--vllm-venv`` exists.
 
+* ``engine-cC``: Kiln's engine in process without HTTP (C client threads), to
+  separate the scheduler's cost from the HTTP/SSE path's.
+
 TTFT is request start to first content chunk; ITL is the gap between consecutive
 content chunks of a stream (a chunk may carry more than one token when the
-client falls behind). Output: a table, the ratios, and ``--json`` if given.
+client falls behind). ``CPU ms/tok`` is CPU time (server process tree plus the
+benchmark's own client) per generated token: on a shared machine whose other
+tenants steal cores it is steadier than wall-clock tokens/s. Output: a table,
+the ratios, and ``--json`` if given.
 
     .venv/bin/python bench/serving.py                  # built-in model, concurrency 1 8 32
 """
@@ -23,9 +29,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +62,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User+system CPU seconds of ``pid`` and its live descendants (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, frontier = 0.0, [pid]
+    while frontier:
+        cur = frontier.pop()
+        if cur in stats:
+            total += stats[cur][1]
+        frontier.extend(p for p, (ppid, _) in stats.items() if ppid == cur)
+    return total
+
+
 # -- transformers peers -------------------------------------------------------------------
 
 
@@ -75,88 +103,147 @@ def hf_runs(model_dir: Path, texts: list[str], max_tokens: int, batch_sizes: lis
     with torch.inference_mode():
         enc = tok(chats[:1], return_tensors="pt", add_special_tokens=False)
         model.generate(**enc, **kw)  # warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for c in chats[:seq_count]:
             enc = tok([c], return_tensors="pt", add_special_tokens=False)
             model.generate(**enc, **kw)
-        dt = time.perf_counter() - t0
-        out.append({"system": "hf-seq", "concurrency": 1, "tok_s": seq_count * max_tokens / dt})
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n = seq_count * max_tokens
+        out.append({"system": "hf-seq", "concurrency": 1, "tok_s": n / dt, "cpu_ms_per_tok": 1000 * cpu / n})
         for b in batch_sizes:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n = 0
             for i in range(0, len(chats) - b + 1, b):
                 enc = tok(chats[i:i + b], return_tensors="pt", padding=True, add_special_tokens=False)
                 g = model.generate(**enc, **kw)
                 n += (g.shape[1] - enc["input_ids"].shape[1]) * b
-            dt = time.perf_counter() - t0
-            out.append({"system": f"hf-static-{b}", "concurrency": b, "tok_s": n / dt})
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            out.append({"system": f"hf-static-{b}", "concurrency": b, "tok_s": n / dt,
+                        "cpu_ms_per_tok": 1000 * cpu / n})
     if with_cb:  # its manager thread must not see inference-mode tensors, so outside inference_mode
         ids = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
         cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                eos_token_id=-1, pad_token_id=tok.pad_token_id)
         with torch.no_grad():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             res = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         n = sum(len(r.generated_tokens) for r in res.values())
-        out.append({"system": "hf-cb", "concurrency": len(ids), "tok_s": n / dt})
+        out.append({"system": "hf-cb", "concurrency": len(ids), "tok_s": n / dt, "cpu_ms_per_tok": 1000 * cpu / n})
+    return out
+
+
+def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int) -> list[dict]:
+    """Kiln's engine in process, no HTTP: C client threads, each waiting for its completion."""
+    import threading
+
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.loader import load_model
+    from kiln.runtime.sampling import SamplingParams
+
+    engine = Engine(load_model(model_dir)).start()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    out = []
+    try:
+        for c, texts in texts_by_c.items():
+            prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
+            engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
+            lock = threading.Lock()
+
+            def worker(prompts=prompts, lock=lock):
+                while True:
+                    with lock:
+                        if not prompts:
+                            return
+                        prompt = prompts.pop()
+                    engine.generate(prompt, params)
+
+            t0, c0 = time.perf_counter(), time.process_time()
+            threads = [threading.Thread(target=worker) for _ in range(c)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            n = len(texts) * max_tokens
+            out.append({"system": f"engine-c{c}", "concurrency": c, "tok_s": n / dt, "cpu_ms_per_tok": 1000 * cpu / n})
+    finally:
+        engine.stop()
     return out
 
 
 # -- HTTP load (Kiln and vLLM) -----------------------------------------------------------------
 
 
-async def one_request(client, url: str, model: str, text: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+CONTENT_EVENT = re.compile(rb'"(?:delta":\{"content|text)":"[^"]')  # a non-empty text delta
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
+async def one_request(host: str, port: int, model: str, text: str, max_tokens: int) -> dict:
+    """Stream one chat completion over a raw socket; timestamps every read that carries new text.
+
+    The client is deliberately minimal (no HTTP library, no JSON per event, a regex on raw
+    bytes): it shares the machine's cores with the server it measures, for every server alike.
+    """
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
-    first = None
-    last = None
+    reader, writer = await asyncio.open_connection(host, port)
+    first = last = None
     gaps: list[float] = []
-    tokens = 0
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+    tail = b""
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"{status!r}: {await reader.read(4096)!r}")
+        while True:
+            raw = await reader.read(65536)
+            if not raw:
+                break
+            if CONTENT_EVENT.search(raw):
                 now = time.perf_counter()
                 if first is None:
                     first = now
                 else:
                     gaps.append(now - last)
                 last = now
-    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": tokens}
+            tail = (tail + raw)[-1024:]
+            if b"data: [DONE]" in tail:
+                break
+    finally:
+        writer.close()
+    m = USAGE.search(tail)
+    if m is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": int(m.group(1))}
 
 
 async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int, concurrency: int) -> dict:
-    import httpx
-
-    url = f"{base_url}/v1/chat/completions"
+    host, port = base_url.rsplit("//", 1)[1].rsplit(":", 1)
     queue = list(texts)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await one_request(client, url, model, texts[0], 4)  # warm-up
+    await one_request(host, int(port), model, texts[0], 4)  # warm-up
 
-        async def worker():
-            while queue:
-                text = queue.pop()
-                results.append(await one_request(client, url, model, text, max_tokens))
+    async def worker():
+        while queue:
+            results.append(await one_request(host, int(port), model, queue.pop(), max_tokens))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    dt = time.perf_counter() - t0
     ttfts = [r["ttft"] for r in results]
     gaps = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
     return {
         "concurrency": concurrency,
         "requests": len(results),
-        "tok_s": sum(r["tokens"] for r in results) / dt,
+        "tokens": tokens,
+        "tok_s": tokens / dt,
         "ttft_p50_ms": 1000 * pct(ttfts, 50),
         "ttft_p99_ms": 1000 * pct(ttfts, 99),
         "itl_p50_ms": 1000 * pct(gaps, 50),
@@ -201,7 +288,10 @@ def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str
         wait_healthy(proc, base + health, startup_s, log)
         out = []
         for c, texts in texts_by_c.items():
+            s0, c0 = tree_cpu_s(proc.pid), time.process_time()
             r = asyncio.run(http_load(base, model_id, texts, max_tokens, c))
+            cpu = tree_cpu_s(proc.pid) - s0 + time.process_time() - c0
+            r["cpu_ms_per_tok"] = 1000 * cpu / max(1, r["tokens"])
             out.append({"system": f"{name}-c{c}", **r})
             print(f"  {name} c={c}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
         return out
@@ -245,6 +335,7 @@ def main() -> None:
     print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
           file=sys.stderr)
     rows = [] if args.no_hf else hf_runs(model_dir, all_texts, args.max_tokens, batch_sizes, 8, args.hf_cb)
+    rows += engine_runs(model_dir, texts_by_c, args.max_tokens)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env["KILN_HOME"] = str(workdir / "home")
@@ -274,11 +365,12 @@ def main() -> None:
 
 
 def report(rows: list[dict], concurrency: list[int]) -> None:
-    print(f"{'system':<16}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}  (ms)")
+    print(f"{'system':<16}{'tok/s':>9}{'CPU ms/tok':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+          f"{'ITL p99':>9}  (ms)")
     for r in rows:
         extra = "".join(f"{r[k]:>10.1f}" if k.startswith("ttft") else f"{r[k]:>9.2f}"
                         for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms") if k in r)
-        print(f"{r['system']:<16}{r['tok_s']:>9.0f}{extra}")
+        print(f"{r['system']:<16}{r['tok_s']:>9.0f}{r.get('cpu_ms_per_tok', float('nan')):>11.3f}{extra}")
     by = {r["system"]: r for r in rows}
     seq = by.get("hf-seq", {}).get("tok_s")
     print("\nratios")
@@ -290,7 +382,11 @@ def report(rows: list[dict], concurrency: list[int]) -> None:
         if seq:
             parts.append(f"{k['tok_s'] / seq:.2f}x hf-seq")
         if f"hf-static-{c}" in by:
-            parts.append(f"{k['tok_s'] / by[f'hf-static-{c}']['tok_s']:.2f}x hf-static-{c}")
+            st = by[f"hf-static-{c}"]
+            parts.append(f"{k['tok_s'] / st['tok_s']:.2f}x hf-static-{c}")
+            parts.append(f"CPU/token {k['cpu_ms_per_tok'] / st['cpu_ms_per_tok']:.2f}x hf-static-{c}'s")
+            if f"engine-c{c}" in by:
+                parts.append(f"engine alone {by[f'engine-c{c}']['tok_s'] / st['tok_s']:.2f}x hf-static-{c}")
         if f"vllm-c{c}" in by:
             parts.append(f"{k['tok_s'] / by[f'vllm-c{c}']['tok_s']:.2f}x vllm-c{c}")
         print("  " + ", ".join(parts))

@@ -58,8 +58,11 @@ def run_concurrently(fn, args_list):
     return results
 
 
-def test_greedy_equals_generate_with_chunked_prefill_and_queueing(loaded, reference):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_greedy_equals_generate_with_chunked_prefill_and_queueing(loaded, reference, monkeypatch, packed):
     # tiny budget and chunks: prompts are split over several cycles, rows wait for the 3 slots
+    if not packed:  # force the two-forward path (batched decode + right-padded prefill)
+        monkeypatch.setattr("kiln.runtime.engine.PACKED_MAX_SCORES", 0)
     engine = make_engine(loaded, token_budget=24, prefill_chunk_tokens=7, max_running_rows=3, max_model_len=256)
     try:
         prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-
 def assert_error(r, status: int, code: str | None = None):
     assert r.status_code == status, r.text
     body = r.json()
@@ -129,6 +128,15 @@ def test_chunked_body_over_limit_is_413(http, server):
 
     r = http.post("/v1/chat/completions", content=gen(), headers={"content-type": "application/json"})
     assert_error(r, 413, "payload_too_large")
+
+
+def test_adapter_upload_has_its_own_body_limit(http, server):
+    # 5 MiB is over server.max_body_bytes (4 MiB) but under adapters.max_upload_bytes, so
+    # the body reaches the upload route, which refuses it as an archive, not as too large.
+    r = http.post("/v1/adapters/big/upload", content=b"\0" * (5 * 1024 * 1024),
+                  headers={"content-type": "application/gzip"})
+    assert 400 <= r.status_code < 500 and r.status_code != 413, r.text
+    assert r.json()["error"]["code"] != "payload_too_large"
 
 
 def test_configured_limits_are_400(http, server):

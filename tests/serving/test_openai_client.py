@@ -178,3 +178,12 @@ def _generated_tokens(client) -> float:
         if line.startswith("kiln_generated_tokens_total "):
             return float(line.split()[1])
     raise AssertionError("kiln_generated_tokens_total missing from /metrics")
+
+
+def test_completions_streaming_matches_non_streaming(oai, server):
+    kw = dict(model=server.model_id, prompt="The capital of France is", max_tokens=12, temperature=0)
+    full = oai.completions.create(**kw).choices[0].text
+    events = list(oai.completions.create(stream=True, **kw))
+    assert "".join(c.text for e in events for c in e.choices) == full
+    assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] in (["length"], ["stop"])
+    assert all(e.system_fingerprint and e.system_fingerprint.startswith("kiln-") for e in events)

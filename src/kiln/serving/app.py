@@ -84,12 +84,17 @@ def create_app(loaded_settings: LoadedSettings, loaded_model: Any = None, *, sta
     """Build the app. Pass ``state`` to reuse a prepared one (``kiln serve`` does), else the model loads here."""
     from kiln.serving import routes_adapters, routes_training
     from kiln.serving.routes_openai import router as openai_router
-    from kiln.serving.routes_ops import RequestMetricsMiddleware, router as ops_router
+    from kiln.serving.routes_ops import RequestMetricsMiddleware
+    from kiln.serving.routes_ops import router as ops_router
 
     kiln_state = state or build_state(loaded_settings, loaded_model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        from kiln.adapters.store import AdapterStore
+
+        # Reclaim staging left by a publication that was killed mid-way.
+        await asyncio.to_thread(AdapterStore(kiln_state.settings.adapters_path).cleanup)
         kiln_state.engine.start()
         if kiln_state.settings.training.enabled:
             from kiln.training.service import attach_training
@@ -117,7 +122,11 @@ def create_app(loaded_settings: LoadedSettings, loaded_model: Any = None, *, sta
         app.include_router(router)
     app.add_middleware(RequestMetricsMiddleware, metrics=kiln_state.metrics,
                        routes=[route for router in routers for route in router.routes])
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=kiln_state.settings.server.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=kiln_state.settings.server.max_body_bytes,
+        overrides={r"/v1/adapters/[^/]+/upload": kiln_state.settings.adapters.max_upload_bytes},
+    )
     return app
 
 

@@ -8,6 +8,7 @@ the limit. Either way the client gets a 413 in Kiln's error envelope.
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.exceptions import HTTPException
 
@@ -20,14 +21,27 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_body_bytes: int):
+    """``max_body_bytes`` for every route, except paths matching an override pattern.
+
+    ``overrides`` maps a full-match regular expression over the request path to its
+    own limit (adapter uploads are bounded by ``adapters.max_upload_bytes``).
+    """
+
+    def __init__(self, app, max_body_bytes: int, overrides: dict[str, int] | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.overrides = [(re.compile(pattern), limit) for pattern, limit in (overrides or {}).items()]
+
+    def limit_for(self, path: str) -> int:
+        for pattern, limit in self.overrides:
+            if pattern.fullmatch(path):
+                return limit
+        return self.max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.max_body_bytes
+        limit = self.limit_for(scope.get("path", ""))
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:

@@ -1,7 +1,8 @@
 """Prometheus metrics for one server (own registry, so several apps can live in one process).
 
-Also the engine's :class:`~kiln.runtime.engine.Observer`: TTFT and inter-token
-latency are observed on the engine thread at the moment each token is sampled.
+It is also the engine's observer (the hooks of :class:`kiln.runtime.engine.Observer`,
+duck-typed so this module stays free of torch): TTFT and inter-token latency are
+observed on the engine thread at the moment each token is sampled.
 """
 
 from __future__ import annotations
@@ -10,13 +11,11 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kiln.runtime.engine import Observer
-
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class Metrics(Observer):
+class Metrics:
     def __init__(self, row_stats: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry

@@ -114,7 +114,9 @@ def _params(req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
 
 def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None) -> Submission:
     try:
-        return state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop())
+        sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop())
+        state.metrics.prompt_tokens.inc(len(prompt_ids))
+        return sub
     except EngineOverloaded as exc:
         raise APIError(429, "overloaded", str(exc), "retry after a short wait") from exc
     except EngineNotRunning as exc:
@@ -228,14 +230,32 @@ def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int 
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json(obj).encode() + b"\n\n"
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class _DeltaFrame:
+    """Pre-encoded SSE frame around one choice's text delta: the per-token hot path
+    formats only the index and the text instead of re-encoding the whole chunk."""
+
+    def __init__(self, base: dict, key: str):
+        head = _json({**base, "choices": [{"index": 0}]})
+        self._head = head[: head.rindex('{"index":0}')] + '{"index":'
+        self._key = key  # '"delta":{"content":' for chat, '"text":' for completions
+        self._tail = ("}" if key.startswith('"delta"') else "") + ',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def __call__(self, index: int, text: str) -> bytes:
+        return f"data: {self._head}{index},{self._key}{_json(text)}{self._tail}".encode()
 
 
 async def _stream(
     request: Request,
     sub: Submission,
     timeout_s: float,
-    make_chunk: Callable[[int, Any, str | None], dict],
+    make_chunk: Callable[[int, Any, str | None], dict | bytes],
     first: Callable[[int], dict] | None,
     usage_chunk: Callable[[int], dict] | None,
 ) -> AsyncIterator[bytes]:
@@ -261,7 +281,8 @@ async def _stream(
             for index, c in chunks:
                 completion_tokens += len(c.tokens)
                 if c.text or c.tokens or c.finish_reason is not None:
-                    yield _sse(make_chunk(index, c, c.finish_reason))
+                    frame = make_chunk(index, c, c.finish_reason)
+                    yield frame if isinstance(frame, bytes) else _sse(frame)
         if usage_chunk is not None:
             yield _sse(usage_chunk(completion_tokens))
         yield b"data: [DONE]\n\n"
@@ -326,7 +347,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             return {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}
 
-        def chunk(i: int, c, reason: str | None) -> dict:
+        fast = _DeltaFrame(base, '"delta":{"content":')
+
+        def chunk(i: int, c, reason: str | None) -> dict | bytes:
+            if logprobs is None and reason is None:
+                return fast(i, c.text)
             lp = _chat_logprobs(c.tokens, tt).model_dump() if logprobs is not None else None
             delta = {"content": c.text} if c.text or reason is None else {}
             return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
@@ -403,7 +428,13 @@ async def completions(body: CompletionRequest, request: Request):
             raise APIError(503, "engine_unavailable", str(exc), "check GET /health") from exc
         except UnknownAdapter as exc:
             raise APIError(404, "model_not_found", str(exc), "GET /v1/models lists the served models") from exc
-        prompt_rows = _prompt_logprobs_json(await asyncio.wait_for(asyncio.wrap_future(fut), timeout), tt)
+        try:
+            rows = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            raise APIError(503, "request_timeout", f"scoring did not finish within {timeout} s",
+                           "score a shorter prompt or raise server.request_timeout_s") from None
+        prompt_rows = _prompt_logprobs_json(rows, tt)
 
     if max_tokens == 0:
         headers = _revision_header(None, adapter, state)
@@ -415,8 +446,11 @@ async def completions(body: CompletionRequest, request: Request):
             base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                     "system_fingerprint": state.system_fingerprint}
             offsets = [0] * body.n
+            fast = _DeltaFrame(base, '"text":')
 
-            def chunk(i: int, c, reason: str | None) -> dict:
+            def chunk(i: int, c, reason: str | None) -> dict | bytes:
+                if body.logprobs is None and reason is None:
+                    return fast(i, c.text)
                 lp = None
                 if body.logprobs is not None:
                     lp = _completion_logprobs(c.tokens, tt, offsets[i]).model_dump()
