@@ -14,7 +14,7 @@ from kiln.adapters.manifest import MANIFEST_FILE, MANIFEST_SCHEMA, Manifest
 from kiln.adapters.store import KEEP_PREVIOUS_REVISIONS, STAGING_DIR, AdapterStore
 from kiln.canonical import sha256_file
 
-from conftest import stage_copy  # type: ignore[import-not-found]
+from tests.adapters.conftest import stage_copy
 
 
 def _store_entries(store: AdapterStore) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from tests.distill.conftest import FIXTURES
 
 KILN = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kiln"
 

@@ -30,7 +30,7 @@ from kiln.distill.contract import (
 )
 from kiln.distill.errors import ContractError, EstimateError, UnknownSchemaError
 
-from conftest import FIXTURES
+from tests.distill.conftest import FIXTURES
 
 
 def _plan_obj() -> dict:

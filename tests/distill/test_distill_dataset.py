@@ -10,7 +10,7 @@ from kiln.canonical import JSONLNormalizationError, jsonl_c14n, sha256_hex
 from kiln.distill.dataset import check_dataset, fingerprint_dataset
 from kiln.distill.errors import ContractError, PathSafetyError
 
-from conftest import FIXTURES
+from tests.distill.conftest import FIXTURES
 
 CANON = b'{"a":1,"b":"x"}\n{"a":2}\n'
 

@@ -16,7 +16,7 @@ from kiln.distill.contract import ShardManifest
 from kiln.distill.errors import ShardError
 from kiln.distill.shards import RESUME_ACTIONS, resume, resume_decision, verify_shard
 
-from conftest import FIXTURES, load_make_fixtures
+from tests.distill.conftest import FIXTURES, load_make_fixtures
 
 
 def _head(shard: Path) -> ShardManifest:

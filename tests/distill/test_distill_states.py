@@ -18,7 +18,7 @@ from kiln.distill.states import (
     check_manifest_step,
 )
 
-from conftest import FIXTURES
+from tests.distill.conftest import FIXTURES
 
 CKPT = hashlib.sha256(b"checkpoint").hexdigest()
 

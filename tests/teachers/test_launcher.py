@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kiln.teachers import launcher
-from conftest import (
+from tests.teachers.conftest import (
     LAUNCHER_SCRIPT,
     build_tiny_adapter,
     build_tiny_model,

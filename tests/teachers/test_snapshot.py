@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_tiny_adapter, private_dir
+from tests.teachers.conftest import build_tiny_adapter, private_dir
 from kiln.teachers import private_dirs, snapshot
 from kiln.teachers.identity import snapshot_manifest_digest
 from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter

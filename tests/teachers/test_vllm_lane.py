@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import LAUNCHER_SCRIPT, clean_env, private_dir
+from tests.teachers.conftest import LAUNCHER_SCRIPT, clean_env, private_dir
 
 pytestmark = [
     pytest.mark.vllm,

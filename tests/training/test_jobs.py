@@ -39,6 +39,9 @@ def test_fifo_and_persistence(tmp_path):
     assert again.get(b.id).request == {"x": 2}
     assert again.claim_next().id == b.id
     assert again.claim_next() is None
+    assert [j.id for j in again.list()] == [a.id, b.id]
+    assert [j.id for j in again.list(limit=1, newest=True)] == [b.id]
+    assert [j.id for j in again.list(states=frozenset({SUCCEEDED}))] == [a.id]
     mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
 

@@ -66,6 +66,22 @@ def test_grpo_completion_mask(loaded):
     assert tok.decode(masked) == "hi<|im_end|>"
 
 
+def test_right_padding_without_mask_matches_unpadded_rows(loaded):
+    from kiln.training.data import collate
+    from kiln.training.trainer import _sequence_logprobs
+
+    peft_model, tok = loaded
+    rows = tokenize_sft(tok, EXAMPLES[:1] + [SFTExample.model_validate({"messages": [
+        {"role": "user", "content": "A much longer question so that the first row gets padded?"},
+        {"role": "assistant", "content": "Yes."}]})], max_seq_len=512)
+    with torch.no_grad():
+        both = _sequence_logprobs(peft_model, collate(rows, tok.pad_token_id))
+        alone = _sequence_logprobs(peft_model, collate(rows[:1], tok.pad_token_id))
+    n = len(rows[0].input_ids) - 1
+    assert both.shape[1] > n
+    torch.testing.assert_close(both[0, :n], alone[0], rtol=0, atol=1e-5)
+
+
 def _train(peft_model, tok, *, name, hooks=None, resume=None, plan=None):
     rows = tokenize_sft(tok, EXAMPLES, max_seq_len=512)
     plan = plan or Plan(learning_rate=5e-3, epochs=3, batch_size=2, seed=7, checkpoint_interval=2)

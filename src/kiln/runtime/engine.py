@@ -127,9 +127,11 @@ class StreamChunk:
 class RowStream:
     """One generated sequence (one choice), written by the engine thread, read by one consumer."""
 
-    def __init__(self, index: int, loop: asyncio.AbstractEventLoop | None, event: asyncio.Event | None = None):
+    def __init__(self, index: int, loop: asyncio.AbstractEventLoop | None, event: asyncio.Event | None = None,
+                 incremental: bool = True):
         self.index = index
         self.loop = loop
+        self.incremental = incremental  # False: the consumer is woken only when the row ends
         self._lock = threading.Lock()
         self._text: list[str] = []
         self._tokens: list[TokenChoice] = []
@@ -394,8 +396,14 @@ class Engine:
         *,
         adapter: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        incremental: bool = True,
     ) -> Submission:
-        """Queue one row per entry of ``params`` (the ``n`` choices) for ``prompt_ids``."""
+        """Queue one row per entry of ``params`` (the ``n`` choices) for ``prompt_ids``.
+
+        ``incremental=False`` suits callers that only want the finished text (non-streaming
+        responses, :meth:`generate`): output still accumulates per token, but the consumer
+        is woken once per row, at its end, instead of after every step.
+        """
         if not self.running:
             raise EngineNotRunning(f"the engine is not running ({self._failed or 'stopped'}); restart the server")
         if not prompt_ids:
@@ -421,7 +429,7 @@ class Engine:
                 self.adapters.release(k)
             raise
         shared_event = asyncio.Event() if loop is not None else None
-        streams = [RowStream(i, loop, shared_event) for i in range(len(params))]
+        streams = [RowStream(i, loop, shared_event, incremental) for i in range(len(params))]
         rows = [
             _Row(s, list(prompt_ids), p, make_generator(p.seed, self.device), k, TextStream(self.tokenizer, p.stop),
                  self._eos)
@@ -501,7 +509,7 @@ class Engine:
     ) -> list[Completion]:
         """Blocking convenience for in-process callers (training rollouts, evals)."""
         plist = params if isinstance(params, list) else [params]
-        sub = self.submit(prompt_ids, plist, adapter=adapter)
+        sub = self.submit(prompt_ids, plist, adapter=adapter, incremental=False)
         out = []
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -737,7 +745,7 @@ class Engine:
                 reason = "length"
             if reason is not None or row.cancelled:
                 done.append((row, reason or "abort"))
-            else:
+            elif row.stream.incremental:
                 touched.append(row.stream)
         obs.tokens_generated(len(rows))
         # highest slot first keeps the compaction moves valid

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
+import itertools
+import secrets
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -112,9 +113,11 @@ def _params(req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
     ]
 
 
-def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None) -> Submission:
+def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None,
+            stream: bool) -> Submission:
     try:
-        sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop())
+        sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop(),
+                                  incremental=stream)
         state.metrics.prompt_tokens.inc(len(prompt_ids))
         return sub
     except EngineOverloaded as exc:
@@ -229,6 +232,14 @@ def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int 
     return out
 
 
+_ID_PREFIX = secrets.token_hex(8)  # per process; a counter makes each ID unique without a syscall
+_ID_COUNTER = itertools.count()
+
+
+def _request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + _json(obj).encode() + b"\n\n"
 
@@ -251,43 +262,71 @@ class _DeltaFrame:
         return f"data: {self._head}{index},{self._key}{_json(text)}{self._tail}".encode()
 
 
-async def _stream(
-    request: Request,
-    sub: Submission,
-    timeout_s: float,
-    make_chunk: Callable[[int, Any, str | None], dict | bytes],
-    first: Callable[[int], dict] | None,
-    usage_chunk: Callable[[int], dict] | None,
-) -> AsyncIterator[bytes]:
-    """SSE events for a submission, ending with ``data: [DONE]``; cancels rows when the client goes."""
-    deadline = time.monotonic() + timeout_s
-    completion_tokens = 0
-    try:
-        if first is not None:
-            for s in sub.streams:
-                yield _sse(first(s.index))
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                yield _sse({"error": {"code": "request_timeout", "message": f"no completion within {timeout_s} s",
-                                      "hint": "lower max_tokens or raise server.request_timeout_s"}})
-                break
+class _SSEResponse(StreamingResponse):
+    """SSE events for one submission, ending with ``data: [DONE]``, written straight to ASGI ``send``.
+
+    The per-token path is short on purpose (on a small model it costs as much as the
+    forward): one wake per engine step, all of the submission's new frames joined into
+    one write, one deadline timer for the whole request (not one per wait), and the
+    last content, the usage chunk and ``[DONE]`` in the final write. A disconnect
+    (seen by a watcher on ``receive``) or the deadline cancels the rows.
+    """
+
+    def __init__(self, sub: Submission, timeout_s: float,
+                 make_chunk: Callable[[int, Any, str | None], dict | bytes],
+                 first: Callable[[int], dict] | None, usage_chunk: Callable[[int], dict] | None,
+                 headers: dict[str, str]):
+        super().__init__(_NO_BODY, media_type="text/event-stream", headers=headers)
+        self._sub, self._timeout = sub, timeout_s
+        self._make_chunk, self._first, self._usage = make_chunk, first, usage_chunk
+
+    async def __call__(self, scope, receive, send) -> None:
+        sub = self._sub
+        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, sub))
+        completion_tokens = 0
+        parts: list[bytes] = []
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self._first is not None:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"".join(_sse(self._first(s.index)) for s in sub.streams)})
             try:
-                chunks = await asyncio.wait_for(sub.next_chunks(), left)
-            except asyncio.TimeoutError:
-                continue
-            if not chunks:
-                break
-            for index, c in chunks:
-                completion_tokens += len(c.tokens)
-                if c.text or c.tokens or c.finish_reason is not None:
-                    frame = make_chunk(index, c, c.finish_reason)
-                    yield frame if isinstance(frame, bytes) else _sse(frame)
-        if usage_chunk is not None:
-            yield _sse(usage_chunk(completion_tokens))
-        yield b"data: [DONE]\n\n"
-    finally:
-        sub.cancel()
+                async with asyncio.timeout(self._timeout):
+                    while True:
+                        chunks = await sub.next_chunks()
+                        for index, c in chunks:
+                            completion_tokens += len(c.tokens)
+                            if c.text or c.tokens or c.finish_reason is not None:
+                                frame = self._make_chunk(index, c, c.finish_reason)
+                                parts.append(frame if isinstance(frame, bytes) else _sse(frame))
+                        if not chunks or sub.finished:
+                            break
+                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                        parts.clear()
+            except TimeoutError:
+                parts.append(_sse({"error": {"code": "request_timeout",
+                                             "message": f"no completion within {self._timeout} s",
+                                             "hint": "lower max_tokens or raise server.request_timeout_s"}}))
+            if self._usage is not None:
+                parts.append(_sse(self._usage(completion_tokens)))
+            parts.append(b"data: [DONE]\n\n")
+            await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
+        finally:
+            watch.cancel()
+            sub.cancel()
+
+
+async def _no_body():  # placeholder body iterator: _SSEResponse writes its own body
+    yield b""
+
+
+_NO_BODY = _no_body()
+
+
+async def _cancel_on_disconnect(receive, sub: Submission) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    sub.cancel()
 
 
 # -- endpoints -------------------------------------------------------------------------------
@@ -333,9 +372,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_limits(state, body, logprobs, body.stop_list())
     prompt = await _render_chat(state, body)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
-    sub = _submit(state, prompt, _params(body, max_tokens, logprobs), adapter)
+    sub = _submit(state, prompt, _params(body, max_tokens, logprobs), adapter, body.stream)
     headers = _revision_header(sub, adapter, state)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
     timeout = state.settings.server.request_timeout_s
     tt = _token_text(state)
@@ -361,8 +400,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             def usage(done: int) -> dict:
                 return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
                                                          "total_tokens": len(prompt) + done}}
-        return StreamingResponse(_stream(request, sub, timeout, chunk, first, usage),
-                                 media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return _SSEResponse(sub, timeout, chunk, first, usage, {**SSE_HEADERS, **headers})
 
     results = await _collect(request, sub, timeout)
     completion = sum(len(t) for _, t, _ in results)
@@ -415,7 +453,7 @@ async def completions(body: CompletionRequest, request: Request):
                            "send the scoring request with stream=false")
     prompt = _prompt_ids(state, body)
     max_tokens = _max_tokens(state, body.max_tokens, len(prompt))
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = f"cmpl-{_request_id()}"
     created = int(time.time())
     timeout = state.settings.server.request_timeout_s
     tt = _token_text(state)
@@ -440,7 +478,7 @@ async def completions(body: CompletionRequest, request: Request):
         headers = _revision_header(None, adapter, state)
         results = [("", [], "length")] * body.n
     else:
-        sub = _submit(state, prompt, _params(body, max_tokens, body.logprobs), adapter)
+        sub = _submit(state, prompt, _params(body, max_tokens, body.logprobs), adapter, body.stream)
         headers = _revision_header(sub, adapter, state)
         if body.stream:
             base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -462,8 +500,7 @@ async def completions(body: CompletionRequest, request: Request):
                 def usage(done: int) -> dict:
                     return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
                                                              "total_tokens": len(prompt) + done}}
-            return StreamingResponse(_stream(request, sub, timeout, chunk, None, usage),
-                                     media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+            return _SSEResponse(sub, timeout, chunk, None, usage, {**SSE_HEADERS, **headers})
         results = await _collect(request, sub, timeout)
 
     completion = sum(len(t) for _, t, _ in results)
