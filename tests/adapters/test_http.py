@@ -20,34 +20,10 @@ UPLOAD_LIMIT = 64 * 1024
 
 
 def _make_app(loaded_settings, loaded_model):
-    from kiln.serving.app import build_state
+    from kiln.serving.app import build_state, create_app
 
     state = build_state(loaded_settings, loaded_model)
-    try:
-        from kiln.serving.app import create_app
-
-        return create_app(loaded_settings, state=state), state
-    except ImportError:
-        # The OpenAI routes are not in the tree yet: assemble the same pieces create_app uses
-        # for this router (state, error handlers, engine lifecycle).
-        from contextlib import asynccontextmanager
-
-        from fastapi import FastAPI
-
-        from kiln.serving import routes_adapters
-        from kiln.serving.errors import install_error_handlers
-
-        @asynccontextmanager
-        async def lifespan(_app):
-            state.engine.start()
-            yield
-            state.engine.stop()
-
-        app = FastAPI(lifespan=lifespan)
-        app.state.kiln = state
-        install_error_handlers(app)
-        app.include_router(routes_adapters.router)
-        return app, state
+    return create_app(loaded_settings, state=state), state
 
 
 @pytest.fixture(scope="module")

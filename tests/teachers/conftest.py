@@ -162,3 +162,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")}
     keep.update(extra)
     return keep
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_refused_environment(monkeypatch):
+    """Start every test from an environment the launcher accepts.
+
+    Earlier in-process tests (torch imports, for instance) can leave variables such
+    as TORCHINDUCTOR_CACHE_DIR in ``os.environ``; the tests here set the variables
+    they mean to test explicitly.
+    """
+    from kiln.teachers.options import OptionError, check_environment
+
+    for name, value in list(os.environ.items()):
+        try:
+            check_environment({name: value})
+        except OptionError:
+            monkeypatch.delenv(name)

@@ -125,7 +125,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model: Any = None, *, sta
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=kiln_state.settings.server.max_body_bytes,
-        overrides={r"/v1/adapters/[^/]+/upload": kiln_state.settings.adapters.max_upload_bytes},
+        # The upload route streams its body under adapters.max_upload_bytes itself.
+        overrides={r"/v1/adapters/[^/]+/upload": None},
     )
     return app
 

@@ -24,15 +24,16 @@ class BodyLimitMiddleware:
     """``max_body_bytes`` for every route, except paths matching an override pattern.
 
     ``overrides`` maps a full-match regular expression over the request path to its
-    own limit (adapter uploads are bounded by ``adapters.max_upload_bytes``).
+    own limit, or to ``None`` for a route that bounds its body itself while streaming
+    it (adapter uploads, capped by ``adapters.max_upload_bytes`` in the route).
     """
 
-    def __init__(self, app, max_body_bytes: int, overrides: dict[str, int] | None = None):
+    def __init__(self, app, max_body_bytes: int, overrides: dict[str, int | None] | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.overrides = [(re.compile(pattern), limit) for pattern, limit in (overrides or {}).items()]
 
-    def limit_for(self, path: str) -> int:
+    def limit_for(self, path: str) -> int | None:
         for pattern, limit in self.overrides:
             if pattern.fullmatch(path):
                 return limit
@@ -42,6 +43,8 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self.limit_for(scope.get("path", ""))
+        if limit is None:
+            return await self.app(scope, receive, send)
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
