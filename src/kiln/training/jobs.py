@@ -215,20 +215,22 @@ class JobStore:
             row = self._db.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return bool(row and row["cancel_requested"])
 
-    def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS) -> list[Job]:
-        """Jobs in FIFO order (oldest first), optionally filtered by state."""
+    def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS,
+             newest: bool = False) -> list[Job]:
+        """Up to ``limit`` jobs in FIFO order (oldest first), optionally filtered by state.
+
+        ``newest`` picks the most recent matching jobs instead of the oldest ones.
+        """
         limit = max(1, min(limit, MAX_LIST_JOBS))
+        states = states or frozenset({QUEUED, RUNNING, *TERMINAL})
+        marks = ",".join("?" * len(states))
+        order = "DESC" if newest else "ASC"
         with self._lock:
-            if states:
-                marks = ",".join("?" * len(states))
-                rows = self._db.execute(
-                    f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY seq LIMIT ?", (*sorted(states), limit)
-                ).fetchall()
-            else:
-                rows = self._db.execute(
-                    "SELECT * FROM (SELECT * FROM jobs ORDER BY seq DESC LIMIT ?) ORDER BY seq", (limit,)
-                ).fetchall()
-        return [_job(r) for r in rows]
+            rows = self._db.execute(
+                f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY seq {order} LIMIT ?", (*sorted(states), limit)
+            ).fetchall()
+        jobs = [_job(r) for r in rows]
+        return jobs[::-1] if newest else jobs
 
     def queue_position(self, job: Job) -> int | None:
         """1-based position among queued jobs, or None when not queued."""

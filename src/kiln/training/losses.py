@@ -16,6 +16,7 @@ from torch import nn
 GRPO_CLIP_EPSILON = 0.2
 ADVANTAGE_STD_EPS = 1e-6
 ZERO_VARIANCE_TOL = 1e-12
+IGNORE_INDEX = -100
 
 KLEstimator = Literal["k1", "k3"]
 
@@ -48,16 +49,17 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
         their count (token-level mean across the whole batch, so long and short
         examples weigh by their token count).
     """
-    targets = loss_mask[:, 1:].to(torch.float32)
-    count = targets.sum()
+    # Shift the labels, not the logits: the target of position t is token t+1, and
+    # the last position has none. Slicing the logits would copy the whole [B, T, V].
+    labels = torch.where(loss_mask.bool(), input_ids, IGNORE_INDEX)
+    labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    count = (labels != IGNORE_INDEX).sum()
     if count.item() == 0:
         raise ValueError("sft_loss: the batch has no target tokens (empty loss mask)")
-    ce = F.cross_entropy(
-        logits[:, :-1, :].reshape(-1, logits.shape[-1]).float(),
-        input_ids[:, 1:].reshape(-1),
-        reduction="none",
-    ).view_as(targets)
-    return (ce * targets).sum() / count
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / count
 
 
 def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = True) -> torch.Tensor | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kiln.canonical import canonical_json_bytes, domain_digest, sha256_file
 from kiln.serving.errors import APIError
@@ -43,6 +44,12 @@ log = logging.getLogger("kiln.training")
 INPUTS_DOMAIN = "kiln.training-inputs.v1"
 PLAN_DOMAIN = "kiln.training-plan.v1"
 WORKER_POLL_S = 1.0
+# While requests are in flight, training steps take at most this share of the
+# time: after a step of d seconds the worker leaves the device to serving for
+# d * (1 - share) / share (capped) before it asks for exclusive ownership again.
+TRAINING_SHARE_WHILE_SERVING = 0.25
+MAX_YIELD_S = 1.0
+RECENT_JOBS = 10
 WORKER_JOIN_S = 30.0
 SHUTDOWN_REASON = "interrupted: the server shut down while this job was running"
 
@@ -91,6 +98,7 @@ class TrainingService:
         self._stop = threading.Event()
         self._cancel_running = threading.Event()
         self._running: str | None = None
+        self._last_step_s = 0.0
         self._thread = threading.Thread(target=self._worker, name="kiln-trainer", daemon=True)
         if self.jobs.recovered:
             log.warning("failed %d job(s) interrupted by the previous shutdown: %s", len(self.jobs.recovered),
@@ -267,7 +275,7 @@ class TrainingService:
         active = self.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING}))
         running = [j.public() for j in active if j.state == jobstates.RUNNING]
         queued = [j.public(queue_position=i + 1) for i, j in enumerate(a for a in active if a.state == jobstates.QUEUED)]
-        recent = [j.public() for j in self.jobs.list(states=jobstates.TERMINAL)][-10:]
+        recent = [j.public() for j in self.jobs.list(states=jobstates.TERMINAL, limit=RECENT_JOBS, newest=True)]
         return {
             "enabled": True,
             "worker_alive": self._thread.is_alive(),
@@ -303,6 +311,26 @@ class TrainingService:
                 self.jobs.finish(job.id, jobstates.SUCCEEDED, result=result)
             finally:
                 self._running = None
+
+    def _serving_busy(self) -> bool:
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return False
+        st = stats()
+        return bool(st.get("active_rows") or st.get("queued_rows"))
+
+    @contextmanager
+    def _step_ownership(self) -> Iterator[None]:
+        """Exclusive ownership for one training step, yielding to serving first when it is busy."""
+        if self._last_step_s and self._serving_busy():
+            share = TRAINING_SHARE_WHILE_SERVING
+            time.sleep(min(MAX_YIELD_S, self._last_step_s * (1 - share) / share))
+        with self.engine.ownership.exclusive():
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._last_step_s = time.perf_counter() - t0
 
     def _should_cancel(self) -> bool:
         if self._stop.is_set():
@@ -346,7 +374,7 @@ class TrainingService:
         private = f"kiln-{job.id}"
         config = lora_config(eff["lora_rank"], eff["lora_alpha"], eff["lora_target_modules"])
         hooks = Hooks(
-            exclusive=ownership.exclusive,
+            exclusive=self._step_ownership,
             should_cancel=self._should_cancel,
             on_progress=lambda p: self.jobs.update_progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),
@@ -355,6 +383,7 @@ class TrainingService:
         pad_id = self.loaded.tokenizer.pad_token_id
         with ownership.exclusive():
             add_private_adapter(peft_model, private, config, seed=plan.seed, init_state=init_state)
+        staging = None
         try:
             t_train = time.perf_counter()
             if job.kind == "sft":
@@ -367,6 +396,10 @@ class TrainingService:
             t_publish = time.perf_counter()
             staging = self.store.new_staging()
             save_adapter_files(peft_model, private, staging.path, base_model_dir=str(self.loaded.path))
+        except BaseException:
+            if staging is not None:
+                staging.discard()
+            raise
         finally:
             self.engine.delete_private_adapter(private)
         manifest_config = {k: v for k, v in eff.items()

@@ -3,8 +3,14 @@
 The model being trained is the engine's own ``PeftModel``: the job adds a
 private adapter to it, and every optimizer step runs inside ``exclusive()``
 (the accelerator-ownership lock) with that adapter active, then hands the
-model back to serving. Nothing else about the model changes, so inference
-between two steps sees exactly what it saw before the job.
+model back to serving. Serving names its adapter per row, so the private
+adapter is never applied to a request; the previously active adapter is put
+back when the loop ends.
+
+Batches are right-padded and the forward passes no attention mask: under causal
+attention a real token never sees the padding after it, so its logits equal
+those of the unpadded row (up to float rounding), and padded positions carry no
+loss. Without a mask the attention kernel keeps its plain causal path.
 
 Both loops read top to bottom: build the optimizer, restore a checkpoint if
 given, then ``for epoch: for batch: forward -> loss -> backward -> step``.
@@ -132,18 +138,24 @@ def adapter_state(peft_model: Any, name: str) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(peft_model, adapter_name=name)
 
 
-@contextmanager
-def private_active(peft_model: Any, name: str) -> Iterator[None]:
-    """Make ``name`` the active, trainable adapter; restore the previous one after."""
-    previous = peft_model.active_adapter
-    peft_model.base_model.set_adapter(name)
-    try:
-        yield
-    finally:
-        if previous in peft_model.peft_config:
-            peft_model.base_model.set_adapter(previous, inference_mode=True)
-        for p in private_parameters(peft_model, name):
-            p.requires_grad_(False)
+def make_trainable(peft_model: Any, name: str, params: Sequence[torch.nn.Parameter]) -> None:
+    """Make ``name`` the active adapter with trainable weights; a no-op when it already is.
+
+    Called under exclusive ownership before every step, so an adapter change made
+    between two steps (serving loads or deletes adapters) cannot make a step train
+    the wrong weights. Serving always names its adapters per row, so leaving the
+    private adapter active between steps changes nothing it computes.
+    """
+    if peft_model.active_adapter != name or not params[0].requires_grad:
+        peft_model.base_model.set_adapter(name)
+
+
+def release_private(peft_model: Any, name: str, previous: str) -> None:
+    """Undo :func:`make_trainable`: reactivate ``previous`` and freeze the private weights."""
+    if previous in peft_model.peft_config and previous != name:
+        peft_model.base_model.set_adapter(previous, inference_mode=True)
+    for p in private_parameters(peft_model, name):
+        p.requires_grad_(False)
 
 
 def save_adapter_files(peft_model: Any, name: str, out_dir: Path, *, base_model_dir: str) -> None:
@@ -177,6 +189,7 @@ class _Loop:
         self.peft_model, self.name, self.plan, self.hooks = peft_model, name, plan, hooks
         self.total_steps = total_steps
         self.params = private_parameters(peft_model, name)
+        self.previous = peft_model.active_adapter
         self.opt = torch.optim.AdamW(self.params, lr=plan.learning_rate, weight_decay=0.0)
         self.step, self.epoch, self.batch = 0, 0, 0
         self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
@@ -200,6 +213,22 @@ class _Loop:
         self.checkpoint_step = ckpt.step
 
     checkpoint_step = 0
+
+    @contextmanager
+    def running(self) -> Iterator["_Loop"]:
+        """Around the whole loop: put the previously active adapter back at the end, whatever happens."""
+        try:
+            yield self
+        finally:
+            with self.hooks.exclusive():
+                release_private(self.peft_model, self.name, self.previous)
+
+    @contextmanager
+    def step_ownership(self) -> Iterator[None]:
+        """Exclusive ownership for one step, with the private adapter active and trainable."""
+        with self.hooks.exclusive():
+            make_trainable(self.peft_model, self.name, self.params)
+            yield
 
     def check_cancel(self) -> None:
         if self.hooks.should_cancel():
@@ -259,19 +288,18 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     hooks = hooks or Hooks()
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
-    for epoch in range(loop.epoch, plan.epochs):
-        order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
-        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-            loop.check_cancel()
-            batch = collate([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]], pad_id)
-            with hooks.exclusive(), private_active(peft_model, name):
-                t0 = time.perf_counter()
-                logits = peft_model(
-                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-                ).logits
-                loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
-                loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
-            loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
+    with loop.running():
+        for epoch in range(loop.epoch, plan.epochs):
+            order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
+            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+                loop.check_cancel()
+                batch = collate([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]], pad_id)
+                with loop.step_ownership():
+                    t0 = time.perf_counter()
+                    logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+                    loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+                    loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
     return loop.report()
 
 
@@ -308,8 +336,8 @@ def grpo_items(groups_rows: Sequence[list[Row]], rewards: Sequence[Sequence[floa
 
 
 def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, T-1]`` log-probabilities of each next token."""
-    logits = peft_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    """``[B, T-1]`` log-probabilities of each next token (right padding, no mask: see the module docstring)."""
+    logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
     return shifted_token_logprobs(logits, batch["input_ids"])
 
 
@@ -339,40 +367,40 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
     loop.stats.update({"groups": len(items) + skipped_groups, "skipped_zero_variance_groups": skipped_groups})
 
-    # old_logp: one [len-1] tensor per row, from the policy before any update.
-    if resume is not None:
-        old = [resume.tensors[f"old.{i}"] for i in range(sum(len(it.rows) for it in items))]
-    else:
-        old = []
-        with torch.no_grad(), hooks.exclusive(), private_active(peft_model, name):
-            for it in items:
-                lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id))
-                old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
-    offsets = [0]
-    for it in items:
-        offsets.append(offsets[-1] + len(it.rows))
-    old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
+    with loop.running():
+        # old_logp: one [len-1] tensor per row, from the policy before any update.
+        if resume is not None:
+            old = [resume.tensors[f"old.{i}"] for i in range(sum(len(it.rows) for it in items))]
+        else:
+            old = []
+            with torch.no_grad(), loop.step_ownership():
+                for it in items:
+                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id))
+                    old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
+        offsets = [0]
+        for it in items:
+            offsets.append(offsets[-1] + len(it.rows))
+        old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
 
-    for epoch in range(loop.epoch, plan.epochs):
-        order = epoch_order(len(items), seed=plan.seed, epoch=epoch)
-        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-            loop.check_cancel()
-            chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-            rows = [r for g in chosen for r in items[g].rows]
-            adv = torch.cat([items[g].advantages for g in chosen])
-            old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-            batch = collate(rows, pad_id)
-            mask = batch["loss_mask"][:, 1:]
-            with hooks.exclusive():
-                t0 = time.perf_counter()
-                ref = None
-                if settings.kl_coef > 0:
-                    with torch.no_grad(), peft_model.disable_adapter():
-                        ref = _sequence_logprobs(peft_model, batch)
-                with private_active(peft_model, name):
+        for epoch in range(loop.epoch, plan.epochs):
+            order = epoch_order(len(items), seed=plan.seed, epoch=epoch)
+            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+                loop.check_cancel()
+                chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
+                rows = [r for g in chosen for r in items[g].rows]
+                adv = torch.cat([items[g].advantages for g in chosen])
+                old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
+                batch = collate(rows, pad_id)
+                mask = batch["loss_mask"][:, 1:]
+                with loop.step_ownership():
+                    t0 = time.perf_counter()
+                    ref = None
+                    if settings.kl_coef > 0:
+                        with torch.no_grad(), peft_model.disable_adapter():
+                            ref = _sequence_logprobs(peft_model, batch)
                     logp = _sequence_logprobs(peft_model, batch)
                     loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1]), adv, mask, ref)
                     loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
-            loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
-            loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
+                loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
     return loop.report()
