@@ -18,6 +18,7 @@ PURE_MODULES = [
     "kiln.canonical",
     "kiln.config",
     "kiln.cli",
+    "kiln.client",
     "kiln.runtime.loader",
     "kiln.runtime.builtin",
     "kiln.runtime.ownership",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kiln.training.cli import UrlOpt, _request
+from kiln.client import UrlOpt, request
 
 app = typer.Typer(help="List, load, unload and delete adapters on a running server.", no_args_is_help=True)
 
@@ -25,7 +25,7 @@ def list_cmd(url: str = UrlOpt) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    data = _request("GET", f"{url}/v1/adapters")["data"]
+    data = request("GET", f"{url}/v1/adapters")["data"]
     table = Table(title=f"adapters on {url}")
     for col in ("name", "revision", "kind", "base", "size", "created", "active"):
         table.add_column(col)
@@ -43,19 +43,19 @@ def list_cmd(url: str = UrlOpt) -> None:
 @app.command()
 def load(name: str, url: str = UrlOpt) -> None:
     """Serve NAME's current revision (requests select it with "model": NAME)."""
-    body = _request("POST", f"{url}/v1/adapters/{name}/load")
+    body = request("POST", f"{url}/v1/adapters/{name}/load")
     typer.echo(f"serving {body['name']} revision {body['revision']}")
 
 
 @app.command()
 def unload(name: str, url: str = UrlOpt) -> None:
     """Stop serving NAME (running requests finish on their revision)."""
-    _request("POST", f"{url}/v1/adapters/{name}/unload")
+    request("POST", f"{url}/v1/adapters/{name}/unload")
     typer.echo(f"unloaded {name}")
 
 
 @app.command()
 def delete(name: str, url: str = UrlOpt) -> None:
     """Delete NAME and all its stored revisions (refused while it is being served)."""
-    body = _request("DELETE", f"{url}/v1/adapters/{name}")
+    body = request("DELETE", f"{url}/v1/adapters/{name}")
     typer.echo(f"deleted {name} (revision {body['revision']})")

@@ -3,53 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
+from kiln.client import UrlOpt, fail, request
+
 app = typer.Typer(help="Submit and follow LoRA training jobs on a running server.", no_args_is_help=True)
 
-DEFAULT_URL = os.environ.get("KILN_URL", "http://127.0.0.1:8420")
 MAX_FILE_BYTES = 64 * 1024 * 1024
 POLL_S = 0.25
-HTTP_TIMEOUT_S = 60.0
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-UrlOpt = typer.Option(DEFAULT_URL, "--url", help="Kiln server URL ($KILN_URL)")
-
-
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(1)
-
-
-def _request(method: str, url: str, **kw: Any) -> dict[str, Any]:
-    import httpx
-
-    try:
-        r = httpx.request(method, url, timeout=HTTP_TIMEOUT_S, **kw)
-    except httpx.HTTPError as exc:
-        _fail(f"cannot reach {url}: {exc} (is `kiln serve` running? pass --url)")
-    try:
-        body = r.json()
-    except ValueError:
-        body = {}
-    if r.status_code >= 400:
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
-        _fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
-    return body
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
     """A JSONL file (one object per line) or a JSON array."""
     if not path.is_file():
-        _fail(f"{path} is not a file")
+        fail(f"{path} is not a file")
     if path.stat().st_size > MAX_FILE_BYTES:
-        _fail(f"{path} is larger than {MAX_FILE_BYTES} bytes; put it in the server's data dir and use dataset_path")
+        fail(f"{path} is larger than {MAX_FILE_BYTES} bytes; put it in the server's data dir and use dataset_path")
     text = path.read_text("utf-8")
     try:
         if text.lstrip().startswith("["):
@@ -57,9 +31,9 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         else:
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as exc:
-        _fail(f"{path}: not JSON/JSONL: {exc}")
+        fail(f"{path}: not JSON/JSONL: {exc}")
     if not rows or not all(isinstance(r, dict) for r in rows):
-        _fail(f"{path} must hold one JSON object per line")
+        fail(f"{path} must hold one JSON object per line")
     return rows
 
 
@@ -72,7 +46,7 @@ def follow(url: str, job_id: str) -> dict[str, Any]:
     with Progress(*columns, transient=False) as bar:
         task = bar.add_task(job_id, total=None, info="queued")
         while True:
-            job = _request("GET", f"{url}/v1/train/jobs/{job_id}")
+            job = request("GET", f"{url}/v1/train/jobs/{job_id}")
             info = job["state"]
             if job.get("loss") is not None:
                 info = f"loss {job['loss']:.4f}  {job.get('tokens_per_s') or 0:.0f} tok/s  ETA {job.get('eta_s') or 0:.1f}s"
@@ -85,13 +59,13 @@ def follow(url: str, job_id: str) -> dict[str, Any]:
 
 
 def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
-    job = _request("POST", f"{url}/v1/train/{kind}", json=body)
+    job = request("POST", f"{url}/v1/train/{kind}", json=body)
     typer.echo(f"submitted {job['id']} (adapter {job['adapter']!r})")
     if not wait:
         return
     job = follow(url, job["id"])
     if job["state"] != "succeeded":
-        _fail(f"job {job['id']} {job['state']}: {job.get('error')}")
+        fail(f"job {job['id']} {job['state']}: {job.get('error')}")
     res = job["result"]
     typer.echo(f"published {res['adapter']} revision {res['revision'][:12]}"
                + (" (serving now)" if res["activated"] else "") + f" in {res['timings_s']['total']:.2f}s")
@@ -155,7 +129,7 @@ def status(url: str = UrlOpt) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    st = _request("GET", f"{url.rstrip('/')}/v1/train/status")
+    st = request("GET", f"{url.rstrip('/')}/v1/train/status")
     table = Table(title=f"training queue ({len(st['queued'])}/{st['queue_max']} queued)")
     for col in ("job", "kind", "adapter", "state", "step", "loss", "tok/s", "ETA s", "note"):
         table.add_column(col)
@@ -172,5 +146,5 @@ def status(url: str = UrlOpt) -> None:
 @app.command()
 def cancel(job_id: str, url: str = UrlOpt) -> None:
     """Cancel a queued job, or stop a running one at its next step."""
-    job = _request("DELETE", f"{url.rstrip('/')}/v1/train/queue/{job_id}")
+    job = request("DELETE", f"{url.rstrip('/')}/v1/train/queue/{job_id}")
     typer.echo(f"{job['id']}: {job['state']}" + (" (stopping at the next step)" if job["state"] == "running" else ""))

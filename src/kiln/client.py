@@ -1,0 +1,42 @@
+"""The small HTTP client behind the `kiln train` and `kiln adapters` commands.
+
+Standard library + httpx (imported on use) + typer: the commands that talk to a
+running server share one URL option and one error rendering.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NoReturn
+
+import typer
+
+DEFAULT_URL = os.environ.get("KILN_URL", "http://127.0.0.1:8420")
+HTTP_TIMEOUT_S = 60.0
+
+UrlOpt = typer.Option(DEFAULT_URL, "--url", help="Kiln server URL ($KILN_URL)")
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` to stderr and exit 1."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+def request(method: str, url: str, **kw: Any) -> dict[str, Any]:
+    """One request; a 4xx/5xx becomes ``fail`` with the server's code, message and hint."""
+    import httpx
+
+    try:
+        r = httpx.request(method, url, timeout=HTTP_TIMEOUT_S, **kw)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {url}: {exc} (is `kiln serve` running? pass --url)")
+    try:
+        body = r.json()
+    except ValueError:
+        body = {}
+    if r.status_code >= 400:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
+        fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
+    return body
