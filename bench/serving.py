@@ -313,6 +313,7 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=str(ROOT / ".vllm-venv"))
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -335,7 +336,8 @@ def main() -> None:
     print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
           file=sys.stderr)
     rows = [] if args.no_hf else hf_runs(model_dir, all_texts, args.max_tokens, batch_sizes, 8, args.hf_cb)
-    rows += engine_runs(model_dir, texts_by_c, args.max_tokens)
+    if not args.no_engine:
+        rows += engine_runs(model_dir, texts_by_c, args.max_tokens)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env["KILN_HOME"] = str(workdir / "home")

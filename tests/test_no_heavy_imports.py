@@ -35,6 +35,7 @@ PURE_MODULES = [
     "kiln.cluster.acquire",
     "kiln.cluster.cli",
     "kiln.serving.protocol",
+    "kiln.serving.fast_path",
     "kiln.serving.errors",
     "kiln.serving.body_limit",
     "kiln.serving.metrics",

@@ -83,6 +83,8 @@ def load_configured_model(settings: Any) -> Any:
 def create_app(loaded_settings: LoadedSettings, loaded_model: Any = None, *, state: KilnState | None = None) -> FastAPI:
     """Build the app. Pass ``state`` to reuse a prepared one (``kiln serve`` does), else the model loads here."""
     from kiln.serving import routes_adapters, routes_training
+    from kiln.serving.fast_path import FastRoutes
+    from kiln.serving.routes_openai import FAST_ROUTES
     from kiln.serving.routes_openai import router as openai_router
     from kiln.serving.routes_ops import RequestMetricsMiddleware
     from kiln.serving.routes_ops import router as ops_router
@@ -120,6 +122,9 @@ def create_app(loaded_settings: LoadedSettings, loaded_model: Any = None, *, sta
     routers = (openai_router, ops_router, routes_training.router, routes_adapters.router)
     for router in routers:
         app.include_router(router)
+    # Innermost first: the generation routes skip FastAPI's per-request machinery but stay
+    # inside the metrics and body-limit middlewares.
+    app.add_middleware(FastRoutes, state=kiln_state, routes=FAST_ROUTES)
     app.add_middleware(RequestMetricsMiddleware, metrics=kiln_state.metrics,
                        routes=[route for router in routers for route in router.routes])
     app.add_middleware(

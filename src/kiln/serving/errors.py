@@ -40,10 +40,27 @@ def error_response(status: int, code: str, message: str, hint: str = "", headers
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
 
 
+def api_error_response(exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.hint)
+
+
+def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    hint = "see GET /docs for the available endpoints" if exc.status_code in (404, 405) else ""
+    return error_response(exc.status_code, code, str(exc.detail), hint, headers=getattr(exc, "headers", None))
+
+
+def unexpected_error_response(exc: Exception) -> JSONResponse:
+    """A 500 for a bug; logs the traceback (call it inside the ``except`` block)."""
+    log.exception("unhandled error")
+    return error_response(500, "internal_error", f"internal error: {type(exc).__name__}",
+                          "this is a server bug; the server log has the traceback")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message, exc.hint)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -61,12 +78,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(exc.status_code, "http_error")
-        hint = "see GET /docs for the available endpoints" if exc.status_code in (404, 405) else ""
-        return error_response(exc.status_code, code, str(exc.detail), hint, headers=getattr(exc, "headers", None))
+        return http_error_response(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, "internal_error", f"internal error: {type(exc).__name__}",
-                              "this is a server bug; the server log has the traceback")
+        return unexpected_error_response(exc)

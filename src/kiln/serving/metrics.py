@@ -29,6 +29,7 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("kiln_request_duration_seconds", "HTTP request duration by endpoint",
                                   ["endpoint"], buckets=DURATION_BUCKETS, registry=r)
+        self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
         active = Gauge("kiln_active_rows", "Rows admitted to the engine and not yet cleaned up", registry=r)
         queued = Gauge("kiln_queued_rows", "Rows waiting for an engine slot", registry=r)
         active.set_function(lambda: row_stats()["active_rows"])
@@ -45,8 +46,16 @@ class Metrics:
         self.tokens.inc(count)
 
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        self.duration.labels(endpoint=endpoint).observe(seconds)
+        # ``labels()`` costs a lock and a tuple build per call: keep the children (endpoints are
+        # route templates and statuses HTTP codes, so the set is small and bounded).
+        key = (endpoint, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = (self.requests.labels(endpoint=endpoint, status=str(status)),
+                        self.duration.labels(endpoint=endpoint))
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

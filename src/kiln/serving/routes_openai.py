@@ -5,6 +5,10 @@ prompt, resolves ``model`` to the base model or a live adapter, submits rows to
 the engine and turns the engine's per-choice output into JSON or SSE. A client
 disconnect (or the request timeout) cancels the rows.
 
+The two generation routes are normally reached through :mod:`kiln.serving.fast_path`
+(``FAST_ROUTES``), which calls ``chat_response``/``completion_response`` without going
+through FastAPI; the FastAPI routes call the same functions.
+
 Every generation response carries ``x-kiln-adapter-revision``: the adapter
 revision the request was admitted with, or ``base`` for the base model.
 """
@@ -16,31 +20,24 @@ import json
 import time
 import itertools
 import secrets
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive
 
 from kiln.runtime.engine import EngineNotRunning, EngineOverloaded, PromptTooLong, Submission, UnknownAdapter
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    PromptLogprob,
-    TopLogprob,
-    Usage,
 )
 
 router = APIRouter()
@@ -137,14 +134,12 @@ def _revision_header(sub: Submission | None, adapter: str | None, state) -> dict
     return {ADAPTER_HEADER: rev or BASE_REVISION}
 
 
-async def _await_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _await_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
-async def _collect(request: Request, sub: Submission, timeout_s: float) -> list[tuple[str, list[TokenChoice], str]]:
+async def _collect(receive: Receive, sub: Submission, timeout_s: float) -> list[tuple[str, list[TokenChoice], str]]:
     """Run a submission to the end; cancels it on disconnect or timeout."""
     texts: dict[int, list[str]] = {s.index: [] for s in sub.streams}
     toks: dict[int, list[TokenChoice]] = {s.index: [] for s in sub.streams}
@@ -162,7 +157,7 @@ async def _collect(request: Request, sub: Submission, timeout_s: float) -> list[
                     reasons[i] = c.finish_reason
 
     work = asyncio.ensure_future(drain())
-    watch = asyncio.ensure_future(_await_disconnect(request))
+    watch = asyncio.ensure_future(_await_disconnect(receive))
     try:
         done, _ = await asyncio.wait({work, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -209,27 +204,39 @@ def _token_text(state) -> _TokenText:
     return tt
 
 
-def _chat_logprobs(tokens: list[TokenChoice], tt: _TokenText) -> ChatLogprobs:
-    content = []
-    for t in tokens:
-        s = tt(t.token_id)
-        content.append(ChatTokenLogprob(
-            token=s, logprob=t.logprob, bytes=list(s.encode()),
-            top_logprobs=[TopLogprob(token=tt(i), logprob=lp, bytes=list(tt(i).encode())) for i, lp in t.top],
-        ))
-    return ChatLogprobs(content=content)
+# Responses are built as plain dicts in the field order of the models in kiln.serving.protocol
+# (which document them in the OpenAPI schema): constructing and dumping pydantic models
+# costs more event-loop time per request than the rest of the response path.
 
 
-def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int = 0) -> CompletionLogprobs:
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+def _top_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _chat_logprobs(tokens: list[TokenChoice], tt: _TokenText) -> dict:
+    """``ChatLogprobs``."""
+    return {"content": [
+        {**_top_entry(tt(t.token_id), t.logprob), "top_logprobs": [_top_entry(tt(i), lp) for i, lp in t.top]}
+        for t in tokens
+    ]}
+
+
+def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int = 0) -> dict:
+    """``CompletionLogprobs``."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         s = tt(t.token_id)
-        out.tokens.append(s)
-        out.token_logprobs.append(t.logprob)
-        out.top_logprobs.append({tt(i): lp for i, lp in t.top})
-        out.text_offset.append(offset)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({tt(i): lp for i, lp in t.top})
+        out["text_offset"].append(offset)
         offset += len(s)
     return out
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 _ID_PREFIX = secrets.token_hex(8)  # per process; a counter makes each ID unique without a syscall
@@ -323,9 +330,8 @@ async def _no_body():  # placeholder body iterator: _SSEResponse writes its own 
 _NO_BODY = _no_body()
 
 
-async def _cancel_on_disconnect(receive, sub: Submission) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+async def _cancel_on_disconnect(receive: Receive, sub: Submission) -> None:
+    await _await_disconnect(receive)
     sub.cancel()
 
 
@@ -362,8 +368,12 @@ async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state = _state(request)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await chat_response(_state(request), body, request.receive)
+
+
+async def chat_response(state, body: ChatCompletionRequest, receive: Receive) -> Response:
+    """The whole chat completion (JSON or SSE) for a validated request; ``receive`` reports a disconnect."""
     adapter = _resolve_model(state, body.model)
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -391,29 +401,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         def chunk(i: int, c, reason: str | None) -> dict | bytes:
             if logprobs is None and reason is None:
                 return fast(i, c.text)
-            lp = _chat_logprobs(c.tokens, tt).model_dump() if logprobs is not None else None
+            lp = _chat_logprobs(c.tokens, tt) if logprobs is not None else None
             delta = {"content": c.text} if c.text or reason is None else {}
             return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
 
         usage = None
         if body.stream_options is not None and body.stream_options.include_usage:
             def usage(done: int) -> dict:
-                return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
-                                                         "total_tokens": len(prompt) + done}}
+                return {**base, "choices": [], "usage": _usage(len(prompt), done)}
         return _SSEResponse(sub, timeout, chunk, first, usage, {**SSE_HEADERS, **headers})
 
-    results = await _collect(request, sub, timeout)
-    completion = sum(len(t) for _, t, _ in results)
-    resp = ChatCompletionResponse(
-        id=rid, created=created, model=body.model, system_fingerprint=state.system_fingerprint,
-        choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=text),
-                       logprobs=_chat_logprobs(toks, tt) if logprobs is not None else None, finish_reason=reason)
+    results = await _collect(receive, sub, timeout)
+    return JSONResponse({  # ChatCompletionResponse
+        "id": rid, "object": "chat.completion", "created": created, "model": body.model,
+        "system_fingerprint": state.system_fingerprint,
+        "choices": [
+            {"index": i, "message": {"role": "assistant", "content": text},
+             "logprobs": _chat_logprobs(toks, tt) if logprobs is not None else None, "finish_reason": reason}
             for i, (text, toks, reason) in enumerate(results)
         ],
-        usage=Usage(prompt_tokens=len(prompt), completion_tokens=completion, total_tokens=len(prompt) + completion),
-    )
-    return JSONResponse(resp.model_dump(), headers=headers)
+        "usage": _usage(len(prompt), sum(len(t) for _, t, _ in results)),
+    }, headers=headers)
 
 
 def _prompt_ids(state, body: CompletionRequest) -> list[int]:
@@ -429,18 +437,23 @@ def _prompt_ids(state, body: CompletionRequest) -> list[int]:
     return list(body.prompt)
 
 
-def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: _TokenText) -> list[dict[str, PromptLogprob] | None]:
+def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: _TokenText) -> list[dict[str, dict] | None]:
+    """One ``{token id: PromptLogprob}`` per prompt position (``None`` first)."""
     return [
         None if row is None else {
-            str(e.token_id): PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=tt(e.token_id)) for e in row
+            str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": tt(e.token_id)} for e in row
         }
         for row in rows
     ]
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
-async def completions(body: CompletionRequest, request: Request):
-    state = _state(request)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await completion_response(_state(request), body, request.receive)
+
+
+async def completion_response(state, body: CompletionRequest, receive: Receive) -> Response:
+    """The whole text completion or scoring (JSON or SSE) for a validated request."""
     adapter = _resolve_model(state, body.model)
     _check_limits(state, body, body.logprobs, body.stop_list())
     lim = state.settings.limits
@@ -491,26 +504,33 @@ async def completions(body: CompletionRequest, request: Request):
                     return fast(i, c.text)
                 lp = None
                 if body.logprobs is not None:
-                    lp = _completion_logprobs(c.tokens, tt, offsets[i]).model_dump()
+                    lp = _completion_logprobs(c.tokens, tt, offsets[i])
                 offsets[i] += len(c.text)
                 return {**base, "choices": [{"index": i, "text": c.text, "logprobs": lp, "finish_reason": reason}]}
 
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
                 def usage(done: int) -> dict:
-                    return {**base, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": done,
-                                                             "total_tokens": len(prompt) + done}}
+                    return {**base, "choices": [], "usage": _usage(len(prompt), done)}
             return _SSEResponse(sub, timeout, chunk, None, usage, {**SSE_HEADERS, **headers})
-        results = await _collect(request, sub, timeout)
+        results = await _collect(receive, sub, timeout)
 
-    completion = sum(len(t) for _, t, _ in results)
-    resp = CompletionResponse(
-        id=rid, created=created, model=body.model, system_fingerprint=state.system_fingerprint,
-        choices=[
-            CompletionChoice(index=i, text=text, finish_reason=reason, prompt_logprobs=prompt_rows,
-                             logprobs=_completion_logprobs(toks, tt) if body.logprobs is not None else None)
+    return JSONResponse({  # CompletionResponse
+        "id": rid, "object": "text_completion", "created": created, "model": body.model,
+        "system_fingerprint": state.system_fingerprint,
+        "choices": [
+            {"index": i, "text": text,
+             "logprobs": _completion_logprobs(toks, tt) if body.logprobs is not None else None,
+             "finish_reason": reason, "prompt_logprobs": prompt_rows}
             for i, (text, toks, reason) in enumerate(results)
         ],
-        usage=Usage(prompt_tokens=len(prompt), completion_tokens=completion, total_tokens=len(prompt) + completion),
-    )
-    return JSONResponse(resp.model_dump(), headers=headers)
+        "usage": _usage(len(prompt), sum(len(t) for _, t, _ in results)),
+    }, headers=headers)
+
+
+# The generation routes, served by kiln.serving.fast_path ahead of FastAPI's routing (the
+# FastAPI routes above stay for the OpenAPI schema and for requests the fast path hands on).
+FAST_ROUTES: dict[str, tuple[type, Callable[[Any, Any, Receive], Awaitable[Response]]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, chat_response),
+    "/v1/completions": (CompletionRequest, completion_response),
+}

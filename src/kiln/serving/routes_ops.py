@@ -80,10 +80,16 @@ class RequestMetricsMiddleware:
         self.app = app
         self.metrics = metrics
         self._routes = [(r.path_regex, r.path) for r in routes if hasattr(r, "path_regex")]
+        self._by_path: dict[str, str] = {}  # path -> endpoint, for paths without parameters
 
     def _endpoint(self, scope) -> str:
         path = scope.get("path", "")
-        return next((name for regex, name in self._routes if regex.match(path)), OTHER_ENDPOINT)
+        name = self._by_path.get(path)
+        if name is None:
+            name = next((name for regex, name in self._routes if regex.match(path)), OTHER_ENDPOINT)
+            if name == path:  # a fixed route: its set of paths is bounded by the app's routes
+                self._by_path[path] = name
+        return name
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

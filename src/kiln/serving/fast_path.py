@@ -1,0 +1,102 @@
+"""Pure-ASGI dispatch of the generation routes, ahead of FastAPI's per-request machinery.
+
+FastAPI spends more event-loop CPU on a request (its middleware layers, routing,
+dependency solving, content-type parsing, telemetry hooks) than Kiln spends on
+rendering, tokenizing and admitting it; with many requests arriving together
+they are parsed one after another on the single loop, which is what stretches
+the time to first token under concurrency. :class:`FastRoutes` serves the
+common case itself: a ``POST`` to one of the routes it is given, with
+``Content-Type: application/json``, whose body parses and validates. It reads
+the body through the ``receive`` it was handed (so the body-limit middleware
+outside it still bounds it), validates it with the same pydantic model FastAPI
+would, and calls the same handler the FastAPI route calls.
+
+Everything else goes to FastAPI unchanged, with the body messages already read
+replayed in order: other paths and methods, other content types, a body that is
+not JSON or does not validate, a client that leaves while the body is read. So
+FastAPI's validation errors, 404/405 and redirects stay the contract, and the
+fast path only ever answers requests FastAPI would have passed to the handler.
+Errors the handler raises get the same envelopes as the app's exception handlers.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any, Awaitable, Callable
+
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.serving.errors import APIError, api_error_response, http_error_response, unexpected_error_response
+
+Handler = Callable[[Any, Any, Receive], Awaitable[Response]]
+
+JSON_MEDIA_TYPE = b"application/json"
+
+
+def is_json_content(headers: list[tuple[bytes, bytes]]) -> bool:
+    """True when the first ``Content-Type`` header is plain ``application/json`` (any parameters)."""
+    for name, value in headers:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == JSON_MEDIA_TYPE
+    return False
+
+
+def replaying(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that returns ``messages`` first, then defers to ``receive``."""
+    pending = collections.deque(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.popleft()
+        return await receive()
+
+    return replay
+
+
+class FastRoutes:
+    """Serve ``routes`` (path -> (request model, handler)) directly; hand anything else to ``app``.
+
+    A handler is called as ``await handler(state, validated_request, receive)`` and
+    returns the response to send.
+    """
+
+    def __init__(self, app: ASGIApp, state: Any, routes: dict[str, tuple[type[BaseModel], Handler]]):
+        self.app = app
+        self.state = state
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None or not is_json_content(scope["headers"]):
+            return await self.app(scope, receive, send)
+        messages: list[Message] = []
+        chunks: list[bytes] = []
+        try:
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":  # the client left mid-body: FastAPI's behaviour
+                    return await self.app(scope, replaying(messages, receive), send)
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except HTTPException as exc:  # the body-limit middleware refusing a chunked body mid-stream
+            return await http_error_response(exc)(scope, receive, send)
+        model, handler = route
+        try:
+            request = model.model_validate(json.loads(b"".join(chunks)))
+        except (ValueError, ValidationError):  # not JSON (JSONDecodeError, UnicodeDecodeError) or invalid
+            return await self.app(scope, replaying(messages, receive), send)
+        try:
+            response = await handler(self.state, request, receive)
+        except APIError as exc:
+            response = api_error_response(exc)
+        except HTTPException as exc:
+            response = http_error_response(exc)
+        except Exception as exc:
+            response = unexpected_error_response(exc)
+        await response(scope, receive, send)
