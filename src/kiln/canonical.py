@@ -343,7 +343,3 @@ def atomic_publish_dir(staging: str | os.PathLike[str], final: str | os.PathLike
     if staging.parent != final.parent:
         fsync_dir(staging.parent)
 
-
-def hash_records(records: Sequence[tuple[str, int, str]]) -> str:
-    """Canonical digest of a sorted (path, size, sha256) file list."""
-    return canonical_sha256([{"path": p, "size": s, "sha256": d} for p, s, d in sorted(records)])
