@@ -173,7 +173,7 @@ def test_merge_over_http(client, make_lora, tmp_path):
     }), 400, "invalid_adapter")
     _error(client.post("/v1/adapters/merge", json={"name": "bad", "adapters": [{"name": "nope"}]}),
            404, "adapter_not_found")
-    assert client.post("/v1/adapters/merge", json={"name": "bad", "adapters": []}).status_code == 422
+    assert client.post("/v1/adapters/merge", json={"name": "bad", "adapters": []}).status_code == 400
 
 
 def _kiln(*args: str) -> "subprocess.CompletedProcess[str]":

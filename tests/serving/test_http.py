@@ -9,8 +9,8 @@ def assert_error(r, status: int, code: str | None = None):
     assert r.status_code == status, r.text
     body = r.json()
     assert set(body) == {"error"}
-    assert set(body["error"]) == {"code", "message", "hint"}
-    assert body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code", "hint"}
+    assert body["error"]["message"] and body["error"]["type"]
     if code is not None:
         assert body["error"]["code"] == code, body
     return body["error"]
@@ -92,13 +92,13 @@ def chat_body(server, **kw):
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stream": "yes please"}, "stream"),
 ])
-def test_chat_validation_errors_are_422(http, server, override, field):
-    err = assert_error(http.post("/v1/chat/completions", json=chat_body(server, **override)), 422, "invalid_request")
+def test_chat_validation_errors_are_400(http, server, override, field):
+    err = assert_error(http.post("/v1/chat/completions", json=chat_body(server, **override)), 400, "invalid_request")
     assert field in err["message"]
 
 
-def test_missing_model_field_is_422(http):
-    assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 422)
+def test_missing_model_field_is_400(http):
+    assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400)
 
 
 def test_unknown_model_is_404(http, server):
@@ -162,11 +162,11 @@ def test_context_length_is_400(http, server):
 def test_completion_prompt_errors(http, server):
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [1, 10**6]}), 400,
                  "invalid_token_id")
-    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [-1]}), 422)
-    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": []}), 422)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [-1]}), 400)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": []}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": ""}), 400)
-    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "echo": True}), 422)
-    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "max_tokens": -1}), 422)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "echo": True}), 400)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "max_tokens": -1}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [1, 2], "stream": True,
                                                     "prompt_logprobs": 1}), 400)
 
@@ -183,7 +183,7 @@ def test_unknown_route_and_method(http):
 def test_wrong_content_type_is_4xx(http, server):
     r = http.post("/v1/chat/completions", content=b"model=x", headers={"content-type": "text/plain"})
     assert 400 <= r.status_code < 500
-    assert set(r.json()["error"]) == {"code", "message", "hint"}
+    assert set(r.json()["error"]) == {"message", "type", "param", "code", "hint"}
 
 
 # -- ops endpoints ---------------------------------------------------------------------

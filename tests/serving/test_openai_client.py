@@ -187,3 +187,38 @@ def test_completions_streaming_matches_non_streaming(oai, server):
     assert "".join(c.text for e in events for c in e.choices) == full
     assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] in (["length"], ["stop"])
     assert all(e.system_fingerprint and e.system_fingerprint.startswith("kiln-") for e in events)
+
+
+# -- error conformance: each caller mistake raises the class an OpenAI user catches --------
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        (lambda oai, s: chat(oai, s, "hi", temperature=-2), "temperature"),
+        (lambda oai, s: chat(oai, s, "hi", max_tokens=-1), "max_tokens"),
+        (lambda oai, s: chat(oai, s, "hi", n=10_000), None),
+        (lambda oai, s: oai.completions.create(model=s.model_id, prompt=[-1]), None),
+        (lambda oai, s: oai.chat.completions.create(model=s.model_id, messages=[]), "messages"),
+    ],
+    ids=["temperature", "max_tokens", "n_limit", "token_id", "no_messages"],
+)
+def test_invalid_requests_raise_bad_request(oai, server, call, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        call(oai, server)
+    err = info.value.body
+    assert info.value.status_code == 400
+    assert err["type"] == "invalid_request_error" and err["message"] and err["code"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_unknown_model_raises_not_found(oai, server):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt="hi")

@@ -66,12 +66,12 @@ def test_serve_train_crash_restart(home, tmp_path):
         assert _chat(c, base)[0] == before
 
         # Error envelopes.
-        _error(c.post("/v1/train/sft", json={"adapter": "x"}), 422, "invalid_request")
-        _error(c.post("/v1/train/sft", json={"adapter": "../x", "examples": []}), 422, "invalid_request")
+        _error(c.post("/v1/train/sft", json={"adapter": "x"}), 400, "invalid_request")
+        _error(c.post("/v1/train/sft", json={"adapter": "../x", "examples": []}), 400, "invalid_request")
         _error(c.post("/v1/train/sft", json={"adapter": "x", "dataset_path": "/etc/passwd"}), 400,
                "dataset_outside_data_dir")
         _error(c.post("/v1/train/grpo", json={"adapter": "g", "groups": [{"messages": [{"role": "user", "content": "q"}],
-               "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 1}]}]}), 422, "zero_variance_groups")
+               "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 1}]}]}), 400, "zero_variance_groups")
         _error(c.get("/v1/train/jobs/job-0000000000000000"), 404, "job_not_found")
         _error(c.get("/v1/train/jobs/nonsense"), 404, "job_not_found")
         _error(c.delete(f"/v1/train/queue/{job['id']}"), 409, "job_finished")

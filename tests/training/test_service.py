@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.serving.errors import APIError
+from kiln.errors import KilnError
 from kiln.training.schemas import GRPORequest, SFTRequest
 
 QUESTION = "What is the capital of France?"
@@ -88,24 +88,24 @@ def test_continue_from_base_adapter_records_parent(service):
     done = _wait(svc, job["id"])
     assert done["state"] == "succeeded", done["error"]
     assert svc.store.get("fix2").manifest.parent_revision == parent.revision
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         svc.submit(_sft(adapter="fix3", base_adapter="fix", lora_rank=4))
-    assert info.value.status == 422 and info.value.code == "lora_config_conflict"
+    assert info.value.status == 400 and info.value.code == "lora_config_conflict"
 
 
 @pytest.mark.parametrize(
     "body, status, code",
     [
         ({"base_adapter": "nope"}, 404, "adapter_not_found"),
-        ({"lora_target_modules": ["nonexistent_proj"]}, 422, "unknown_target_modules"),
-        ({"max_seq_len": 8}, 422, "example_too_long"),
+        ({"lora_target_modules": ["nonexistent_proj"]}, 400, "unknown_target_modules"),
+        ({"max_seq_len": 8}, 400, "example_too_long"),
         ({"examples": None, "dataset_path": "../outside.jsonl"}, 400, "dataset_outside_data_dir"),
         ({"examples": None, "dataset_path": "missing.jsonl"}, 404, "dataset_not_found"),
         ({"resume_from_job": "job-0000000000000000"}, 404, "job_not_found"),
     ],
 )
 def test_bad_submissions_fail_up_front(service, body, status, code):
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         service.trainer.submit(_sft(**body))
     assert (info.value.status, info.value.code) == (status, code)
     assert info.value.message
@@ -119,13 +119,13 @@ def test_dataset_inside_data_dir_and_symlink_refused(service):
     (data / "link.jsonl").symlink_to(data / "ok.jsonl")
     prepared = service.trainer.prepare(_sft(examples=None, dataset_path="ok.jsonl"))
     assert prepared.request["dataset_sha256"] and len(prepared.rows) == 1
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         service.trainer.submit(_sft(examples=None, dataset_path="link.jsonl"))
     assert info.value.code == "dataset_symlink"
     (data / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "no answer"}]}\n')
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         service.trainer.submit(_sft(examples=None, dataset_path="bad.jsonl"))
-    assert info.value.status == 422 and "line 1" in info.value.message
+    assert info.value.status == 400 and "line 1" in info.value.message
 
 
 def test_grpo_job_reports_skipped_groups(service):
@@ -140,7 +140,7 @@ def test_grpo_job_reports_skipped_groups(service):
     report = done["result"]["report"]
     assert report["skipped_zero_variance_groups"] == 1 and report["groups"] == 2 and report["steps"] == 2
     allsame = dict(body, groups=body["groups"][1:])
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         service.trainer.submit(GRPORequest.model_validate(allsame))
     assert info.value.code == "zero_variance_groups"
 
@@ -151,7 +151,7 @@ def test_cancel_running_job_queue_full_and_resume(service):
     _wait(svc, long["id"], states=("running",))
     svc.submit(_sft(adapter="q1"))
     svc.submit(_sft(adapter="q2"))
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         svc.submit(_sft(adapter="q3"))
     assert info.value.status == 503 and info.value.code == "training_queue_full"
     for j in svc.status()["queued"]:
@@ -161,11 +161,11 @@ def test_cancel_running_job_queue_full_and_resume(service):
     assert svc.cancel(long["id"])["cancel_requested"]
     stopped = _wait(svc, long["id"])
     assert stopped["state"] == "cancelled" and stopped["step"] < 400
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         svc.cancel(long["id"])
     assert info.value.status == 409
     # The same request with resume_from_job continues from the checkpoint.
-    with pytest.raises(APIError) as info:
+    with pytest.raises(KilnError) as info:
         svc.submit(_sft(adapter="long", epochs=399, resume_from_job=long["id"]))
     assert info.value.code == "resume_plan_mismatch"
     resumed = svc.submit(_sft(adapter="long", epochs=400, checkpoint_interval=5, resume_from_job=long["id"]))

@@ -1,24 +1,22 @@
 """Typed adapter errors.
 
-Each carries a stable ``code``, the HTTP status the server answers with, and a
-``hint`` that tells the caller what to do. Routes turn them into the standard
-``{"error": {"code", "message", "hint"}}`` body.
+Each is a :class:`kiln.errors.KilnError` with a stable ``code``, the status
+class it maps to and a ``hint`` that tells the caller what to do.
 """
 
 from __future__ import annotations
 
+from kiln.errors import KilnError
 
-class AdapterError(Exception):
+
+class AdapterError(KilnError):
     """Base class: something about an adapter request or artifact is wrong."""
 
     code = "adapter_error"
     status = 400
-    default_hint = ""
 
-    def __init__(self, message: str, hint: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint if hint is not None else self.default_hint
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None):
+        super().__init__(message, hint=hint, param=param)
 
 
 class AdapterNotFound(AdapterError):

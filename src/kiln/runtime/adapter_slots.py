@@ -18,19 +18,26 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from kiln.errors import InvalidRequest, NotFound
+
 BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 PLACEHOLDER_KEY = "__kiln_placeholder__"
 KEY_REVISION_CHARS = 12
 MAX_ADAPTER_NAME_CHARS = 128
 
 
-class AdapterError(RuntimeError):
-    """An adapter could not be activated or found; the message says what to do."""
+class AdapterError(InvalidRequest):
+    """An adapter could not be activated (its files, shape or canary); the message says what to do."""
+
+    code = "adapter_rejected"
+    default_hint = "the adapter failed to load or its canary failed; check the server log and the adapter files"
 
 
-class UnknownAdapter(AdapterError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
+class UnknownAdapter(NotFound):
+    """No adapter of that name is being served."""
+
+    code = "adapter_not_active"
+    default_hint = "GET /v1/adapters shows which adapters are active"
 
 
 def adapter_key(name: str, revision: str) -> str:

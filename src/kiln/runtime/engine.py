@@ -38,10 +38,21 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
+from kiln.errors import Internal, InvalidRequest, RateLimited, Unavailable
+from kiln.runtime.adapter_slots import (
+    BASE_KEY,
+    AdapterError,
+    AdapterSlots,
+    UnknownAdapter,
+)
 from kiln.runtime.kv_slots import SlotKV, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
-from kiln.runtime.sampling import SamplingParams, TokenChoice, make_generator, select_tokens
+from kiln.runtime.sampling import (
+    SamplingParams,
+    TokenChoice,
+    make_generator,
+    select_tokens,
+)
 from kiln.runtime.scoring import PromptLogprobRow, prompt_logprob_rows
 from kiln.runtime.textstream import TextStream
 
@@ -67,20 +78,32 @@ __all__ = [
 ]
 
 
-class EngineError(RuntimeError):
-    """Base class for engine admission/runtime errors."""
+class EngineError(Internal):
+    """The engine failed while running a request."""
+
+    code = "engine_error"
+    default_hint = "see the server log; GET /health"
 
 
-class EngineOverloaded(EngineError):
+class EngineOverloaded(RateLimited):
     """The waiting queue is full; retry later."""
 
+    code = "overloaded"
+    default_hint = "retry after a short wait"
 
-class EngineNotRunning(EngineError):
+
+class EngineNotRunning(Unavailable):
     """The engine is stopped or failed; restart the server."""
 
+    code = "engine_unavailable"
+    default_hint = "check GET /health; restart the server"
 
-class PromptTooLong(EngineError):
+
+class PromptTooLong(InvalidRequest):
     """Prompt plus requested tokens exceed the model length limit."""
+
+    code = "context_length_exceeded"
+    default_hint = "shorten the prompt or lower max_tokens"
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from kiln.canonical import base_model_digest, sha256_file
+from kiln.errors import InvalidRequest
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 MAX_TREE_FILES = 100_000
 MAX_TREE_DEPTH = 32
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(InvalidRequest, ValueError):
     """A model directory cannot be served; the message says what to do."""
 
 

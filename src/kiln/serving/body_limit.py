@@ -12,6 +12,8 @@ import re
 
 from starlette.exceptions import HTTPException
 
+from kiln.serving.errors import error_body
+
 
 class BodyTooLarge(HTTPException):
     """Raised from ``receive`` mid-stream; the app's HTTP error handler turns it into a 413."""
@@ -80,8 +82,7 @@ class BodyLimitMiddleware:
 
     @staticmethod
     async def _refuse(send, status: int, code: str, message: str) -> None:
-        body = json.dumps({"error": {"code": code, "message": message,
-                                     "hint": "send a smaller body (server.max_body_bytes bounds it)"}}).encode()
+        body = json.dumps(error_body(status, code, message, "send a smaller body (server.max_body_bytes bounds it)")).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

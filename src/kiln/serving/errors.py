@@ -1,47 +1,53 @@
-"""Kiln's error envelope ``{"error": {"code", "message", "hint"}}`` for every failure.
+"""The one place where errors become HTTP: the OpenAI error envelope.
 
-:class:`APIError` is what route code raises; the handlers installed by
-:func:`install_error_handlers` also rewrite FastAPI's validation errors (422,
-or 400 for a body that is not JSON), unknown routes/methods, and unexpected
-exceptions (500, logged) into the same envelope.
+Every failure answers ``{"error": {"message", "type", "param", "code", "hint"}}``,
+the body the ``openai`` and vLLM clients parse (``hint`` is Kiln's extra: what to
+do about it). :func:`kiln_error_response` maps a :class:`kiln.errors.KilnError`;
+the handlers installed by :func:`install_error_handlers` rewrite FastAPI's
+request validation errors (400, as OpenAI and vLLM answer, with ``param`` naming
+the first offending field), unknown routes/methods and unexpected exceptions
+(500, logged) into the same envelope.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.errors import KilnError, error_type
+
 log = logging.getLogger("kiln.serving")
 
 MAX_VALIDATION_PROBLEMS = 10
+RETRY_STATUSES = (429, 503)
+DEFAULT_RETRY_AFTER_S = 1
 
 
-class APIError(Exception):
-    def __init__(self, status: int, code: str, message: str, hint: str = ""):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.hint = hint
+def error_body(status: int, code: str, message: str, hint: str = "", param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code, "hint": hint}}
 
 
-def error_body(code: str, message: str, hint: str = "") -> dict:
-    return {"error": {"code": code, "message": message, "hint": hint}}
+def error_response(status: int, code: str, message: str, hint: str = "", *, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if status in RETRY_STATUSES and not (headers and "Retry-After" in headers):
+        headers = {**(headers or {}), "Retry-After": str(DEFAULT_RETRY_AFTER_S)}
+    return JSONResponse(error_body(status, code, message, hint, param), status_code=status, headers=headers)
 
 
-def error_response(status: int, code: str, message: str, hint: str = "", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(code, message, hint), status_code=status, headers=headers)
+def kiln_error_response(exc: KilnError) -> JSONResponse:
+    headers = None
+    if exc.retry_after is not None:
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    return error_response(exc.status, exc.code, exc.message, exc.hint, param=exc.param, headers=headers)
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
-
-
-def api_error_response(exc: APIError) -> JSONResponse:
-    return error_response(exc.status, exc.code, exc.message, exc.hint)
 
 
 def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
@@ -57,24 +63,31 @@ def unexpected_error_response(exc: Exception) -> JSONResponse:
                           "this is a server bug; the server log has the traceback")
 
 
+def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
+    """400 for a body that fails its schema (``param`` = the first offending field)."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "invalid_json", "the request body is not valid JSON",
+                              "send a JSON object with Content-Type: application/json")
+    problems = []
+    params = []
+    for err in errors[:MAX_VALIDATION_PROBLEMS]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        params.append(loc)
+        problems.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - MAX_VALIDATION_PROBLEMS} more)" if len(errors) > MAX_VALIDATION_PROBLEMS else ""
+    return error_response(400, "invalid_request", "; ".join(problems) + more,
+                          "fix the listed fields; see GET /docs for the request schema",
+                          param=params[0] if params else None)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return api_error_response(exc)
+    @app.exception_handler(KilnError)
+    async def _kiln_error(_request: Request, exc: KilnError) -> JSONResponse:
+        return kiln_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "invalid_json", "the request body is not valid JSON",
-                                  "send a JSON object with Content-Type: application/json")
-        problems = []
-        for err in errors[:MAX_VALIDATION_PROBLEMS]:
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            problems.append(f"{loc}: {err.get('msg', 'invalid')}")
-        more = f" (+{len(errors) - MAX_VALIDATION_PROBLEMS} more)" if len(errors) > MAX_VALIDATION_PROBLEMS else ""
-        return error_response(422, "invalid_request", "; ".join(problems) + more,
-                              "fix the listed fields; see GET /docs for the request schema")
+        return validation_error_response(list(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -30,7 +30,12 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.serving.errors import APIError, api_error_response, http_error_response, unexpected_error_response
+from kiln.errors import KilnError
+from kiln.serving.errors import (
+    http_error_response,
+    kiln_error_response,
+    unexpected_error_response,
+)
 
 Handler = Callable[[Any, Any, Receive], Awaitable[Response]]
 
@@ -93,8 +98,8 @@ class FastRoutes:
             return await self.app(scope, replaying(messages, receive), send)
         try:
             response = await handler(self.state, request, receive)
-        except APIError as exc:
-            response = api_error_response(exc)
+        except KilnError as exc:
+            response = kiln_error_response(exc)
         except HTTPException as exc:
             response = http_error_response(exc)
         except Exception as exc:

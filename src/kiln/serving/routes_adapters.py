@@ -7,8 +7,7 @@ errors become Kiln's error envelope with their own status codes.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -16,12 +15,11 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from kiln.adapters.errors import AdapterConflict, AdapterError, AdapterTooLarge
+from kiln.adapters.errors import AdapterConflict, AdapterTooLarge
 from kiln.adapters.manifest import check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
 from kiln.adapters.validate import MAX_LORA_RANK
-from kiln.serving.errors import APIError
 
 router = APIRouter(tags=["adapters"])
 
@@ -42,14 +40,6 @@ class MergeRequest(BaseModel):
     adapters: list[MergeSource] = Field(min_length=1, max_length=MAX_MERGE_PARENTS)
     density: float = Field(DEFAULT_TIES_DENSITY, gt=0, le=1, description="TIES: fraction of entries kept")
     rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK, description="TIES: rank of the merged adapter")
-
-
-@contextmanager
-def _adapter_errors() -> Iterator[None]:
-    try:
-        yield
-    except AdapterError as exc:
-        raise APIError(exc.status, exc.code, exc.message, exc.hint) from exc
 
 
 def _state(request: Request) -> Any:
@@ -81,8 +71,7 @@ def _describe(record: AdapterRecord, active: dict[str, str]) -> dict[str, Any]:
 @router.get("/v1/adapters")
 def list_adapters(request: Request) -> dict[str, Any]:
     """Every stored adapter at its current revision, with whether (and which revision) is being served."""
-    with _adapter_errors():
-        records = _store(request).list()
+    records = _store(request).list()
     active = _active(request)
     return {"object": "list", "data": [_describe(r, active) for r in records]}
 
@@ -90,59 +79,43 @@ def list_adapters(request: Request) -> dict[str, Any]:
 @router.get("/v1/adapters/{name}")
 def get_adapter(name: str, request: Request) -> dict[str, Any]:
     """One adapter, including its full manifest."""
-    with _adapter_errors():
-        record = _store(request).get(name)
+    record = _store(request).get(name)
     return {**_describe(record, _active(request)), "manifest": record.manifest.to_dict()}
 
 
 @router.post("/v1/adapters/{name}/load")
 def load_adapter(name: str, request: Request) -> dict[str, Any]:
     """Verify the stored files, then serve the adapter's current revision (canary-checked, atomic swap)."""
-    from kiln.runtime.adapter_slots import AdapterError as SlotError
-
     state = _state(request)
-    with _adapter_errors():
-        record = _store(request).verify(name)
-        if record.manifest.base_model_sha256 != state.model.base_model_sha256:
-            raise AdapterConflict(
-                f"adapter {name!r} was trained on base {record.manifest.base_model_sha256}, but this server "
-                f"serves {state.model.base_model_sha256}",
-                hint="Load it on a server running its base model.",
-            )
-    try:
-        state.engine.activate_adapter(record.name, record.path, record.revision)
-    except SlotError as exc:
-        raise APIError(422, "adapter_rejected", str(exc), "the adapter failed to load or its canary failed; "
-                       "check the server log and the adapter files") from exc
+    record = _store(request).verify(name)
+    if record.manifest.base_model_sha256 != state.model.base_model_sha256:
+        raise AdapterConflict(
+            f"adapter {name!r} was trained on base {record.manifest.base_model_sha256}, but this server "
+            f"serves {state.model.base_model_sha256}",
+            hint="Load it on a server running its base model.",
+        )
+    state.engine.activate_adapter(record.name, record.path, record.revision)  # AdapterError: 400 adapter_rejected
     return {"name": record.name, "revision": record.revision, "active": True}
 
 
 @router.post("/v1/adapters/{name}/unload")
 def unload_adapter(name: str, request: Request) -> dict[str, Any]:
     """Stop serving the adapter; requests already running on it finish on their revision."""
-    from kiln.runtime.adapter_slots import UnknownAdapter
-
-    with _adapter_errors():
-        check_name(name)
-    try:
-        _state(request).engine.deactivate_adapter(name)
-    except UnknownAdapter as exc:
-        raise APIError(404, "adapter_not_active", f"adapter {name!r} is not being served",
-                       "GET /v1/adapters shows which adapters are active") from exc
+    check_name(name)
+    _state(request).engine.deactivate_adapter(name)  # UnknownAdapter: 404 adapter_not_active
     return {"name": name, "active": False}
 
 
 @router.delete("/v1/adapters/{name}")
 def delete_adapter(name: str, request: Request) -> dict[str, Any]:
     """Delete an adapter with every stored revision. Refused (409) while it is being served."""
-    with _adapter_errors():
-        check_name(name)
-        if name in _active(request):
-            raise AdapterConflict(
-                f"adapter {name!r} is being served; it cannot be deleted while active",
-                hint=f"Unload it first: `kiln adapters unload {name}` (POST /v1/adapters/{name}/unload).",
-            )
-        record = _store(request).delete(name)
+    check_name(name)
+    if name in _active(request):
+        raise AdapterConflict(
+            f"adapter {name!r} is being served; it cannot be deleted while active",
+            hint=f"Unload it first: `kiln adapters unload {name}` (POST /v1/adapters/{name}/unload).",
+        )
+    record = _store(request).delete(name)
     return {"name": name, "revision": record.revision, "deleted": True}
 
 
@@ -152,8 +125,7 @@ def download_adapter(name: str, request: Request) -> FileResponse:
     from kiln.adapters.archive import pack
 
     store = _store(request)
-    with _adapter_errors():
-        record = store.verify(name)
+    record = store.verify(name)
     staging = store.new_staging()
     try:
         archive = staging / f"{name}.tar.gz"
@@ -187,23 +159,22 @@ async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
     state = _state(request)
     limit = state.settings.adapters.max_upload_bytes
     store = _store(request)
-    with _adapter_errors():
-        check_name(name)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise AdapterTooLarge(f"upload of {declared} bytes exceeds adapters.max_upload_bytes ({limit})")
-        scratch = await run_in_threadpool(store.new_staging)
-        try:
-            received = 0
-            with open(scratch / "upload.tar.gz", "wb") as out:
-                async for chunk in request.stream():
-                    received += len(chunk)
-                    if received > limit:
-                        raise AdapterTooLarge(f"upload exceeds adapters.max_upload_bytes ({limit} bytes)")
-                    out.write(chunk)
-            record = await run_in_threadpool(_publish_upload, store, name, scratch, state)
-        finally:
-            await run_in_threadpool(scratch.discard)
+    check_name(name)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise AdapterTooLarge(f"upload of {declared} bytes exceeds adapters.max_upload_bytes ({limit})")
+    scratch = await run_in_threadpool(store.new_staging)
+    try:
+        received = 0
+        with open(scratch / "upload.tar.gz", "wb") as out:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise AdapterTooLarge(f"upload exceeds adapters.max_upload_bytes ({limit} bytes)")
+                out.write(chunk)
+        record = await run_in_threadpool(_publish_upload, store, name, scratch, state)
+    finally:
+        await run_in_threadpool(scratch.discard)
     return _describe(record, _active(request))
 
 
@@ -211,14 +182,13 @@ async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
 def merge_adapters(body: MergeRequest, request: Request) -> dict[str, Any]:
     """Merge stored adapters (linear average, TIES, or rank concatenation) into a new adapter."""
     state = _state(request)
-    with _adapter_errors():
-        record = publish_merge(
-            _store(request),
-            name=check_name(body.name),
-            sources=[(check_name(s.name), s.weight) for s in body.adapters],
-            method=body.method,
-            base_model=state.model.info,
-            density=body.density,
-            rank=body.rank,
-        )
+    record = publish_merge(
+        _store(request),
+        name=check_name(body.name),
+        sources=[(check_name(s.name), s.weight) for s in body.adapters],
+        method=body.method,
+        base_model=state.model.info,
+        density=body.density,
+        rank=body.rank,
+    )
     return _describe(record, _active(request))

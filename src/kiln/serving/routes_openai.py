@@ -16,10 +16,10 @@ revision the request was admitted with, or ``base`` for the base model.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import itertools
+import json
 import secrets
+import time
 from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Request
@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 from starlette.types import Receive
 
-from kiln.runtime.engine import EngineNotRunning, EngineOverloaded, PromptTooLong, Submission, UnknownAdapter
+from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
+from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow
-from kiln.serving.errors import APIError
 from kiln.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -61,40 +61,37 @@ def _resolve_model(state, model: str) -> str | None:
         return None
     if model in state.engine.active_adapters():
         return model
+    raise _unknown_model(state, f"model {model!r} does not exist")
+
+
+def _unknown_model(state, message: str) -> NotFound:
     known = [state.model_id, *state.engine.active_adapters()]
-    raise APIError(404, "model_not_found", f"model {model!r} does not exist",
-                   f"use one of {known} (GET /v1/models lists them)")
+    return NotFound(message, code="model_not_found", param="model",
+                    hint=f"use one of {known} (GET /v1/models lists them)")
 
 
 def _check_limits(state, req, logprobs: int | None, stop: tuple[str, ...]) -> None:
     lim = state.settings.limits
     if req.n > lim.max_n:
-        raise APIError(400, "limit_exceeded", f"n={req.n} exceeds limits.max_n={lim.max_n}", "lower n")
+        raise InvalidRequest(f"n={req.n} exceeds limits.max_n={lim.max_n}", code="limit_exceeded", hint="lower n")
     if len(stop) > lim.max_stop_sequences:
-        raise APIError(400, "limit_exceeded",
-                       f"{len(stop)} stop sequences exceed limits.max_stop_sequences={lim.max_stop_sequences}",
-                       "send fewer stop sequences")
+        raise InvalidRequest(f"{len(stop)} stop sequences exceed limits.max_stop_sequences={lim.max_stop_sequences}", code="limit_exceeded", hint="send fewer stop sequences")
     if logprobs is not None and logprobs > lim.max_logprobs:
-        raise APIError(400, "limit_exceeded", f"{logprobs} logprobs exceed limits.max_logprobs={lim.max_logprobs}",
-                       "ask for fewer logprobs")
+        raise InvalidRequest(f"{logprobs} logprobs exceed limits.max_logprobs={lim.max_logprobs}", code="limit_exceeded", hint="ask for fewer logprobs")
 
 
 def _max_tokens(state, requested: int | None, prompt_len: int) -> int:
     lim = state.settings.limits
     room = lim.max_model_len - prompt_len
     if room <= 0:
-        raise APIError(400, "context_length_exceeded",
-                       f"the prompt has {prompt_len} tokens; the model's limit is {lim.max_model_len}",
-                       "shorten the prompt")
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's limit is {lim.max_model_len}", code="context_length_exceeded", hint="shorten the prompt")
     if requested is None:
         return min(lim.default_max_tokens, room)
     if requested > lim.max_tokens_cap:
-        raise APIError(400, "limit_exceeded", f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}",
-                       "lower max_tokens")
+        raise InvalidRequest(f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}", code="limit_exceeded", hint="lower max_tokens")
     if requested > room:
-        raise APIError(400, "context_length_exceeded",
-                       f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's limit of "
-                       f"{lim.max_model_len} tokens", "shorten the prompt or lower max_tokens")
+        raise InvalidRequest(f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's limit of "
+                       f"{lim.max_model_len} tokens", code="context_length_exceeded", hint="shorten the prompt or lower max_tokens")
     return requested
 
 
@@ -115,16 +112,10 @@ def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter:
     try:
         sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop(),
                                   incremental=stream)
-        state.metrics.prompt_tokens.inc(len(prompt_ids))
-        return sub
-    except EngineOverloaded as exc:
-        raise APIError(429, "overloaded", str(exc), "retry after a short wait") from exc
-    except EngineNotRunning as exc:
-        raise APIError(503, "engine_unavailable", str(exc), "check GET /health; restart the server") from exc
-    except PromptTooLong as exc:
-        raise APIError(400, "context_length_exceeded", str(exc), "shorten the prompt or lower max_tokens") from exc
-    except UnknownAdapter as exc:
-        raise APIError(404, "model_not_found", str(exc), "GET /v1/models lists the served models") from exc
+    except UnknownAdapter as exc:  # unloaded between resolution and admission
+        raise _unknown_model(state, str(exc)) from exc
+    state.metrics.prompt_tokens.inc(len(prompt_ids))
+    return sub
 
 
 def _revision_header(sub: Submission | None, adapter: str | None, state) -> dict[str, str]:
@@ -166,9 +157,8 @@ async def _collect(receive: Receive, sub: Submission, timeout_s: float) -> list[
         work.cancel()
         sub.cancel()
         if watch in done:
-            raise APIError(499, "client_closed", "the client disconnected", "")
-        raise APIError(503, "request_timeout", f"the request did not finish within {timeout_s} s",
-                       "lower max_tokens or raise server.request_timeout_s")
+            raise ClientClosed("the client disconnected", code="client_closed")
+        raise Unavailable(f"the request did not finish within {timeout_s} s", code="request_timeout", hint="lower max_tokens or raise server.request_timeout_s")
     work.result()
     _raise_on_engine_error(reasons.values())
     return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
@@ -176,10 +166,9 @@ async def _collect(receive: Receive, sub: Submission, timeout_s: float) -> list[
 
 def _raise_on_engine_error(reasons) -> None:
     if "error" in reasons:
-        raise APIError(500, "engine_error", "the engine failed while generating", "see the server log; GET /health")
+        raise Internal("the engine failed while generating", code="engine_error", hint="see the server log; GET /health")
     if "abort" in reasons:
-        raise APIError(503, "engine_unavailable", "generation was aborted (the server is shutting down)",
-                       "retry against a running server")
+        raise Unavailable("generation was aborted (the server is shutting down)", code="engine_unavailable", hint="retry against a running server")
 
 
 class _TokenText:
@@ -354,8 +343,8 @@ async def list_models(request: Request) -> ModelList:
 async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
     lim = state.settings.limits
     if len(req.messages) > lim.max_messages:
-        raise APIError(400, "limit_exceeded", f"{len(req.messages)} messages exceed limits.max_messages="
-                       f"{lim.max_messages}", "send fewer messages")
+        raise InvalidRequest(f"{len(req.messages)} messages exceed limits.max_messages="
+                       f"{lim.max_messages}", code="limit_exceeded", hint="send fewer messages")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     size = sum(len(m["content"]) for m in messages)
     try:
@@ -363,8 +352,7 @@ async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
             return await asyncio.to_thread(state.engine.encode_chat, messages)
         return state.engine.encode_chat(messages)
     except Exception as exc:  # template errors (e.g. a role the template rejects) are the caller's input
-        raise APIError(400, "template_error", f"the chat template could not render these messages: {exc}",
-                       "check message roles and order") from exc
+        raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error", hint="check message roles and order") from exc
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -377,7 +365,7 @@ async def chat_response(state, body: ChatCompletionRequest, receive: Receive) ->
     adapter = _resolve_model(state, body.model)
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "invalid_request", "top_logprobs requires logprobs=true", "set logprobs to true")
+        raise InvalidRequest("top_logprobs requires logprobs=true", code="invalid_request", hint="set logprobs to true")
     logprobs = (top or 0) if body.logprobs else None
     _check_limits(state, body, logprobs, body.stop_list())
     prompt = await _render_chat(state, body)
@@ -427,13 +415,12 @@ async def chat_response(state, body: ChatCompletionRequest, receive: Receive) ->
 def _prompt_ids(state, body: CompletionRequest) -> list[int]:
     if isinstance(body.prompt, str):
         if not body.prompt:
-            raise APIError(400, "invalid_request", "the prompt is empty", "send a non-empty prompt")
+            raise InvalidRequest("the prompt is empty", code="invalid_request", hint="send a non-empty prompt")
         return state.engine.encode_text(body.prompt)
     vocab = len(state.model.tokenizer)
     bad = next((t for t in body.prompt if t >= vocab), None)
     if bad is not None:
-        raise APIError(400, "invalid_token_id", f"token id {bad} is outside the vocabulary (size {vocab})",
-                       f"token ids must be in [0, {vocab})")
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})", code="invalid_token_id", hint=f"token ids must be in [0, {vocab})")
     return list(body.prompt)
 
 
@@ -459,11 +446,10 @@ async def completion_response(state, body: CompletionRequest, receive: Receive) 
     lim = state.settings.limits
     if body.prompt_logprobs is not None:
         if body.prompt_logprobs > lim.max_prompt_logprobs:
-            raise APIError(400, "limit_exceeded", f"prompt_logprobs={body.prompt_logprobs} exceeds "
-                           f"limits.max_prompt_logprobs={lim.max_prompt_logprobs}", "ask for fewer prompt logprobs")
+            raise InvalidRequest(f"prompt_logprobs={body.prompt_logprobs} exceeds "
+                           f"limits.max_prompt_logprobs={lim.max_prompt_logprobs}", code="limit_exceeded", hint="ask for fewer prompt logprobs")
         if body.stream:
-            raise APIError(400, "invalid_request", "prompt_logprobs is not supported with stream=true",
-                           "send the scoring request with stream=false")
+            raise InvalidRequest("prompt_logprobs is not supported with stream=true", code="invalid_request", hint="send the scoring request with stream=false")
     prompt = _prompt_ids(state, body)
     max_tokens = _max_tokens(state, body.max_tokens, len(prompt))
     rid = f"cmpl-{_request_id()}"
@@ -475,16 +461,13 @@ async def completion_response(state, body: CompletionRequest, receive: Receive) 
     if body.prompt_logprobs is not None:
         try:
             fut = state.engine.score_prompt(prompt, body.prompt_logprobs, adapter=adapter)
-        except EngineNotRunning as exc:
-            raise APIError(503, "engine_unavailable", str(exc), "check GET /health") from exc
-        except UnknownAdapter as exc:
-            raise APIError(404, "model_not_found", str(exc), "GET /v1/models lists the served models") from exc
+        except UnknownAdapter as exc:  # unloaded between resolution and admission
+            raise _unknown_model(state, str(exc)) from exc
         try:
             rows = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
         except asyncio.TimeoutError:
             fut.cancel()
-            raise APIError(503, "request_timeout", f"scoring did not finish within {timeout} s",
-                           "score a shorter prompt or raise server.request_timeout_s") from None
+            raise Unavailable(f"scoring did not finish within {timeout} s", code="request_timeout", hint="score a shorter prompt or raise server.request_timeout_s") from None
         prompt_rows = _prompt_logprobs_json(rows, tt)
 
     if max_tokens == 0:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from kiln.serving.errors import APIError
+from kiln.errors import NotFound, Unavailable
 from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
 
 router = APIRouter(tags=["training"])
@@ -19,14 +19,13 @@ router = APIRouter(tags=["training"])
 def _trainer(request: Request) -> Any:
     trainer = getattr(request.app.state.kiln, "trainer", None)
     if trainer is None:
-        raise APIError(503, "training_disabled", "training is not enabled on this server",
-                       "start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
+        raise Unavailable("training is not enabled on this server", code="training_disabled", hint="start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
     return trainer
 
 
 def _job_id(job_id: str) -> str:
     if not JOB_ID_RE.match(job_id):
-        raise APIError(404, "job_not_found", f"no job {job_id!r}", "job IDs look like 'job-0123456789abcdef'")
+        raise NotFound(f"no job {job_id!r}", code="job_not_found", hint="job IDs look like 'job-0123456789abcdef'")
     return job_id
 
 

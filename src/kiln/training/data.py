@@ -17,19 +17,26 @@ from typing import Any, Sequence
 import torch
 
 from kiln.canonical import strict_json_loads
+from kiln.errors import InvalidRequest, NotFound
 from kiln.training.schemas import GRPOGroup, SFTExample
 
 MAX_DATASET_BYTES = 256 * 1024 * 1024
 MAX_DATASET_LINE_BYTES = 4 * 1024 * 1024
 
 
-class TrainingDataError(ValueError):
-    """Training input is unusable; ``code`` is the HTTP error code to report."""
+_NOT_FOUND_CODES = frozenset({"dataset_not_found"})
 
-    def __init__(self, message: str, *, code: str = "invalid_training_data", hint: str = ""):
-        super().__init__(message)
-        self.code = code
-        self.hint = hint
+
+class TrainingDataError(InvalidRequest, ValueError):
+    """Training input is unusable (400; 404 when the dataset file does not exist)."""
+
+    code = "invalid_training_data"
+
+    def __init__(self, message: str, *, code: str = "invalid_training_data", hint: str = "",
+                 param: str | None = None):
+        super().__init__(message, code=code, hint=hint, param=param)
+        if code in _NOT_FOUND_CODES:
+            self.status = NotFound.status
 
 
 # ------------------------------------------------------------------ dataset file

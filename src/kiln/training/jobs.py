@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.canonical import canonical_json
+from kiln.errors import Conflict, NotFound, Unavailable
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -47,16 +48,22 @@ CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 """
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(Unavailable):
     """The queue holds ``queue_max`` queued jobs; retry after one has started."""
 
+    code = "training_queue_full"
+    default_hint = "retry after a queued job has started, or cancel one"
 
-class JobNotFoundError(KeyError):
-    pass
+
+class JobNotFoundError(NotFound):
+    code = "job_not_found"
+    default_hint = "list jobs with GET /v1/train/status"
 
 
-class JobStateError(RuntimeError):
+class JobStateError(Conflict):
     """The job is in a state that does not allow the operation (e.g. cancel a finished job)."""
+
+    code = "job_finished"
 
 
 @dataclass(frozen=True)
@@ -190,7 +197,7 @@ class JobStore:
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
-                raise JobNotFoundError(job_id)
+                raise JobNotFoundError(f"no job {job_id}")
             if row["state"] == QUEUED:
                 db.execute(
                     "UPDATE jobs SET state = ?, cancel_requested = 1, finished_at = ?, error = ? WHERE id = ?",
@@ -207,7 +214,7 @@ class JobStore:
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
-            raise JobNotFoundError(job_id)
+            raise JobNotFoundError(f"no job {job_id}")
         return _job(row)
 
     def cancel_requested(self, job_id: str) -> bool:

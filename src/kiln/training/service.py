@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.canonical import canonical_json_bytes, domain_digest, sha256_file
-from kiln.serving.errors import APIError
+from kiln.errors import Conflict, InvalidRequest, NotFound
 from kiln.training import jobs as jobstates
 from kiln.training.data import (
     TrainingDataError,
@@ -52,17 +52,6 @@ MAX_YIELD_S = 1.0
 RECENT_JOBS = 10
 WORKER_JOIN_S = 30.0
 SHUTDOWN_REASON = "interrupted: the server shut down while this job was running"
-
-
-class TrainingRequestError(APIError):
-    """A submission or job operation the caller must fix (HTTP 4xx, or 503 when the queue is full)."""
-
-
-_DATA_ERROR_STATUS = {"dataset_outside_data_dir": 400, "dataset_symlink": 400, "dataset_not_found": 404}
-
-
-def _data_error(exc: TrainingDataError) -> TrainingRequestError:
-    return TrainingRequestError(_DATA_ERROR_STATUS.get(exc.code, 422), exc.code, str(exc), exc.hint)
 
 
 class _ShutDown(Exception):
@@ -119,12 +108,7 @@ class TrainingService:
     # ----------------------------------------------------------- submission
     def submit(self, request: SFTRequest | GRPORequest) -> dict[str, Any]:
         prepared = self.prepare(request)
-        try:
-            job = self.jobs.submit(prepared.kind, request.adapter, prepared.request)
-        except jobstates.QueueFullError as exc:
-            raise TrainingRequestError(
-                503, "training_queue_full", str(exc), "retry after a queued job has started, or cancel one"
-            ) from None
+        job = self.jobs.submit(prepared.kind, request.adapter, prepared.request)  # QueueFullError: 503
         self._wake.set()
         return job.public(queue_position=self.jobs.queue_position(job))
 
@@ -134,44 +118,40 @@ class TrainingService:
         tok = self.loaded.tokenizer
         served = {self.loaded.model_id}
         if request.adapter in served:
-            raise TrainingRequestError(422, "invalid_adapter_name",
-                                       f"{request.adapter!r} is the base model's ID", "choose another adapter name")
+            raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name", hint="choose another adapter name")
         parent = None
         if request.base_adapter is not None:
             parent = self._lookup_adapter(request.base_adapter)
         rank, alpha, targets = self._lora_shape(request, parent)
 
         eff = request.model_dump(mode="json")
-        try:
-            if isinstance(request, SFTRequest):
-                examples = request.examples
-                if request.dataset_path is not None:
-                    path = resolve_dataset_path(self.settings.data_path, request.dataset_path)
-                    examples = read_sft_dataset(path, max_examples=self.settings.training.max_examples)
-                    eff["dataset_sha256"] = sha256_file(path)[0]
-                assert examples is not None
-                if len(examples) > self.settings.training.max_examples:
-                    raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples",
-                                            code="too_many_examples")
-                rows: Any = tokenize_sft(tok, examples, max_seq_len=request.max_seq_len)
-                inputs = [e.model_dump(mode="json") for e in examples]
-                n_items = len(rows)
-            else:
-                from kiln.training.trainer import grpo_items
+        if isinstance(request, SFTRequest):
+            examples = request.examples
+            if request.dataset_path is not None:
+                path = resolve_dataset_path(self.settings.data_path, request.dataset_path)
+                examples = read_sft_dataset(path, max_examples=self.settings.training.max_examples)
+                eff["dataset_sha256"] = sha256_file(path)[0]
+            assert examples is not None
+            if len(examples) > self.settings.training.max_examples:
+                raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples",
+                                        code="too_many_examples")
+            rows: Any = tokenize_sft(tok, examples, max_seq_len=request.max_seq_len)
+            inputs = [e.model_dump(mode="json") for e in examples]
+            n_items = len(rows)
+        else:
+            from kiln.training.trainer import grpo_items
 
-                grouped = [tokenize_grpo_group(tok, g, max_seq_len=request.max_seq_len) for g in request.groups]
-                rewards = [[c.reward for c in g.completions] for g in request.groups]
-                items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
-                if not items:
-                    raise TrainingDataError(
-                        f"all {skipped} groups have identical rewards within each group; GRPO has nothing to learn",
-                        code="zero_variance_groups", hint="give each group completions with different rewards",
-                    )
-                rows = (items, skipped)
-                inputs = [g.model_dump(mode="json") for g in request.groups]
-                n_items = len(items)
-        except TrainingDataError as exc:
-            raise _data_error(exc) from None
+            grouped = [tokenize_grpo_group(tok, g, max_seq_len=request.max_seq_len) for g in request.groups]
+            rewards = [[c.reward for c in g.completions] for g in request.groups]
+            items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
+            if not items:
+                raise TrainingDataError(
+                    f"all {skipped} groups have identical rewards within each group; GRPO has nothing to learn",
+                    code="zero_variance_groups", hint="give each group completions with different rewards",
+                )
+            rows = (items, skipped)
+            inputs = [g.model_dump(mode="json") for g in request.groups]
+            n_items = len(items)
 
         eff.update(
             epochs=request.epochs or default_epochs(n_items, request.batch_size, min_steps=DEFAULT_MIN_STEPS,
@@ -195,13 +175,10 @@ class TrainingService:
         try:
             record = self.store.get(name)
         except AdapterNotFound:
-            raise TrainingRequestError(404, "adapter_not_found", f"base_adapter {name!r} is not in the adapter store",
-                                       "list adapters with GET /v1/adapters") from None
+            raise NotFound(f"base_adapter {name!r} is not in the adapter store", code="adapter_not_found", hint="list adapters with GET /v1/adapters") from None
         base = record.manifest.base_model_sha256
         if base != self.loaded.base_model_sha256:
-            raise TrainingRequestError(409, "adapter_base_mismatch",
-                                       f"adapter {name!r} was trained on another base model ({base})",
-                                       "continue from an adapter of the served model")
+            raise Conflict(f"adapter {name!r} was trained on another base model ({base})", code="adapter_base_mismatch", hint="continue from an adapter of the served model")
         return record
 
     def _lora_shape(self, request: Any, parent: Any) -> tuple[int, float, list[str]]:
@@ -213,62 +190,39 @@ class TrainingService:
             asked = (request.lora_rank, request.lora_alpha, request.lora_target_modules)
             for given, have, label in zip(asked, shape, ("lora_rank", "lora_alpha", "lora_target_modules")):
                 if given is not None and given != have:
-                    raise TrainingRequestError(
-                        422, "lora_config_conflict",
-                        f"{label}={given!r} differs from base_adapter {parent.name!r} ({have!r})",
-                        "omit the LoRA fields when continuing from a base adapter",
-                    )
+                    raise InvalidRequest(f"{label}={given!r} differs from base_adapter {parent.name!r} ({have!r})", code="lora_config_conflict", hint="omit the LoRA fields when continuing from a base adapter")
             return shape
         rank = request.lora_rank or DEFAULT_LORA_RANK
         alpha = float(request.lora_alpha if request.lora_alpha is not None else 2 * rank)
         targets = request.lora_target_modules or sorted(DEFAULT_TARGET_MODULES)
         missing = [t for t in targets if t not in self._linear_names]
         if missing:
-            raise TrainingRequestError(
-                422, "unknown_target_modules", f"the model has no linear modules named {missing}",
-                f"choose among {sorted(self._linear_names)}",
-            )
+            raise InvalidRequest(f"the model has no linear modules named {missing}", code="unknown_target_modules", hint=f"choose among {sorted(self._linear_names)}")
         return rank, alpha, targets
 
     def _check_resumable(self, job_id: str, plan_sha: str) -> None:
-        try:
-            old = self.jobs.get(job_id)
-        except jobstates.JobNotFoundError:
-            raise TrainingRequestError(404, "job_not_found", f"no job {job_id}") from None
+        old = self.jobs.get(job_id)
         if old.state not in (jobstates.FAILED, jobstates.CANCELLED):
-            raise TrainingRequestError(409, "job_not_resumable",
-                                       f"job {job_id} is {old.state}; only failed or cancelled jobs can be resumed")
+            raise Conflict(f"job {job_id} is {old.state}; only failed or cancelled jobs can be resumed", code="job_not_resumable")
         if old.request.get("plan_sha256") != plan_sha:
-            raise TrainingRequestError(409, "resume_plan_mismatch",
-                                       f"this request differs from job {job_id}'s request",
-                                       "resubmit the identical request (data, model and hyperparameters)")
+            raise Conflict(f"this request differs from job {job_id}'s request", code="resume_plan_mismatch", hint="resubmit the identical request (data, model and hyperparameters)")
         from kiln.training.checkpoints import list_checkpoints
 
         if not list_checkpoints(self._checkpoint_root(job_id)):
-            raise TrainingRequestError(409, "no_checkpoint", f"job {job_id} left no checkpoint",
-                                       "set checkpoint_interval to make jobs resumable")
+            raise Conflict(f"job {job_id} left no checkpoint", code="no_checkpoint", hint="set checkpoint_interval to make jobs resumable")
 
     def _checkpoint_root(self, job_id: str) -> Path:
         return self.root / "jobs" / job_id / "checkpoints"
 
     # -------------------------------------------------------------- queries
     def cancel(self, job_id: str) -> dict[str, Any]:
-        try:
-            job = self.jobs.cancel(job_id)
-        except jobstates.JobNotFoundError:
-            raise TrainingRequestError(404, "job_not_found", f"no job {job_id}") from None
-        except jobstates.JobStateError as exc:
-            raise TrainingRequestError(409, "job_finished", str(exc)) from None
+        job = self.jobs.cancel(job_id)
         if job.state == jobstates.RUNNING and self._running == job_id:
             self._cancel_running.set()
         return job.public()
 
     def job(self, job_id: str) -> dict[str, Any]:
-        try:
-            job = self.jobs.get(job_id)
-        except jobstates.JobNotFoundError:
-            raise TrainingRequestError(404, "job_not_found", f"no job {job_id}",
-                                       "list jobs with GET /v1/train/status") from None
+        job = self.jobs.get(job_id)
         return job.public(queue_position=self.jobs.queue_position(job))
 
     def status(self) -> dict[str, Any]:
