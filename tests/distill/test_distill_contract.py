@@ -287,8 +287,73 @@ def test_consumption_event_local_rules() -> None:
         ConsumptionEvent.parse(dict(second, checkpoint_sha256=None))
     with pytest.raises(ContractError, match="only a commit"):
         ConsumptionEvent.parse(dict(first, checkpoint_sha256="a" * 64))
-    with pytest.raises(ContractError, match="replay_of"):
-        ConsumptionEvent.parse(dict(first, replay_of="a" * 64))
+    # replay_of belongs only on a reservation; committed->reserved always needs it.
+    with pytest.raises(ContractError, match="replay_of belongs only"):
+        ConsumptionEvent.parse(dict(second, replay_of="a" * 64))
+    with pytest.raises(ContractError, match="needs replay_of"):
+        ConsumptionEvent.parse(dict(first, sequence=2, prior_state="committed"))
+    # A reservation from 'available' may carry replay_of (after a released replay);
+    # whether it must, or may not, depends on the ledger's history, checked there.
+    assert ConsumptionEvent.parse(dict(first, replay_of="a" * 64)).action == "replay"
+    assert ConsumptionEvent.parse(first).action == "reserve"
+
+
+# ----------------------------------------------------- exact, uncapped byte counts
+
+QWEN_VOCAB = 152_064
+
+
+def _realistic_config(tokens: int, vocab: int) -> dict:
+    obj = _plan_obj()
+    del obj["estimate"]
+    obj["capture"]["planned_tokens"] = tokens
+    obj["tokenizer"]["vocab_size"] = vocab
+    obj["probability"].update(top_k=64, logprob_bytes=2)
+    return obj
+
+
+def test_a_realistic_plan_builds_with_exact_byte_counts() -> None:
+    plan = complete_plan(_realistic_config(10**10, QWEN_VOCAB))
+    dense = 10**10 * QWEN_VOCAB * 2
+    assert dense == 3_041_280_000_000_000 > 10**15
+    assert plan.estimate.dense_bytes == dense
+    assert plan.estimate.sparse_upper_bytes == 10**10 * (65 * (4 + 2) + 4 + 4)
+    raw = plan.canonical_bytes()
+    assert b'"dense_bytes":3041280000000000,' in raw  # an exact JSON integer, no float, no exponent
+    assert Plan.parse(raw) == plan and Plan.parse(raw).canonical_bytes() == raw
+
+
+def test_byte_counts_have_no_artificial_ceiling() -> None:
+    from kiln.distill import estimate
+
+    # The largest estimate the input limits allow is far above 2**64 and stays exact.
+    top = complete_plan(_realistic_config(estimate.MAX_PLANNED_TOKENS, estimate.MAX_VOCAB_SIZE))
+    assert top.estimate.dense_bytes == estimate.MAX_PLANNED_TOKENS * estimate.MAX_VOCAB_SIZE * 2 > 2**64
+    assert str(top.estimate.dense_bytes).encode() in top.canonical_bytes()
+    obj = _plan_obj()
+    obj["teacher"]["weight_files"][0]["size"] = 2**70  # a file size above the old 2**50 cap
+    assert Plan.parse(obj).teacher.weight_files[0].size == 2**70
+    avail = json.loads((FIXTURES / "shard-teacher-expert" / "manifests" / "3-available.json").read_bytes())
+    avail["payloads"][0]["bytes"] = 10**16
+    assert ShardManifest.parse(avail).payloads[0].bytes == 10**16
+    avail["payloads"][0]["bytes"] = 0
+    with pytest.raises(ContractError, match="bytes"):
+        ShardManifest.parse(avail)
+
+
+def test_a_rate_that_overflows_seconds_is_refused_not_infinite(expert_plan: Plan) -> None:
+    from kiln.distill.estimate import estimate_numbers
+
+    args = dict(tokens=10**13, vocab_size=3, top_k=1, max_forced=1, id_bytes=4, logprob_bytes=4, tail_bytes=4,
+                entropy_bytes=4)
+    with pytest.raises(EstimateError, match="Infinity"):
+        estimate_numbers(**args, throughput_min=1e-300, throughput_max=1.0)
+    obj = _plan_obj()
+    del obj["estimate"]
+    obj["throughput_profile"] = _profile(expert_plan, tokens_per_second_min=5e-324)
+    obj["throughput_profile_sha256"] = ThroughputProfile.parse(obj["throughput_profile"]).digest()
+    with pytest.raises(ContractError, match="Infinity"):
+        complete_plan(obj)
 
 
 def test_contract_modules_import_no_heavy_runtime() -> None:

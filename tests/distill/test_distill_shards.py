@@ -14,7 +14,7 @@ from kiln.canonical import atomic_write_bytes, jsonl_c14n, sha256_hex
 from kiln.distill import shards
 from kiln.distill.contract import ShardManifest
 from kiln.distill.errors import ShardError
-from kiln.distill.shards import RESUME_ACTIONS, resume, resume_decision, verify_shard
+from kiln.distill.shards import FOREIGN_RUN, RESUME_ACTIONS, resume, resume_decision, verify_shard
 
 from tests.distill.conftest import FIXTURES, load_make_fixtures
 
@@ -88,15 +88,30 @@ def test_publication_protocol_states(tmp_path, expert_plan, expert_rows) -> None
         shards.begin(tmp_path, expert_plan, "s0", "t0")
 
 
-def test_rows_violating_the_plan_never_complete(tmp_path, expert_plan, expert_rows, rollout_rows) -> None:
+def _manifest_names(txn: Path) -> list[str]:
+    return sorted(p.name for p in (txn / "manifests").iterdir())
+
+
+@pytest.mark.parametrize(
+    "case", ["reordered", "duplicate", "gap", "foreign trajectory", "example split", "too many tokens"]
+)
+def test_rows_violating_the_plan_never_complete(tmp_path, expert_plan, expert_rows, rollout_rows, case) -> None:
+    payloads = {
+        "reordered": {"rows-00000.jsonl": [expert_rows[1], expert_rows[0]]},
+        "duplicate": {"rows-00000.jsonl": [expert_rows[0], expert_rows[0]]},
+        "gap": {"rows-00000.jsonl": [expert_rows[1]]},
+        "foreign trajectory": {"rows-00000.jsonl": rollout_rows},
+        # the same trajectory split over two payloads, in the wrong order by name
+        "example split": {"rows-00000.jsonl": [expert_rows[1]], "rows-00001.jsonl": [expert_rows[0]]},
+        "too many tokens": {"rows-00000.jsonl": expert_rows, "rows-00001.jsonl": expert_rows},
+    }[case]
     txn = shards.begin(tmp_path, expert_plan, "s0", "t0")
-    shards.write_payload(txn, "rows-00000.jsonl", [expert_rows[1], expert_rows[0]])  # reordered
-    shards.mark_complete(txn)
-    with pytest.raises(ShardError, match="cannot mark verified"):
-        shards.mark_verified(txn)
-    txn2 = shards.begin(tmp_path, expert_plan, "s1", "t1")
-    shards.write_payload(txn2, "rows-00000.jsonl", rollout_rows)  # trajectory of another plan
-    assert "trajectory" in verify_shard(txn2).problems[0]
+    for name, rows in payloads.items():
+        shards.write_payload(txn, name, rows)
+    with pytest.raises(ShardError, match="cannot complete.*violate the plan"):
+        shards.mark_complete(txn)
+    assert _manifest_names(txn) == ["0-staging.json"]  # completion itself refused: still staging
+    assert verify_shard(txn).decision == "quarantine-and-restart"
 
 
 @pytest.mark.parametrize("dup", ["duplicate", "gap"])
@@ -142,6 +157,7 @@ def test_corruption_is_detected(shard_copy: Path, kind: str) -> None:
 def test_mismatched_expected_plan_is_refused(shard_copy: Path) -> None:
     verdict = verify_shard(shard_copy, expected_plan_sha256="0" * 64)
     assert not verdict.ok and "expected" in verdict.problems[0]
+    assert verdict.foreign and verdict.decision == FOREIGN_RUN
 
 
 def test_manifest_path_traversal_is_refused(shard_copy: Path, tmp_path: Path) -> None:
@@ -178,6 +194,9 @@ def test_symlinked_payload_and_directories_are_refused(shard_copy: Path, tmp_pat
 
 
 def test_resume_table_is_closed() -> None:
+    for state in ("staging", "complete", "verified", "available", "quarantined", None):
+        for intact in (True, False):
+            assert resume_decision(state, intact, foreign=True) == FOREIGN_RUN == "refuse-foreign-run"
     assert RESUME_ACTIONS == {
         ("staging", True): "resume-staging",
         ("complete", True): "verify-then-publish",
@@ -247,18 +266,57 @@ def test_resume_quarantined_refuses(shard_copy, expert_plan) -> None:
     assert (shard_copy / "payload" / "rows-00000.jsonl").read_bytes() == payload  # never repaired
 
 
-@pytest.mark.parametrize("state", ["staging", "complete", "verified", "available"])
-def test_resume_corrupt_or_mismatched_quarantines(tmp_path, expert_plan, rollout_plan, expert_rows, state) -> None:
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _shard_in(tmp_path: Path, plan, rows, state: str) -> Path:
     if state == "available":
         shard = tmp_path / "t0"
         shutil.copytree(FIXTURES / "shard-teacher-expert", shard)
-    else:
-        shard = _staged(tmp_path, expert_plan, expert_rows, state)
-    # Resuming under another plan is a mismatch whatever the state.
+        return shard
+    return _staged(tmp_path, plan, rows, state)
+
+
+OWN_DECISION = {"staging": "resume-staging", "complete": "verify-then-publish", "verified": "publish",
+                "available": "reuse"}
+
+
+@pytest.mark.parametrize("state", ["staging", "complete", "verified", "available"])
+def test_resume_under_a_foreign_plan_refuses_and_writes_nothing(
+    tmp_path, expert_plan, rollout_plan, expert_rows, state
+) -> None:
+    shard = _shard_in(tmp_path, expert_plan, expert_rows, state)
+    if state == "staging":
+        (shard / "payload" / ".rows-00001.jsonl.abc.tmp").write_bytes(b'{"partial":')
+    before = _snapshot(tmp_path)
+    # Another run (rollout_plan) tries to resume this run's (expert_plan's) valid shard.
     decision, where = resume(shard, tmp_path, rollout_plan)
+    assert (decision, where) == ("refuse-foreign-run", shard)
+    assert _snapshot(tmp_path) == before  # every file of the other run is byte-identical
+    assert _head(shard).state == state
+    # The owning run still resumes it normally.
+    assert resume(shard, tmp_path, expert_plan)[0] == OWN_DECISION[state]
+
+
+@pytest.mark.parametrize("state", ["staging", "complete", "verified", "available"])
+def test_resume_of_an_own_corrupt_shard_quarantines(tmp_path, expert_plan, expert_rows, state) -> None:
+    shard = _shard_in(tmp_path, expert_plan, expert_rows, state)
+    payload = shard / "payload" / "rows-00000.jsonl"
+    # staging: a parseable changed row; later states: bytes differ from the commitment.
+    payload.write_bytes(payload.read_bytes().replace(b'"position":1', b'"position":2'))
+    decision, where = resume(shard, tmp_path, expert_plan)
     assert decision == "quarantine-and-restart"
     assert _head(where).state == "quarantined" and _head(where).quarantine_reason
     assert resume(where, tmp_path, expert_plan)[0] == "refuse"
+
+
+def test_resume_with_a_changed_plan_json_of_an_own_shard_quarantines(shard_copy, expert_plan) -> None:
+    """The manifests name this run's plan, so the shard is ours; its altered plan.json is corruption."""
+    (shard_copy / "plan.json").write_bytes(
+        (shard_copy / "plan.json").read_bytes().replace(b'"run_id":"fixture-teacher-expert"', b'"run_id":"other"'))
+    assert resume(shard_copy, shard_copy.parent, expert_plan)[0] == "quarantine-and-restart"
+    assert _head(shard_copy).state == "quarantined"
 
 
 def test_resume_unreadable_chain_is_left_unusable(shard_copy, expert_plan) -> None:

@@ -1,25 +1,32 @@
 """`kiln distill` commands.
 
-Every command prints one JSON object on stdout. Exit 0 means success; exit 2
-means a refusal, printed as ``{"error": {"code": ..., "message": ...}}``. No
-traceback is ever shown: expected failures are typed ``DistillError``s, and
-numeric options are parsed here so a bad number is a refusal too.
+Every command prints exactly one line on stdout: one JSON object. Exit 0 means
+success; exit 2 means a refusal, printed as ``{"error": {"code": ..., "message":
+...}}``, with nothing on stderr. No traceback is ever shown: expected failures
+are typed ``DistillError``s, numeric options are parsed here so a bad number is
+a refusal too, usage mistakes (unknown option or command, missing argument) are
+refusals with code ``usage_error``, and anything unforeseen is an
+``internal_error`` refusal rather than a stack dump.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import typer
-
-app = typer.Typer(help="Offline distillation artifacts (autodistill v1).", no_args_is_help=True)
+from typer.core import TyperCommand, TyperGroup
+from typer.exceptions import TyperException
 
 MAX_C14N_INPUT_BYTES = 1 << 30
 MAX_CONFIG_BYTES = 1 << 20
+MAX_VERIFY_SHARDS = 4096  # shard directories one ``verify`` reads (after expanding roots)
+
+_COMMANDS = "estimate, c14n, plan, verify"
 
 
 class _Refusal(Exception):
@@ -32,11 +39,57 @@ def _emit(obj: dict[str, Any]) -> None:
     typer.echo(json.dumps(obj, sort_keys=True, ensure_ascii=False, allow_nan=False))
 
 
+def _refuse(code: str, message: str) -> NoReturn:
+    # json.dumps escapes any newline inside the message: the refusal is one line.
+    _emit({"error": {"code": code, "message": message}})
+    raise typer.Exit(2)
+
+
+def _usage_refusal(exc: TyperException) -> NoReturn:
+    message = " ".join(exc.format_message().split())
+    _refuse("usage_error", f"{message} (run 'kiln distill --help')")
+
+
+class _Command(TyperCommand):
+    """A command whose argument-parsing errors are one-line JSON refusals, not usage panels."""
+
+    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[no-untyped-def]
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except TyperException as exc:  # click's UsageError/BadParameter live under it
+            _usage_refusal(exc)
+
+
+class _Group(TyperGroup):
+    """The ``kiln distill`` group: unknown or missing commands are one-line refusals too."""
+
+    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[no-untyped-def]
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except TyperException as exc:
+            _usage_refusal(exc)
+
+    def parse_args(self, ctx, args):  # type: ignore[no-untyped-def]
+        if not args and not ctx.resilient_parsing:
+            _refuse("usage_error", f"missing command: one of {_COMMANDS} (run 'kiln distill --help')")
+        return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx, args):  # type: ignore[no-untyped-def]
+        try:
+            return super().resolve_command(ctx, args)
+        except TyperException as exc:
+            _usage_refusal(exc)
+
+
+app = typer.Typer(help="Offline distillation artifacts (autodistill v1).", cls=_Group)
+
+
 def _run(body: Callable[[], dict[str, Any]]) -> None:
     from kiln.distill.errors import DistillError
 
     try:
-        result = body()
+        _emit(body())  # inside the try: an unserializable result is a refusal too
+        return
     except _Refusal as exc:
         code, message = exc.code, str(exc)
     except DistillError as exc:
@@ -45,11 +98,9 @@ def _run(body: Callable[[], dict[str, Any]]) -> None:
         code, message = "io_error", f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
     except ValueError as exc:
         code, message = "invalid_input", str(exc)
-    else:
-        _emit(result)
-        return
-    _emit({"error": {"code": code, "message": message}})
-    raise typer.Exit(2)
+    except Exception as exc:  # noqa: BLE001 - the CLI contract: a refusal line, never a traceback
+        code, message = "internal_error", f"{type(exc).__name__}: {exc}; this is a Kiln bug, please report it"
+    _refuse(code, message)
 
 
 def _int(name: str, raw: Optional[str]) -> int:
@@ -81,9 +132,11 @@ def _read_bounded(path: Path, limit: int) -> bytes:
         return read_bytes_nofollow(path.parent, path.name, max_bytes=limit)
     except FileNotFoundError:
         raise _Refusal("not_found", f"{path} does not exist") from None
+    except OSError as exc:  # a directory, a symlink, no permission, ...
+        raise _Refusal("io_error", f"cannot read {path} as a regular file: {exc.strerror or exc}") from None
 
 
-@app.command()
+@app.command(cls=_Command)
 def estimate(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="N: planned captured token count"),
     vocab_size: Optional[str] = typer.Option(None, "--vocab-size", help="V: vocabulary size"),
@@ -117,7 +170,7 @@ def estimate(
     _run(body)
 
 
-@app.command()
+@app.command(cls=_Command)
 def c14n(file: Path = typer.Argument(..., help="JSONL file to normalize (soup-jsonl-c14n-v1)")) -> None:
     """Row count, source-byte SHA-256 and normalized SHA-256 of a JSONL file."""
 
@@ -141,7 +194,7 @@ def c14n(file: Path = typer.Argument(..., help="JSONL file to normalize (soup-js
     _run(body)
 
 
-@app.command()
+@app.command(cls=_Command)
 def plan(
     config: Optional[Path] = typer.Option(None, "--config", help="JSON: every plan field except the estimate"),
     out: Optional[Path] = typer.Option(None, "--out", help="directory that receives plan.json"),
@@ -178,17 +231,55 @@ def plan(
     _run(body)
 
 
-@app.command()
+def _shard_dirs(paths: list[Path]) -> list[Path]:
+    """Each path is a shard transaction directory or a publication root holding them.
+
+    A directory with ``manifests/`` or ``plan.json`` is a shard; otherwise its
+    non-hidden subdirectories are (``.staging`` is never scanned); a directory
+    with neither is verified as a (broken) shard so its problems are reported.
+    The same directory named twice is read once.
+    """
+    too_many = _Refusal("too_many_shards", f"more than {MAX_VERIFY_SHARDS} shard directories; verify fewer")
+    out: list[Path] = []
+    seen: set[str] = set()
+    for path in paths:
+        found = [path]
+        if path.is_dir() and not path.is_symlink():
+            if not any(os.path.lexists(path / marker) for marker in ("manifests", "plan.json")):
+                entries = list(itertools.islice(path.iterdir(), MAX_VERIFY_SHARDS + 64))
+                if len(entries) == MAX_VERIFY_SHARDS + 64:
+                    raise too_many
+                found = sorted(c for c in entries if not c.name.startswith(".") and c.is_dir()) or [path]
+        for shard in found:
+            key = os.path.realpath(shard)
+            if key not in seen:
+                seen.add(key)
+                out.append(shard)
+            if len(out) > MAX_VERIFY_SHARDS:
+                raise too_many
+    return out
+
+
+@app.command(cls=_Command)
 def verify(
-    shard_dir: Path = typer.Argument(..., help="a shard transaction directory"),
+    paths: list[Path] = typer.Argument(..., help="shard transaction directories, or publication roots of a run"),
     plan_sha256: Optional[str] = typer.Option(None, "--plan-sha256", help="refuse a shard of any other plan"),
 ) -> None:
-    """Verify a shard's chain and payload commitments; print the verdict and resume decision."""
+    """Verify shards; print each verdict, resume decision and planned vs observed bytes/token, and the run's."""
 
     def body() -> dict[str, Any]:
-        from kiln.distill.shards import verify_shard
+        from kiln.canonical import is_lower_hex64
+        from kiln.distill.shards import bytes_per_token, run_bytes_per_token, verify_shard
 
-        verdict = verify_shard(shard_dir, expected_plan_sha256=plan_sha256)
-        return {"verdict": verdict.to_obj(), "decision": verdict.decision}
+        if plan_sha256 is not None and not is_lower_hex64(plan_sha256):
+            raise _Refusal("invalid_option", f"--plan-sha256 must be 64 lowercase hex digits, got {plan_sha256!r}")
+        verdicts = [verify_shard(d, expected_plan_sha256=plan_sha256) for d in _shard_dirs(paths)]
+        return {
+            "shards": [
+                {"verdict": v.to_obj(), "decision": v.decision, "bytes_per_token": bytes_per_token(v)}
+                for v in verdicts
+            ],
+            "run": run_bytes_per_token(verdicts),
+        }
 
     _run(body)

@@ -75,8 +75,7 @@ MAX_ARTIFACT_JSON_BYTES = 8 << 20  # one plan/manifest/event document
 MAX_SEQUENCE_TOKENS = 1 << 20  # prompt, target or context IDs in one row
 MAX_FILES_PER_FINGERPRINT = 4096
 MAX_PAYLOADS = 4096
-MAX_FILE_BYTES = 1 << 50
-MAX_COUNT = 10**15
+MAX_COUNT = 10**15  # rows, tokens and ledger sequences; byte counts have no ceiling
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Revision = Annotated[str, Field(pattern=r"^[0-9a-f]{40,64}$")]
@@ -84,6 +83,10 @@ Identifier = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,255
 PortableId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 Label = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+# Byte counts are exact JSON integers (arbitrary precision): a realistic dense
+# estimate (10**10 tokens x 152,064 IDs x 2 bytes) is above any fixed cap we
+# could pick, and an artificial ceiling would refuse a plan the estimator made.
+ByteCount = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, lt=_estimate.MAX_VOCAB_SIZE)]
 Width = Annotated[int, Field(ge=1, le=_estimate.MAX_WIDTH_BYTES)]
 
@@ -176,7 +179,7 @@ class FileDigest(_Model):
     """One file bound by path (relative, normalized), exact byte size and SHA-256."""
 
     path: str
-    size: Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
+    size: ByteCount
     sha256: Sha256
 
     @field_validator("path")
@@ -307,9 +310,9 @@ class ThroughputProfile(_Model):
 
 
 class Estimate(_Model):
-    dense_bytes: Count
+    dense_bytes: ByteCount
     sparse_ids_max: Count
-    sparse_upper_bytes: Count
+    sparse_upper_bytes: ByteCount
     seconds_min: Optional[Annotated[float, Field(ge=0)]]
     seconds_max: Optional[Annotated[float, Field(ge=0)]]
     excludes_metadata: Literal[True]
@@ -410,7 +413,22 @@ def complete_plan(config: dict[str, Any]) -> Plan:
         if given is not None and given != computed:
             raise EstimateError("the config's estimate differs from the one computed from its fields")
         obj["estimate"] = computed
+    elif given is None:
+        # A well-typed placeholder so the refusal names the real cause: a malformed
+        # field, or the plan validator's own recomputation error (e.g. a throughput
+        # so small that seconds_max would be Infinity), never "estimate missing".
+        obj["estimate"] = _ESTIMATE_PLACEHOLDER
     return Plan.parse(obj)
+
+
+_ESTIMATE_PLACEHOLDER = {
+    "dense_bytes": 0,
+    "sparse_ids_max": 0,
+    "sparse_upper_bytes": 0,
+    "seconds_min": None,
+    "seconds_max": None,
+    "excludes_metadata": True,
+}
 
 
 def plan_sha256(plan: Plan) -> str:
@@ -496,7 +514,7 @@ class CaptureTokenRow(_Model):
 
 class PayloadCommitment(_Model):
     path: str
-    bytes: Annotated[int, Field(ge=1, le=MAX_FILE_BYTES)]
+    bytes: Annotated[int, Field(ge=1)]
     rows: Annotated[int, Field(ge=1, le=MAX_COUNT)]
     tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)]
     sha256: Sha256
@@ -554,9 +572,13 @@ class ConsumptionEvent(_Model):
     """One append-only ledger entry moving an artifact view between states.
 
     available->reserved (reserve), reserved->available (release),
-    reserved->committed (commit, with the durable checkpoint SHA-256), and
-    committed->reserved (explicit teacher-expert replay, ``replay_of`` = the
-    prior commit event's hash).
+    reserved->committed (commit, with the durable checkpoint SHA-256), and a
+    replay: a reservation whose ``replay_of`` is the prior commit event's hash.
+    A replay normally starts from ``committed``; after a released replay the
+    view is ``available`` again but still has a commit in its history, so the
+    next reservation must again be a replay (the ledger checks that, since it
+    needs the history). Locally: ``replay_of`` appears only on a step to
+    ``reserved`` and is required on committed->reserved.
     """
 
     SCHEMA: ClassVar[str] = CONSUMPTION_EVENT_SCHEMA
@@ -579,18 +601,19 @@ class ConsumptionEvent(_Model):
             raise ValueError("a commit requires the durable student checkpoint_sha256")
         if not committing and self.checkpoint_sha256 is not None:
             raise ValueError("only a commit carries checkpoint_sha256")
-        replaying = self.prior_state == "committed" and self.next_state == "reserved"
-        if replaying != (self.replay_of is not None):
-            raise ValueError("replay_of is required for, and only for, a committed->reserved replay")
+        if self.replay_of is not None and self.next_state != "reserved":
+            raise ValueError("replay_of belongs only on a reservation (a step to 'reserved')")
+        if self.prior_state == "committed" and self.next_state == "reserved" and self.replay_of is None:
+            raise ValueError("a committed->reserved step is a replay and needs replay_of (the prior commit's hash)")
         return self
 
     @property
     def action(self) -> str:
+        if self.next_state == "reserved" and self.prior_state in ("available", "committed"):
+            return "replay" if self.replay_of is not None else "reserve"
         return {
-            ("available", "reserved"): "reserve",
             ("reserved", "available"): "release",
             ("reserved", "committed"): "commit",
-            ("committed", "reserved"): "replay",
         }.get((self.prior_state, self.next_state), "invalid")
 
 

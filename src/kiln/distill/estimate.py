@@ -61,6 +61,10 @@ def estimate_numbers(
     sparse_ids_max     = min(V, K + F)
     sparse_upper_bytes = N * (S_max * (B_id + B_logp) + B_tail + B_entropy)
     seconds_min/max    = N / throughput_max, N / throughput_min (only with a profile)
+
+    Byte counts are exact Python integers with no ceiling beyond what the input
+    limits imply (at most 10**13 * 10**7 * 16); a seconds value that would not be
+    a finite float is refused with ``EstimateError``.
     """
     n = _count("tokens", tokens, 1, MAX_PLANNED_TOKENS)
     v = _count("vocab_size", vocab_size, 1, MAX_VOCAB_SIZE)
@@ -80,6 +84,13 @@ def estimate_numbers(
         if lo > hi:
             raise EstimateError(f"throughput_min {lo} is above throughput_max {hi}")
         seconds_min, seconds_max = n / hi, n / lo
+        # A positive but tiny rate overflows N / rate to Infinity, which no v1
+        # artifact (or CLI output) may hold: refuse instead of writing it.
+        if not math.isfinite(seconds_max):
+            raise EstimateError(
+                f"throughput_min {lo!r} tokens/s is too small: {n} / {lo!r} seconds overflows to Infinity; "
+                "give the measured range in tokens per second"
+            )
     s_max = min(v, k + f)
     return {
         "dense_bytes": n * v * b_logp,

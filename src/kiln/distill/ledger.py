@@ -10,8 +10,15 @@ The ledger file is canonical JSONL of ``ConsumptionEvent`` rows. Its rules:
   and a commit carries the durable checkpoint SHA-256;
 * reservation IDs are never reused;
 * after a commit, a student-rollout view is finished; a teacher-expert view may be
-  replayed only when the plan allows it and ``replay_of`` is the hash of the last
-  commit event.
+  consumed again only through a replay: a reservation whose ``replay_of`` is the
+  hash of the last commit event, allowed only when the plan says ``chained``.
+  This holds for every later reservation, including one made after a replay
+  reservation was released (the view is ``available`` again, but its history
+  holds a commit), so release-then-reserve cannot launder a second consumption;
+* only a shard whose *current* registry record (the head of its manifest chain
+  on disk) is the available manifest may be reserved: a quarantine written
+  after the ledger was opened is honoured by the next reservation;
+* the consuming plan must be the shard's own plan: a mixed run is refused.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from kiln.distill.contract import (
     CONSUMPTION_EVENT_SCHEMA,
     ConsumptionEvent,
     ConsumptionPolicy,
+    Plan,
     ShardManifest,
 )
-from kiln.distill.errors import LedgerError
+from kiln.distill.errors import DistillError, LedgerError
+from kiln.distill.shards import read_manifest_chain
 
 __all__ = ["MAX_LEDGER_BYTES", "MAX_LEDGER_EVENTS", "LedgerView", "apply_event", "check_ledger", "Ledger"]
 
@@ -68,7 +77,8 @@ def apply_event(view: LedgerView, event: ConsumptionEvent, policy: ConsumptionPo
     if action in ("reserve", "replay"):
         if event.reservation_id in view.reservation_ids:
             raise LedgerError(f"{where} reuses reservation ID {event.reservation_id!r}")
-        if action == "replay":
+        if view.commits:
+            # A second consumption of committed data, whatever state the view is in now.
             if view.view == "student-rollout":
                 raise LedgerError(
                     f"{where}: student-rollout data is consume-once; its prefixes are stale after a commit, "
@@ -76,8 +86,15 @@ def apply_event(view: LedgerView, event: ConsumptionEvent, policy: ConsumptionPo
                 )
             if policy.replay != "chained":
                 raise LedgerError(f"{where}: the plan's consumption policy forbids replay")
+            if event.replay_of is None:
+                raise LedgerError(
+                    f"{where}: this artifact was already committed; a further consumption is only a replay "
+                    f"reservation with replay_of = {view.last_commit_sha256} (the last commit event's hash)"
+                )
             if event.replay_of != view.last_commit_sha256:
                 raise LedgerError(f"{where}: replay_of must be the hash of the last commit event")
+        elif event.replay_of is not None:
+            raise LedgerError(f"{where}: replay_of names a commit, but nothing has been committed yet")
         return replace(
             base,
             open_reservation=(event.run_id, event.reservation_id),
@@ -101,16 +118,51 @@ def check_ledger(
 
 
 class Ledger:
-    """File-backed ledger for one available shard and one plan's consumption policy."""
+    """File-backed ledger for one published shard, consumed under one plan.
 
-    def __init__(self, path: str | os.PathLike[str], manifest: ShardManifest, policy: ConsumptionPolicy):
-        if manifest.state != "available":
-            raise LedgerError(f"only an available shard can be consumed; this one is {manifest.state!r}")
+    ``shard_dir`` is the shard's published transaction directory; its manifest
+    chain on disk is the registry record. The ledger's artifact is the chain's
+    available manifest. ``plan`` is the consumer's plan: it must be the shard's
+    own (same ``plan_sha256``), and its consumption policy governs replay.
+    Reservations re-read the chain from disk each time, so a shard quarantined
+    after this object was built cannot be reserved through it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], shard_dir: str | os.PathLike[str], plan: Plan):
         self.path = Path(path)
-        self.policy = policy
-        self.artifact_sha256 = manifest.digest()
+        self.shard_dir = Path(shard_dir)
+        self.policy: ConsumptionPolicy = plan.consumption
+        chain = self._chain()
+        head = chain[-1]
+        if head.plan_sha256 != plan.digest():
+            raise LedgerError(
+                f"{self.shard_dir} belongs to plan {head.plan_sha256}, not this consumer's plan {plan.digest()}; "
+                "a mixed run is refused: consume shards captured under your own plan"
+            )
+        published = [m for m in chain if m.state == "available"]
+        if not published:
+            raise LedgerError(
+                f"only an available shard can be consumed; {self.shard_dir} is {head.state!r} and was never published"
+            )
+        self.artifact_sha256 = published[0].digest()
         self.events: list[ConsumptionEvent] = self._read()
-        self.view = check_ledger(self.events, artifact_sha256=self.artifact_sha256, policy=policy)
+        self.view = check_ledger(self.events, artifact_sha256=self.artifact_sha256, policy=self.policy)
+
+    def _chain(self) -> list[ShardManifest]:
+        try:
+            return read_manifest_chain(self.shard_dir)
+        except (DistillError, OSError) as exc:
+            raise LedgerError(f"cannot read the registry record of {self.shard_dir}: {exc}") from exc
+
+    def _check_reservable(self) -> None:
+        """The durable record, read now, must still be this artifact's available manifest."""
+        head = self._chain()[-1]
+        if head.state != "available" or head.digest() != self.artifact_sha256:
+            why = f" ({head.quarantine_reason})" if head.quarantine_reason else ""
+            raise LedgerError(
+                f"only available shards may be reserved; the registry now records {self.shard_dir} as "
+                f"{head.state!r}{why}; capture a new shard instead"
+            )
 
     def _read(self) -> list[ConsumptionEvent]:
         if not self.path.exists():
@@ -128,6 +180,8 @@ class Ledger:
         return [ConsumptionEvent.parse(obj) for obj in digest.objects()]
 
     def _append(self, **fields: object) -> ConsumptionEvent:
+        if fields["next_state"] == "reserved":
+            self._check_reservable()
         event = ConsumptionEvent.parse(
             {
                 "schema": CONSUMPTION_EVENT_SCHEMA,
@@ -163,6 +217,8 @@ class Ledger:
         )
 
     def replay(self, run_id: str, reservation_id: str) -> ConsumptionEvent:
+        if self.view.last_commit_sha256 is None:
+            raise LedgerError("cannot replay: nothing has been committed yet; make a plain reservation")
         return self._append(
             next_state="reserved",
             run_id=run_id,

@@ -56,6 +56,10 @@ __all__ = [
     "parse_payload",
     "check_rows_against_plan",
     "resume",
+    "read_manifest_chain",
+    "FOREIGN_RUN",
+    "bytes_per_token",
+    "run_bytes_per_token",
 ]
 
 MAX_PAYLOAD_BYTES = 1 << 30
@@ -70,6 +74,10 @@ _MANIFEST_NAME = re.compile(r"^([0-9])-([a-z]+)\.json$")
 _PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.jsonl$")
 _TEMP_NAME = re.compile(r"^\..+\.tmp$")
 
+# A shard whose manifests name another plan belongs to another run. Resuming or
+# consuming it under this plan is refused and nothing in it is written.
+FOREIGN_RUN = "refuse-foreign-run"
+
 # The closed resume table: (observed state, integrity ok) -> action.
 RESUME_ACTIONS: dict[tuple[str, bool], str] = {
     ("staging", True): "resume-staging",
@@ -79,14 +87,19 @@ RESUME_ACTIONS: dict[tuple[str, bool], str] = {
 }
 
 
-def resume_decision(state: str | None, intact: bool) -> str:
+def resume_decision(state: str | None, intact: bool, foreign: bool = False) -> str:
     """Map an observed shard state and its integrity to the one allowed action.
 
-    ``quarantined`` always refuses; valid staging/complete/verified/available
-    resume, verify+publish, publish or reuse; anything else (corruption, a
-    mismatched plan or fingerprint, or no readable state) is quarantined and a
-    new transaction is started.
+    A shard of another plan (``foreign``) is refused without being touched: the
+    threat model says a mixed run refuses resume and creates a new run, so a
+    foreign plan never quarantines another run's shard. ``quarantined`` always
+    refuses; valid staging/complete/verified/available resume, verify+publish,
+    publish or reuse; anything else (corruption, fingerprints that disagree with
+    the shard's own plan, or no readable state) is quarantined and a new
+    transaction is started.
     """
+    if foreign:
+        return FOREIGN_RUN
     if state == "quarantined":
         return "refuse"
     return RESUME_ACTIONS.get((state, intact), "quarantine-and-restart") if state else "quarantine-and-restart"
@@ -106,10 +119,13 @@ class Verdict:
     manifest_sha256: str | None = None
     rows: int | None = None
     tokens: int | None = None
+    payload_bytes: int | None = None
+    foreign: bool = False
+    plan: Plan | None = field(default=None, repr=False, compare=False)
 
     @property
     def decision(self) -> str:
-        return resume_decision(self.state, self.ok)
+        return resume_decision(self.state, self.ok, self.foreign)
 
     def to_obj(self) -> dict[str, Any]:
         return {
@@ -123,6 +139,8 @@ class Verdict:
             "manifest_sha256": self.manifest_sha256,
             "rows": self.rows,
             "tokens": self.tokens,
+            "payload_bytes": self.payload_bytes,
+            "foreign": self.foreign,
         }
 
 
@@ -135,6 +153,15 @@ def _read_json_artifact(root: Path, rel: str, model: type) -> Any:
     if doc.canonical_bytes() != raw:
         raise ContractError(f"{rel} is not stored as canonical JSON bytes")
     return doc
+
+
+def read_manifest_chain(shard_dir: str | os.PathLike[str]) -> list[ShardManifest]:
+    """The shard's validated manifest chain, oldest first (the durable registry record).
+
+    Raises ``ShardError``/``ContractError``/``TransitionError`` if it cannot be
+    read as one legal chain.
+    """
+    return _read_chain(Path(shard_dir))
 
 
 def _read_chain(shard_dir: Path) -> list[ShardManifest]:
@@ -184,6 +211,8 @@ def check_rows_against_plan(rows: Sequence[CaptureTokenRow], plan: Plan) -> None
     reappearing after another one started.
     """
     cap, prob, traj = plan.capture, plan.probability, plan.consumption.trajectory
+    if len(rows) > cap.planned_tokens:
+        raise ShardError(f"{len(rows)} records exceed the plan's planned_tokens {cap.planned_tokens}")
     seen: set[str] = set()
     prev: CaptureTokenRow | None = None
     for n, row in enumerate(rows, start=1):
@@ -236,8 +265,18 @@ def verify_shard(shard_dir: str | os.PathLike[str], *, expected_plan_sha256: str
         verdict.state, verdict.shard_id, verdict.transaction_id = head.state, head.shard_id, head.transaction_id
         verdict.manifest_sha256, verdict.plan_sha256 = head.digest(), head.plan_sha256
         verdict.rows, verdict.tokens = head.rows, head.tokens
+        if head.state != "staging":
+            verdict.payload_bytes = sum(p.bytes for p in head.payloads)
+        if expected_plan_sha256 is not None and head.plan_sha256 != expected_plan_sha256:
+            # Another run's shard: report it and read nothing further.
+            verdict.foreign = True
+            raise ShardError(
+                f"shard belongs to plan {head.plan_sha256}, not the expected {expected_plan_sha256}; "
+                "a mixed run is refused: start a new transaction under this plan's own root"
+            )
         plan = _read_json_artifact(root, PLAN_FILE, Plan)
-        _check_identity(head, plan, expected_plan_sha256)
+        _check_identity(head, plan)
+        verdict.plan = plan
         if head.state == "staging":
             _check_staged_payloads(root, plan)
         else:
@@ -252,12 +291,9 @@ def verify_shard(shard_dir: str | os.PathLike[str], *, expected_plan_sha256: str
     return verdict
 
 
-def _check_identity(head: ShardManifest, plan: Plan, expected_plan_sha256: str | None) -> None:
-    actual = plan.digest()
-    if head.plan_sha256 != actual:
+def _check_identity(head: ShardManifest, plan: Plan) -> None:
+    if head.plan_sha256 != plan.digest():
         raise ShardError("manifest plan_sha256 does not match plan.json")
-    if expected_plan_sha256 is not None and actual != expected_plan_sha256:
-        raise ShardError(f"shard belongs to plan {actual}, not the expected {expected_plan_sha256}")
     if head.tokenizer_sha256 != plan.tokenizer.digest():
         raise ShardError("manifest tokenizer fingerprint differs from the plan's tokenizer")
     if head.dataset_sha256 != plan.dataset.digest():
@@ -268,14 +304,20 @@ def _payload_names(root: Path) -> list[str]:
     return list_regular_files(root, PAYLOAD_DIR, max_entries=MAX_PAYLOADS + 64)
 
 
-def _check_staged_payloads(root: Path, plan: Plan) -> None:
-    rows: list[CaptureTokenRow] = []
+def _read_staged_payloads(root: Path) -> list[tuple[str, bytes, list[CaptureTokenRow]]]:
+    """(relative path, exact bytes, parsed rows) of every whole staged payload, by name."""
+    out = []
     for name in _payload_names(root):
         if _TEMP_NAME.match(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
-        rows += parse_payload(read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES), rel)
-    check_rows_against_plan(rows, plan)
+        raw = read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)
+        out.append((rel, raw, parse_payload(raw, rel)))
+    return out
+
+
+def _check_staged_payloads(root: Path, plan: Plan) -> None:
+    check_rows_against_plan([r for _, _, rows in _read_staged_payloads(root) for r in rows], plan)
 
 
 def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> None:
@@ -296,8 +338,6 @@ def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> No
             raise ShardError(f"{p.path}: {len(parsed)} rows/tokens on disk, {p.rows}/{p.tokens} committed")
         rows += parsed
     check_rows_against_plan(rows, plan)
-    if head.tokens > plan.capture.planned_tokens:
-        raise ShardError("shard holds more tokens than the plan's planned_tokens")
 
 
 # -------------------------------------------------------------------- writing
@@ -356,23 +396,42 @@ def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[Capture
 
 
 def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
-    """Hash and count the payload bytes on disk and chain the complete manifest."""
+    """Check, hash and count the payload bytes on disk and chain the complete manifest.
+
+    The rows must already satisfy the plan (``check_rows_against_plan``: whole,
+    ordered trajectories, positions 0, 1, 2, ... with chained contexts, no
+    duplicate or reordered record, at most ``planned_tokens``), so a shard that
+    violates its plan never reaches ``complete``. Commitments are computed from
+    the same bytes that were checked.
+    """
     txn = Path(txn)
     chain = _read_chain(txn)
-    if chain[-1].state != "staging":
-        raise ShardError(f"cannot complete a {chain[-1].state!r} transaction")
+    head = chain[-1]
+    if head.state != "staging":
+        raise ShardError(f"cannot complete a {head.state!r} transaction")
+    fragments = [n for n in _payload_names(txn) if _TEMP_NAME.match(n)]
+    if fragments:
+        raise ShardError(f"uncommitted fragment {fragments[0]} present; resume the staging transaction first")
+    plan = _read_json_artifact(txn, PLAN_FILE, Plan)
+    _check_identity(head, plan)
+    staged = _read_staged_payloads(txn)
+    try:
+        check_rows_against_plan([r for _, _, rows in staged for r in rows], plan)
+    except ShardError as exc:
+        raise ShardError(
+            f"cannot complete {txn.name}: {exc}; the staged rows violate the plan, "
+            "quarantine this transaction and recapture under a new transaction ID"
+        ) from exc
     commitments = []
-    for name in _payload_names(txn):
-        if _TEMP_NAME.match(name):
-            raise ShardError(f"uncommitted fragment {name} present; resume the staging transaction first")
-        rel = f"{PAYLOAD_DIR}/{name}"
-        raw = read_bytes_nofollow(txn, rel, max_bytes=MAX_PAYLOAD_BYTES)
-        n = len(parse_payload(raw, rel))
+    for rel, raw, rows in staged:
+        if not rows:
+            raise ShardError(f"{rel} holds no rows; an empty payload is never committed")
+        n = len(rows)
         commitments.append(
             PayloadCommitment(path=rel, bytes=len(raw), rows=n, tokens=n, sha256=sha256_hex(raw)).to_obj()
         )
     complete = _next_manifest(
-        chain[-1],
+        head,
         "complete",
         payloads=commitments,
         rows=sum(c["rows"] for c in commitments),
@@ -443,7 +502,9 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
     an available shard alone; ``quarantine-and-restart`` chains a quarantined
     manifest when the chain is readable (otherwise the directory is left as it is,
     already unusable) and the caller starts a new transaction ID; ``refuse``
-    changes nothing.
+    changes nothing. ``refuse-foreign-run`` (the manifests name another plan)
+    changes nothing either: the shard belongs to another run and stays
+    byte-for-byte as it was; the caller starts a new run under its own root.
     """
     shard_dir = Path(shard_dir)
     verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest())
@@ -463,3 +524,74 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
         except (DistillError, OSError):
             pass  # unreadable chain: nothing can be chained; the directory is never reused
     return decision, shard_dir
+
+
+# ------------------------------------------------------------ bytes per token
+
+
+def _planned_per_token(plan: Plan | None) -> dict[str, Any]:
+    sparse = dense = None
+    if plan is not None:
+        # The estimate is N times a per-token figure, so these divisions are exact.
+        n = plan.capture.planned_tokens
+        sparse, dense = plan.estimate.sparse_upper_bytes // n, plan.estimate.dense_bytes // n
+    return {"planned_sparse_upper": sparse, "planned_dense": dense, "planned_excludes_metadata": True}
+
+
+def _observed(payload_bytes: int | None, tokens: int | None) -> dict[str, Any]:
+    known = payload_bytes is not None and bool(tokens)
+    return {
+        "observed": payload_bytes / tokens if known else None,  # type: ignore[operator]
+        "observed_bytes": payload_bytes if known else None,
+        "observed_tokens": tokens if known else None,
+    }
+
+
+def _committed(verdict: Verdict) -> bool:
+    """Intact and past staging: its payload commitments were checked against the bytes."""
+    return verdict.ok and verdict.state not in (None, "staging")
+
+
+def bytes_per_token(verdict: Verdict) -> dict[str, Any]:
+    """Planned vs observed bytes per captured token of one verified shard.
+
+    Planned figures come from the shard's plan: ``planned_sparse_upper`` =
+    sparse_upper_bytes / N and ``planned_dense`` = dense_bytes / N, raw widths
+    only (``planned_excludes_metadata``). ``observed`` is the committed payload
+    bytes on disk (JSON and all) over the committed tokens; it is ``null`` until
+    the shard has verified commitments (staging, or a failed verification).
+    """
+    if _committed(verdict):
+        return {**_planned_per_token(verdict.plan), **_observed(verdict.payload_bytes, verdict.tokens)}
+    return {**_planned_per_token(verdict.plan), **_observed(None, None)}
+
+
+def run_bytes_per_token(verdicts: Sequence[Verdict]) -> dict[str, Any]:
+    """Planned vs observed bytes per token over the shards of one run.
+
+    Observed sums the intact, committed shards that are not quarantined
+    (complete/verified/available). Shards of more than one plan are a mixed
+    run: the summary names the problem and reports no planned figures.
+    """
+    plans = {v.plan_sha256: v.plan for v in verdicts if v.plan is not None}
+    plan = next(iter(plans.values())) if len(plans) == 1 else None
+    counted = [v for v in verdicts if _committed(v) and v.state != "quarantined"]
+    problems = []
+    if len(plans) > 1:
+        problems.append(f"mixed run: the shards belong to {len(plans)} plans; verify one run at a time")
+    if len(counted) < len(verdicts):
+        problems.append(
+            f"{len(verdicts) - len(counted)} shard(s) not counted (failed verification, staging or quarantined)"
+        )
+    observed_bytes = sum(v.payload_bytes or 0 for v in counted)
+    observed_tokens = sum(v.tokens or 0 for v in counted)
+    return {
+        "plan_sha256": plan.digest() if plan is not None else None,
+        "shards": len(verdicts),
+        "shards_counted": len(counted),
+        "planned_tokens": plan.capture.planned_tokens if plan is not None else None,
+        "planned_sparse_upper_bytes": plan.estimate.sparse_upper_bytes if plan is not None else None,
+        "planned_dense_bytes": plan.estimate.dense_bytes if plan is not None else None,
+        "bytes_per_token": {**_planned_per_token(plan), **_observed(observed_bytes, observed_tokens)},
+        "problems": problems,
+    }

@@ -25,13 +25,23 @@ __all__ = [
     "check_manifest_chain",
 ]
 
-# Each live example state moves one step forward or ends as rejected/quarantined.
-# A decision is final: reconsidering an example creates a new example/version.
+# The spec's example diagram, read column by column (see docs/distill.md):
+#
+#   proposed -> probed -> captured -> verified -> admitted
+#                 |          |            -> rejected
+#                 |          -> quarantined
+#                 -> rejected / quarantined
+#
+# A proposal is always probed first; the probe may reject (e.g. the teacher
+# brings no verified advantage) or quarantine (both fail / verifier disagreement);
+# a capture may be quarantined (corrupt or invalid probabilities); verification
+# admits or rejects. No other edge exists: a decision is final, and reconsidering
+# an example creates a new example/version.
 EXAMPLE_TRANSITIONS: Mapping[str, frozenset[str]] = {
-    "proposed": frozenset({"probed", "rejected", "quarantined"}),
+    "proposed": frozenset({"probed"}),
     "probed": frozenset({"captured", "rejected", "quarantined"}),
-    "captured": frozenset({"verified", "rejected", "quarantined"}),
-    "verified": frozenset({"admitted", "rejected", "quarantined"}),
+    "captured": frozenset({"verified", "quarantined"}),
+    "verified": frozenset({"admitted", "rejected"}),
     "admitted": frozenset(),
     "rejected": frozenset(),
     "quarantined": frozenset(),
@@ -59,7 +69,10 @@ def check_transition(table: Mapping[str, frozenset[str]], kind: str, current: st
                 f"{kind} state {current!r} is terminal; create a new {kind} instead of moving it to {nxt!r}"
             )
         allowed = ", ".join(sorted(table[current]))
-        raise TransitionError(f"{kind} cannot go {current!r} -> {nxt!r} (allowed next: {allowed}); steps may not be skipped")
+        raise TransitionError(
+            f"{kind} cannot go {current!r} -> {nxt!r} (allowed next: {allowed}); "
+            "steps may not be skipped and edges absent from the spec's diagram do not exist"
+        )
     return nxt
 
 
