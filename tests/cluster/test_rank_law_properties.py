@@ -172,7 +172,9 @@ def reference_violations(obs: DeclaredObservation) -> set[str]:
         "observation_incomplete": not obs.returned_completely,
         "not_a_tensor_parallel_decomposition": (pp, dp) != (1, 1),
         "decomposition_inconsistent_with_world_size": tp * pp * dp != obs.world_size,
-        "tensor_parallel_rank_does_not_match_global_rank": any(p.tensor_parallel_rank != p.global_rank for p in parts),
+        # Correspondence is the law of a pure TP world; elsewhere the decomposition finding already holds.
+        "tensor_parallel_rank_does_not_match_global_rank": (pp, dp) == (1, 1)
+        and any(p.tensor_parallel_rank != p.global_rank for p in parts),
     }
     return {kind for kind, violated in conditions.items() if violated}
 

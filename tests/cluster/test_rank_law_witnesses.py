@@ -289,11 +289,28 @@ def test_w_a_population_wrong_in_several_ways_reports_all_of_them() -> None:
          "data_parallel_size": 1},
         {"kind": "decomposition_inconsistent_with_world_size", "world_size": 2, "tensor_parallel_size": 2,
          "pipeline_parallel_size": 2, "data_parallel_size": 1, "product": 4},
-        {"kind": "tensor_parallel_rank_does_not_match_global_rank", "global_rank": 0, "tensor_parallel_rank": 1,
-         "host": "host-c"},
     ]
-    # This one population trips every kind the law has, each exactly once.
-    assert [f["kind"] for f in got] == list(FINDING_KINDS)
+    # This one population trips every kind the law has, each exactly once, but TP-rank correspondence:
+    # host-c's TP rank 1 against global rank 0 is no finding in a PP = 2 world (see the next witness),
+    # so no population can carry both that and not_a_tensor_parallel_decomposition.
+    assert [f["kind"] for f in got] == [k for k in FINDING_KINDS if k != "tensor_parallel_rank_does_not_match_global_rank"]
+    obs["pipeline_parallel_size"] = 1  # now pure TP (of the wrong size): correspondence applies again
+    assert "tensor_parallel_rank_does_not_match_global_rank" in [f["kind"] for f in findings(obs)]
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 1), (1, 1, 2)], ids=["pp2-tp1", "dp2-tp1"])
+def test_w_a_world_that_is_not_pure_tp_is_not_also_refused_rank_by_rank_for_tp_correspondence(
+    sizes: tuple[int, int, int],
+) -> None:
+    # vLLM gives each rank of a PP = 2 / TP = 1 world TP rank 0. TP rank = global rank is the law of
+    # a pure TP world; here its premise is false and not_a_tensor_parallel_decomposition already says so.
+    obs = observed_shape()
+    obs["tensor_parallel_size"], obs["pipeline_parallel_size"], obs["data_parallel_size"] = sizes
+    obs["participants"] = [_participant(0, "host-a", "46055", tp=0), _participant(1, "host-b", "3764", tp=0)]
+    assert findings(obs) == [
+        {"kind": "not_a_tensor_parallel_decomposition", "tensor_parallel_size": 1,
+         "pipeline_parallel_size": sizes[1], "data_parallel_size": sizes[2]},
+    ]
 
 
 def test_findings_do_not_depend_on_participant_or_host_order() -> None:

@@ -156,6 +156,13 @@ def test_the_kiln_entry_point_routes_ranks_check(tmp_path: Path) -> None:
         (["--nproc-per-host", "1", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "node_rank=2"),
         (["--nproc-per-host", "1", "--selected-host", ""], "selected host '' must be 1 to 256 characters"),
         (["--nproc-per-host", "1", "--timeout-s", "0"], "timeout_s=0.0"),
+        (["--nproc-per-host", "1", "--nnodes", "2", "--master-port", "1", "--selected-host", "a"],
+         "needs an explicit incarnation"),
+        (["--nproc-per-host", "1", "--incarnation", ""], "incarnation '' must be 1 to 256 characters"),
+        (["--nproc-per-host", "4", "--tensor-parallel-size", "3"], "3 does not divide 4"),
+        (["--nproc-per-host", "4", "--pipeline-parallel-size", "3"], "3 does not divide 4"),
+        (["--nproc-per-host", "2", "--pipeline-parallel-size", "0"], "pipeline_parallel_size=0"),
+        (["--nproc-per-host", "2", "--tensor-parallel-size", "0"], "tensor_parallel_size=0"),
     ],
 )
 def test_observe_rejects_an_invalid_plan_with_exit_2(args: list[str], fragment: str) -> None:

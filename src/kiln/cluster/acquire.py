@@ -4,27 +4,31 @@ The law in :mod:`kiln.cluster.ranks` decides declared observations and claims
 nothing about where they came from. This adapter is the part that *does*
 acquire: it spawns one fresh interpreter per local rank (the ``spawn`` start
 method of ``multiprocessing``, which ``torch.multiprocessing.spawn`` also uses;
-the supervising process itself never imports torch), has them form a gloo
-process group over a TCP rendezvous, builds one tensor-parallel
-group spanning the whole world (so pipeline and data parallel degrees are 1),
-and lets every rank report:
+the supervising process itself never imports torch) and has them form a gloo
+world over a TCP rendezvous. Then, in every rank:
 
-* its global rank and its rank inside the TP group,
-* its host identity (the host name of the UTS namespace it runs in),
-* its host-local process key (its pid),
-* the incarnation ID of this rendezvous: rank 0 draws a random token and
-  broadcasts it over the group, so only members of this world can echo it.
+* the caller's *layout* runs and creates the tensor-parallel and
+  pipeline-parallel process groups (and optionally data-parallel ones) with
+  ``torch.distributed.new_group``, as vLLM and torchrun programs do, and hands
+  back the groups this rank belongs to (:class:`ParallelGroups`);
+* the rank reports what it observes, and nothing the adapter assumed: its
+  global rank and the world size it sees, its rank in and the members of each
+  group it was handed, its host name, its pid, and the incarnation it was
+  launched into (the plan's incarnation on its own host, unless the layout names
+  another, as a worker of another engine would).
 
-Rank 0 gathers the reports, the collector projects them into a
-:class:`~kiln.cluster.ranks.DeclaredObservation` and decides it. The
-:class:`AcquisitionRecord` (how, when, from where) stays beside the decision;
-only a coherent decision joined to its record forms a
-:class:`RankPopulationReceipt`.
+Rank 0 gathers the reports; the supervisor on node 0 projects them into a
+:class:`~kiln.cluster.ranks.DeclaredObservation` (group sizes come from the
+groups the ranks reported, each participant's TP rank and incarnation from that
+participant) and decides it.
 
-For several hosts run the same command on every host with ``nnodes``,
-``node_rank`` and a reachable ``master_addr``/``master_port``; the collector is
-node 0. Set ``GLOO_SOCKET_IFNAME`` where the host name does not resolve to the
-interface the other hosts can reach.
+Provenance lives here and only here. An :class:`AcquisitionOutcome`, and the
+:class:`RankPopulationReceipt` a coherent outcome yields, are minted only by
+:func:`acquire_rank_population`; they have no public constructor and cannot be
+deserialised. A JSON document of an outcome read back is
+:class:`AcquisitionEvidence`: it is re-checked (record consistent in itself,
+record and observation consistent with each other, decision the law's) and is
+never a receipt.
 
 torch is imported only inside the spawned ranks, so importing this module, and
 supervising a world, is cheap.
@@ -44,19 +48,20 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal, NoReturn, Optional
 
-from typing_extensions import Self
-
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from kiln.canonical import CanonicalJSONError, atomic_write_json, strict_json_loads
 from kiln.cluster.ranks import (
     MAX_IDENTIFIER_CHARS,
+    MAX_WORLD_SIZE,
     DeclaredObservation,
+    ObservationInputError,
     Participant,
     RankPopulationDecision,
     decide_rank_population,
+    parse_observation_json,
 )
 
 __all__ = [
@@ -69,10 +74,16 @@ __all__ = [
     "MAX_REPORT_BYTES",
     "AcquisitionError",
     "AcquisitionConfigError",
+    "AcquisitionRecordError",
+    "EvidenceError",
     "NotCoherentError",
+    "ReceiptForgeryError",
     "AcquisitionRecord",
     "AcquisitionOutcome",
     "RankPopulationReceipt",
+    "AcquisitionEvidence",
+    "ParallelGroups",
+    "GridLayout",
     "WorldPlan",
     "acquire_rank_population",
 ]
@@ -86,24 +97,38 @@ MAX_NPROC_PER_HOST = 256
 MAX_NNODES = 4096
 MAX_REPORT_BYTES = 64 << 20
 """Largest gathered report file the collector reads back, in bytes."""
+MAX_PID = (1 << 31) - 1
+MAX_TORCH_VERSION_CHARS = 64
 _INCARNATION_TOKEN_BYTES = 16
-_COLLECTIVES_PER_WORLD = 4
-"""Rendezvous, group creation, broadcast, gather: each may wait ``timeout_s``."""
+_COLLECTIVES_PER_WORLD = 3
+"""Rendezvous, group creation, gather: each may wait ``timeout_s``."""
 _SUPERVISION_SLACK_S = 60.0
 """Extra seconds the supervisor allows for interpreter and torch start-up."""
 _MAX_ERROR_CHARS = 2000
 
 
 class AcquisitionError(RuntimeError):
-    """The world could not be formed or did not report back."""
+    """The world could not be formed, did not report back, or reported an unusable layout."""
 
 
 class AcquisitionConfigError(ValueError):
     """The requested world is not a valid plan (bad sizes, ranks or hosts)."""
 
 
+class AcquisitionRecordError(ValueError):
+    """An acquisition record is not consistent in itself (bounds, sizes, process groups)."""
+
+
+class EvidenceError(ValueError):
+    """A serialised outcome does not hold together (shape, record vs observation, decision)."""
+
+
 class NotCoherentError(ValueError):
     """A receipt was requested for a population the law refused."""
+
+
+class ReceiptForgeryError(TypeError):
+    """An outcome or receipt was constructed or deserialised instead of acquired."""
 
 
 # ------------------------------------------------------------------------ plan
@@ -121,6 +146,9 @@ class WorldPlan:
     """0 picks a free port; only allowed for a single-host world."""
     selected_hosts: tuple[str, ...] = ()
     """The hosts the deployment meant to use; empty means this host alone (nnodes == 1 only)."""
+    incarnation: Optional[str] = None
+    """The run this host's ranks are launched into (torchrun's rendezvous ID plays this part).
+    None draws a random one, which only a single-host world may do."""
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -143,10 +171,15 @@ class WorldPlan:
                 "a multi-host world must name its selected hosts on node 0 (one --selected-host per host); "
                 "the law checks the observed hosts against them"
             )
-        for host in self.selected_hosts:
-            if not 1 <= len(host) <= MAX_IDENTIFIER_CHARS:
+        if self.nnodes > 1 and self.incarnation is None:
+            raise AcquisitionConfigError(
+                "a multi-host world needs an explicit incarnation that every host agrees on (--incarnation); "
+                "each host's ranks report the one they were launched into"
+            )
+        for what, value in [*(("selected host", h) for h in self.selected_hosts), ("incarnation", self.incarnation)]:
+            if value is not None and not 1 <= len(value) <= MAX_IDENTIFIER_CHARS:
                 raise AcquisitionConfigError(
-                    f"selected host {host!r} must be 1 to {MAX_IDENTIFIER_CHARS} characters long"
+                    f"{what} {value!r} must be 1 to {MAX_IDENTIFIER_CHARS} characters long"
                 )
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise AcquisitionConfigError(f"timeout_s={self.timeout_s} must be in (0, {MAX_TIMEOUT_S}]")
@@ -156,94 +189,403 @@ class WorldPlan:
         return self.nnodes * self.nproc_per_host
 
 
-# ---------------------------------------------------------------- record/receipt
+# ---------------------------------------------------------------------- layouts
 
-_MODEL = ConfigDict(frozen=True, extra="forbid")
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups one rank belongs to, as the caller's layout created them.
+
+    ``data_parallel`` None means the layout created no data-parallel groups: the
+    world declares DP = 1, and the law checks that TP x PP then covers it.
+    ``incarnation`` None means the rank belongs to the incarnation its host was
+    launched into; a layout names another where the rank knows it belongs to one
+    (the engine ID of a vLLM worker, say).
+    """
+
+    tensor_parallel: Any
+    pipeline_parallel: Any
+    data_parallel: Any = None
+    incarnation: Optional[str] = None
+
+
+Layout = Callable[[int, int], ParallelGroups]
+"""``layout(global_rank, world_size)``, run in every rank once the world has formed.
+
+It must call ``torch.distributed.new_group`` identically on every rank (the call
+is collective) and return the groups this rank belongs to. It travels to the
+spawned ranks by pickling, so it must be a module-level function or a picklable
+object such as :class:`GridLayout`.
+"""
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """vLLM's arrangement: TP groups of consecutive ranks, PP groups strided by the TP size.
+
+    Rank ``r`` is TP rank ``r % tp`` of stage ``(r // tp) % pp``; no DP groups are
+    created. The CLI uses it for ``--tensor-parallel-size/--pipeline-parallel-size``.
+    """
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, size in (("tensor_parallel_size", self.tensor_parallel_size),
+                           ("pipeline_parallel_size", self.pipeline_parallel_size)):
+            if not 1 <= size <= MAX_WORLD_SIZE:
+                raise AcquisitionConfigError(f"{name}={size} must be between 1 and {MAX_WORLD_SIZE}")
+
+    def groups_for(self, world_size: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The TP groups and PP groups of a world of ``world_size`` ranks."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if world_size % (tp * pp):
+            raise AcquisitionConfigError(
+                f"a world of {world_size} ranks cannot be cut into groups of tensor_parallel_size={tp} "
+                f"x pipeline_parallel_size={pp}: {tp * pp} does not divide {world_size}"
+            )
+        tp_groups = [list(range(first, first + tp)) for first in range(0, world_size, tp)]
+        pp_groups = [
+            [block + t + stage * tp for stage in range(pp)]
+            for block in range(0, world_size, tp * pp)
+            for t in range(tp)
+        ]
+        return tp_groups, pp_groups
+
+    def __call__(self, rank: int, world_size: int) -> ParallelGroups:
+        tp_groups, pp_groups = self.groups_for(world_size)
+        return ParallelGroups(
+            tensor_parallel=_new_groups_holding(rank, tp_groups),
+            pipeline_parallel=_new_groups_holding(rank, pp_groups),
+        )
+
+
+def _new_groups_holding(rank: int, groups: list[list[int]]) -> Any:
+    """Create every group (a collective call) and return the one holding ``rank``."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+# ---------------------------------------------------------------------- record
+
+# Scalars are strict ("29500" is not a port); tuples are lax so that JSON arrays stand for them.
+_Identifier = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_IDENTIFIER_CHARS)]
+_Pid = Annotated[int, Strict(), Field(ge=1, le=MAX_PID)]
+_Group = Annotated[
+    tuple[Annotated[int, Strict(), Field(ge=0, lt=MAX_WORLD_SIZE)], ...], Field(max_length=MAX_WORLD_SIZE)
+]
+_Groups = Annotated[tuple[_Group, ...], Field(min_length=1, max_length=MAX_WORLD_SIZE)]
+
+
+def _problems_of(exc: ValidationError) -> str:
+    def one(error: Any) -> str:
+        where = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+
+    return "; ".join(one(e) for e in exc.errors())
 
 
 class AcquisitionRecord(BaseModel):
-    """How, when and from where an observation was acquired."""
+    """How, when and from where an observation was acquired, and the groups the ranks reported.
 
-    model_config = _MODEL
+    Constructing one checks it is consistent in itself (bounds, ``nnodes x
+    nproc_per_host == world_size``, a time order, and each family of groups
+    partitioning the world into equal groups that meet every other family's
+    groups in at most one rank) and raises :class:`AcquisitionRecordError`
+    naming every problem. It does not check the decomposition against the world
+    size: that is the law's finding to make.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: Literal["multiprocessing.spawn+gloo"]
     """How the world was started and which torch.distributed backend it used."""
     backend: Literal["gloo"]
-    torch_version: str
-    started_at: str
+    torch_version: Annotated[str, Strict(), Field(min_length=1, max_length=MAX_TORCH_VERSION_CHARS)]
+    started_at: Annotated[str, Strict()]
     """UTC, ISO 8601, when the collector began starting its workers."""
-    finished_at: str
+    finished_at: Annotated[str, Strict()]
     """UTC, ISO 8601, when the gathered reports were back with the collector."""
-    master_addr: str
-    master_port: int
-    world_size: int
-    nnodes: int
-    nproc_per_host: int
-    collector_host: str
-    collector_pid: int
-    rank0_pid: int
-    tensor_parallel_group_ranks: tuple[int, ...]
+    master_addr: _Identifier
+    master_port: Annotated[int, Strict(), Field(ge=1, le=65535)]
+    world_size: Annotated[int, Strict(), Field(ge=1, le=MAX_WORLD_SIZE)]
+    nnodes: Annotated[int, Strict(), Field(ge=1, le=MAX_NNODES)]
+    nproc_per_host: Annotated[int, Strict(), Field(ge=1, le=MAX_NPROC_PER_HOST)]
+    collector_host: _Identifier
+    collector_pid: _Pid
+    rank0_pid: _Pid
+    tensor_parallel_groups: _Groups
+    """Every distinct TP group the ranks reported, members ascending, groups by first member."""
+    pipeline_parallel_groups: _Groups
+    data_parallel_groups: Optional[_Groups]
+    """None when the layout created no DP groups."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise AcquisitionRecordError(
+                f"invalid acquisition record ({exc.error_count()} problem(s)): {_problems_of(exc)}"
+            ) from None
+
+    @classmethod
+    def from_json_value(cls, value: Any) -> "AcquisitionRecord":
+        """Validate a record read from JSON (arrays stand for the tuples)."""
+        if not isinstance(value, dict):
+            raise AcquisitionRecordError(f"an acquisition record is a JSON object, got {type(value).__name__}")
+        return cls(**value)
+
+    @model_validator(mode="after")
+    def _consistent_in_itself(self) -> "AcquisitionRecord":
+        problems: list[str] = []
+        if self.nnodes * self.nproc_per_host != self.world_size:
+            problems.append(
+                f"nnodes={self.nnodes} x nproc_per_host={self.nproc_per_host} is not world_size={self.world_size}"
+            )
+        try:
+            started, finished = datetime.fromisoformat(self.started_at), datetime.fromisoformat(self.finished_at)
+        except ValueError:
+            problems.append("started_at and finished_at must be ISO 8601 timestamps")
+        else:
+            if started.utcoffset() is None or finished.utcoffset() is None:
+                problems.append("started_at and finished_at must carry a UTC offset")
+            elif finished < started:
+                problems.append("finished_at is before started_at")
+        families = {
+            "tensor_parallel_groups": self.tensor_parallel_groups,
+            "pipeline_parallel_groups": self.pipeline_parallel_groups,
+        }
+        if self.data_parallel_groups is not None:
+            families["data_parallel_groups"] = self.data_parallel_groups
+        partitions: dict[str, list[int]] = {}
+        for name, groups in families.items():
+            problem = _partition_problem(groups, self.world_size)
+            if problem:
+                problems.append(f"{name} {problem}")
+            else:
+                partitions[name] = _group_index(groups, self.world_size)
+        names = sorted(partitions)
+        for i, first in enumerate(names):
+            for second in names[i + 1:]:
+                pairs = set(zip(partitions[first], partitions[second], strict=True))
+                if len(pairs) != self.world_size:
+                    problems.append(f"a group of {first} shares more than one rank with a group of {second}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def group_size(self, family: Literal["tensor", "pipeline", "data"]) -> int:
+        groups = getattr(self, f"{family}_parallel_groups")
+        return 1 if groups is None else len(groups[0])
 
 
-class _OutcomeFields(BaseModel):
-    model_config = _MODEL
+def _partition_problem(groups: tuple[tuple[int, ...], ...], world_size: int) -> str | None:
+    """Why ``groups`` are not equal-sized, canonically ordered groups partitioning the world; None if they are."""
+    if any(not g for g in groups):
+        return "contain an empty group"
+    if any(list(g) != sorted(set(g)) for g in groups):
+        return "must list each group's ranks once, ascending"
+    if list(groups) != sorted(groups):
+        return "must be ordered by their first rank"
+    if len({len(g) for g in groups}) != 1:
+        return "are not all the same size"
+    members = [r for g in groups for r in g]
+    if len(members) != len(set(members)):
+        return "overlap: a rank is in two groups"
+    if set(members) != set(range(world_size)):
+        return f"do not cover exactly the ranks 0..{world_size - 1}"
+    return None
 
+
+def _group_index(groups: tuple[tuple[int, ...], ...], world_size: int) -> list[int]:
+    index = [0] * world_size
+    for i, group in enumerate(groups):
+        for r in group:
+            index[r] = i
+    return index
+
+
+def _record_observation_problems(record: AcquisitionRecord, obs: DeclaredObservation) -> list[str]:
+    """Ways the record and the observation it was acquired with contradict each other."""
+    problems = []
+    if record.world_size != obs.world_size:
+        problems.append(f"the record's world size {record.world_size} is not the observation's {obs.world_size}")
+    for family in ("tensor", "pipeline", "data"):
+        recorded, declared = record.group_size(family), getattr(obs, f"{family}_parallel_size")  # type: ignore[arg-type]
+        if recorded != declared:
+            problems.append(f"the record's {family}-parallel groups have {recorded} rank(s), "
+                            f"the observation declares {family}_parallel_size={declared}")
+    tp_rank_of: dict[int, int] = {r: g.index(r) for g in record.tensor_parallel_groups for r in g}
+    for p in obs.participants:
+        expected = tp_rank_of.get(p.global_rank)
+        if expected is not None and p.tensor_parallel_rank != expected:
+            problems.append(f"global rank {p.global_rank} reports TP rank {p.tensor_parallel_rank}, "
+                            f"its recorded TP group places it at {expected}")
+    rank0 = [p for p in obs.participants if p.global_rank == 0]
+    if len(rank0) == 1 and (rank0[0].host, rank0[0].host_local_worker_process_key) != (
+        record.collector_host, str(record.rank0_pid)
+    ):
+        problems.append("rank 0 is not the recorded rank0_pid on the collector host")
+    if any(p.host == record.collector_host and p.host_local_worker_process_key == str(record.collector_pid)
+           for p in obs.participants):
+        problems.append("the collector, which runs no rank, appears as a participant")
+    return problems
+
+
+# -------------------------------------------------------------- outcome/receipt
+
+_MINT = object()
+"""Held by this module only: what :func:`acquire_rank_population` shows to mint."""
+
+
+class _Acquired:
+    """An observation joined to the record of its acquisition and the law's decision.
+
+    Immutable; constructed only by this module's acquisition. Serialise with
+    :meth:`to_json_dict`; read back with :meth:`AcquisitionEvidence.from_json_dict`.
+    """
+
+    __slots__ = ("acquisition", "observation", "decision")
     acquisition: AcquisitionRecord
     observation: DeclaredObservation
     decision: RankPopulationDecision
 
-    @model_validator(mode="after")
-    def _decision_is_the_laws(self) -> "_OutcomeFields":
-        if decide_rank_population(self.observation) != self.decision:
-            raise ValueError("the decision is not the law's decision for this observation")
-        if self.acquisition.world_size != self.observation.world_size:
-            raise ValueError("the acquisition record and the observation disagree on the world size")
+    def __init__(self, *args: Any, _mint: object = None, **kwargs: Any) -> None:
+        if _mint is not _MINT:
+            raise ReceiptForgeryError(
+                f"a {type(self).__name__} is minted only by kiln.cluster.acquire.acquire_rank_population; "
+                "an observation and record from anywhere else are evidence: use AcquisitionEvidence"
+            )
+        acquisition, observation, decision = args
+        object.__setattr__(self, "acquisition", acquisition)
+        object.__setattr__(self, "observation", observation)
+        object.__setattr__(self, "decision", decision)
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __reduce__(self) -> NoReturn:
+        raise ReceiptForgeryError(
+            f"a {type(self).__name__} is not pickled or copied into being; serialise it with to_json_dict"
+        )
+
+    def __copy__(self) -> "_Acquired":
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Acquired":
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return (self.acquisition, self.observation, self.decision) == (
+            other.acquisition, other.observation, other.decision  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.acquisition, self.observation, self.decision))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(decision={self.decision.decision!r}, world_size={self.observation.world_size})"
 
     def to_json_dict(self) -> dict[str, Any]:
         """The decision's own JSON (``decision``, ``findings``) followed by the record and observation."""
-        return {
-            **self.decision.to_json_dict(),
-            "acquisition": self.acquisition.model_dump(mode="json"),
-            "observation": self.observation.model_dump(mode="json"),
-        }
+        return _outcome_json(self.acquisition, self.observation, self.decision)
 
     @classmethod
-    def from_json_dict(cls, value: dict[str, Any]) -> Self:
-        """Rebuild from :meth:`to_json_dict` output; the decision is re-derived and must agree."""
-        known = {"decision", "findings", "acquisition", "observation"}
-        if set(value) != known:
-            raise ValueError(f"expected exactly the fields {sorted(known)}, got {sorted(value)}")
-        return cls.model_validate(
-            {
-                "acquisition": value["acquisition"],
-                "observation": DeclaredObservation.model_validate_json(json.dumps(value["observation"])),
-                "decision": {"decision": value["decision"], "findings": value["findings"]},
-            }
+    def from_json_dict(cls, value: Any) -> NoReturn:
+        raise ReceiptForgeryError(
+            f"a {cls.__name__} is never deserialised: a document is evidence, not a credential. "
+            "Use AcquisitionEvidence.from_json_dict to re-check it, or acquire the population again"
         )
 
 
-class AcquisitionOutcome(_OutcomeFields):
+def _outcome_json(record: AcquisitionRecord, obs: DeclaredObservation, decision: RankPopulationDecision) -> dict[str, Any]:
+    return {
+        **decision.to_json_dict(),
+        "acquisition": record.model_dump(mode="json"),
+        "observation": obs.model_dump(mode="json"),
+    }
+
+
+class AcquisitionOutcome(_Acquired):
     """An acquired observation, its record and the law's decision, coherent or not."""
+
+    __slots__ = ()
 
     def receipt(self) -> "RankPopulationReceipt":
         if not self.decision.coherent:
             raise NotCoherentError(
                 f"no receipt: the law refused this population ({', '.join(self.decision.kinds)})"
             )
-        return RankPopulationReceipt(
-            acquisition=self.acquisition, observation=self.observation, decision=self.decision
-        )
+        return RankPopulationReceipt(self.acquisition, self.observation, self.decision, _mint=_MINT)
 
 
-class RankPopulationReceipt(_OutcomeFields):
+class RankPopulationReceipt(_Acquired):
     """A coherent decision joined to the record of the acquisition it decided."""
 
-    @model_validator(mode="after")
-    def _only_coherent(self) -> "RankPopulationReceipt":
-        if not self.decision.coherent:
-            raise ValueError("a receipt needs a coherent decision")
-        return self
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class AcquisitionEvidence:
+    """An outcome document read back: re-checked, never a receipt.
+
+    Construction checks that the record is consistent in itself, that record and
+    observation agree (world size, group sizes, each TP rank's place in its
+    recorded group, rank 0 on the collector host), and that the decision is the
+    one the law makes of the observation. Passing those checks says the document
+    holds together, not that any world ever produced it: anyone can write a
+    consistent one. Trust needs an acquisition of one's own.
+    """
+
+    acquisition: AcquisitionRecord
+    observation: DeclaredObservation
+    decision: RankPopulationDecision
+
+    def __post_init__(self) -> None:
+        problems = _record_observation_problems(self.acquisition, self.observation)
+        if problems:
+            raise EvidenceError(f"the record and the observation disagree: {'; '.join(problems)}")
+        if decide_rank_population(self.observation) != self.decision:
+            raise EvidenceError("the decision is not the law's decision for this observation")
+
+    @property
+    def coherent(self) -> bool:
+        return self.decision.coherent
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return _outcome_json(self.acquisition, self.observation, self.decision)
+
+    @classmethod
+    def from_json_dict(cls, value: Any) -> "AcquisitionEvidence":
+        """Re-check an outcome document; typed errors name what does not hold."""
+        known = {"decision", "findings", "acquisition", "observation"}
+        if not isinstance(value, dict) or set(value) != known:
+            got = sorted(value) if isinstance(value, dict) else type(value).__name__
+            raise EvidenceError(f"an outcome document has exactly the fields {sorted(known)}, got {got}")
+        record = AcquisitionRecord.from_json_value(value["acquisition"])
+        try:
+            observation = parse_observation_json(json.dumps(value["observation"]).encode())
+        except (ObservationInputError, TypeError, ValueError) as exc:
+            raise EvidenceError(f"the observation: {exc}") from None
+        try:
+            decision = RankPopulationDecision.model_validate(
+                {"decision": value["decision"], "findings": value["findings"]}
+            )
+        except ValidationError as exc:
+            raise EvidenceError(f"the decision: {_problems_of(exc)}") from None
+        return cls(acquisition=record, observation=observation, decision=decision)
 
 
 # ----------------------------------------------------------------- acquisition
@@ -259,18 +601,22 @@ def _free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
-def acquire_rank_population(plan: WorldPlan) -> AcquisitionOutcome | None:
+def acquire_rank_population(plan: WorldPlan, layout: Optional[Layout] = None) -> AcquisitionOutcome | None:
     """Start this host's share of the world and, on node 0, decide what it reports.
 
-    Returns the outcome on node 0 and ``None`` on every other node (their
-    reports travel to rank 0 through the gather). Raises
-    :class:`AcquisitionError` when the world does not form or a worker fails.
+    ``layout`` creates the process groups in every rank (default: pure tensor
+    parallelism over the whole world, ``GridLayout(plan.world_size)``). Returns
+    the outcome on node 0 and ``None`` on every other node (their reports travel
+    to rank 0 through the gather). Raises :class:`AcquisitionError` when the
+    world does not form, a worker fails, or the groups the ranks report are not
+    a decomposition the observation can express.
     """
+    layout = layout if layout is not None else GridLayout(plan.world_size)
+    incarnation = plan.incarnation or secrets.token_hex(_INCARNATION_TOKEN_BYTES)
     port = plan.master_port or _free_port(plan.master_addr)
     started_at = _utc_now()
     with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
-        report_path = Path(tmp) / "gathered.json"
-        failure = _run_workers(plan, port, Path(tmp))
+        failure = _run_workers(plan, port, incarnation, layout, Path(tmp))
         if failure is not None:
             raise AcquisitionError(
                 f"the gloo world at {plan.master_addr}:{port} did not complete "
@@ -280,38 +626,82 @@ def acquire_rank_population(plan: WorldPlan) -> AcquisitionOutcome | None:
             )
         if plan.node_rank != 0:
             return None
-        gathered = _read_report(report_path)
+        gathered = _read_report(Path(tmp) / "gathered.json")
     finished_at = _utc_now()
 
     try:
-        observation = _project(gathered, plan)
-        record = AcquisitionRecord(
-            method=ACQUISITION_METHOD,
-            backend="gloo",
-            torch_version=gathered["torch_version"],
-            started_at=started_at,
-            finished_at=finished_at,
-            master_addr=plan.master_addr,
-            master_port=port,
-            world_size=plan.world_size,
-            nnodes=plan.nnodes,
-            nproc_per_host=plan.nproc_per_host,
-            collector_host=socket.gethostname(),
-            collector_pid=os.getpid(),
-            rank0_pid=gathered["rank0_pid"],
-            tensor_parallel_group_ranks=tuple(gathered["tensor_parallel_group_ranks"]),
-        )
-    except (KeyError, TypeError, ValidationError) as exc:
+        record, observation = _project(gathered, plan, port, incarnation, started_at, finished_at)
+    except AcquisitionRecordError as exc:
+        raise AcquisitionError(f"the process groups the ranks reported are not a decomposition: {exc}") from None
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise AcquisitionError(
             f"rank 0's gathered reports do not project into an observation: {exc}. "
             "Every host must run the same kiln version"
         ) from None
-    return AcquisitionOutcome(
-        acquisition=record, observation=observation, decision=decide_rank_population(observation)
+    problems = _record_observation_problems(record, observation)
+    if problems:
+        raise AcquisitionError(f"the ranks' reports contradict each other: {'; '.join(problems)}")
+    decision = decide_rank_population(observation)
+    return AcquisitionOutcome(record, observation, decision, _mint=_MINT)
+
+
+def _project(
+    gathered: dict[str, Any], plan: WorldPlan, port: int, incarnation: str, started_at: str, finished_at: str
+) -> tuple[AcquisitionRecord, DeclaredObservation]:
+    """Project rank 0's gathered reports into the record and the law's declared observation."""
+    reports: list[Any] = gathered["reports"]
+    present = [r for r in reports if r is not None]
+    seen_sizes = sorted({r["world_size"] for r in present})
+    if seen_sizes != [plan.world_size]:
+        raise ValueError(f"the ranks see world sizes {seen_sizes}, the plan has {plan.world_size}")
+
+    def groups(key: str) -> tuple[tuple[int, ...], ...]:
+        return tuple(sorted({tuple(r[key]) for r in present}))
+
+    given_dp = {r["data_parallel_ranks"] is not None for r in present}
+    if len(given_dp) > 1:
+        raise ValueError("some ranks were given a data-parallel group and others none")
+    record = AcquisitionRecord(
+        method=ACQUISITION_METHOD,
+        backend="gloo",
+        torch_version=gathered["torch_version"],
+        started_at=started_at,
+        finished_at=finished_at,
+        master_addr=plan.master_addr,
+        master_port=port,
+        world_size=plan.world_size,
+        nnodes=plan.nnodes,
+        nproc_per_host=plan.nproc_per_host,
+        collector_host=socket.gethostname(),
+        collector_pid=os.getpid(),
+        rank0_pid=reports[0]["pid"],
+        tensor_parallel_groups=groups("tensor_parallel_ranks"),
+        pipeline_parallel_groups=groups("pipeline_parallel_ranks"),
+        data_parallel_groups=groups("data_parallel_ranks") if given_dp == {True} else None,
     )
+    observation = DeclaredObservation(
+        incarnation=incarnation,
+        returned_completely=len(present) == len(reports) == plan.world_size,
+        world_size=plan.world_size,
+        tensor_parallel_size=record.group_size("tensor"),
+        pipeline_parallel_size=record.group_size("pipeline"),
+        data_parallel_size=record.group_size("data"),
+        selected_hosts=plan.selected_hosts or (socket.gethostname(),),
+        participants=tuple(
+            Participant(
+                global_rank=r["global_rank"],
+                tensor_parallel_rank=r["tensor_parallel_rank"],
+                host=r["host"],
+                host_local_worker_process_key=str(r["pid"]),
+                incarnation=r["incarnation"],
+            )
+            for r in present
+        ),
+    )
+    return record, observation
 
 
-def _run_workers(plan: WorldPlan, port: int, workdir: Path) -> str | None:
+def _run_workers(plan: WorldPlan, port: int, incarnation: str, layout: Layout, workdir: Path) -> str | None:
     """Spawn this host's ranks and wait for them; ``None`` on success, else why not.
 
     A fresh interpreter per rank (the ``spawn`` start method, as
@@ -323,7 +713,10 @@ def _run_workers(plan: WorldPlan, port: int, workdir: Path) -> str | None:
     procs = [
         # daemon: if this supervisor exits, its ranks do not outlive it.
         ctx.Process(
-            target=_worker, args=(local_rank, plan, port, str(workdir)), name=f"kiln-rank-{local_rank}", daemon=True
+            target=_worker,
+            args=(local_rank, plan, port, incarnation, layout, str(workdir)),
+            name=f"kiln-rank-{local_rank}",
+            daemon=True,
         )
         for local_rank in range(plan.nproc_per_host)
     ]
@@ -377,37 +770,10 @@ def _read_report(path: Path) -> dict[str, Any]:
     return value
 
 
-def _project(gathered: dict[str, Any], plan: WorldPlan) -> DeclaredObservation:
-    """Project rank 0's gathered reports into the law's declared observation."""
-    reports = gathered["reports"]
-    participants = tuple(
-        Participant(
-            global_rank=r["global_rank"],
-            tensor_parallel_rank=r["tensor_parallel_rank"],
-            host=r["host"],
-            host_local_worker_process_key=str(r["pid"]),
-            incarnation=r["incarnation"],
-        )
-        for r in reports
-        if r is not None
-    )
-    selected = plan.selected_hosts or (socket.gethostname(),)
-    return DeclaredObservation(
-        incarnation=gathered["incarnation"],
-        returned_completely=all(r is not None for r in reports) and len(reports) == gathered["world_size"],
-        world_size=gathered["world_size"],
-        tensor_parallel_size=gathered["tensor_parallel_size"],
-        pipeline_parallel_size=1,
-        data_parallel_size=1,
-        selected_hosts=tuple(selected),
-        participants=participants,
-    )
-
-
-def _worker(local_rank: int, plan: WorldPlan, port: int, workdir: str) -> None:
+def _worker(local_rank: int, plan: WorldPlan, port: int, incarnation: str, layout: Layout, workdir: str) -> None:
     """Entry point of one spawned rank: run it, leave a one-line reason on failure."""
     try:
-        _rank_main(local_rank, plan, port, Path(workdir) / "gathered.json")
+        _rank_main(local_rank, plan, port, incarnation, layout, Path(workdir) / "gathered.json")
     except BaseException as exc:  # noqa: BLE001  (reported to the supervisor, then exit 1)
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
         reason = f"{type(exc).__name__}: {lines[-1] if lines else ''}".rstrip(": .")
@@ -415,47 +781,57 @@ def _worker(local_rank: int, plan: WorldPlan, port: int, workdir: str) -> None:
         sys.exit(1)
 
 
-def _rank_main(local_rank: int, plan: WorldPlan, port: int, report_path: Path) -> None:
-    """One rank of the world: join, report, and (rank 0) write the gathered reports."""
+def _rank_main(local_rank: int, plan: WorldPlan, port: int, incarnation: str, layout: Layout,
+               report_path: Path) -> None:
+    """One rank of the world: join, let the layout make its groups, report, and (rank 0) write the reports."""
     import torch
     import torch.distributed as dist
 
     rank = plan.node_rank * plan.nproc_per_host + local_rank
-    world_size = plan.world_size
     dist.init_process_group(
         backend="gloo",
         init_method=f"tcp://{plan.master_addr}:{port}",
         rank=rank,
-        world_size=world_size,
+        world_size=plan.world_size,
         timeout=timedelta(seconds=plan.timeout_s),
     )
     try:
-        # Pure tensor parallelism: one TP group holding every rank, PP = DP = 1.
-        tp_ranks = list(range(world_size))
-        tp_group = dist.new_group(ranks=tp_ranks, backend="gloo")
-        box: list[Any] = [secrets.token_hex(_INCARNATION_TOKEN_BYTES) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=tp_group)
+        groups = layout(rank, plan.world_size)
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"the layout returned {type(groups).__name__}, not ParallelGroups")
+        tp_rank, tp_ranks = _membership(groups.tensor_parallel, "tensor-parallel")
+        pp_rank, pp_ranks = _membership(groups.pipeline_parallel, "pipeline-parallel")
+        dp_rank, dp_ranks = (None, None) if groups.data_parallel is None else _membership(
+            groups.data_parallel, "data-parallel"
+        )
         report = {
             "global_rank": dist.get_rank(),
-            "tensor_parallel_rank": dist.get_rank(group=tp_group),
+            "world_size": dist.get_world_size(),
+            "tensor_parallel_rank": tp_rank,
+            "tensor_parallel_ranks": tp_ranks,
+            "pipeline_parallel_rank": pp_rank,
+            "pipeline_parallel_ranks": pp_ranks,
+            "data_parallel_rank": dp_rank,
+            "data_parallel_ranks": dp_ranks,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "incarnation": box[0],
+            "incarnation": groups.incarnation if groups.incarnation is not None else incarnation,
         }
-        gathered: list[Any] | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(report, gathered, dst=0, group=tp_group)
+        gathered: list[Any] | None = [None] * plan.world_size if rank == 0 else None
+        dist.gather_object(report, gathered, dst=0)
         if rank == 0:
-            atomic_write_json(
-                report_path,
-                {
-                    "incarnation": box[0],
-                    "world_size": dist.get_world_size(),
-                    "tensor_parallel_size": dist.get_world_size(group=tp_group),
-                    "tensor_parallel_group_ranks": tp_ranks,
-                    "rank0_pid": os.getpid(),
-                    "torch_version": str(torch.__version__),
-                    "reports": gathered,
-                },
-            )
+            atomic_write_json(report_path, {"torch_version": str(torch.__version__), "reports": gathered})
     finally:
         dist.destroy_process_group()
+
+
+def _membership(group: Any, what: str) -> tuple[int, list[int]]:
+    """This rank's rank in ``group`` and the group's members (global ranks, ascending)."""
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise AcquisitionConfigError(
+            f"rank {dist.get_rank()} was handed no {what} group it belongs to (got {group!r}); "
+            "the layout must return the group holding this rank"
+        )
+    return dist.get_rank(group=group), sorted(dist.get_process_group_ranks(group))

@@ -74,14 +74,31 @@ def observe(
     selected_host: Optional[List[str]] = typer.Option(
         None, "--selected-host", help="A host the deployment meant to use (repeat per host; default: this host)."
     ),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", show_default=False,
+        help="Ranks per TP group (consecutive ranks) [default: world size / PP size].",
+    ),
+    pipeline_parallel_size: int = typer.Option(
+        1, "--pipeline-parallel-size", help="Ranks per PP group (strided by the TP size)."
+    ),
+    incarnation: Optional[str] = typer.Option(
+        None, "--incarnation", show_default=False,
+        help="The run this host's ranks belong to; the same on every host [default: random, single host only].",
+    ),
     timeout_s: Optional[float] = typer.Option(
         None, "--timeout-s", show_default=False, help="Seconds each rendezvous step waits for peers [default: 60]."
     ),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the JSON result here (atomically)."),
 ) -> None:
-    """Start a gloo world, gather every rank's report and decide the population."""
+    """Start a gloo world, create its TP/PP groups, gather what every rank observes and decide it."""
     from kiln.canonical import atomic_write_json
-    from kiln.cluster.acquire import AcquisitionConfigError, AcquisitionError, WorldPlan, acquire_rank_population
+    from kiln.cluster.acquire import (
+        AcquisitionConfigError,
+        AcquisitionError,
+        GridLayout,
+        WorldPlan,
+        acquire_rank_population,
+    )
 
     given: dict[str, Any] = {"master_addr": master_addr, "timeout_s": timeout_s}
     try:
@@ -91,12 +108,18 @@ def observe(
             node_rank=node_rank,
             master_port=master_port,
             selected_hosts=tuple(selected_host or ()),
+            incarnation=incarnation,
             **{name: value for name, value in given.items() if value is not None},
         )
+        tp = tensor_parallel_size
+        if tp is None:  # the rest of the world, once PP has taken its share
+            tp = max(plan.world_size // max(pipeline_parallel_size, 1), 1)
+        layout = GridLayout(tp, pipeline_parallel_size)
+        layout.groups_for(plan.world_size)  # refuses a world the groups cannot cut, before any rank starts
     except AcquisitionConfigError as exc:
         raise _fail(EXIT_INVALID_INPUT, str(exc)) from None
     try:
-        outcome = acquire_rank_population(plan)
+        outcome = acquire_rank_population(plan, layout)
     except AcquisitionError as exc:
         raise _fail(EXIT_ACQUISITION_FAILED, str(exc)) from None
     if outcome is None:

@@ -358,7 +358,12 @@ def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDe
 
     # In a pure TP world the TP rank *is* the global rank; this one equality also
     # covers TP ranks out of range or repeated, given the global-rank checks.
-    for p in _by_location(parts):
+    # It is the law of a pure TP world only: where PP or DP exceeds 1 the world is
+    # already refused as not a TP decomposition, the premise of the equality does
+    # not hold (TP ranks repeat across stages by design), and a mismatch would
+    # restate that one finding once per rank.
+    pure_tensor_parallel = pp == 1 and dp == 1
+    for p in _by_location(parts) if pure_tensor_parallel else ():
         if p.tensor_parallel_rank != p.global_rank:
             findings.append(
                 TensorParallelRankDoesNotMatchGlobalRank(
