@@ -21,6 +21,8 @@ from typing import Any, Iterator, Optional
 
 import typer
 
+from kiln.adapters.manifest import ADAPTER_REVISION_HEADER
+
 QUESTION = "How many legs does an ant have?"
 CORRECTION = "An ant has six legs."
 ADAPTER = "demo-correction"
@@ -56,7 +58,7 @@ def _ask(client: Any, model: str, question: str) -> tuple[str, str | None]:
     r = client.post("/v1/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 32})
     r.raise_for_status()
-    return r.json()["choices"][0]["message"]["content"], r.headers.get("x-kiln-adapter-revision")
+    return r.json()["choices"][0]["message"]["content"], r.headers.get(ADAPTER_REVISION_HEADER)
 
 
 @dataclass

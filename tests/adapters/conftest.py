@@ -79,6 +79,17 @@ def store(tmp_path: Path) -> AdapterStore:
     return AdapterStore(tmp_path / "adapters")
 
 
+def lora_with_config(src: Path, root: Path, **changes) -> Path:
+    """A copy of the LoRA at ``src`` (in a new folder under ``root``) with ``adapter_config.json`` fields changed."""
+    out = root / f"cfg{len(list(root.iterdir()))}"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
+
+
 def stage_copy(store: AdapterStore, src: Path):
     staging = store.new_staging()
     for f in src.iterdir():

@@ -16,6 +16,8 @@ from kiln.adapters.archive import pack
 from kiln.adapters.manifest import MANIFEST_FILE
 from kiln.adapters.store import AdapterStore
 
+from tests.adapters.conftest import lora_with_config
+
 UPLOAD_LIMIT = 64 * 1024
 
 
@@ -205,3 +207,75 @@ def test_cli_against_the_server(client, server, make_lora, tmp_path):
     assert out.returncode == 0 and up["revision"] in out.stdout
     out = _kiln("load", "clitest", "--url", url)
     assert out.returncode == 1 and "404" in out.stderr
+
+
+def test_uploaded_patterns_are_bounded_and_invalid_ones_are_400(client, server, make_lora, tmp_path):
+    src = make_lora(seed=60)
+    started = time.monotonic()
+    body = _error(client.post("/v1/adapters/rx/upload", content=_archive(
+        lora_with_config(src, tmp_path, target_modules="([a-z_.0-9]+)+X"), tmp_path)), 400, "invalid_adapter")
+    assert "not covered" in body["message"] and time.monotonic() - started < 5
+    body = _error(client.post("/v1/adapters/rx/upload", content=_archive(
+        lora_with_config(src, tmp_path, target_modules="("), tmp_path)), 400, "invalid_adapter")
+    assert "not a valid pattern" in body["message"] and body["param"] == "target_modules"
+    ok = client.post("/v1/adapters/rx/upload", content=_archive(
+        lora_with_config(src, tmp_path, target_modules=r".*\.(q_proj|v_proj)",
+                   base_model_name_or_path="/home/someone/.kiln/models/x"), tmp_path))
+    assert ok.status_code == 201, ok.text
+    with tarfile.open(fileobj=io.BytesIO(client.get("/v1/adapters/rx/download").content), mode="r:gz") as tar:
+        cfg = tar.extractfile("rx/adapter_config.json").read().decode()
+    assert "/home/someone" not in cfg and '"target_modules": [' in cfg
+
+
+def test_amplifying_upload_is_refused_without_writing(client, server, tmp_path):
+    raw = io.BytesIO()
+    info = tarfile.TarInfo("README.md")
+    info.size = 1 << 30  # declared 1 GiB of zeros; refused from the header
+    raw.write(info.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * (1 << 20))
+    import gzip
+
+    body = _error(client.post("/v1/adapters/amp/upload", content=gzip.compress(raw.getvalue())), 413,
+                  "adapter_too_large")
+    assert "README.md" in body["message"]
+    assert list((AdapterStore(server[1].settings.adapters_path).root / ".staging").iterdir()) == []
+
+
+def test_concurrent_uploads_are_limited(client, server, make_lora, tmp_path):
+    from kiln.serving.routes_adapters import MAX_CONCURRENT_UPLOADS
+
+    url, state = server
+    release = threading.Event()
+
+    def slow_body():
+        yield b"\x1f\x8b"
+        release.wait(30)
+
+    def hold(name: str) -> None:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            c.post(f"/v1/adapters/{name}/upload", content=slow_body())
+
+    holders = [threading.Thread(target=hold, args=(f"slow{i}",)) for i in range(MAX_CONCURRENT_UPLOADS)]
+    try:
+        holders[0].start()
+        deadline = time.monotonic() + 10
+        while "slow0" not in (state.extras.get("adapter_upload_gate") and state.extras["adapter_upload_gate"].active()
+                              or set()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        body = _error(client.post("/v1/adapters/slow0/upload", content=b"x"), 409, "adapter_conflict")
+        assert "already in progress" in body["message"]
+        for t in holders[1:]:
+            t.start()
+        while len(state.extras["adapter_upload_gate"].active()) < MAX_CONCURRENT_UPLOADS:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        resp = client.post("/v1/adapters/other/upload", content=b"x")
+        _error(resp, 429, "adapter_uploads_busy")
+        assert int(resp.headers["retry-after"]) >= 1
+    finally:
+        release.set()
+        for t in holders:
+            t.join(30)
+    assert state.extras["adapter_upload_gate"].active() == set()
+    up = client.post("/v1/adapters/slow0/upload", content=_archive(make_lora(seed=61), tmp_path))
+    assert up.status_code == 201, up.text

@@ -137,3 +137,33 @@ def test_merge_refuses_adapters_of_another_base(make_lora, publish_copy, store, 
 
     with pytest.raises(AdapterConflict, match="belongs to base"):
         publish_merge(store, name="x", sources=[("a", 1.0)], method="linear", base_model=OtherBase())
+
+
+@pytest.mark.parametrize(("r", "rank", "clamped_to"), [(40, None, 80), (70, None, 128), (40, 200, 128)])
+def test_ties_rank_is_clamped_to_the_module_size_and_said(make_lora, publish_copy, store, base_info, r, rank, clamped_to):
+    """q_proj is 128x128 and v_proj 64x128: the default rank (sum of parents) may exceed either."""
+    publish_copy(make_lora(seed=50, r=r, scale=0.3), name="ta")
+    publish_copy(make_lora(seed=51, r=r, scale=0.3), name="tb")
+    merged = publish_merge(store, name="tab", sources=[("ta", 1.0), ("tb", 1.0)], method="ties",
+                           base_model=base_info, density=1.0, rank=rank)
+    cfg = read_adapter_config(merged.path / "adapter_config.json")
+    assert cfg["r"] == merged.manifest.config["merged_rank"] == clamped_to
+    notes = " ".join(merged.manifest.config["notes"])
+    assert "v_proj" in notes and "zero-padded" in notes  # 64-wide modules: exact, padded to the rank
+    if clamped_to < (rank or 2 * r):
+        assert f"clamped to {clamped_to}" in notes and "largest adapted module" in notes
+    # v_proj factors are exact at full size: the merged delta equals the TIES delta
+    da, db, dm = _deltas(store.get("ta").path), _deltas(store.get("tb").path), _deltas(merged.path)
+    for mod in dm:
+        want = ties_delta([da[mod], db[mod]], [1.0, 1.0], 1.0)
+        if "v_proj" in mod or clamped_to == 128:
+            torch.testing.assert_close(dm[mod], want, rtol=1e-4, atol=1e-5)
+
+
+def test_cat_over_the_rank_limit_says_why(make_lora, tmp_path, monkeypatch):
+    import kiln.adapters.merge as merge
+
+    monkeypatch.setattr(merge, "MAX_LORA_RANK", 6)
+    with pytest.raises(InvalidAdapter, match="concatenation would give rank 8") as err:
+        merge_lora([(make_lora(r=4), 1.0), (make_lora(r=4), 1.0)], tmp_path, method="cat", density=0.5, rank=None)
+    assert "ties" in err.value.hint

@@ -14,7 +14,7 @@ from kiln.adapters.manifest import MANIFEST_FILE, MANIFEST_SCHEMA, Manifest
 from kiln.adapters.store import KEEP_PREVIOUS_REVISIONS, STAGING_DIR, AdapterStore
 from kiln.canonical import sha256_file
 
-from tests.adapters.conftest import stage_copy
+from tests.adapters.conftest import lora_with_config, stage_copy
 
 
 def _store_entries(store: AdapterStore) -> list[str]:
@@ -42,8 +42,12 @@ def test_publish_writes_standard_files_and_a_complete_manifest(store, make_lora,
     assert raw["inputs_sha256"] == "a" * 64
     assert raw["parent_revision"] == "b" * 64
     for entry in raw["files"]:
-        digest, size = sha256_file(src / entry["path"])
+        digest, size = sha256_file(record.path / entry["path"])
         assert (entry["sha256"], entry["size"]) == (digest, size)
+    assert (record.path / "adapter_model.safetensors").read_bytes() == (src / "adapter_model.safetensors").read_bytes()
+    stored_cfg = json.loads((record.path / "adapter_config.json").read_text())
+    source_cfg = json.loads((src / "adapter_config.json").read_text())
+    assert stored_cfg == {**source_cfg, "base_model_name_or_path": base_info.path.name}  # the path is not kept
     assert {e["path"] for e in raw["files"]} == {"adapter_config.json", "adapter_model.safetensors"}
     assert raw["created"].endswith("Z")
     assert record.size == sum(e["size"] for e in raw["files"])
@@ -147,7 +151,7 @@ def _corrupt(kind: str, d: Path) -> None:
     [
         ("nan", "non-finite"),
         ("inf", "non-finite"),
-        ("rank", "config r=8"),
+        ("rank", "config says r=8"),
         ("untargeted", "not covered by target_modules"),
         ("dora", "DoRA"),
         ("not_lora", "LoRA adapters only"),
@@ -322,3 +326,79 @@ def test_publish_accepts_the_staging_path(make_lora, store, base_info):
     with pytest.raises(InvalidAdapter, match="not a live staging"):
         store.publish(store.root / STAGING_DIR / "nope", name="x", base_model_sha256=base_info.base_model_sha256,
                       kind="sft", config={}, base_model_dir=base_info)
+
+
+# ---- uploaded patterns never meet a backtracking engine; paths never enter identity ------------------------------
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"target_modules": "([a-z_.0-9]+)+X"}, "not covered by target_modules"),  # catastrophic for Python's re
+        ({"target_modules": "(a+)+b"}, "not covered by target_modules"),
+        ({"target_modules": "("}, "not a valid pattern"),
+        ({"target_modules": "(q)\\1"}, "not a valid pattern"),  # backreference: not RE2
+        ({"target_modules": "x" * 5000}, "1-1024 characters"),
+        ({"target_modules": ["proj"]}, "not covered"),  # PEFT: exact name or suffix after '.', not a substring
+        ({"exclude_modules": "(", "target_modules": ["q_proj", "v_proj"]}, "exclude_modules"),
+        ({"exclude_modules": ".*q_proj"}, "not covered"),
+        ({"rank_pattern": {"(": 8}}, "rank_pattern"),
+    ],
+)
+def test_hostile_or_malformed_patterns_are_refused_fast(changes, message, make_lora, publish_copy, tmp_path):
+    import time
+
+    src = lora_with_config(make_lora(seed=40), tmp_path, **changes)
+    started = time.monotonic()
+    with pytest.raises(InvalidAdapter, match=message) as err:
+        publish_copy(src, name="pat")
+    assert time.monotonic() - started < 2.0
+    assert len(str(err.value)) < 400
+
+
+def test_patterns_follow_peft_and_are_stored_as_exact_names(make_lora, publish_copy, tmp_path):
+    src = make_lora(seed=41, targets=("q_proj", "v_proj"))
+    modules = sorted(
+        k[len("base_model.model."): -len(".lora_A.weight")]
+        for k in json.loads((src / "adapter_model.safetensors").read_bytes()[8:8 + struct.unpack(
+            "<Q", (src / "adapter_model.safetensors").read_bytes()[:8])[0]]) if k.endswith("lora_A.weight")
+    )
+    suffix = publish_copy(lora_with_config(src, tmp_path, target_modules=["self_attn.q_proj", "v_proj"]), name="sfx")
+    assert json.loads((suffix.path / "adapter_config.json").read_text())["target_modules"] == [
+        "self_attn.q_proj", "v_proj"]  # lists are kept as they are
+    regex = publish_copy(lora_with_config(src, tmp_path, target_modules=r".*\.(q_proj|v_proj)",
+                                      rank_pattern={"q_proj": 4}), name="rgx")
+    stored = json.loads((regex.path / "adapter_config.json").read_text())
+    assert stored["target_modules"] == modules  # PEFT at load time only sees exact names
+    assert stored["rank_pattern"] == {}
+
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    for cfg in (LoraConfig(target_modules=stored["target_modules"]),
+                LoraConfig(target_modules=r".*\.(q_proj|v_proj)")):
+        assert all(check_target_module_exists(cfg, m) for m in modules)
+        assert not check_target_module_exists(cfg, "model.layers.0.self_attn.k_proj")
+
+
+def test_same_weights_under_two_homes_get_one_revision(make_lora, base_info, tmp_path):
+    """base_model_name_or_path carries the trainer's home; the stored config and the revision must not."""
+    src = make_lora(seed=42)
+    revisions, configs = [], []
+    for home in ("home-alice", "home-bob"):
+        store = AdapterStore(tmp_path / home / "adapters")
+        lora = lora_with_config(src, tmp_path, base_model_name_or_path=str(tmp_path / home / "models" / base_info.path.name))
+        record = store.publish(
+            stage_copy(store, lora), name="same", base_model_sha256=base_info.base_model_sha256, kind="sft",
+            config={}, base_model_dir=base_info,
+        )
+        revisions.append(record.revision)
+        configs.append((record.path / "adapter_config.json").read_bytes())
+    assert revisions[0] == revisions[1]
+    assert configs[0] == configs[1] and b"home-" not in configs[0] and str(tmp_path).encode() not in configs[0]
+    assert json.loads(configs[0])["base_model_name_or_path"] == base_info.path.name
+    # Hub-style IDs are not paths and are kept
+    store = AdapterStore(tmp_path / "hub" / "adapters")
+    record = store.publish(stage_copy(store, lora_with_config(src, tmp_path, base_model_name_or_path="Qwen/Qwen3-0.6B")),
+                           name="hub", base_model_sha256=base_info.base_model_sha256, kind="sft", config={},
+                           base_model_dir=base_info)
+    assert json.loads((record.path / "adapter_config.json").read_text())["base_model_name_or_path"] == "Qwen/Qwen3-0.6B"

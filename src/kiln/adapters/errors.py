@@ -15,8 +15,9 @@ class AdapterError(KilnError):
     code = "adapter_error"
     status = 400
 
-    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None):
-        super().__init__(message, hint=hint, param=param)
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message, hint=hint, param=param, retry_after=retry_after)
 
 
 class AdapterNotFound(AdapterError):
@@ -43,6 +44,22 @@ class AdapterTooLarge(AdapterError):
     code = "adapter_too_large"
     status = 413
     default_hint = "Raise adapters.max_upload_bytes in kiln.toml if this size is intended."
+
+
+class AdapterBusy(AdapterError):
+    """Too many uploads are running server-wide; sent with ``Retry-After``."""
+
+    code = "adapter_uploads_busy"
+    status = 429
+    default_hint = "Retry after the number of seconds in the Retry-After header."
+
+
+class AdapterUnavailable(AdapterError):
+    """The server could not finish the work in time (validation deadline); sent with ``Retry-After``."""
+
+    code = "adapter_unavailable"
+    status = 503
+    default_hint = "Retry later; if it persists, the adapter is unusually large for this server."
 
 
 class UnsafeArchive(AdapterError):

@@ -33,18 +33,35 @@ KINDS = ("sft", "grpo", "opd", "merge", "upload")
 MAX_MANIFEST_BYTES = 1024 * 1024
 MAX_CONFIG_BYTES = 256 * 1024
 MAX_MANIFEST_FILES = 64
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# The one rule for adapter names (store, HTTP routes, training requests and the engine's live slots).
+MAX_ADAPTER_NAME_CHARS = 64
+NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ADAPTER_NAME_CHARS - 1}}}")
+# The one LoRA rank limit (uploads, merges, training requests); it also bounds an upload's expanded size.
+MAX_LORA_RANK = 1024
+# Response header naming the adapter revision that produced (or is) the payload.
+ADAPTER_REVISION_HEADER = "x-kiln-adapter-revision"
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def is_valid_name(name: object) -> bool:
+    """Whether ``name`` is a valid adapter name (see :func:`check_name`)."""
+    return isinstance(name, str) and len(name) <= MAX_ADAPTER_NAME_CHARS and NAME_RE.fullmatch(name) is not None
+
+
+def shorten(text: object, limit: int = 80) -> str:
+    """``repr`` of untrusted text for an error message, cut to about ``limit`` characters."""
+    shown = repr(text[: limit + 1] if isinstance(text, (str, bytes)) else text)
+    return shown if len(shown) <= limit + 2 else shown[:limit] + "...(truncated)"
 
 
 def check_name(name: object) -> str:
     """Validate an adapter name: 1-64 of ``A-Z a-z 0-9 . _ -``, not starting with a dot, ``_`` or ``-``."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+    if not is_valid_name(name):
         raise InvalidAdapter(
-            f"invalid adapter name {name!r}",
-            hint="Use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+            f"invalid adapter name {shorten(name)}",
+            hint=f"Use 1-{MAX_ADAPTER_NAME_CHARS} letters, digits, '.', '_' or '-', starting with a letter or digit.",
         )
-    return name
+    return name  # type: ignore[return-value]
 
 
 def check_revision(revision: object, what: str = "revision") -> str:

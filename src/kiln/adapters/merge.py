@@ -12,7 +12,11 @@ W_i = s_i * B_i @ A_i [out, in]; w_i is the caller's weight for parent i.
   B = [B_1 ... B_n] with scale 1, so the merged delta is exactly sum(w_i W_i).
 * ``ties``: TIES-merging on the full deltas (trim each to its top ``density``
   fraction by magnitude, elect a per-entry sign from the weighted sum, average the
-  entries that agree with it), then a truncated SVD back to rank ``rank``.
+  entries that agree with it), then a truncated SVD back to rank ``rank``
+  (default: the sum of the parents' ranks). The rank is clamped to the largest
+  adapted module's size (a delta's rank cannot exceed it); modules smaller than
+  the rank are factored exactly and zero-padded. Each clamp is reported in the
+  returned notes, which :func:`publish_merge` records in the manifest config.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 
 from kiln.adapters.errors import AdapterConflict, InvalidAdapter
 from kiln.adapters.store import AdapterRecord, AdapterStore
-from kiln.adapters.validate import CONFIG_FILE, MAX_LORA_RANK, WEIGHTS_FILE, read_adapter_config
+from kiln.adapters.manifest import MAX_LORA_RANK
+from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
 
 MERGE_METHODS = ("linear", "ties", "cat")
 MAX_MERGE_PARENTS = 8
@@ -80,8 +85,30 @@ def ties_delta(deltas: list[Any], weights: list[float], density: float) -> Any:
     return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
 
 
-def merge_lora(parents: list[tuple[Path, float]], out_dir: Path, *, method: str, density: float, rank: int | None) -> dict[str, Any]:
-    """Write the merged adapter_config.json + adapter_model.safetensors into ``out_dir``; return the config."""
+def _ties_rank(loaded: list[_Parent], modules: list[str], rank: int | None, notes: list[str]) -> int:
+    """The merged TIES rank: requested (or the parents' sum), clamped to the largest module's size."""
+    requested = rank or sum(p.config["r"] for p in loaded)
+    sizes = {m: min(loaded[0].tensors[f"{m}.lora_B.weight"].shape[0], loaded[0].tensors[f"{m}.lora_A.weight"].shape[1])
+             for m in modules}
+    largest = max(sizes.values())
+    chosen = min(requested, largest, MAX_LORA_RANK)
+    if chosen < requested:
+        what = f"requested rank {requested}" if rank else f"default rank {requested} (the sum of the parents' ranks)"
+        notes.append(f"{what} exceeds the largest adapted module's size ({largest}); clamped to {chosen}")
+    small = sorted(m for m, size in sizes.items() if size < chosen)
+    if small:
+        notes.append(f"{len(small)} module(s) are smaller than rank {chosen} (e.g. {small[0]}, size "
+                     f"{sizes[small[0]]}): factored exactly at their size and zero-padded to rank {chosen}")
+    return chosen
+
+
+def merge_lora(parents: list[tuple[Path, float]], out_dir: Path, *, method: str, density: float, rank: int | None,
+               notes: list[str] | None = None) -> dict[str, Any]:
+    """Write the merged adapter_config.json + adapter_model.safetensors into ``out_dir``; return the config.
+
+    Adjustments made on the way (a clamped TIES rank) are appended to ``notes``.
+    """
+    notes = [] if notes is None else notes
     import torch
     from safetensors.torch import save_file
 
@@ -109,7 +136,16 @@ def merge_lora(parents: list[tuple[Path, float]], out_dir: Path, *, method: str,
         for key in loaded[0].tensors:
             out[key] = sum(p.weight * p.tensors[key].float() for p in loaded) / total
     else:
-        merged_rank = 0
+        if method == "cat":
+            merged_rank = sum(p.config["r"] for p in loaded)
+            if merged_rank > MAX_LORA_RANK:
+                raise InvalidAdapter(
+                    f"concatenation would give rank {merged_rank}, above the limit of {MAX_LORA_RANK}",
+                    hint=f"cat adds the parents' ranks; merge fewer adapters, or use method 'ties' with rank <= "
+                    f"{MAX_LORA_RANK}.",
+                )
+        else:
+            merged_rank = _ties_rank(loaded, modules, rank, notes)
         for m in modules:
             a_key, b_key = f"{m}.lora_A.weight", f"{m}.lora_B.weight"
             if method == "cat":
@@ -118,12 +154,14 @@ def merge_lora(parents: list[tuple[Path, float]], out_dir: Path, *, method: str,
             else:
                 deltas = [p.scale() * p.tensors[b_key].double() @ p.tensors[a_key].double() for p in loaded]
                 merged = ties_delta(deltas, [p.weight for p in loaded], density)
-                k = min(rank or sum(p.config["r"] for p in loaded), *merged.shape)
+                k = min(merged_rank, *merged.shape)
                 u, s, vh = torch.linalg.svd(merged, full_matrices=False)
                 root = s[:k].sqrt()
-                out[b_key] = (u[:, :k] * root).float()
-                out[a_key] = (root[:, None] * vh[:k]).float()
-            merged_rank = out[a_key].shape[0]
+                b = torch.zeros(merged.shape[0], merged_rank, dtype=torch.float32)
+                a = torch.zeros(merged_rank, merged.shape[1], dtype=torch.float32)
+                b[:, :k] = u[:, :k] * root
+                a[:k] = root[:, None] * vh[:k]
+                out[b_key], out[a_key] = b, a
         cfg.update(r=merged_rank, lora_alpha=merged_rank, use_rslora=False)
     cfg.update(rank_pattern={}, alpha_pattern={})
     dtype = next(iter(loaded[0].tensors.values())).dtype
@@ -158,12 +196,15 @@ def publish_merge(
     if rank is not None and not 1 <= rank <= MAX_LORA_RANK:
         raise InvalidAdapter(f"rank must be in 1..{MAX_LORA_RANK}")
     with store.new_staging() as staging:
-        merge_lora([(r.path, w) for r, (_n, w) in zip(records, sources)], staging.path, method=method,
-                   density=density, rank=rank)
+        notes: list[str] = []
+        merged_cfg = merge_lora([(r.path, w) for r, (_n, w) in zip(records, sources)], staging.path, method=method,
+                                density=density, rank=rank, notes=notes)
         config = {
             "method": method,
             "density": density if method == "ties" else None,
             "rank": rank if method == "ties" else None,
+            "merged_rank": merged_cfg["r"],
+            "notes": notes,
             "parents": [{"name": r.name, "revision": r.revision, "weight": w} for r, (_n, w) in zip(records, sources)],
         }
         return store.publish(

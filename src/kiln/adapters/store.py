@@ -46,7 +46,14 @@ from kiln.adapters.manifest import (
     check_name,
     check_revision,
 )
-from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE, base_weight_shapes, validate_lora_dir
+from kiln.adapters.validate import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    base_weight_shapes,
+    normalize_adapter_config,
+    validate_lora_dir,
+    write_adapter_config,
+)
 from kiln.canonical import (
     CanonicalJSONError,
     atomic_publish_dir,
@@ -79,6 +86,15 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def base_model_id(info: Any) -> str:
+    """What stored configs name as ``base_model_name_or_path`` in place of a path: the base directory's name.
+
+    It is the served model ID by default, and it does not depend on where the
+    model (or ``$KILN_HOME``) lives, so identical weights get identical revisions.
+    """
+    return Path(info.path).name
 
 
 def fault_point(point: str) -> None:
@@ -291,7 +307,12 @@ class AdapterStore:
                     hint="Publish against the base model the adapter was trained on.",
                 )
             self._flatten_staging(staging.path)
-            validate_lora_dir(staging.path, base_weight_shapes(info.path))
+            summary = validate_lora_dir(staging.path, base_weight_shapes(info.path))
+            # No filesystem paths in stored configs (identity must not depend on $KILN_HOME), and no
+            # patterns PEFT would run through Python's backtracking `re` when it loads the adapter.
+            normalized = normalize_adapter_config(summary.config, summary.modules, base_model_id(info))
+            if normalized is not None:
+                write_adapter_config(staging.path / CONFIG_FILE, normalized)
             fault_point("after_validate")
 
             files = []

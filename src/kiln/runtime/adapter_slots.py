@@ -18,12 +18,12 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
 from kiln.errors import InvalidRequest, NotFound
 
 BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 PLACEHOLDER_KEY = "__kiln_placeholder__"
 KEY_REVISION_CHARS = 12
-MAX_ADAPTER_NAME_CHARS = 128
 
 
 class AdapterError(InvalidRequest):
@@ -115,8 +115,8 @@ class AdapterSlots:
 
     # -- control side ------------------------------------------------------------
     def activate(self, name: str, path: Path, revision: str, canary: Callable[[str], None]) -> None:
-        if not name or len(name) > MAX_ADAPTER_NAME_CHARS or "@" in name:
-            raise AdapterError(f"invalid adapter name {name!r}: 1-{MAX_ADAPTER_NAME_CHARS} characters, no '@'")
+        if not is_valid_name(name):
+            raise AdapterError(f"invalid adapter name {name[:80]!r}: 1-{MAX_ADAPTER_NAME_CHARS} of A-Z a-z 0-9 . _ -")
         key = adapter_key(name, revision)
         with self._ownership.exclusive():
             self._wrap_locked()

@@ -7,7 +7,9 @@ errors become Kiln's error envelope with their own status codes.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -15,27 +17,56 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from kiln.adapters.errors import AdapterConflict, AdapterTooLarge
-from kiln.adapters.manifest import check_name
+from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterTooLarge
+from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHARS, MAX_LORA_RANK, check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
-from kiln.adapters.validate import MAX_LORA_RANK
 
 router = APIRouter(tags=["adapters"])
 
-REVISION_HEADER = "x-kiln-adapter-revision"
 ARCHIVE_MEDIA_TYPE = "application/gzip"
+MAX_CONCURRENT_UPLOADS = 2  # server-wide; each holds a staging dir and a validation thread
+UPLOAD_RETRY_AFTER_S = 5
+
+
+class UploadGate:
+    """One upload at a time per adapter name (409), at most ``limit`` uploads server-wide (429)."""
+
+    def __init__(self, limit: int = MAX_CONCURRENT_UPLOADS):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+
+    def active(self) -> set[str]:
+        with self._lock:
+            return set(self._names)
+
+    @contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        with self._lock:
+            if name in self._names:
+                raise AdapterConflict(f"an upload to adapter {name!r} is already in progress",
+                                      hint="Wait for it to finish, then check GET /v1/adapters/{name}.")
+            if len(self._names) >= self.limit:
+                raise AdapterBusy(f"{self.limit} adapter uploads are already in progress",
+                                  retry_after=UPLOAD_RETRY_AFTER_S)
+            self._names.add(name)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._names.discard(name)
 
 
 class MergeSource(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(max_length=64)
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS)
     weight: float = 1.0
 
 
 class MergeRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(max_length=64, description="name of the merged adapter")
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="name of the merged adapter")
     method: Literal["linear", "ties", "cat"] = "linear"
     adapters: list[MergeSource] = Field(min_length=1, max_length=MAX_MERGE_PARENTS)
     density: float = Field(DEFAULT_TIES_DENSITY, gt=0, le=1, description="TIES: fraction of entries kept")
@@ -47,13 +78,7 @@ def _state(request: Request) -> Any:
 
 
 def _store(request: Request) -> AdapterStore:
-    state = _state(request)
-    store = state.extras.get("adapter_store")
-    if store is None:
-        store = AdapterStore(state.settings.adapters_path)
-        store.cleanup()
-        state.extras["adapter_store"] = store
-    return store
+    return _state(request).store  # the one store, built by kiln.serving.state.build_state
 
 
 def _active(request: Request) -> dict[str, str]:
@@ -137,16 +162,32 @@ def download_adapter(name: str, request: Request) -> FileResponse:
         archive,
         media_type=ARCHIVE_MEDIA_TYPE,
         filename=f"{name}-{record.revision[:12]}.tar.gz",
-        headers={REVISION_HEADER: record.revision},
+        headers={ADAPTER_REVISION_HEADER: record.revision},
         background=BackgroundTask(staging.discard),
     )
 
 
+def _upload_gate(request: Request) -> UploadGate:
+    return _state(request).extras.setdefault("adapter_upload_gate", UploadGate())
+
+
+def _max_weights(state: Any) -> int:
+    """Cap on an uploaded adapter_model.safetensors: the largest LoRA of the served base (computed once)."""
+    from kiln.adapters.archive import max_weights_bytes
+    from kiln.adapters.validate import base_weight_shapes
+
+    cap = state.extras.get("adapter_max_weights")
+    if cap is None:
+        cap = state.extras["adapter_max_weights"] = max_weights_bytes(base_weight_shapes(state.model.info.path))
+    return cap
+
+
 def _publish_upload(store: AdapterStore, name: str, scratch: Any, state: Any) -> AdapterRecord:
+    """Unpack, validate and publish (blocking: runs in the threadpool, never on the event loop)."""
     from kiln.adapters.archive import unpack
 
     with store.new_staging() as target:
-        unpack(scratch / "upload.tar.gz", target.path, scratch=scratch.path)
+        unpack(scratch / "upload.tar.gz", target.path, max_weights=_max_weights(state))
         return store.publish(
             target, name=name, base_model_sha256=state.model.base_model_sha256, kind="upload", config={},
             inputs_sha256=None, parent_revision=None, base_model_dir=state.model.info,
@@ -158,23 +199,24 @@ async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
     """Publish a tar.gz of PEFT files (body: the raw archive) as a new revision of ``name`` (kind "upload")."""
     state = _state(request)
     limit = state.settings.adapters.max_upload_bytes
-    store = _store(request)
     check_name(name)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise AdapterTooLarge(f"upload of {declared} bytes exceeds adapters.max_upload_bytes ({limit})")
-    scratch = await run_in_threadpool(store.new_staging)
-    try:
-        received = 0
-        with open(scratch / "upload.tar.gz", "wb") as out:
-            async for chunk in request.stream():
-                received += len(chunk)
-                if received > limit:
-                    raise AdapterTooLarge(f"upload exceeds adapters.max_upload_bytes ({limit} bytes)")
-                out.write(chunk)
-        record = await run_in_threadpool(_publish_upload, store, name, scratch, state)
-    finally:
-        await run_in_threadpool(scratch.discard)
+    with _upload_gate(request).hold(name):
+        store = await run_in_threadpool(_store, request)
+        scratch = await run_in_threadpool(store.new_staging)
+        try:
+            received = 0
+            with open(scratch / "upload.tar.gz", "wb") as out:
+                async for chunk in request.stream():
+                    received += len(chunk)
+                    if received > limit:
+                        raise AdapterTooLarge(f"upload exceeds adapters.max_upload_bytes ({limit} bytes)")
+                    out.write(chunk)  # page-cache write of one chunk
+            record = await run_in_threadpool(_publish_upload, store, name, scratch, state)
+        finally:
+            await run_in_threadpool(scratch.discard)
     return _describe(record, _active(request))
 
 
@@ -191,4 +233,4 @@ def merge_adapters(body: MergeRequest, request: Request) -> dict[str, Any]:
         density=body.density,
         rank=body.rank,
     )
-    return _describe(record, _active(request))
+    return {**_describe(record, _active(request)), "notes": record.manifest.config.get("notes", [])}

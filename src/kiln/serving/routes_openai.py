@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 from starlette.types import Receive
 
+from kiln.adapters.manifest import ADAPTER_REVISION_HEADER as ADAPTER_HEADER
 from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
 from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.sampling import SamplingParams, TokenChoice
@@ -42,7 +43,6 @@ from kiln.serving.protocol import (
 
 router = APIRouter()
 
-ADAPTER_HEADER = "x-kiln-adapter-revision"
 BASE_REVISION = "base"
 LARGE_PROMPT_CHARS = 20_000  # render/tokenize bigger prompts off the event loop
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
 
 MAX_MESSAGE_CHARS = 32_768
@@ -21,7 +22,6 @@ MAX_COMPLETIONS_PER_GROUP = 64
 MAX_COMPLETION_CHARS = 32_768
 MAX_EPOCHS = 1_000
 MAX_BATCH_SIZE = 256
-MAX_LORA_RANK = 256
 MAX_TARGET_MODULES = 32
 MAX_SEQ_LEN = 8_192
 MAX_PATH_CHARS = 1_024
