@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "KILN_"
 DEFAULT_PORT = 8420
@@ -38,6 +38,23 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(600.0, gt=0, le=86400)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     system_fingerprint: str | None = Field(None, min_length=1, max_length=512)  # default: kiln-<model sha256[:16]>
+    # Browser and network exposure (kiln.serving.security). Lists also read "a,b" from the environment.
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides localhost and the bound address
+    allowed_origins: tuple[str, ...] = ()  # origins allowed to make state-changing requests; CORS for these only
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")  # NAME of the env var holding the key
+    expose_paths: bool = False  # show absolute server paths in responses (off: they are replaced by $KILN_HOME/...)
+    # Slow-client bounds (seconds): request head, request body, idle keep-alive, graceful shutdown.
+    header_timeout_s: float = Field(10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(60.0, gt=0, le=86400)
+    keep_alive_timeout_s: int = Field(5, ge=1, le=3600)
+    graceful_shutdown_s: int = Field(5, ge=0, le=3600)
+
+    @field_validator("allowed_hosts", "allowed_origins", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(item.strip() for item in value.split(",") if item.strip())
+        return value
 
 
 class ModelSettings(_Section):

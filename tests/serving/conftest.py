@@ -57,7 +57,7 @@ class Server:
 
 
 def start_server(model_dir: Path, home: Path, *, extra_args: list[str], env_extra: dict[str, str],
-                 config: Path | None) -> Server:
+                 config: Path | None, log_dir: Path | None = None) -> Server:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(env_extra)
@@ -65,9 +65,10 @@ def start_server(model_dir: Path, home: Path, *, extra_args: list[str], env_extr
     args = [str(KILN), "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args]
     if config is not None:
         args += ["--config", str(config)]
-    log_path = home / f"serve-{port}.log"
+    log_dir = log_dir or home
+    log_path = log_dir / f"serve-{port}.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home)
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -102,14 +103,28 @@ def server(builtin_model_dir, tmp_path_factory):
     stop_server(srv)
 
 
+@pytest.fixture(scope="session")
+def openapi_checker(server):
+    from tests.security.openapi_check import OpenAPIChecker
+
+    return OpenAPIChecker(httpx.get(f"{server.base_url}/openapi.json", timeout=30).json())
+
+
 @pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+def http(server, openapi_checker):
+    """Every response is checked against the server's /openapi.json (status, media type, body schema)."""
+    with httpx.Client(base_url=server.base_url, timeout=60,
+                      event_hooks={"response": [openapi_checker.check_httpx]}) as client:
         yield client
 
 
 @pytest.fixture
-def oai(server):
+def oai(server, openapi_checker):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    def check(response):  # streamed responses are read by the SDK itself; tests/security covers SSE events
+        if "text/event-stream" not in response.headers.get("content-type", ""):
+            openapi_checker.check_httpx(response)
+
+    client = httpx.Client(timeout=60, event_hooks={"response": [check]})
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60, http_client=client)

@@ -32,7 +32,7 @@ def client(builtin_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     settings = load_settings(cli={"model.path": str(builtin_model_dir), "training.enabled": False,
                                   "home": str(home)}, environ={})
-    with TestClient(create_app(settings)) as c:
+    with TestClient(create_app(settings), base_url="http://localhost") as c:  # Host must be allowed
         yield c
 
 

@@ -7,12 +7,13 @@ the limit. Either way the client gets a 413 in Kiln's error envelope.
 
 from __future__ import annotations
 
-import json
 import re
 
 from starlette.exceptions import HTTPException
 
-from kiln.serving.errors import error_body
+from kiln.serving.errors import TrackingSend, send_error
+
+HINT = "send a smaller body (server.max_body_bytes bounds it)"
 
 
 class BodyTooLarge(HTTPException):
@@ -52,12 +53,12 @@ class BodyLimitMiddleware:
                 try:
                     declared = int(value)
                 except ValueError:
-                    return await self._refuse(send, 400, "bad_request", "Content-Length is not an integer")
+                    return await send_error(send, 400, "bad_request", "Content-Length is not an integer",
+                                            "send a decimal Content-Length")
                 if declared > limit:
-                    return await self._refuse(send, 413, "payload_too_large",
-                                              f"request body of {declared} bytes exceeds the {limit}-byte limit")
+                    return await send_error(send, 413, "payload_too_large",
+                                            f"request body of {declared} bytes exceeds the {limit}-byte limit", HINT)
         seen = 0
-        started = False
 
         async def limited_receive():
             nonlocal seen
@@ -68,21 +69,9 @@ class BodyLimitMiddleware:
                     raise BodyTooLarge(limit)
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracking_send = TrackingSend(send)
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
-            if not started:
-                await self._refuse(send, 413, "payload_too_large", f"request body exceeds the {limit}-byte limit")
-
-    @staticmethod
-    async def _refuse(send, status: int, code: str, message: str) -> None:
-        body = json.dumps(error_body(status, code, message, "send a smaller body (server.max_body_bytes bounds it)")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+            if not tracking_send.started:
+                await send_error(send, 413, "payload_too_large", f"request body exceeds the {limit}-byte limit", HINT)

@@ -5,6 +5,13 @@ pick the device, verify and load the model (the built-in one when no path is
 configured), size the KV cache, start the engine and training, then bind HTTP and
 print the URLs. SIGINT/SIGTERM shut down gracefully: open requests end, the
 engine stops, the process exits 0.
+
+The process runs with umask 077, so every file and directory it creates under
+``$KILN_HOME`` is private to the user. Slow clients are bounded: the request head
+by ``server.header_timeout_s`` (uvicorn has no such timeout: see
+:func:`kiln.serving.security.header_timeout_protocol`), the body by
+``server.body_timeout_s`` (security middleware), idle keep-alive connections by
+``server.keep_alive_timeout_s`` and shutdown by ``server.graceful_shutdown_s``.
 """
 
 from __future__ import annotations
@@ -14,8 +21,6 @@ import sys
 from typing import Optional
 
 import typer
-
-GRACEFUL_SHUTDOWN_S = 5
 
 
 def serve(
@@ -65,10 +70,16 @@ def serve(
         raise typer.Exit(2) from None
     settings = loaded.settings
 
+    import os
+
     import uvicorn
 
     from kiln.runtime.loader import ModelLoadError
     from kiln.serving.app import build_state, create_app
+    from kiln.serving.security import ApiKeyMissing, header_timeout_protocol
+    from kiln.serving.state import PRIVATE_UMASK
+
+    os.umask(PRIVATE_UMASK)
 
     typer.echo(f"kiln serve: loading model {settings.model.path or '(built-in)'} ...", err=True)
     try:
@@ -76,7 +87,11 @@ def serve(
     except ModelLoadError as exc:
         typer.echo(f"kiln serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    app = create_app(loaded, state=state)
+    try:
+        app = create_app(loaded, state=state)
+    except ApiKeyMissing as exc:
+        typer.echo(f"kiln serve: {exc}", err=True)
+        raise typer.Exit(2) from None
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -86,13 +101,26 @@ def serve(
             bound = self.servers[0].sockets[0].getsockname()
             _print_ready(bound[0], bound[1], state.model_id)
 
+    srv = settings.server
     server = _Server(uvicorn.Config(
-        app, host=settings.server.host, port=settings.server.port, log_level=settings.server.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=settings.server.log_level == "debug",
+        app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=srv.log_level == "debug",
+        http=header_timeout_protocol(_uvicorn_http_protocol(), srv.header_timeout_s),
+        timeout_keep_alive=srv.keep_alive_timeout_s, timeout_graceful_shutdown=srv.graceful_shutdown_s,
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
     ))
     server.run()
     if not server.started:
         raise typer.Exit(1)
+
+
+MAX_REQUEST_HEAD_BYTES = 64 * 1024  # request line + headers, h11 only (httptools: bounded in time by header_timeout_s)
+
+
+def _uvicorn_http_protocol() -> type:
+    """The protocol uvicorn's ``http="auto"`` would pick (httptools when installed, else h11)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return AutoHTTPProtocol
 
 
 def _print_ready(host: str, port: int, model_id: str) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+import json
+from typing import Any, Callable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,14 +41,39 @@ def error_response(status: int, code: str, message: str, hint: str = "", *, para
     return JSONResponse(error_body(status, code, message, hint, param), status_code=status, headers=headers)
 
 
-def kiln_error_response(exc: KilnError) -> JSONResponse:
+async def send_error(send: Callable, status: int, code: str, message: str, hint: str = "",
+                     extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Send the envelope through raw ASGI ``send`` (for middlewares that answer before the app)."""
+    body = json.dumps(error_body(status, code, message, hint)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class TrackingSend:
+    """An ASGI ``send`` that remembers whether the response has started (so an error can still be sent)."""
+
+    def __init__(self, send: Callable):
+        self._send = send
+        self.started = False
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
+
+
+def kiln_error_response(exc: KilnError, redact: Callable[[str], str] = str) -> JSONResponse:
+    """The envelope for ``exc``; ``redact`` rewrites message and hint (server paths out)."""
     headers = None
     if exc.retry_after is not None:
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
-    return error_response(exc.status, exc.code, exc.message, exc.hint, param=exc.param, headers=headers)
+    return error_response(exc.status, exc.code, redact(exc.message), redact(exc.hint), param=exc.param,
+                          headers=headers)
 
 
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 400: "bad_request"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
+               400: "bad_request"}
 
 
 def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
@@ -80,10 +106,12 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
                           param=params[0] if params else None)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
+    """Map every exception to the envelope; ``redact`` keeps server paths out of messages."""
+
     @app.exception_handler(KilnError)
     async def _kiln_error(_request: Request, exc: KilnError) -> JSONResponse:
-        return kiln_error_response(exc)
+        return kiln_error_response(exc, redact)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:

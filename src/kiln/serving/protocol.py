@@ -2,13 +2,17 @@
 
 Static bounds here are hard ceilings for any configuration; the configured limits
 (``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.openai`.
-Requests forbid unknown fields, so a typo or an unsupported option is a 422 rather
+Requests forbid unknown fields, so a typo or an unsupported option is a 400 rather
 than silently ignored.
+
+Response models describe every JSON body and SSE event the server sends; routes
+build them as dicts for speed, and ``tests/serving/test_schemas.py`` validates
+what the server actually sends against these models and ``/openapi.json``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -201,11 +205,159 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE event of a streamed chat completion (``data: <this>``; the stream ends with ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # only on the last event, with stream_options.include_usage (choices empty)
+
+
+class CompletionChunkChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionChunk(_Response):
+    """One SSE event of a streamed text completion (``data: <this>``; the stream ends with ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
 class ErrorBody(_Response):
-    code: str
     message: str
+    type: str
+    param: str | None
+    code: str
     hint: str
 
 
 class ErrorResponse(_Response):
+    """Every error: the OpenAI envelope (``hint`` is Kiln's: what to do about it)."""
+
     error: ErrorBody
+
+
+# -- operator, training and adapter responses ------------------------------------------
+
+
+class HealthResponse(_Response):
+    """``GET /health`` (routes_ops builds it; a new field must be added here too)."""
+
+    status: Literal["ok", "unavailable"]
+    model: str
+    base_model_sha256: str
+    backend: str
+    device: str
+    dtype: str
+    uptime_s: float
+    queued_rows: int
+    active_rows: int
+    max_running_rows: int
+    engine_error: str | None
+    engine_busy_s: float | None = None  # seconds the engine has been inside its current step
+    adapters: dict[str, str]
+    ownership: dict[str, float | int | bool]
+    training_attached: bool
+    memory: dict[str, int]
+
+
+class SettingValue(_Response):
+    value: Any
+    source: Literal["default", "file", "env", "cli"]
+
+
+class ConfigResponse(_Response):
+    config_file: str | None
+    settings: dict[str, SettingValue]
+
+
+class TrainingJob(_Response):
+    id: str
+    kind: Literal["sft", "grpo"]
+    adapter: str
+    state: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    cancel_requested: bool
+    error: str | None
+    result: dict[str, Any] | None
+    step: int | None
+    total_steps: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    eta_s: float | None
+    progress: dict[str, Any]
+    queue_position: int | None = None
+
+
+class TrainingStatus(_Response):
+    enabled: bool
+    worker_alive: bool
+    running: TrainingJob | None
+    queued: list[TrainingJob]
+    queue_max: int
+    recent: list[TrainingJob]
+
+
+class AdapterInfo(_Response):
+    name: str
+    revision: str
+    base_model_sha256: str
+    kind: str
+    parent_revision: str | None
+    size_bytes: int
+    created: str
+    active: bool
+    active_revision: str | None
+
+
+class AdapterDetail(AdapterInfo):
+    manifest: dict[str, Any]
+
+
+class AdapterList(_Response):
+    object: Literal["list"]
+    data: list[AdapterInfo]
+
+
+class AdapterLoaded(_Response):
+    name: str
+    revision: str
+    active: Literal[True]
+
+
+class AdapterUnloaded(_Response):
+    name: str
+    active: Literal[False]
+
+
+class AdapterDeleted(_Response):
+    name: str
+    revision: str
+    deleted: Literal[True]

@@ -1,26 +1,39 @@
 """HTTP routes for ``/v1/train/*``: submit SFT/GRPO jobs, follow and cancel them.
 
 Thin layer: the wire models live in :mod:`kiln.training.schemas`, the logic in
-:class:`kiln.training.service.TrainingService` (``request.app.state.kiln.trainer``).
+:class:`kiln.training.service.TrainingService` (``get_state(request).trainer``,
+built by :func:`kiln.serving.state.build_state`). Responses are validated
+against the :mod:`kiln.serving.protocol` models (``response_model``) and carry no
+absolute server paths (:mod:`kiln.serving.paths`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
 from kiln.errors import NotFound, Unavailable
+from kiln.serving.protocol import TrainingJob, TrainingStatus
+from kiln.serving.state import get_state
 from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
+
+if TYPE_CHECKING:
+    from kiln.training.service import TrainingService
 
 router = APIRouter(tags=["training"])
 
 
-def _trainer(request: Request) -> Any:
-    trainer = getattr(request.app.state.kiln, "trainer", None)
+def _trainer(request: Request) -> TrainingService:
+    trainer = get_state(request).trainer
     if trainer is None:
         raise Unavailable("training is not enabled on this server", code="training_disabled", hint="start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
     return trainer
+
+
+def _public(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    redact = request.app.state.redact_paths
+    return redact(body)
 
 
 def _job_id(job_id: str) -> str:
@@ -29,31 +42,31 @@ def _job_id(job_id: str) -> str:
     return job_id
 
 
-@router.post("/v1/train/sft", status_code=202)
+@router.post("/v1/train/sft", status_code=202, response_model=TrainingJob)
 def submit_sft(body: SFTRequest, request: Request) -> dict[str, Any]:
     """Queue a LoRA SFT job (loss on assistant tokens only)."""
-    return _trainer(request).submit(body)
+    return _public(request, _trainer(request).submit(body))
 
 
-@router.post("/v1/train/grpo", status_code=202)
+@router.post("/v1/train/grpo", status_code=202, response_model=TrainingJob)
 def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
     """Queue a GRPO job over pre-scored completion groups."""
-    return _trainer(request).submit(body)
+    return _public(request, _trainer(request).submit(body))
 
 
-@router.get("/v1/train/status")
+@router.get("/v1/train/status", response_model=TrainingStatus)
 def train_status(request: Request) -> dict[str, Any]:
     """The running job, the queue (FIFO) and the most recent finished jobs."""
-    return _trainer(request).status()
+    return _public(request, _trainer(request).status())
 
 
-@router.get("/v1/train/jobs/{job_id}")
+@router.get("/v1/train/jobs/{job_id}", response_model=TrainingJob)
 def train_job(job_id: str, request: Request) -> dict[str, Any]:
     """One job: state, step, loss, tokens/s, ETA, result or error."""
-    return _trainer(request).job(_job_id(job_id))
+    return _public(request, _trainer(request).job(_job_id(job_id)))
 
 
-@router.delete("/v1/train/queue/{job_id}")
+@router.delete("/v1/train/queue/{job_id}", response_model=TrainingJob)
 def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
     """Cancel a queued job, or stop a running one at its next step boundary."""
-    return _trainer(request).cancel(_job_id(job_id))
+    return _public(request, _trainer(request).cancel(_job_id(job_id)))

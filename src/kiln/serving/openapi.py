@@ -1,0 +1,150 @@
+"""The published OpenAPI document: every status each route can answer, with its body schema.
+
+FastAPI generates the document from the routes; :func:`install_openapi` then
+completes it from :data:`ROUTE_DOCS` (route -> success model and statuses), so
+``/openapi.json`` and ``/docs`` say what the server really sends:
+
+* the success body's model (routes build dicts for speed, so their own return
+  annotations say little), and ``text/event-stream`` with the event model for the
+  streaming routes (``x-kiln-event-schema``);
+* every error status the route can return, each with :class:`ErrorResponse`;
+  FastAPI's default 422 is removed (validation errors are 400 here);
+* the statuses the security middleware adds: 401 (``server.api_key_env`` set),
+  403 (Host or Origin refused), and on state-changing routes 408 (body too slow),
+  413 (body too large) and 415 (wrong Content-Type).
+
+Component schemas are generated in pydantic's *validation* mode: a response is
+valid when a client's validation of it succeeds (fields with a default, such as
+the ``usage`` of a stream event, may be absent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from kiln.serving import protocol as p
+
+REF = "#/components/schemas/{model}"
+
+STATUS_TEXT = {
+    400: "invalid request (schema, limits, JSON)", 401: "missing or wrong API key (server.api_key_env set)",
+    403: "Host or Origin not allowed", 404: "unknown model, adapter, job or route",
+    408: "request body not received within server.body_timeout_s", 409: "conflict with the current state",
+    413: "body over the configured limit", 415: "unsupported Content-Type",
+    429: "overloaded: queue full (Retry-After)", 500: "server fault in stored state", 503: "unavailable (Retry-After)",
+}
+STATE_CHANGING = frozenset({"post", "put", "patch", "delete"})
+
+
+@dataclass(frozen=True)
+class RouteDoc:
+    model: type[BaseModel] | None  # success body (JSON); None: `media` below
+    errors: tuple[int, ...]
+    status: int = 200
+    stream_event: type[BaseModel] | None = None
+    media: str | None = None  # success media type of a non-JSON body
+    request_media: str | None = None  # raw request body the route reads itself (not a pydantic model)
+
+
+_GENERATION_ERRORS = (400, 404, 429, 503)
+ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
+    ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
+                                               stream_event=p.ChatCompletionChunk),
+    ("post", "/v1/completions"): RouteDoc(p.CompletionResponse, _GENERATION_ERRORS, stream_event=p.CompletionChunk),
+    ("get", "/v1/models"): RouteDoc(p.ModelList, ()),
+    ("get", "/health"): RouteDoc(p.HealthResponse, (503,)),
+    ("get", "/metrics"): RouteDoc(None, (), media="text/plain"),
+    ("get", "/v1/config"): RouteDoc(p.ConfigResponse, ()),
+    ("post", "/v1/train/sft"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
+    ("post", "/v1/train/grpo"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
+    ("get", "/v1/train/status"): RouteDoc(p.TrainingStatus, (503,)),
+    ("get", "/v1/train/jobs/{job_id}"): RouteDoc(p.TrainingJob, (404, 503)),
+    ("delete", "/v1/train/queue/{job_id}"): RouteDoc(p.TrainingJob, (404, 409, 503)),
+    ("get", "/v1/adapters"): RouteDoc(p.AdapterList, (500,)),
+    ("get", "/v1/adapters/{name}"): RouteDoc(p.AdapterDetail, (400, 404, 500)),
+    ("post", "/v1/adapters/{name}/load"): RouteDoc(p.AdapterLoaded, (400, 404, 409, 500, 503)),
+    ("post", "/v1/adapters/{name}/unload"): RouteDoc(p.AdapterUnloaded, (400, 404)),
+    ("delete", "/v1/adapters/{name}"): RouteDoc(p.AdapterDeleted, (400, 404, 409, 500)),
+    ("get", "/v1/adapters/{name}/download"): RouteDoc(None, (400, 404, 500), media="application/gzip"),
+    ("post", "/v1/adapters/{name}/upload"): RouteDoc(p.AdapterInfo, (400, 409, 429, 500), status=201,
+                                                     request_media="application/gzip"),
+    ("post", "/v1/adapters/merge"): RouteDoc(p.AdapterInfo, (400, 404, 409, 500), status=201),
+}
+
+
+def _component_schemas() -> dict[str, Any]:
+    models = {p.ErrorResponse}
+    for doc in ROUTE_DOCS.values():
+        models |= {m for m in (doc.model, doc.stream_event) if m is not None}
+    _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
+                                 ref_template=REF)
+    return defs.get("$defs", {})
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _error_response(status: int) -> dict[str, Any]:
+    return {"description": STATUS_TEXT.get(status, "error"),
+            "content": {"application/json": {"schema": _ref(p.ErrorResponse)}}}
+
+
+def complete_operation(method: str, path: str, op: dict[str, Any]) -> None:
+    """Rewrite one operation's ``responses`` from :data:`ROUTE_DOCS` and the middleware's statuses."""
+    responses = op.setdefault("responses", {})
+    responses.pop("422", None)
+    doc = ROUTE_DOCS.get((method, path))
+    if doc is not None and doc.request_media is not None:
+        op["requestBody"] = {"required": True, "content": {
+            doc.request_media: {"schema": {"type": "string", "format": "binary"}}}}
+    statuses = {403} if path == "/health" else {401, 403}
+    has_input = bool(op.get("parameters")) or "requestBody" in op
+    if has_input:
+        statuses.add(400)
+    if method in STATE_CHANGING:
+        statuses |= {408, 413, 415}
+    if doc is not None:
+        statuses |= set(doc.errors)
+        ok = responses.pop("200", None) or responses.pop(str(doc.status), None) or {"description": "OK"}
+        if doc.model is not None:
+            ok["content"] = {"application/json": {"schema": _ref(doc.model)}}
+        elif doc.media is not None:
+            ok["content"] = {doc.media: {"schema": {"type": "string"}}}
+        if doc.stream_event is not None:
+            ok["content"]["text/event-stream"] = {
+                "schema": {"type": "string", "description": "Server-sent events: `data: <event JSON>` per event, "
+                           "ending with `data: [DONE]` (when the request has stream: true)"},
+                "x-kiln-event-schema": _ref(doc.stream_event),
+            }
+            ok["description"] = "JSON, or an SSE stream of events when stream is true"
+        responses[str(doc.status)] = ok
+    for status in sorted(statuses):
+        responses.setdefault(str(status), _error_response(status))
+    op["responses"] = dict(sorted(responses.items()))
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Replace ``app.openapi`` with the completed document (generated once, then cached)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            components.update(_component_schemas())
+            for path, item in schema.get("paths", {}).items():
+                for method, op in item.items():
+                    complete_operation(method, path, op)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+

@@ -1,0 +1,263 @@
+"""Defences against browsers, exposed ports and slow clients: one pure-ASGI middleware.
+
+:class:`SecurityMiddleware` is the outermost layer of the app (outside the body
+limit, the metrics and the generation fast path), so every route is covered. In
+order, for each HTTP request:
+
+1. **Host allowlist** (DNS rebinding): the ``Host`` header's name must be
+   ``localhost``, a loopback address, the bound address or one of
+   ``server.allowed_hosts`` (``*`` accepts any) -> else 403 ``host_not_allowed``.
+2. **CORS preflight**: ``OPTIONS`` with ``Access-Control-Request-Method`` gets a
+   204 with CORS headers for an origin in ``server.allowed_origins``, else 403.
+   CORS is off unless origins are configured.
+3. **Bearer token** (optional): when ``server.api_key_env`` names an environment
+   variable (read once at start-up), every path except ``/health`` needs
+   ``Authorization: Bearer <key>`` -> else 401 ``unauthorized``.
+4. **Origin**: a state-changing request (any method but GET/HEAD/OPTIONS) that
+   carries an ``Origin`` must come from the page's own origin or an allowed one
+   -> else 403 ``origin_not_allowed``.
+5. **Content type**: a state-changing request with a body must be
+   ``application/json``, or an archive type for adapter uploads -> else 415
+   ``unsupported_media_type``. Browsers can send ``text/plain`` and form bodies
+   cross-site without a preflight; they cannot send JSON that way.
+6. **Body read deadline**: the whole body must arrive within
+   ``server.body_timeout_s`` -> else 408 ``request_timeout`` and the connection
+   closes.
+
+uvicorn has no timeout for reading the request head, so
+:func:`header_timeout_protocol` subclasses its HTTP protocol to close a
+connection whose head is not complete ``server.header_timeout_s`` after it
+opened (or after the previous response on a kept-alive connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import re
+from dataclasses import dataclass
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.serving.errors import TrackingSend, send_error
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+OPEN_PATHS = frozenset({"/health"})
+JSON_MEDIA_TYPES = frozenset({"application/json"})
+ARCHIVE_MEDIA_TYPES = frozenset({"application/gzip", "application/x-gzip", "application/octet-stream"})
+UPLOAD_PATH = re.compile(r"/v1/adapters/[^/]+/upload")
+CORS_MAX_AGE_S = 600
+CORS_ALLOW_HEADERS = b"authorization, content-type"
+
+
+class ApiKeyMissing(RuntimeError):
+    """``server.api_key_env`` names a variable that is unset or empty."""
+
+
+class BodyReadTimeout(HTTPException):
+    def __init__(self, limit_s: float):
+        super().__init__(408, f"the request body did not arrive within {limit_s:g} s (server.body_timeout_s)")
+
+
+@dataclass(frozen=True)
+class SecurityPolicy:
+    allowed_hosts: frozenset[str]  # lower-case host names; "*" accepts any
+    allowed_origins: frozenset[str]  # "scheme://host[:port]"
+    api_key: str | None
+    body_timeout_s: float
+
+    @classmethod
+    def from_settings(cls, server, environ=None) -> "SecurityPolicy":
+        """Build from ``settings.server``; reads the API key from the named variable once."""
+        environ = os.environ if environ is None else environ
+        hosts = set(LOOPBACK_HOSTS) | {h.lower() for h in server.allowed_hosts}
+        if server.host not in WILDCARD_BINDS:
+            hosts.add(server.host.lower().strip("[]"))
+        api_key = None
+        if server.api_key_env:
+            api_key = environ.get(server.api_key_env, "")
+            if not api_key:
+                raise ApiKeyMissing(f"server.api_key_env names {server.api_key_env}, which is unset or empty; "
+                                    f"export {server.api_key_env}=<key> or unset server.api_key_env")
+        origins = frozenset(o.rstrip("/").lower() for o in server.allowed_origins)
+        return cls(frozenset(hosts), origins, api_key, server.body_timeout_s)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def host_name(host_header: str) -> str:
+    """``Host`` value without its port, lower case (``[::1]:80`` -> ``::1``)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def media_type(value: bytes | None) -> str | None:
+    if value is None:
+        return None
+    return value.split(b";", 1)[0].strip().lower().decode("latin-1")
+
+
+def _has_body(scope: Scope) -> bool:
+    length = _header(scope, b"content-length")
+    if length is not None:
+        return length.strip() not in (b"0", b"")
+    return _header(scope, b"transfer-encoding") is not None
+
+
+class SecurityMiddleware:
+    def __init__(self, app: ASGIApp, policy: SecurityPolicy):
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        policy = self.policy
+        host = _header(scope, b"host")
+        if host is not None and "*" not in policy.allowed_hosts:
+            if host_name(host.decode("latin-1")) not in policy.allowed_hosts:
+                return await send_error(send, 403, "host_not_allowed", "this server does not answer to that Host name",
+                                    "add the name to server.allowed_hosts (KILN_SERVER_ALLOWED_HOSTS)")
+        method = scope["method"]
+        origin_raw = _header(scope, b"origin")
+        origin = origin_raw.decode("latin-1").rstrip("/").lower() if origin_raw is not None else None
+        if method == "OPTIONS" and origin is not None and _header(scope, b"access-control-request-method"):
+            return await self._preflight(send, origin)
+        if policy.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+            return await send_error(send, 401, "unauthorized", "missing or wrong API key",
+                                "send Authorization: Bearer <key> (the key is in the variable server.api_key_env names)",
+                                extra_headers=[(b"www-authenticate", b"Bearer")])
+        if method not in SAFE_METHODS:
+            if origin is not None and not self._origin_allowed(origin, host):
+                return await send_error(send, 403, "origin_not_allowed",
+                                    f"cross-origin {method} requests from {origin} are refused",
+                                    "add the origin to server.allowed_origins to allow it")
+            if _has_body(scope):
+                allowed = ARCHIVE_MEDIA_TYPES if UPLOAD_PATH.fullmatch(scope["path"]) else JSON_MEDIA_TYPES
+                got = media_type(_header(scope, b"content-type"))
+                if got not in allowed and not (got is None and allowed is ARCHIVE_MEDIA_TYPES):
+                    return await send_error(send, 415, "unsupported_media_type",
+                                        f"Content-Type {got or '(none)'} is not accepted here",
+                                        f"send the body as {' or '.join(sorted(allowed))}")
+        if origin is not None and origin in policy.allowed_origins:
+            send = _with_cors(send, origin_raw)
+        await self._run(scope, receive, send)
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body_done = not _has_body(scope)
+        timed_out = False
+        deadline = asyncio.get_running_loop().time() + self.policy.body_timeout_s
+
+        async def bounded_receive() -> Message:
+            nonlocal body_done, timed_out
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                timed_out = True
+                raise BodyReadTimeout(self.policy.body_timeout_s) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def closing_send(message: Message) -> None:
+            # After a body timeout the rest of the body may still be dribbling in: close the connection.
+            if timed_out and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        tracking_send = TrackingSend(closing_send)
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except BodyReadTimeout as exc:
+            if not tracking_send.started:
+                await send_error(closing_send, 408, "request_timeout", str(exc.detail), "send the whole body promptly")
+
+    def _authorized(self, scope: Scope) -> bool:
+        value = _header(scope, b"authorization") or b""
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.policy.api_key.encode())
+
+    def _origin_allowed(self, origin: str, host: bytes | None) -> bool:
+        if origin in self.policy.allowed_origins:
+            return True
+        # Same origin: a page this server served itself (the /docs "try it out" button).
+        return host is not None and origin in (f"http://{host.decode('latin-1').lower()}",
+                                               f"https://{host.decode('latin-1').lower()}")
+
+    async def _preflight(self, send: Send, origin: str) -> None:
+        if origin not in self.policy.allowed_origins:
+            return await send_error(send, 403, "origin_not_allowed", f"cross-origin requests from {origin} are refused",
+                                "add the origin to server.allowed_origins to allow it")
+        await send({"type": "http.response.start", "status": 204, "headers": [
+            (b"access-control-allow-origin", origin.encode("latin-1")),
+            (b"access-control-allow-methods", b"GET, POST, DELETE"),
+            (b"access-control-allow-headers", CORS_ALLOW_HEADERS),
+            (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+            (b"vary", b"Origin"),
+        ]})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def _with_cors(send: Send, origin: bytes) -> Send:
+    async def cors_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()),
+                                              (b"access-control-allow-origin", origin), (b"vary", b"Origin")]}
+        await send(message)
+
+    return cors_send
+
+
+def header_timeout_protocol(base: type[asyncio.Protocol], header_timeout_s: float) -> type[asyncio.Protocol]:
+    """``base`` (a uvicorn HTTP protocol) that closes connections whose request head is slower than the limit.
+
+    The clock starts when the connection opens and again when a response completes
+    (a kept-alive connection waiting for its next request). A request whose head
+    completed in time (uvicorn then has a new ``cycle``) is not affected.
+    """
+
+    class HeaderTimeoutProtocol(base):  # type: ignore[misc,valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout, self.cycle)
+
+        def _head_timeout(self, cycle_at_arm) -> None:
+            self._head_timer = None
+            waiting = self.cycle is cycle_at_arm and (self.cycle is None or self.cycle.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_head_timer()
+
+    HeaderTimeoutProtocol.__name__ = f"HeaderTimeout{base.__name__}"
+    return HeaderTimeoutProtocol

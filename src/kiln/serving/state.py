@@ -1,0 +1,131 @@
+"""The composition root: :func:`build_state` builds every long-lived object once and wires them.
+
+``kiln serve`` (and any embedding) calls :func:`build_state` once. It loads the
+model (device and dtype resolved there), builds the :class:`~kiln.runtime.engine.Engine`
+on it, ONE :class:`~kiln.adapters.store.AdapterStore` over ``adapters_path``, and the
+:class:`~kiln.training.service.TrainingService` (when ``training.enabled``) with the
+engine, that store, the settings and the loaded model handed to it explicitly.
+Nothing starts here; the app's lifespan starts the engine, then training.
+
+Routes reach these objects through :func:`get_state`, which is typed, so an IDE
+follows a chat request (route -> ``state.engine``) and a training job (route ->
+``state.trainer`` -> its engine and store) without guessing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pathlib import Path
+
+from kiln.config import LoadedSettings, Settings
+from kiln.serving.metrics import Metrics
+
+if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
+    from fastapi import Request
+
+    from kiln.adapters.store import AdapterStore
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.loader import LoadedModel
+    from kiln.runtime.ownership import AcceleratorOwnership
+    from kiln.training.service import TrainingService
+
+
+@dataclass
+class KilnState:
+    """Everything a request handler may use, built by :func:`build_state`."""
+
+    loaded_settings: LoadedSettings
+    model: LoadedModel
+    engine: Engine
+    store: AdapterStore
+    trainer: TrainingService | None  # None when training.enabled is false
+    metrics: Metrics
+    system_fingerprint: str
+    started_at: float = field(default_factory=time.time)
+    # Per-process caches of route modules (e.g. the token-text decoder); never services.
+    extras: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> Settings:
+        return self.loaded_settings.settings
+
+    @property
+    def ownership(self) -> AcceleratorOwnership:
+        return self.engine.ownership
+
+    @property
+    def model_id(self) -> str:
+        return self.model.model_id
+
+
+def get_state(request: Request) -> KilnState:
+    """The app's :class:`KilnState` (``request.app.state.kiln``), typed."""
+    state: KilnState = request.app.state.kiln
+    return state
+
+
+def default_fingerprint(base_model_sha256: str) -> str:
+    return f"kiln-{base_model_sha256[:16]}"
+
+
+def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | None = None) -> KilnState:
+    """Load the model (unless given), build the engine, the adapter store and the training service."""
+    from kiln.adapters.store import AdapterStore
+    from kiln.runtime.engine import Engine, EngineConfig
+
+    settings = loaded_settings.settings
+    secure_state_dirs(settings)
+    model = loaded_model if loaded_model is not None else load_configured_model(settings)
+    engine_box: list[Engine] = []
+    metrics = Metrics(lambda: engine_box[0].stats())
+    engine = Engine(model, EngineConfig.from_settings(settings), observer=metrics)
+    engine_box.append(engine)
+    store = AdapterStore(settings.adapters_path)
+    trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
+    fingerprint = settings.server.system_fingerprint or default_fingerprint(model.base_model_sha256)
+    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint)
+
+
+def build_training(settings: Settings, engine: Engine, store: AdapterStore, model: LoadedModel) -> TrainingService:
+    """The training service over the serving engine's model and the one adapter store (not started)."""
+    from kiln.training.service import TrainingService
+
+    return TrainingService(engine=engine, store=store, settings=settings, model=model)
+
+
+def load_configured_model(settings: Settings) -> LoadedModel:
+    """Resolve ``model.path`` (built-in model when unset), device and dtype, and load."""
+    from kiln.runtime.builtin import ensure_builtin_model
+    from kiln.runtime.loader import load_model
+
+    if settings.model.threads:
+        import torch
+
+        torch.set_num_threads(settings.model.threads)
+    path = settings.model.path or ensure_builtin_model(settings.home_path)
+    return load_model(path, device=settings.model.device, dtype=settings.model.dtype,
+                      model_id=settings.model.served_model_id)
+
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_UMASK = 0o077  # kiln serve: files it creates are 0600, directories 0700
+
+
+def secure_state_dirs(settings: Settings) -> list[Path]:
+    """Create Kiln's state directories as 0700 and tighten existing ones this user owns.
+
+    Covers ``$KILN_HOME``, its ``training`` directory, the adapter store and the
+    training data directory. A directory owned by someone else is left alone.
+    """
+    home = settings.home_path
+    dirs = [home, home / "training", settings.adapters_path, settings.data_path]
+    for d in dirs:
+        d.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        st = d.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o777 != PRIVATE_DIR_MODE:
+            d.chmod(PRIVATE_DIR_MODE)
+    return dirs

@@ -1,0 +1,161 @@
+"""Issue item 4: a web page cannot drive the server (cross-origin, simple content types, DNS rebinding), and
+the optional bearer key.
+
+Browser-style requests are replayed with httpx: what a page's ``fetch``/form can send
+(``Origin``, ``Content-Type: text/plain``, a foreign ``Host`` after DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import httpx
+import pytest
+
+from tests.security.conftest import API_KEY, GOOD_ORIGIN
+
+EVIL = "http://evil.example"
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code", "hint"}
+    assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def _tiny_archive() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        data = b"{}"
+        info = tarfile.TarInfo("x/adapter_config.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_cross_origin_text_plain_cannot_load_or_upload(client, secure_server):
+    before = client.get("/v1/adapters").json()
+    headers = {"Origin": EVIL, "Content-Type": "text/plain"}
+    _error(client.post("/v1/adapters/victim/load", headers=headers), 403, "origin_not_allowed")
+    _error(client.post("/v1/adapters/victim/upload", content=_tiny_archive(), headers=headers), 403,
+           "origin_not_allowed")
+    _error(client.post("/v1/train/sft", content=b'{"adapter": "x"}', headers=headers), 403, "origin_not_allowed")
+    _error(client.delete("/v1/adapters/victim", headers={"Origin": EVIL}), 403, "origin_not_allowed")
+    assert client.get("/v1/adapters").json() == before
+
+
+def test_cross_origin_json_generation_is_refused(client, secure_server):
+    body = {"model": secure_server.model_id, "prompt": "hi", "max_tokens": 1}
+    _error(client.post("/v1/completions", json=body, headers={"Origin": EVIL}), 403, "origin_not_allowed")
+    _error(client.post("/v1/completions", json=body, headers={"Origin": "null"}), 403, "origin_not_allowed")
+
+
+def test_same_origin_page_is_allowed(client, secure_server):
+    body = {"model": secure_server.model_id, "prompt": "hi", "max_tokens": 1}
+    r = client.post("/v1/completions", json=body, headers={"Origin": secure_server.base_url})
+    assert r.status_code == 200, r.text
+    assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"])
+def test_simple_content_types_are_415(client, secure_server, ctype):
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % secure_server.model_id.encode()
+    _error(client.post("/v1/completions", content=body, headers={"Content-Type": ctype}), 415,
+           "unsupported_media_type")
+    _error(client.post("/v1/adapters/victim/upload", content=_tiny_archive(), headers={"Content-Type": ctype}), 415,
+           "unsupported_media_type")
+
+
+def test_json_without_content_type_is_415(client, secure_server):
+    r = client.post("/v1/train/sft", content=b'{"adapter": "x"}', headers={"Content-Type": ""})
+    _error(r, 415, "unsupported_media_type")
+
+
+def test_upload_accepts_the_archive_type(client):
+    r = client.post("/v1/adapters/victim/upload", content=_tiny_archive(),
+                    headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 400, r.text  # past the middleware: the archive itself is rejected
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8420", "rebind.attacker.test"])
+def test_foreign_host_is_refused(secure_server, host):
+    r = httpx.get(f"{secure_server.base_url}/v1/models", headers={"Host": host})
+    _error(r, 403, "host_not_allowed")
+    r = httpx.post(f"{secure_server.base_url}/v1/adapters/x/load", headers={"Host": host})
+    _error(r, 403, "host_not_allowed")
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "LOCALHOST:1234"])
+def test_local_hosts_are_accepted(secure_server, host):
+    assert httpx.get(f"{secure_server.base_url}/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_no_cors_unless_configured(secure_server):
+    pre = httpx.options(f"{secure_server.base_url}/v1/chat/completions",
+                        headers={"Origin": EVIL, "Access-Control-Request-Method": "POST",
+                                 "Access-Control-Request-Headers": "content-type"})
+    _error(pre, 403, "origin_not_allowed")
+    assert "access-control-allow-origin" not in pre.headers
+    r = httpx.get(f"{secure_server.base_url}/v1/models", headers={"Origin": EVIL})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+# -- bearer key ------------------------------------------------------------------------
+
+
+def test_api_key_required(auth_server):
+    base = auth_server.base_url
+    r = httpx.get(f"{base}/v1/models")
+    _error(r, 401, "unauthorized")
+    assert r.headers["www-authenticate"] == "Bearer"
+    _error(httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+    _error(httpx.get(f"{base}/openapi.json"), 401, "unauthorized")
+    ok = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+
+
+def test_api_key_covers_the_fast_path(auth_server):
+    body = {"model": auth_server.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    _error(httpx.post(f"{auth_server.base_url}/v1/chat/completions", json=body), 401, "unauthorized")
+
+
+def test_openai_client_with_key(auth_server):
+    from openai import AuthenticationError, OpenAI
+
+    good = OpenAI(base_url=f"{auth_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    out = good.chat.completions.create(model=auth_server.model_id, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content is not None
+    bad = OpenAI(base_url=f"{auth_server.base_url}/v1", api_key="nope", max_retries=0, timeout=60)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+
+
+def test_configured_origin_gets_cors(auth_server):
+    base = auth_server.base_url
+    pre = httpx.options(f"{base}/v1/chat/completions",
+                        headers={"Origin": GOOD_ORIGIN, "Access-Control-Request-Method": "POST",
+                                 "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 204
+    assert pre.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    body = {"model": auth_server.model_id, "prompt": "hi", "max_tokens": 1}
+    r = httpx.post(f"{base}/v1/completions", json=body,
+                   headers={"Origin": GOOD_ORIGIN, "Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    _error(httpx.post(f"{base}/v1/completions", json=body,
+                      headers={"Origin": EVIL, "Authorization": f"Bearer {API_KEY}"}), 403, "origin_not_allowed")
+
+
+def test_api_key_env_must_be_set():
+    from kiln.config import ServerSettings
+    from kiln.serving.security import ApiKeyMissing, SecurityPolicy
+
+    server = ServerSettings(api_key_env="KILN_TEST_UNSET_KEY_VAR")
+    with pytest.raises(ApiKeyMissing, match="KILN_TEST_UNSET_KEY_VAR"):
+        SecurityPolicy.from_settings(server, environ={})
+    assert SecurityPolicy.from_settings(server, environ={"KILN_TEST_UNSET_KEY_VAR": "k"}).api_key == "k"
