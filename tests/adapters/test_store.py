@@ -402,3 +402,24 @@ def test_same_weights_under_two_homes_get_one_revision(make_lora, base_info, tmp
                            name="hub", base_model_sha256=base_info.base_model_sha256, kind="sft", config={},
                            base_model_dir=base_info)
     assert json.loads((record.path / "adapter_config.json").read_text())["base_model_name_or_path"] == "Qwen/Qwen3-0.6B"
+
+
+def test_one_rule_each_for_names_ranks_and_the_revision_header():
+    import re as std_re
+
+    import kiln
+    from kiln.adapters import manifest
+    from kiln.runtime import adapter_slots
+    from kiln.serving import routes_openai
+    from kiln.training import schemas
+
+    assert adapter_slots.MAX_ADAPTER_NAME_CHARS is manifest.MAX_ADAPTER_NAME_CHARS == 64
+    assert adapter_slots.is_valid_name is manifest.is_valid_name
+    assert schemas.MAX_LORA_RANK is manifest.MAX_LORA_RANK
+    assert routes_openai.ADAPTER_HEADER is manifest.ADAPTER_REVISION_HEADER
+    assert manifest.is_valid_name("a" * 64) and not manifest.is_valid_name("a" * 65)
+    src = Path(kiln.__file__).parent
+    for pattern in (r"^\s*MAX_LORA_RANK\s*=", r"^\s*MAX_ADAPTER_NAME_CHARS\s*=", r"x-kiln-adapter-revision\""):
+        defining = [p.relative_to(src).as_posix() for p in src.rglob("*.py")
+                    if std_re.search(pattern, p.read_text(encoding="utf-8"), std_re.M)]
+        assert defining == ["adapters/manifest.py"], (pattern, defining)
