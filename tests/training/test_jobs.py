@@ -92,3 +92,46 @@ def test_cancel_queued_running_and_finished(tmp_path):
         store.cancel("job-0000000000000000")
     with pytest.raises(ValueError):
         store.finish(b.id, RUNNING)
+
+
+def test_database_and_directory_are_private(tmp_path):
+    db = tmp_path / "training" / "jobs.sqlite3"
+    store = JobStore(db, queue_max=4)
+    store.submit("sft", "one", {"examples": ["private text"]})
+    files = [p for p in db.parent.iterdir() if p.name.startswith("jobs.sqlite3")]
+    assert db in files and len(files) >= 2  # the database and its WAL
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o600 for p in files}
+    assert db.parent.stat().st_mode & 0o777 == 0o700
+    store.close()
+    db.chmod(0o644)
+    JobStore(db, queue_max=4).close()  # reopening tightens what was loosened
+    assert db.stat().st_mode & 0o777 == 0o600
+
+
+def test_restart_reconciles_a_job_published_before_the_crash(tmp_path):
+    published = {}
+    for name in ("published", "lost"):
+        store = JobStore(tmp_path / f"{name}.sqlite3", queue_max=4)
+        job = store.submit("sft", "a", {})
+        store.claim_next()
+        store.close()  # killed while the job runs
+        published[name] = job.id
+    found = {published["published"]: {"adapter": "a", "revision": "r1"}}
+    store = JobStore(tmp_path / "published.sqlite3", queue_max=4, reconcile=lambda job: found.get(job.id))
+    assert store.reconciled == [published["published"]] and store.recovered == []
+    job = store.get(published["published"])
+    assert job.state == SUCCEEDED and job.result == {"adapter": "a", "revision": "r1"} and job.error is None
+    store = JobStore(tmp_path / "lost.sqlite3", queue_max=4, reconcile=lambda job: found.get(job.id))
+    assert store.reconciled == [] and store.recovered == [published["lost"]]
+    assert store.get(published["lost"]).state == FAILED
+
+
+def test_a_job_can_be_resumed_only_once(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite3", queue_max=4)
+    first = store.submit("sft", "a", {})
+    store.claim_next()
+    store.finish(first.id, FAILED, error="boom")
+    store.submit("sft", "a", {"resume_from_job": first.id})
+    with pytest.raises(JobStateError) as info:
+        store.submit("sft", "a", {"resume_from_job": first.id})
+    assert info.value.status == 409 and info.value.code == "job_already_resumed"

@@ -35,6 +35,13 @@ def service(builtin_model_dir, tmp_path_factory):
     engine.stop()
 
 
+def _until(predicate, timeout=JOB_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
 def _wait(svc, job_id, states=("succeeded", "failed", "cancelled")):
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -68,7 +75,11 @@ def test_correction_is_trained_published_and_served(service):
     assert done["state"] == "succeeded", done["error"]
     result = done["result"]
     assert result["activated"] and engine.active_adapters() == {"fix": result["revision"]}
-    assert done["step"] == done["total_steps"] == 20 and done["loss"] < 0.2 and done["tokens_per_s"] > 0
+    # Trained until the correction is the greedy answer by the margin, then stopped.
+    report = result["report"]
+    assert report["learned"] is True and report["stopped"] == "learned", report
+    assert report["greedy_margin"] >= 1.0 and done["step"] == done["total_steps"] == report["learned_at_step"]
+    assert done["step"] % 5 == 0 and done["step"] <= 300 and done["tokens_per_s"] > 0
     assert _ask(engine, adapter="fix") == CORRECTION
     assert _ask(engine) != CORRECTION  # the base model is untouched
     # Published as a standard PEFT adapter with a manifest binding inputs and config.
@@ -156,8 +167,7 @@ def test_cancel_running_job_queue_full_and_resume(service):
     assert info.value.status == 503 and info.value.code == "training_queue_full"
     for j in svc.status()["queued"]:
         assert svc.cancel(j["id"])["state"] == "cancelled"
-    while (svc.job(long["id"])["progress"].get("checkpoint_step") or 0) < 5:
-        time.sleep(0.05)
+    _until(lambda: (svc.job(long["id"])["progress"].get("checkpoint_step") or 0) >= 5)
     assert svc.cancel(long["id"])["cancel_requested"]
     stopped = _wait(svc, long["id"])
     assert stopped["state"] == "cancelled" and stopped["step"] < 400
@@ -169,9 +179,7 @@ def test_cancel_running_job_queue_full_and_resume(service):
         svc.submit(_sft(adapter="long", epochs=399, resume_from_job=long["id"]))
     assert info.value.code == "resume_plan_mismatch"
     resumed = svc.submit(_sft(adapter="long", epochs=400, checkpoint_interval=5, resume_from_job=long["id"]))
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while "resumed_from_step" not in svc.job(resumed["id"])["progress"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: "resumed_from_step" in svc.job(resumed["id"])["progress"])
     assert svc.job(resumed["id"])["progress"]["resumed_from_step"] >= 5
     svc.cancel(resumed["id"])  # no need to run all 400 epochs
     assert _wait(svc, resumed["id"])["state"] == "cancelled"

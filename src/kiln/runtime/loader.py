@@ -38,6 +38,18 @@ class ModelDirInfo:
     def model_type(self) -> str:
         return str(self.config.get("model_type", "unknown"))
 
+    @property
+    def max_position_embeddings(self) -> int | None:
+        """The longest sequence the model supports, from ``config.json`` (None when it does not say)."""
+        cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+        value = cfg.get("max_position_embeddings")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    def effective_max_model_len(self, configured: int) -> int:
+        """``min(configured, max_position_embeddings)``: serving and training never go past the model."""
+        limit = self.max_position_embeddings
+        return configured if limit is None else min(configured, limit)
+
 
 @dataclass
 class LoadedModel:
@@ -58,6 +70,11 @@ class LoadedModel:
     @property
     def path(self) -> Path:
         return self.info.path
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The model's own sequence limit (``max_position_embeddings``), if its config gives one."""
+        return self.info.max_position_embeddings
 
 
 def _looks_like_hub_id(spec: str) -> bool:

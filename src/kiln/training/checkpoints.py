@@ -61,11 +61,11 @@ def save_checkpoint(
     final = root / f"{_PREFIX}{step:08d}"
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        save_file({k: v.detach().contiguous().clone() for k, v in adapter_state.items()}, staging / "adapter.safetensors")
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in adapter_state.items()}, staging / "adapter.safetensors")
         torch.save(optimizer_state, staging / "optimizer.pt")
         torch.save(torch.get_rng_state(), staging / "rng.pt")
         if tensors:
-            save_file({k: v.detach().contiguous() for k, v in tensors.items()}, staging / "tensors.safetensors")
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, staging / "tensors.safetensors")
         atomic_write_json(
             staging / "state.json",
             {

@@ -1,24 +1,27 @@
 """Training data: safe dataset reading, chat tokenization with loss masks, batching.
 
 SFT rows become ``(input_ids, loss_mask)`` where the mask marks assistant tokens
-(from the chat template's ``{% generation %}`` markers). GRPO completions become
+(found for any chat template, see :mod:`kiln.training.templates`). GRPO completions become
 ``prompt_ids + completion_ids + [eos]`` with a mask on the completion part.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import math
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from kiln.canonical import strict_json_loads
 from kiln.errors import InvalidRequest, NotFound
 from kiln.training.schemas import GRPOGroup, SFTExample
+from kiln.training.templates import assistant_tokens
 
 MAX_DATASET_BYTES = 256 * 1024 * 1024
 MAX_DATASET_LINE_BYTES = 4 * 1024 * 1024
@@ -42,75 +45,133 @@ class TrainingDataError(InvalidRequest, ValueError):
 # ------------------------------------------------------------------ dataset file
 
 
-def resolve_dataset_path(data_dir: Path, relative: str) -> Path:
-    """Map a caller-supplied path to a regular file strictly inside ``data_dir``.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
-    Absolute paths, ``..`` escapes and symlinks anywhere on the way are refused.
+
+def _path_parts(root: Path, relative: str) -> list[str]:
+    """The components of ``relative`` below ``root``; refuses NUL bytes, absolute paths outside and ``..``."""
+    if "\x00" in relative:
+        raise TrainingDataError("dataset_path contains a NUL byte", code="invalid_dataset_path")
+    candidate = Path(relative)
+    if candidate.is_absolute():
+        if not candidate.is_relative_to(root):
+            raise _outside(relative, root)
+        candidate = candidate.relative_to(root)
+    parts = [p for p in candidate.parts if p != "."]
+    if not parts or ".." in parts:
+        raise _outside(relative, root)
+    return parts
+
+
+def _outside(relative: str, root: Path) -> TrainingDataError:
+    return TrainingDataError(
+        f"dataset_path {relative!r} is outside the data directory",
+        code="dataset_outside_data_dir",
+        hint=f"put the JSONL file under {root} and pass its path relative to it",
+    )
+
+
+def _open_below(dir_fd: int, name: str, flags: int, relative: str, root: Path) -> int:
+    """``openat(dir_fd, name, flags)`` with every failure mapped to a 4xx training-data error."""
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise TrainingDataError(
+            f"dataset_path {relative!r} does not exist in the data directory",
+            code="dataset_not_found", hint=f"files are looked up under {root}",
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise TrainingDataError(f"dataset_path {relative!r} has a component that is too long",
+                                    code="invalid_dataset_path") from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            try:
+                link = stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+            except OSError:
+                link = False
+            if link:
+                raise TrainingDataError(
+                    f"dataset_path {relative!r} goes through a symlink ({name}); symlinks are refused",
+                    code="dataset_symlink", hint="copy the file into the data directory instead of linking it",
+                ) from None
+            raise TrainingDataError(f"dataset_path {relative!r}: {name} is not a directory",
+                                    code="dataset_not_file") from None
+        raise TrainingDataError(f"dataset_path {relative!r} cannot be opened: {exc.strerror}",
+                                code="dataset_unreadable") from None
+
+
+def open_dataset(data_dir: Path, relative: str) -> int:
+    """Open a regular file strictly inside ``data_dir`` and return its descriptor.
+
+    Each component is opened relative to the previous one's descriptor with
+    ``O_NOFOLLOW`` (directories also with ``O_DIRECTORY``), so swapping any
+    directory on the way for a symlink cannot redirect the open; the file is
+    opened ``O_NONBLOCK`` (a FIFO cannot block the thread) and refused unless
+    ``fstat`` says it is a regular file. Read the data from this descriptor.
     """
     root = Path(data_dir).resolve()
-    candidate: Path | None = Path(relative)
-    if candidate.is_absolute():
-        candidate = candidate.relative_to(root) if candidate.is_relative_to(root) else None
-    resolved = (root / candidate).resolve() if candidate is not None else None
-    if resolved is None or os.path.commonpath([root, resolved]) != str(root) or resolved == root:
-        raise TrainingDataError(
-            f"dataset_path {relative!r} is outside the data directory",
-            code="dataset_outside_data_dir",
-            hint=f"put the JSONL file under {root} and pass its path relative to it",
-        )
-    full = root / candidate
-    walk = root
-    for part in candidate.parts:
-        walk = walk / part
-        try:
-            st = os.lstat(walk)
-        except FileNotFoundError:
-            raise TrainingDataError(
-                f"dataset_path {relative!r} does not exist in the data directory",
-                code="dataset_not_found",
-                hint=f"files are looked up under {root}",
-            ) from None
-        if stat.S_ISLNK(st.st_mode):
-            raise TrainingDataError(
-                f"dataset_path {relative!r} goes through a symlink ({walk.name}); symlinks are refused",
-                code="dataset_symlink",
-                hint="copy the file into the data directory instead of linking it",
-            )
-    if not stat.S_ISREG(os.lstat(full).st_mode):
-        raise TrainingDataError(f"dataset_path {relative!r} is not a regular file", code="dataset_not_file")
-    return full
+    parts = _path_parts(root, relative)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise TrainingDataError(f"the data directory {root} does not exist", code="dataset_not_found",
+                                hint=f"create {root} and put the JSONL file in it") from None
+    try:
+        for part in parts[:-1]:
+            nxt = _open_below(fd, part, _DIR_FLAGS, relative, root)
+            os.close(fd)
+            fd = nxt
+        file_fd = _open_below(fd, parts[-1], _FILE_FLAGS, relative, root)
+    finally:
+        os.close(fd)
+    try:
+        if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+            raise TrainingDataError(f"dataset_path {relative!r} is not a regular file", code="dataset_not_file")
+        os.set_blocking(file_fd, True)
+    except BaseException:
+        os.close(file_fd)
+        raise
+    return file_fd
 
 
-def read_sft_dataset(path: Path, *, max_examples: int) -> list[SFTExample]:
-    """Parse a JSONL file of ``{"messages": [...]}`` rows (bounded in bytes and rows)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))  # no symlink swapped in since the check
+def load_sft_dataset(data_dir: Path, relative: str, *, max_examples: int) -> tuple[list[SFTExample], str]:
+    """Read ``relative`` (inside ``data_dir``, see :func:`open_dataset`); returns the examples and the
+    SHA-256 of exactly the bytes they were parsed from."""
+    fd = open_dataset(data_dir, relative)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         if size > MAX_DATASET_BYTES:
             raise TrainingDataError(
-                f"{path.name} is {size} bytes; the limit is {MAX_DATASET_BYTES}", code="dataset_too_large",
+                f"{relative} is {size} bytes; the limit is {MAX_DATASET_BYTES}", code="dataset_too_large",
                 hint="split the dataset into several jobs",
             )
-        examples: list[SFTExample] = []
-        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_DATASET_LINE_BYTES + 1), b""), start=1):
-            if len(raw) > MAX_DATASET_LINE_BYTES:
-                raise TrainingDataError(f"{path.name} line {lineno} is longer than {MAX_DATASET_LINE_BYTES} bytes")
-            if not raw.strip():
-                continue
-            if len(examples) >= max_examples:
-                raise TrainingDataError(
-                    f"{path.name} has more than {max_examples} examples (training.max_examples)",
-                    code="dataset_too_large",
-                )
-            try:
-                examples.append(SFTExample.model_validate(strict_json_loads(raw)))
-            except ValueError as exc:
-                raise TrainingDataError(
-                    f"{path.name} line {lineno}: {exc}",
-                    hint='each line must be {"messages": [{"role": ..., "content": ...}, ...]}',
-                ) from None
+        data = f.read(MAX_DATASET_BYTES + 1)
+    if len(data) > MAX_DATASET_BYTES:
+        raise TrainingDataError(f"{relative} grew past {MAX_DATASET_BYTES} bytes", code="dataset_too_large")
+    return parse_sft_jsonl(data, name=relative, max_examples=max_examples), hashlib.sha256(data).hexdigest()
+
+
+def parse_sft_jsonl(data: bytes, *, name: str, max_examples: int) -> list[SFTExample]:
+    """Parse JSONL ``{"messages": [...]}`` rows (bounded in line length and rows)."""
+    examples: list[SFTExample] = []
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if len(raw) > MAX_DATASET_LINE_BYTES:
+            raise TrainingDataError(f"{name} line {lineno} is longer than {MAX_DATASET_LINE_BYTES} bytes")
+        if not raw.strip():
+            continue
+        if len(examples) >= max_examples:
+            raise TrainingDataError(f"{name} has more than {max_examples} examples (training.max_examples)",
+                                    code="dataset_too_large")
+        try:
+            examples.append(SFTExample.model_validate(strict_json_loads(raw)))
+        except ValueError as exc:
+            raise TrainingDataError(
+                f"{name} line {lineno}: {exc}",
+                hint='each line must be {"messages": [{"role": ..., "content": ...}, ...]}',
+            ) from None
     if not examples:
-        raise TrainingDataError(f"{path.name} holds no examples")
+        raise TrainingDataError(f"{name} holds no examples")
     return examples
 
 
@@ -125,27 +186,20 @@ class Row:
     loss_mask: list[int]
 
 
-def tokenize_sft(tokenizer: Any, examples: Sequence[SFTExample], *, max_seq_len: int) -> list[Row]:
+def tokenize_sft(tokenizer: Any, examples: Sequence[SFTExample], *, max_seq_len: int,
+                 end_ids: Iterable[int] = ()) -> list[Row]:
+    """Tokenize chats; the mask covers the assistant's tokens (see :mod:`kiln.training.templates`)."""
     rows: list[Row] = []
     for i, ex in enumerate(examples):
-        enc = tokenizer.apply_chat_template(
-            [m.model_dump() for m in ex.messages],
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        ids = list(enc["input_ids"])
-        mask = [int(x) for x in enc["assistant_masks"]]
+        ids, mask = assistant_tokens(tokenizer, [m.model_dump() for m in ex.messages], end_ids=end_ids)
         if len(ids) > max_seq_len:
             raise TrainingDataError(
                 f"example {i} is {len(ids)} tokens; max_seq_len is {max_seq_len}",
                 code="example_too_long", hint="shorten the example or raise max_seq_len",
             )
         if sum(mask[1:]) == 0:
-            raise TrainingDataError(
-                f"example {i} has no assistant tokens to learn from",
-                hint="the chat template must mark assistant turns with {% generation %}",
-            )
+            raise TrainingDataError(f"example {i} has no assistant tokens to learn from",
+                                    hint="give each example a non-empty assistant message")
         rows.append(Row(ids, mask))
     return rows
 
@@ -171,8 +225,8 @@ def tokenize_grpo_group(tokenizer: Any, group: GRPOGroup, *, max_seq_len: int) -
 # -------------------------------------------------------------------- batching
 
 
-def collate(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows into ``input_ids``, ``attention_mask``, ``loss_mask`` (all ``[B, T]``)."""
+def collate(rows: Sequence[Row], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-pad rows into ``input_ids``, ``attention_mask``, ``loss_mask`` (all ``[B, T]``, on ``device``)."""
     width = max(len(r.input_ids) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -182,7 +236,7 @@ def collate(rows: Sequence[Row], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(r.input_ids)
         attn[i, :n] = 1
         loss[i, :n] = torch.tensor(r.loss_mask)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": loss.to(device)}
 
 
 def epoch_order(n_items: int, *, seed: int, epoch: int) -> list[int]:

@@ -3,13 +3,17 @@
 States: ``queued -> running -> succeeded | failed | cancelled`` and
 ``queued -> cancelled``. The table is the source of truth; the worker claims
 the oldest queued job in one transaction. Opening a store after a crash or
-restart fails every job left ``running`` with the reason, so queued jobs
-behind it still run. Standard library only.
+restart settles every job left ``running``: ``succeeded`` when its output was
+published before the crash (the caller's ``reconcile`` finds it), else
+``failed`` with the reason, so queued jobs behind it still run. The database
+holds inline training examples: its directory is 0700 and its files 0600.
+Standard library only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -17,7 +21,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kiln.canonical import canonical_json
 from kiln.errors import Conflict, NotFound, Unavailable
@@ -103,6 +107,23 @@ class Job:
         return out
 
 
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _private_file(path: Path, *, create: bool) -> None:
+    """Make ``path`` owner-only (0600), creating it empty first when ``create``."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def new_job_id() -> str:
     return "job-" + secrets.token_hex(8)
 
@@ -110,10 +131,19 @@ def new_job_id() -> str:
 class JobStore:
     """Thread-safe access to ``jobs.sqlite3``; one connection guarded by a lock."""
 
-    def __init__(self, path: Path, *, queue_max: int):
+    def __init__(self, path: Path, *, queue_max: int,
+                 reconcile: Callable[[Job], dict[str, Any] | None] | None = None):
+        """Open (or create, private: directory 0700, files 0600) the queue.
+
+        Jobs left ``running`` by a previous process are settled: ``reconcile(job)``
+        returns the result of a job whose output was published before the
+        process died (it becomes ``succeeded``); every other one is ``failed``.
+        """
         self.path = Path(path)
         self.queue_max = queue_max
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.path.parent)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            _private_file(Path(str(self.path) + suffix), create=not suffix)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
             str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
@@ -122,7 +152,8 @@ class JobStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
-        self.recovered = self._fail_interrupted()
+        self.reconciled: list[str] = []
+        self.recovered = self._settle_interrupted(reconcile)
 
     def close(self) -> None:
         with self._lock:
@@ -139,28 +170,45 @@ class JobStore:
                 raise
             self._db.execute("COMMIT")
 
-    def _fail_interrupted(self) -> list[str]:
+    def _settle_interrupted(self, reconcile: Callable[[Job], dict[str, Any] | None] | None) -> list[str]:
         now = time.time()
-        with self._tx() as db:
-            ids = [r["id"] for r in db.execute("SELECT id FROM jobs WHERE state = ?", (RUNNING,))]
-            for job_id in ids:
-                row = db.execute("SELECT progress FROM jobs WHERE id = ?", (job_id,)).fetchone()
-                progress = json.loads(row["progress"])
+        with self._lock:
+            interrupted = [_job(r) for r in self._db.execute("SELECT * FROM jobs WHERE state = ?", (RUNNING,))]
+        failed = []
+        for job in interrupted:
+            result = reconcile(job) if reconcile is not None else None
+            with self._tx() as db:
+                if result is not None:
+                    db.execute("UPDATE jobs SET state = ?, result = ?, finished_at = ? WHERE id = ? AND state = ?",
+                               (SUCCEEDED, canonical_json(result), now, job.id, RUNNING))
+                    self.reconciled.append(job.id)
+                    continue
+                progress = job.progress
                 reason = RESTART_REASON + f" (at step {progress.get('step', 0)} of {progress.get('total_steps', '?')})"
                 if progress.get("checkpoint_step"):
                     reason += (
                         f"; its checkpoint at step {progress['checkpoint_step']} can be continued by "
-                        f"submitting the same request with resume_from_job={job_id!r}"
+                        f"submitting the same request with resume_from_job={job.id!r}"
                     )
-                db.execute(
-                    "UPDATE jobs SET state = ?, error = ?, finished_at = ? WHERE id = ?", (FAILED, reason, now, job_id)
-                )
-        return ids
+                db.execute("UPDATE jobs SET state = ?, error = ?, finished_at = ? WHERE id = ? AND state = ?",
+                           (FAILED, reason, now, job.id, RUNNING))
+                failed.append(job.id)
+        return failed
 
     # ----------------------------------------------------------------- writes
     def submit(self, kind: str, adapter: str, request: dict[str, Any]) -> Job:
+        """Queue a job. A ``resume_from_job`` that another live or succeeded job already resumes is a 409."""
         job_id = new_job_id()
+        resumes = request.get("resume_from_job")
         with self._tx() as db:
+            if resumes:
+                other = db.execute(
+                    "SELECT id, state FROM jobs WHERE json_extract(request, '$.resume_from_job') = ? "
+                    "AND state IN (?, ?, ?) LIMIT 1", (resumes, QUEUED, RUNNING, SUCCEEDED)).fetchone()
+                if other is not None:
+                    raise JobStateError(
+                        f"job {resumes} is already being resumed by {other['id']} ({other['state']})",
+                        code="job_already_resumed", hint=f"follow {other['id']}, or resume it instead once it fails")
             (queued,) = db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()
             if queued >= self.queue_max:
                 raise QueueFullError(f"the training queue is full ({queued} of {self.queue_max} jobs queued)")

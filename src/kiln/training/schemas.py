@@ -29,6 +29,13 @@ MAX_ABS_REWARD = 1e6
 
 # Defaults tuned so a one-example correction on the built-in model is learned
 # (greedy answer reproduced) in well under a second of training on 2 CPU cores.
+# When `epochs` is omitted an SFT job trains until its targets are the greedy
+# answer (checked every DEFAULT_LEARNED_EVERY steps, by a logit margin), at
+# most DEFAULT_LEARNED_MAX_STEPS steps.
+DEFAULT_LEARNED_EVERY = 5
+DEFAULT_LEARNED_MARGIN = 1.0
+DEFAULT_LEARNED_MAX_STEPS = 300
+MAX_STEPS = 1_000_000
 DEFAULT_LEARNING_RATE = 1e-2
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -86,6 +93,7 @@ class _TrainCommon(_Wire):
     batch_size: int = Field(8, ge=1, le=MAX_BATCH_SIZE)
     max_seq_len: int = Field(DEFAULT_SEQ_LEN, ge=8, le=MAX_SEQ_LEN)
     checkpoint_interval: int = Field(0, ge=0, le=1_000_000, description="steps between checkpoints; 0: none")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="cap on optimizer steps")
     auto_load: bool = False
     resume_from_job: str | None = Field(None, description="continue an interrupted job from its last checkpoint")
 
@@ -119,6 +127,11 @@ class _TrainCommon(_Wire):
 class SFTRequest(_TrainCommon):
     examples: list[SFTExample] | None = Field(None, min_length=1, max_length=MAX_INLINE_EXAMPLES)
     dataset_path: str | None = Field(None, max_length=MAX_PATH_CHARS, description="JSONL file inside the data dir")
+    until_learned: bool | None = Field(
+        None, description="stop once every assistant turn is the greedy answer; default: on when epochs is omitted")
+    learned_check_every: int = Field(DEFAULT_LEARNED_EVERY, ge=1, le=10_000)
+    learned_margin: float = Field(DEFAULT_LEARNED_MARGIN, ge=0, le=100, allow_inf_nan=False,
+                                  description="logit margin by which each target token must be the greedy choice")
 
     @model_validator(mode="after")
     def _one_source(self) -> "SFTRequest":

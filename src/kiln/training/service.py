@@ -11,33 +11,53 @@ optionally activate (the engine runs a canary first) -> delete the private adapt
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-from kiln.canonical import canonical_json_bytes, domain_digest, sha256_file
+from kiln.canonical import canonical_json_bytes, domain_digest
 from kiln.errors import Conflict, InvalidRequest, NotFound
 from kiln.training import jobs as jobstates
 from kiln.training.data import (
     TrainingDataError,
+    batches_per_epoch,
     default_epochs,
-    read_sft_dataset,
-    resolve_dataset_path,
+    load_sft_dataset,
     tokenize_grpo_group,
     tokenize_sft,
 )
 from kiln.training.jobs import Job, JobStore
+from kiln.training.recipe import (
+    RUN_ONLY_FIELDS,
+    GRPOData,
+    JobPlan,
+    LoraShape,
+    RecipeContext,
+    TrainingRecipe,
+    lora_shape_of,
+    published_result,
+)
 from kiln.training.schemas import (
+    DEFAULT_LEARNED_MAX_STEPS,
     DEFAULT_LORA_RANK,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_STEPS,
     DEFAULT_TARGET_MODULES,
+    MAX_EPOCHS,
     GRPORequest,
     SFTRequest,
 )
+from kiln.training.templates import end_of_turn_ids
+from kiln.training.trainer import GRPOSettings, Hooks, LearnedCheck, Plan, grpo_items
+
+if TYPE_CHECKING:
+    from kiln.adapters.store import AdapterRecord, AdapterStore
+    from kiln.config import Settings
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.loader import LoadedModel
 
 log = logging.getLogger("kiln.training")
 
@@ -58,37 +78,36 @@ class _ShutDown(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A fully validated job: what to train on and the effective configuration."""
-
-    kind: str
-    request: dict[str, Any]  # effective request (defaults resolved) as stored in the queue
-    inputs_sha256: str
-    plan_sha256: str
-    rows: Any  # SFT: list[Row]; GRPO: (items, skipped)
-    parent: Any  # AdapterRecord of base_adapter, or None
+Prepared = JobPlan  # the name this module used before the recipe split
 
 
 class TrainingService:
-    def __init__(self, *, engine: Any, settings: Any, loaded: Any, adapter_store: Any | None = None):
-        self.engine = engine
-        self.settings = settings
-        self.loaded = loaded
-        self.root = settings.home_path / "training"
-        self.jobs = JobStore(self.root / "jobs.sqlite3", queue_max=settings.training.queue_max)
-        if adapter_store is None:
-            from kiln.adapters.store import AdapterStore
+    """The training queue and its worker thread, on the engine's own model.
 
-            adapter_store = AdapterStore(settings.adapters_path)
-        self.store = adapter_store
-        self._linear_names = _linear_module_suffixes(loaded.model)
+    Built once by the application's composition root; ``start()`` starts the
+    worker, ``close()`` stops it. It never touches the application state.
+    """
+
+    def __init__(self, *, engine: Engine, store: AdapterStore, settings: Settings, model: LoadedModel):
+        self.engine = engine
+        self.store = store
+        self.settings = settings
+        self.loaded = model
+        self.root = settings.home_path / "training"
+        self.jobs = JobStore(self.root / "jobs.sqlite3", queue_max=settings.training.queue_max,
+                             reconcile=self._published_result)
+        self._linear_names = _linear_module_suffixes(model.model)
+        self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
+        self._plans: dict[str, JobPlan] = {}  # plans of jobs submitted to this process, by job ID
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._cancel_running = threading.Event()
         self._running: str | None = None
         self._last_step_s = 0.0
         self._thread = threading.Thread(target=self._worker, name="kiln-trainer", daemon=True)
+        if self.jobs.reconciled:
+            log.warning("job(s) published before the previous shutdown marked succeeded: %s",
+                        ", ".join(self.jobs.reconciled))
         if self.jobs.recovered:
             log.warning("failed %d job(s) interrupted by the previous shutdown: %s", len(self.jobs.recovered),
                         ", ".join(self.jobs.recovered))
@@ -105,43 +124,48 @@ class TrainingService:
             self._thread.join(WORKER_JOIN_S)
         self.jobs.close()
 
+    @property
+    def max_seq_len_limit(self) -> int | None:
+        """The longest sequence the model supports (``max_position_embeddings``), if it says."""
+        return getattr(self.loaded, "max_model_len", None)
+
     # ----------------------------------------------------------- submission
     def submit(self, request: SFTRequest | GRPORequest) -> dict[str, Any]:
-        prepared = self.prepare(request)
-        job = self.jobs.submit(prepared.kind, request.adapter, prepared.request)  # QueueFullError: 503
+        plan = self.prepare(request)
+        job = self.jobs.submit(plan.kind, request.adapter, plan.request)  # QueueFullError: 503
+        self._plans[job.id] = plan
         self._wake.set()
         return job.public(queue_position=self.jobs.queue_position(job))
 
-    def prepare(self, request: SFTRequest | GRPORequest) -> Prepared:
-        """Validate everything that can be checked before the job runs."""
-        kind = "sft" if isinstance(request, SFTRequest) else "grpo"
+    def prepare(self, request: SFTRequest | GRPORequest) -> JobPlan:
+        """Validate everything that can be checked before the job runs; return the job's typed plan."""
         tok = self.loaded.tokenizer
-        served = {self.loaded.model_id}
-        if request.adapter in served:
+        if request.adapter == self.loaded.model_id:
             raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name", hint="choose another adapter name")
-        parent = None
-        if request.base_adapter is not None:
-            parent = self._lookup_adapter(request.base_adapter)
-        rank, alpha, targets = self._lora_shape(request, parent)
+        parent = None if request.base_adapter is None else self._lookup_adapter(request.base_adapter)
+        lora = self._lora_shape(request, parent)
+        max_len = request.max_seq_len
+        if self.max_seq_len_limit is not None:
+            max_len = min(max_len, self.max_seq_len_limit)
 
         eff = request.model_dump(mode="json")
+        rows: tuple[Any, ...] | GRPOData
         if isinstance(request, SFTRequest):
+            kind = "sft"
             examples = request.examples
             if request.dataset_path is not None:
-                path = resolve_dataset_path(self.settings.data_path, request.dataset_path)
-                examples = read_sft_dataset(path, max_examples=self.settings.training.max_examples)
-                eff["dataset_sha256"] = sha256_file(path)[0]
+                examples, eff["dataset_sha256"] = load_sft_dataset(
+                    self.settings.data_path, request.dataset_path, max_examples=self.settings.training.max_examples)
             assert examples is not None
             if len(examples) > self.settings.training.max_examples:
                 raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples",
                                         code="too_many_examples")
-            rows: Any = tokenize_sft(tok, examples, max_seq_len=request.max_seq_len)
+            rows = tuple(tokenize_sft(tok, examples, max_seq_len=max_len, end_ids=self._end_ids))
             inputs = [e.model_dump(mode="json") for e in examples]
             n_items = len(rows)
         else:
-            from kiln.training.trainer import grpo_items
-
-            grouped = [tokenize_grpo_group(tok, g, max_seq_len=request.max_seq_len) for g in request.groups]
+            kind = "grpo"
+            grouped = [tokenize_grpo_group(tok, g, max_seq_len=max_len) for g in request.groups]
             rewards = [[c.reward for c in g.completions] for g in request.groups]
             items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
             if not items:
@@ -149,27 +173,45 @@ class TrainingService:
                     f"all {skipped} groups have identical rewards within each group; GRPO has nothing to learn",
                     code="zero_variance_groups", hint="give each group completions with different rewards",
                 )
-            rows = (items, skipped)
+            rows = GRPOData(tuple(items), skipped, GRPOSettings(request.clip_epsilon, request.scale_rewards,
+                                                                request.kl_coef, request.kl_estimator))
             inputs = [g.model_dump(mode="json") for g in request.groups]
             n_items = len(items)
 
-        eff.update(
-            epochs=request.epochs or default_epochs(n_items, request.batch_size, min_steps=DEFAULT_MIN_STEPS,
-                                                    max_epochs=DEFAULT_MAX_EPOCHS),
-            lora_rank=rank, lora_alpha=alpha, lora_target_modules=targets,
-            base_adapter_revision=None if parent is None else parent.revision,
-        )
+        until_learned = kind == "sft" and (request.until_learned if getattr(request, "until_learned", None)
+                                           is not None else request.epochs is None)
+        max_steps = request.max_steps
+        if until_learned and max_steps is None:
+            max_steps = DEFAULT_LEARNED_MAX_STEPS
+        if request.epochs is not None:
+            epochs = request.epochs
+        elif until_learned:
+            epochs = min(MAX_EPOCHS, math.ceil(max_steps / batches_per_epoch(n_items, request.batch_size)))
+        else:
+            epochs = default_epochs(n_items, request.batch_size, min_steps=DEFAULT_MIN_STEPS,
+                                    max_epochs=DEFAULT_MAX_EPOCHS)
+        eff.update(epochs=epochs, max_steps=max_steps, max_seq_len=max_len, lora_rank=lora.rank,
+                   lora_alpha=lora.alpha, lora_target_modules=list(lora.target_modules),
+                   base_adapter_revision=None if parent is None else parent.revision)
+        if kind == "sft":
+            eff["until_learned"] = until_learned
         inputs_sha = domain_digest(INPUTS_DOMAIN, kind.encode(), canonical_json_bytes(inputs))
-        plan_fields = {k: v for k, v in eff.items() if k not in ("resume_from_job", "auto_load", "checkpoint_interval")}
+        plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
         plan_sha = domain_digest(PLAN_DOMAIN, canonical_json_bytes(
             {"kind": kind, "config": plan_fields, "inputs_sha256": inputs_sha,
              "base_model_sha256": self.loaded.base_model_sha256}))
         eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
         if request.resume_from_job is not None:
             self._check_resumable(request.resume_from_job, plan_sha)
-        return Prepared(kind, eff, inputs_sha, plan_sha, rows, parent)
+        check = None
+        if until_learned:
+            check = LearnedCheck(every=request.learned_check_every, margin=request.learned_margin)  # type: ignore[union-attr]
+        loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
+                    max_steps=max_steps, until_learned=check)
+        return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, rows, parent,
+                       request.auto_load, request.resume_from_job)
 
-    def _lookup_adapter(self, name: str) -> Any:
+    def _lookup_adapter(self, name: str) -> AdapterRecord:
         from kiln.adapters.errors import AdapterNotFound
 
         try:
@@ -181,16 +223,14 @@ class TrainingService:
             raise Conflict(f"adapter {name!r} was trained on another base model ({base})", code="adapter_base_mismatch", hint="continue from an adapter of the served model")
         return record
 
-    def _lora_shape(self, request: Any, parent: Any) -> tuple[int, float, list[str]]:
+    def _lora_shape(self, request: SFTRequest | GRPORequest, parent: AdapterRecord | None) -> LoraShape:
         if parent is not None:
-            import json
-
-            cfg = json.loads((Path(parent.path) / "adapter_config.json").read_text("utf-8"))
-            shape = (int(cfg["r"]), float(cfg["lora_alpha"]), sorted(cfg["target_modules"]))
+            shape = lora_shape_of(parent.path)
             asked = (request.lora_rank, request.lora_alpha, request.lora_target_modules)
-            for given, have, label in zip(asked, shape, ("lora_rank", "lora_alpha", "lora_target_modules")):
-                if given is not None and given != have:
-                    raise InvalidRequest(f"{label}={given!r} differs from base_adapter {parent.name!r} ({have!r})", code="lora_config_conflict", hint="omit the LoRA fields when continuing from a base adapter")
+            have = (shape.rank, shape.alpha, list(shape.target_modules))
+            for given, had, label in zip(asked, have, ("lora_rank", "lora_alpha", "lora_target_modules")):
+                if given is not None and given != had:
+                    raise InvalidRequest(f"{label}={given!r} differs from base_adapter {parent.name!r} ({had!r})", code="lora_config_conflict", hint="omit the LoRA fields when continuing from a base adapter")
             return shape
         rank = request.lora_rank or DEFAULT_LORA_RANK
         alpha = float(request.lora_alpha if request.lora_alpha is not None else 2 * rank)
@@ -198,7 +238,7 @@ class TrainingService:
         missing = [t for t in targets if t not in self._linear_names]
         if missing:
             raise InvalidRequest(f"the model has no linear modules named {missing}", code="unknown_target_modules", hint=f"choose among {sorted(self._linear_names)}")
-        return rank, alpha, targets
+        return LoraShape(rank, alpha, tuple(targets))
 
     def _check_resumable(self, job_id: str, plan_sha: str) -> None:
         old = self.jobs.get(job_id)
@@ -213,6 +253,16 @@ class TrainingService:
 
     def _checkpoint_root(self, job_id: str) -> Path:
         return self.root / "jobs" / job_id / "checkpoints"
+
+    def _published_result(self, job: Job) -> dict[str, Any] | None:
+        """For a job left running by a dead process: its result if its adapter was published."""
+        from kiln.adapters.errors import AdapterNotFound
+
+        try:
+            record = self.store.get(job.adapter)
+        except (AdapterNotFound, ValueError):
+            return None
+        return published_result(record) if record.manifest.config.get("job_id") == job.id else None
 
     # -------------------------------------------------------------- queries
     def cancel(self, job_id: str) -> dict[str, Any]:
@@ -291,97 +341,33 @@ class TrainingService:
             raise _ShutDown("resume it with resume_from_job if it wrote a checkpoint")
         return self._cancel_running.is_set()
 
-    def _execute(self, job: Job) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        from kiln.training.checkpoints import latest_checkpoint
-        from kiln.training.trainer import (
-            GRPOSettings,
-            Hooks,
-            Plan,
-            add_private_adapter,
-            lora_config,
-            run_grpo,
-            run_sft,
-            save_adapter_files,
-        )
-
-        t_start = time.perf_counter()
-        req = job.request
+    def _plan_for(self, job: Job) -> JobPlan:
+        """The plan made at submission; after a restart it is rebuilt from the stored request and must
+        hash to the same plan (data files and base adapters may have changed since)."""
+        plan = self._plans.pop(job.id, None)
+        if plan is not None:
+            return plan
         schema = SFTRequest if job.kind == "sft" else GRPORequest
-        wire = {k: v for k, v in req.items() if k in schema.model_fields}
-        prepared = self.prepare(schema.model_validate(wire | {"resume_from_job": None}))
-        if prepared.plan_sha256 != req["plan_sha256"]:
+        wire = {k: v for k, v in job.request.items() if k in schema.model_fields}
+        plan = self.prepare(schema.model_validate(wire | {"resume_from_job": None}))
+        if plan.plan_sha256 != job.request["plan_sha256"]:
             raise TrainingDataError(
                 "the training inputs or the base adapter changed after the job was submitted; resubmit it")
-        eff = prepared.request
-        plan = Plan(eff["learning_rate"], eff["epochs"], eff["batch_size"], eff["seed"], req["checkpoint_interval"])
-        resume = None
-        if req.get("resume_from_job"):
-            resume = latest_checkpoint(self._checkpoint_root(req["resume_from_job"]), plan_sha256=prepared.plan_sha256)
-        init_state = None
-        if prepared.parent is not None:
-            init_state = load_file(str(Path(prepared.parent.path) / "adapter_model.safetensors"))
+        return plan
 
-        ownership = self.engine.ownership
-        peft_model = self.engine.peft_model()
-        private = f"kiln-{job.id}"
-        config = lora_config(eff["lora_rank"], eff["lora_alpha"], eff["lora_target_modules"])
+    def _execute(self, job: Job) -> dict[str, Any]:
+        plan = self._plan_for(job)
+        resumed = job.request.get("resume_from_job")
         hooks = Hooks(
             exclusive=self._step_ownership,
             should_cancel=self._should_cancel,
             on_progress=lambda p: self.jobs.update_progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),
-            plan_sha256=prepared.plan_sha256,
+            plan_sha256=plan.plan_sha256,
         )
-        pad_id = self.loaded.tokenizer.pad_token_id
-        with ownership.exclusive():
-            add_private_adapter(peft_model, private, config, seed=plan.seed, init_state=init_state)
-        staging = None
-        try:
-            t_train = time.perf_counter()
-            if job.kind == "sft":
-                report = run_sft(peft_model, private, prepared.rows, plan, pad_id=pad_id, hooks=hooks, resume=resume)
-            else:
-                items, skipped = prepared.rows
-                settings = GRPOSettings(eff["clip_epsilon"], eff["scale_rewards"], eff["kl_coef"], eff["kl_estimator"])
-                report = run_grpo(peft_model, private, items, plan, settings, pad_id=pad_id, skipped_groups=skipped,
-                                  hooks=hooks, resume=resume)
-            t_publish = time.perf_counter()
-            staging = self.store.new_staging()
-            save_adapter_files(peft_model, private, staging.path, base_model_dir=str(self.loaded.path))
-        except BaseException:
-            if staging is not None:
-                staging.discard()
-            raise
-        finally:
-            self.engine.delete_private_adapter(private)
-        manifest_config = {k: v for k, v in eff.items()
-                           if k not in ("examples", "groups", "inputs_sha256", "plan_sha256", "resume_from_job")}
-        record = self.store.publish(
-            staging, name=job.adapter, base_model_sha256=self.loaded.base_model_sha256, kind=job.kind,
-            config=manifest_config, inputs_sha256=prepared.inputs_sha256,
-            parent_revision=eff["base_adapter_revision"], base_model_dir=self.loaded.info,
-        )
-        t_activate = time.perf_counter()
-        if req.get("auto_load"):
-            self.engine.activate_adapter(record.name, Path(record.path), record.revision)
-        t_end = time.perf_counter()
-        return {
-            "adapter": record.name,
-            "revision": record.revision,
-            "path": str(record.path),
-            "activated": bool(req.get("auto_load")),
-            "resumed_from_step": None if resume is None else resume.step,
-            "report": report.as_dict(),
-            "timings_s": {
-                "prepare": round(t_train - t_start, 4),
-                "train": round(t_publish - t_train, 4),
-                "publish": round(t_activate - t_publish, 4),
-                "activate": round(t_end - t_activate, 4),
-                "total": round(t_end - t_start, 4),
-            },
-        }
+        ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
+                            None if not resumed else self._checkpoint_root(resumed))
+        return TrainingRecipe(plan, ctx, job_id=job.id).run()
 
 
 def _linear_module_suffixes(model: Any) -> set[str]:
@@ -398,8 +384,14 @@ def _linear_module_suffixes(model: Any) -> set[str]:
 
 
 def attach_training(state: Any) -> None:
-    """Create the training service on ``state.engine`` and start its worker; sets ``state.trainer``."""
+    """Create the training service on ``state.engine`` and start its worker; sets ``state.trainer``.
+
+    Kept until the application's composition root builds :class:`TrainingService` itself.
+    """
+    from kiln.adapters.store import AdapterStore
+
     loaded = getattr(state, "loaded", None) or state.model  # the app's KilnState calls it `model`
-    service = TrainingService(engine=state.engine, settings=state.settings, loaded=loaded)
+    store = getattr(state, "adapter_store", None) or AdapterStore(state.settings.adapters_path)
+    service = TrainingService(engine=state.engine, store=store, settings=state.settings, model=loaded)
     service.start()
     state.trainer = service

@@ -55,6 +55,23 @@ class Plan:
     batch_size: int
     seed: int
     checkpoint_interval: int = 0
+    max_steps: int | None = None  # cap on optimizer steps (None: epochs x batches)
+    until_learned: "LearnedCheck | None" = None  # SFT: stop once the targets are the greedy answer
+
+
+@dataclass(frozen=True)
+class LearnedCheck:
+    """Stop SFT once every assistant token is the model's greedy choice by ``margin`` (logits).
+
+    Under teacher forcing, "the target token is the argmax at every assistant
+    position" is exactly "greedy decoding reproduces every assistant turn"
+    (through its end-of-turn token). The margin makes that robust to the small
+    numerical differences between this forward pass and the serving path
+    (KV cache, batch shapes, another CPU's kernels).
+    """
+
+    every: int = 5
+    margin: float = 1.0
 
 
 @dataclass
@@ -164,7 +181,7 @@ def save_adapter_files(peft_model: Any, name: str, out_dir: Path, *, base_model_
 
     from safetensors.torch import save_file
 
-    state = {k: v.detach().contiguous().clone() for k, v in adapter_state(peft_model, name).items()}
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in adapter_state(peft_model, name).items()}
     for key, tensor in state.items():
         if not torch.isfinite(tensor).all():
             raise TrainingFailed(f"trained weight {key} is not finite; lower the learning rate")
@@ -187,8 +204,9 @@ class _Loop:
     def __init__(self, peft_model: Any, name: str, plan: Plan, hooks: Hooks, total_steps: int,
                  resume: Checkpoint | None):
         self.peft_model, self.name, self.plan, self.hooks = peft_model, name, plan, hooks
-        self.total_steps = total_steps
+        self.total_steps = total_steps if plan.max_steps is None else min(total_steps, plan.max_steps)
         self.params = private_parameters(peft_model, name)
+        self.device = self.params[0].device
         self.previous = peft_model.active_adapter
         self.opt = torch.optim.AdamW(self.params, lr=plan.learning_rate, weight_decay=0.0)
         self.step, self.epoch, self.batch = 0, 0, 0
@@ -233,6 +251,9 @@ class _Loop:
     def check_cancel(self) -> None:
         if self.hooks.should_cancel():
             raise JobCancelled(self.step)
+
+    def done(self) -> bool:
+        return self.step >= self.total_steps
 
     def optimizer_step(self, loss: torch.Tensor, tokens: int, started: float) -> None:
         if not torch.isfinite(loss):
@@ -282,24 +303,74 @@ class _Loop:
 # -------------------------------------------------------------------------- SFT
 
 
+def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_size: int) -> float:
+    """The smallest ``logit(target) - max(logit(other))`` over all loss-masked tokens of ``rows``.
+
+    Positive means greedy decoding reproduces every target (see :class:`LearnedCheck`).
+    """
+    device = next(peft_model.parameters()).device
+    worst = math.inf
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            batch = collate(rows[i:i + batch_size], pad_id, device)
+            logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1, :].float()
+            targets = batch["input_ids"][:, 1:].unsqueeze(-1)
+            mask = batch["loss_mask"][:, 1:].bool()
+            chosen = logits.gather(-1, targets).squeeze(-1)
+            others = logits.scatter(-1, targets, float("-inf")).amax(-1)
+            worst = min(worst, float((chosen - others)[mask].min()))
+    return worst
+
+
 def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
             hooks: Hooks | None = None, resume: Checkpoint | None = None) -> Report:
-    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens)."""
+    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens).
+
+    With ``plan.until_learned`` the loop checks every ``every`` steps whether the
+    targets are the greedy answer (by the margin) and stops as soon as they are;
+    the report says why it stopped (``stopped``: learned, step_cap or epochs).
+    """
     hooks = hooks or Hooks()
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    check = plan.until_learned
+
+    def learned() -> bool:
+        with loop.step_ownership():
+            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
+        loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin  # type: ignore[union-attr]
+
+    stopped = "epochs"
     with loop.running():
         for epoch in range(loop.epoch, plan.epochs):
             order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
             for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+                if loop.done():
+                    break
                 loop.check_cancel()
-                batch = collate([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]], pad_id)
+                chosen = [rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]]
+                batch = collate(chosen, pad_id, loop.device)
                 with loop.step_ownership():
                     t0 = time.perf_counter()
                     logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
                     loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
                     loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+                if check is not None and loop.step % check.every == 0 and learned():
+                    stopped = "learned"
+                    loop.stats["learned_at_step"] = loop.step
+                    loop.total_steps = loop.step
                 loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
+            if stopped == "learned" or loop.done():
+                break
+        if check is not None and stopped != "learned":
+            if learned():
+                stopped, loop.stats["learned_at_step"] = "learned", loop.step
+            else:
+                stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
+    if check is not None:
+        loop.stats["learned"] = stopped == "learned"
+    loop.stats["stopped"] = stopped
     return loop.report()
 
 
@@ -341,8 +412,8 @@ def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor]) -> torch
     return shifted_token_logprobs(logits, batch["input_ids"])
 
 
-def _padded(rows_logp: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows_logp), width), dtype=torch.float32)
+def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows_logp), width), dtype=torch.float32, device=device)
     for i, v in enumerate(rows_logp):
         out[i, : v.numel()] = v
     return out
@@ -370,12 +441,12 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
     with loop.running():
         # old_logp: one [len-1] tensor per row, from the policy before any update.
         if resume is not None:
-            old = [resume.tensors[f"old.{i}"] for i in range(sum(len(it.rows) for it in items))]
+            old = [resume.tensors[f"old.{i}"].to(loop.device) for i in range(sum(len(it.rows) for it in items))]
         else:
             old = []
             with torch.no_grad(), loop.step_ownership():
                 for it in items:
-                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id))
+                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id, loop.device))
                     old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
         offsets = [0]
         for it in items:
@@ -385,12 +456,14 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
         for epoch in range(loop.epoch, plan.epochs):
             order = epoch_order(len(items), seed=plan.seed, epoch=epoch)
             for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+                if loop.done():
+                    break
                 loop.check_cancel()
                 chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
                 rows = [r for g in chosen for r in items[g].rows]
-                adv = torch.cat([items[g].advantages for g in chosen])
+                adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
                 old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-                batch = collate(rows, pad_id)
+                batch = collate(rows, pad_id, loop.device)
                 mask = batch["loss_mask"][:, 1:]
                 with loop.step_ownership():
                     t0 = time.perf_counter()
@@ -399,7 +472,7 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
                         with torch.no_grad(), peft_model.disable_adapter():
                             ref = _sequence_logprobs(peft_model, batch)
                     logp = _sequence_logprobs(peft_model, batch)
-                    loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1]), adv, mask, ref)
+                    loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1], loop.device), adv, mask, ref)
                     loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
                 loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
                 loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)

@@ -1,0 +1,123 @@
+"""`dataset_path` confinement against real filesystem races: directory -> symlink swaps,
+FIFOs, NUL bytes and over-long names, all in a tmp data dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from kiln.errors import KilnError
+from kiln.training.data import load_sft_dataset, open_dataset
+
+ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+SECRET = {"messages": [{"role": "user", "content": "secret"}, {"role": "assistant", "content": "outside"}]}
+
+
+@pytest.fixture()
+def dirs(tmp_path):
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    (data / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (data / "sub" / "d.jsonl").write_text(json.dumps(ROW) + "\n")
+    (outside / "d.jsonl").write_text(json.dumps(SECRET) + "\n")
+    return data, outside
+
+
+def _code(fn):
+    with pytest.raises(KilnError) as info:
+        fn()
+    return info.value.status, info.value.code
+
+
+def test_reads_a_file_inside_and_hashes_the_bytes_read(dirs):
+    data, _ = dirs
+    examples, digest = load_sft_dataset(data, "sub/d.jsonl", max_examples=10)
+    assert [m.content for m in examples[0].messages] == ["hi", "hello"]
+    import hashlib
+
+    assert digest == hashlib.sha256((data / "sub" / "d.jsonl").read_bytes()).hexdigest()
+    assert load_sft_dataset(data, str(data / "sub" / "d.jsonl"), max_examples=10)[1] == digest
+
+
+def test_directory_swapped_for_a_symlink_is_refused(dirs):
+    data, outside = dirs
+    os.rename(data / "sub", data / "sub.real")
+    os.symlink(outside, data / "sub")
+    assert _code(lambda: load_sft_dataset(data, "sub/d.jsonl", max_examples=10)) == (400, "dataset_symlink")
+
+
+def test_racing_symlink_swaps_never_read_outside(dirs):
+    """A thread flips `sub` between the real directory and a symlink to `outside` while jobs
+    open the dataset: every open either reads the inside file or is refused."""
+    data, outside = dirs
+    os.rename(data / "sub", data / "real")
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            for make in (lambda: os.symlink(outside, data / "tmp"), lambda: os.symlink("real", data / "tmp")):
+                make()
+                os.replace(data / "tmp", data / "sub")
+
+    t = threading.Thread(target=flip, daemon=True)
+    t.start()
+    seen = {"inside": 0, "refused": 0}
+    try:
+        for _ in range(300):
+            try:
+                examples, _ = load_sft_dataset(data, "sub/d.jsonl", max_examples=10)
+            except KilnError as exc:
+                assert exc.status in (400, 404), exc
+                seen["refused"] += 1
+            else:
+                assert examples[0].messages[0].content == "hi"  # never the outside file
+                seen["inside"] += 1
+    finally:
+        stop.set()
+        t.join(10)
+    assert seen["refused"] == 300  # `sub` is always a symlink here: every open is refused, none follows it
+
+
+def test_fifo_is_refused_without_blocking(dirs):
+    data, _ = dirs
+    os.mkfifo(data / "sub" / "pipe.jsonl")
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(_code(lambda: open_dataset(data, "sub/pipe.jsonl"))),
+                         daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "opening a FIFO blocked the thread"
+    assert result == [(400, "dataset_not_file")]
+
+
+def test_file_swapped_for_a_fifo_is_refused(dirs):
+    data, _ = dirs
+    os.unlink(data / "sub" / "d.jsonl")
+    os.mkfifo(data / "sub" / "d.jsonl")
+    assert _code(lambda: load_sft_dataset(data, "sub/d.jsonl", max_examples=10)) == (400, "dataset_not_file")
+
+
+@pytest.mark.parametrize("path, code", [
+    ("sub/d\x00.jsonl", "invalid_dataset_path"),
+    ("x" * 300 + ".jsonl", "invalid_dataset_path"),
+    ("sub/" + "y" * 300 + "/d.jsonl", "invalid_dataset_path"),
+    ("../outside/d.jsonl", "dataset_outside_data_dir"),
+    ("sub/../../outside/d.jsonl", "dataset_outside_data_dir"),
+    ("/etc/passwd", "dataset_outside_data_dir"),
+    ("sub", "dataset_not_file"),
+    ("sub/d.jsonl/x", "dataset_not_file"),
+    ("nope/d.jsonl", "dataset_not_found"),
+])
+def test_bad_paths_are_4xx(dirs, path, code):
+    data, _ = dirs
+    status, got = _code(lambda: load_sft_dataset(data, path, max_examples=10))
+    assert got == code and status == (404 if code == "dataset_not_found" else 400)
+
+
+def test_symlinked_file_is_refused(dirs):
+    data, outside = dirs
+    os.symlink(outside / "d.jsonl", data / "link.jsonl")
+    assert _code(lambda: load_sft_dataset(data, "link.jsonl", max_examples=10)) == (400, "dataset_symlink")
