@@ -119,7 +119,8 @@ def wait_job(client: Any, job_id: str, timeout: float = JOB_TIMEOUT_S) -> dict[s
 
 
 def correction_body(adapter: str, question: str, correction: str) -> dict[str, Any]:
-    return {"adapter": adapter, "auto_load": True, "examples": [{"messages": [
+    """An SFT request that trains until ``correction`` is the greedy answer (at most a few hundred steps)."""
+    return {"adapter": adapter, "auto_load": True, "until_learned": True, "examples": [{"messages": [
         {"role": "user", "content": question}, {"role": "assistant", "content": correction}]}]}
 
 
@@ -150,9 +151,11 @@ def run_correction(client: Any, *, question: str, correction: str, adapter: str,
     echo(f"\nQ: {question}\nA ({adapter} @ {str(revision)[:12]}): {after}")
     rep = job["result"]["report"]
     server_side = job["result"]["timings_s"]
-    echo(f"({rep['steps']} steps, final loss {rep['final_loss']:.4f}; server-side: "
+    learned = "learned" if rep.get("learned") else "NOT learned"
+    echo(f"({rep['steps']} steps, {learned} (greedy margin {rep.get('greedy_margin')}), final loss "
+         f"{rep['final_loss']:.4f}; server-side: "
          + ", ".join(f"{k} {server_side[k]:.2f}s" for k in ("prepare", "train", "publish", "activate", "total")) + ")")
-    if after.strip() != correction.strip():
+    if after.strip() != correction.strip() or not rep.get("learned"):
         echo("warning: the adapter's answer differs from the correction")
     return timings
 

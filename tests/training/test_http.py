@@ -48,19 +48,20 @@ def _error(r, status, code):
     return body["error"]
 
 
-def test_serve_train_crash_restart(home, tmp_path):
-    env = {"KILN_TRAINING_QUEUE_MAX": "1"}
-    with kiln_server(home, extra_env=env) as server:
+def test_serve_train_errors_and_cli(home, tmp_path):
+    """The default lane's end-to-end test: the correction loop, error envelopes and the CLI."""
+    with kiln_server(home) as server:
         c = server.client
         base = c.get("/v1/models").json()["data"][0]["id"]
         before, _ = _chat(c, base)
         assert before != CORRECTION
 
-        # The correction loop over HTTP.
+        # The correction loop over HTTP: the job trains until the correction is the greedy answer.
         r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
         assert r.status_code == 202, r.text
         job = wait_job(c, r.json()["id"])
         assert job["state"] == "succeeded", job["error"]
+        assert job["result"]["report"]["learned"] is True, job["result"]["report"]
         answer, revision = _chat(c, "fix")
         assert answer == CORRECTION and revision == job["result"]["revision"]
         assert _chat(c, base)[0] == before
@@ -75,6 +76,9 @@ def test_serve_train_crash_restart(home, tmp_path):
         _error(c.get("/v1/train/jobs/job-0000000000000000"), 404, "job_not_found")
         _error(c.get("/v1/train/jobs/nonsense"), 404, "job_not_found")
         _error(c.delete(f"/v1/train/queue/{job['id']}"), 409, "job_finished")
+        _error(c.post("/v1/train/sft", json={"adapter": "x", "dataset_path": "a\u0000b.jsonl"}), 400,
+               "invalid_dataset_path")
+        _error(c.post("/v1/train/sft", json={"adapter": "x", "dataset_path": "n" * 400}), 400, "invalid_dataset_path")
 
         # The CLI against the server: submit from a file, follow, then status.
         data = tmp_path / "fix.jsonl"
@@ -88,6 +92,14 @@ def test_serve_train_crash_restart(home, tmp_path):
         out = subprocess.run(kiln + ["train", "status", "--url", server.url], capture_output=True, text=True,
                              timeout=60, env=dict(os.environ, COLUMNS="200"))
         assert out.returncode == 0 and "cli-fix" in out.stdout and "succeeded" in out.stdout
+
+
+@pytest.mark.slow
+def test_crash_restart_and_resume(home):
+    """SIGKILL with a job running and one queued; restart recovers, resumes once (a second resume is 409)."""
+    env = {"KILN_TRAINING_QUEUE_MAX": "1"}
+    with kiln_server(home, extra_env=env) as server:
+        c = server.client
 
         # A running job, one queued job (queue_max 1), then 503.
         long_id = c.post("/v1/train/sft", json=LONG).json()["id"]
@@ -116,5 +128,6 @@ def test_serve_train_crash_restart(home, tmp_path):
         rid = resumed.json()["id"]
         _until(lambda: "resumed_from_step" in c.get(f"/v1/train/jobs/{rid}").json()["progress"])
         assert c.get(f"/v1/train/jobs/{rid}").json()["progress"]["resumed_from_step"] >= 5
+        _error(c.post("/v1/train/sft", json=LONG | {"resume_from_job": long_id}), 409, "job_already_resumed")
         assert c.delete(f"/v1/train/queue/{rid}").status_code == 200
         assert wait_job(c, rid)["state"] == "cancelled"

@@ -88,6 +88,9 @@ def test_correction_is_trained_published_and_served(service):
     assert record.manifest.base_model_sha256 == service.loaded.base_model_sha256
     cfg = json.loads((record.path / "adapter_config.json").read_text())
     assert cfg["r"] == 16 and sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # After a kill between publication and the job's record, a restart finds the job's output.
+    assert svc._published_result(SimpleNamespace(adapter="fix", id=done["id"]))["revision"] == result["revision"]
+    assert svc._published_result(SimpleNamespace(adapter="fix", id="job-0000000000000000")) is None
     # The private training adapter is gone from the served model.
     assert not [k for k in engine.peft_model().peft_config if k.startswith("kiln-job-")]
 
@@ -179,6 +182,9 @@ def test_cancel_running_job_queue_full_and_resume(service):
         svc.submit(_sft(adapter="long", epochs=399, resume_from_job=long["id"]))
     assert info.value.code == "resume_plan_mismatch"
     resumed = svc.submit(_sft(adapter="long", epochs=400, checkpoint_interval=5, resume_from_job=long["id"]))
+    with pytest.raises(KilnError) as info:  # one resume per failed job
+        svc.submit(_sft(adapter="long", epochs=400, checkpoint_interval=5, resume_from_job=long["id"]))
+    assert (info.value.status, info.value.code) == (409, "job_already_resumed")
     _until(lambda: "resumed_from_step" in svc.job(resumed["id"])["progress"])
     assert svc.job(resumed["id"])["progress"]["resumed_from_step"] >= 5
     svc.cancel(resumed["id"])  # no need to run all 400 epochs
