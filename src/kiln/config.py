@@ -95,6 +95,11 @@ class AdapterSettings(_Section):
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)
 
 
+class EvalSettings(_Section):
+    eval_dir: str | None = None  # suites, datasets and the runs database; default: $KILN_HOME/evals
+    allow_code_execution: bool = False  # the `code` scorer runs model output in a sandbox (docs/evals.md)
+
+
 class Settings(_Section):
     home: str | None = None
     server: ServerSettings = ServerSettings()
@@ -103,6 +108,7 @@ class Settings(_Section):
     limits: LimitsSettings = LimitsSettings()
     training: TrainingSettings = TrainingSettings()
     adapters: AdapterSettings = AdapterSettings()
+    eval: EvalSettings = EvalSettings()
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Settings":
@@ -124,6 +130,10 @@ class Settings(_Section):
     @property
     def data_path(self) -> Path:
         return Path(self.training.data_dir).expanduser() if self.training.data_dir else self.home_path / "data"
+
+    @property
+    def eval_path(self) -> Path:
+        return Path(self.eval.eval_dir).expanduser() if self.eval.eval_dir else self.home_path / "evals"
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -40,7 +40,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     Raises :class:`kiln.serving.security.ApiKeyMissing` when ``server.api_key_env``
     names an unset variable.
     """
-    from kiln.serving import routes_adapters, routes_training
+    from kiln.serving import routes_adapters, routes_evals, routes_training
     from kiln.serving.fast_path import FastRoutes
     from kiln.serving.routes_openai import FAST_ROUTES
     from kiln.serving.routes_openai import router as openai_router
@@ -51,17 +51,20 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     settings = kiln_state.settings
     policy = SecurityPolicy.from_settings(settings.server)
     redact = PathRedactor.from_settings(settings, kiln_state.model.path)
+    evals = build_evals(kiln_state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # Reclaim staging left by a publication that was killed mid-way.
         await asyncio.to_thread(kiln_state.store.cleanup)
         kiln_state.engine.start()
+        evals.start()
         if kiln_state.trainer is not None:
             kiln_state.trainer.start()
         try:
             yield
         finally:
+            await asyncio.to_thread(evals.close)  # first: a job waiting on a gate gets its `error` verdict
             if kiln_state.trainer is not None:
                 await asyncio.to_thread(kiln_state.trainer.close)
             await asyncio.to_thread(kiln_state.engine.stop)
@@ -74,8 +77,10 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     )
     app.state.kiln = kiln_state
     app.state.redact_paths = redact
+    app.state.evals = evals
     install_error_handlers(app, redact.text)
     routers = (openai_router, ops_router, routes_training.router, routes_adapters.router)
+    routers += (routes_evals.router,)
     for router in routers:
         app.include_router(router)
     install_openapi(app)
@@ -92,6 +97,18 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     )
     app.add_middleware(SecurityMiddleware, policy=policy)
     return app
+
+
+def build_evals(kiln_state: KilnState):
+    """The eval service over the served engine and the one adapter store (not started); the training
+    service gets it for post-train gates. Its metrics join the server's registry."""
+    from kiln.evals.service import EvalService
+
+    evals = EvalService(engine=kiln_state.engine, store=kiln_state.store, settings=kiln_state.settings,
+                        model=kiln_state.model, registry=kiln_state.metrics.registry)
+    if kiln_state.trainer is not None and hasattr(kiln_state.trainer, "set_eval_service"):
+        kiln_state.trainer.set_eval_service(evals)
+    return evals
 
 
 def _version() -> str:
