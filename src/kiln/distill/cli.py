@@ -26,7 +26,7 @@ MAX_C14N_INPUT_BYTES = 1 << 30
 MAX_CONFIG_BYTES = 1 << 20
 MAX_VERIFY_SHARDS = 4096  # shard directories one ``verify`` reads (after expanding roots)
 
-_COMMANDS = "estimate, c14n, plan, verify"
+_COMMANDS = "estimate, c14n, plan, verify, capture, train, status"
 
 
 class _Refusal(Exception):
@@ -281,5 +281,118 @@ def verify(
             ],
             "run": run_bytes_per_token(verdicts),
         }
+
+    _run(body)
+
+
+def _positive(name: str, raw: Optional[str], default: int) -> int:
+    value = default if raw is None else _int(name, raw)
+    if value < 1:
+        raise _Refusal("invalid_option", f"--{name} must be at least 1")
+    return value
+
+
+@app.command(cls=_Command)
+def capture(
+    plan_file: Path = typer.Argument(..., help="the run's plan.json"),
+    teacher: Optional[Path] = typer.Option(None, "--teacher", help="local teacher checkpoint directory"),
+    dataset_root: Optional[Path] = typer.Option(None, "--dataset-root", help="directory holding the plan's dataset files"),
+    out: Optional[Path] = typer.Option(None, "--out", help="publication root of this run's shards"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer-only root (default: --teacher)"),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N"),
+    layout: str = typer.Option("packed", "--layout", help="packed (soup.autodistill.capture-packed.v1) or jsonl"),
+    examples_per_shard: Optional[str] = typer.Option(None, "--examples-per-shard"),
+    examples_per_payload: Optional[str] = typer.Option(None, "--examples-per-payload"),
+    batch_size: Optional[str] = typer.Option(None, "--batch-size", help="teacher forward rows per batch"),
+    progress: bool = typer.Option(False, "--progress/--no-progress", help="tokens/s + ETA bar on stderr"),
+) -> None:
+    """Teacher-only capture in a fresh child process; resumes per the resume table."""
+
+    def body() -> dict[str, Any]:
+        from kiln.distill.capture import CaptureRequest
+        from kiln.distill.capture import capture as run_capture
+
+        if teacher is None or dataset_root is None or out is None:
+            raise _Refusal("missing_option", "--teacher DIR, --dataset-root DIR and --out DIR are required")
+        if layout not in ("packed", "jsonl"):
+            raise _Refusal("invalid_option", f"--layout must be packed or jsonl, got {layout!r}")
+        req = CaptureRequest(
+            plan=str(plan_file.resolve()),
+            teacher=str(teacher.resolve()),
+            tokenizer=str((tokenizer or teacher).resolve()),
+            dataset_root=str(dataset_root.resolve()),
+            out=str(out.resolve()),
+            device=device,
+            examples_per_shard=_positive("examples-per-shard", examples_per_shard, 64),
+            examples_per_payload=_positive("examples-per-payload", examples_per_payload, 16),
+            batch_size=_positive("batch-size", batch_size, 8),
+            layout=layout,
+            progress=progress,
+        )
+        return run_capture(req)
+
+    _run(body)
+
+
+@app.command(cls=_Command)
+def train(
+    run: Path = typer.Argument(..., help="publication root of the run's shards"),
+    student: Optional[Path] = typer.Option(None, "--student", help="local student checkpoint directory"),
+    out: Optional[Path] = typer.Option(None, "--out", help="training directory (ledgers, checkpoints, adapter)"),
+    full: bool = typer.Option(False, "--full", help="full fine-tuning instead of LoRA"),
+    lora_r: Optional[str] = typer.Option(None, "--lora-r"),
+    lr: Optional[str] = typer.Option(None, "--lr"),
+    batch_size: Optional[str] = typer.Option(None, "--batch-size"),
+    ce_weight: Optional[str] = typer.Option(None, "--ce-weight"),
+    kd_weight: Optional[str] = typer.Option(None, "--kd-weight"),
+    seed: Optional[str] = typer.Option(None, "--seed"),
+    device: str = typer.Option("cpu", "--device"),
+    run_id: str = typer.Option("kd", "--run-id"),
+    progress: bool = typer.Option(False, "--progress/--no-progress"),
+) -> None:
+    """Student-only sparse-KD training; each shard consumed exactly once through its ledger."""
+
+    def body() -> dict[str, Any]:
+        from kiln.distill.train import train_sparse_kd
+
+        if student is None or out is None:
+            raise _Refusal("missing_option", "--student DIR and --out DIR are required")
+        return train_sparse_kd(
+            run,
+            student,
+            out,
+            run_id=run_id,
+            lora=not full,
+            lora_r=_positive("lora-r", lora_r, 8),
+            lr=_float("lr", lr) or 1e-3,
+            batch_size=_positive("batch-size", batch_size, 8),
+            ce_weight=1.0 if ce_weight is None else _float("ce-weight", ce_weight),  # type: ignore[arg-type]
+            kd_weight=1.0 if kd_weight is None else _float("kd-weight", kd_weight),  # type: ignore[arg-type]
+            seed=0 if seed is None else _int("seed", seed),
+            device=device,
+            progress=progress,
+        )
+
+    _run(body)
+
+
+@app.command(cls=_Command)
+def status(
+    run: Path = typer.Argument(..., help="publication root of a capture run"),
+    train_dir: Optional[Path] = typer.Option(None, "--train-dir", help="also report ledger states of a training dir"),
+) -> None:
+    """Shard transaction states (published and staging) and, optionally, consumption states."""
+
+    def body() -> dict[str, Any]:
+        from kiln.distill.capture import shard_status
+
+        if not run.is_dir():
+            raise _Refusal("not_found", f"{run} is not a directory")
+        result = shard_status(run)
+        if train_dir is not None:
+            from kiln.distill.train import ledger_status
+
+            result["ledgers"] = ledger_status(train_dir)
+        return result
 
     _run(body)

@@ -6,7 +6,8 @@ Layout under a publication root (one filesystem)::
     <root>/<transaction_id>/            the published group (one directory rename)
         plan.json                       canonical plan bytes; sha256 == plan_sha256
         manifests/<n>-<state>.json      the manifest chain, n = 0, 1, 2, ...
-        payload/<name>.jsonl            canonical JSONL of capture-token rows
+        payload/<name>.jsonl            canonical JSONL of capture-token rows, or
+        payload/<name>.kdpack           the packed binary layout (``binary.py``)
 
 Protocol: ``begin`` writes plan + staging manifest; ``write_payload`` writes each
 payload through a synced temp sibling and rename; ``mark_complete`` hashes and
@@ -34,6 +35,7 @@ from kiln.distill.contract import (
     ShardManifest,
 )
 from kiln.distill.errors import ContractError, DistillError, ShardError
+from kiln.distill.faults import fault
 from kiln.distill.paths import check_relative_path, list_regular_files, read_bytes_nofollow
 from kiln.distill.states import check_manifest_chain, check_manifest_step
 
@@ -47,6 +49,8 @@ __all__ = [
     "resume_decision",
     "begin",
     "write_payload",
+    "write_payload_bytes",
+    "parse_any_payload",
     "mark_complete",
     "mark_verified",
     "publish",
@@ -71,7 +75,7 @@ MANIFEST_DIR = "manifests"
 PAYLOAD_DIR = "payload"
 
 _MANIFEST_NAME = re.compile(r"^([0-9])-([a-z]+)\.json$")
-_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.jsonl$")
+_PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.(jsonl|kdpack)$")
 _TEMP_NAME = re.compile(r"^\..+\.tmp$")
 
 # A shard whose manifests name another plan belongs to another run. Resuming or
@@ -202,6 +206,24 @@ def parse_payload(raw: bytes, name: str) -> list[CaptureTokenRow]:
     return rows
 
 
+def parse_any_payload(raw: bytes, name: str, plan: Plan | None) -> tuple[list[CaptureTokenRow], int, int]:
+    """(rows, committed row count, committed token count) of one payload of either layout.
+
+    JSONL: one record per position, so rows == tokens. Packed (``*.kdpack``): rows
+    are example trajectories, tokens are positions; its header must equal what
+    the plan implies.
+    """
+    if name.endswith(".kdpack"):
+        from kiln.distill.binary import check_header_against_plan, decode_packed_rows
+
+        header, parsed = decode_packed_rows(raw, name)
+        if plan is not None:
+            check_header_against_plan(header, plan, name)
+        return parsed, header["examples"], len(parsed)
+    parsed = parse_payload(raw, name)
+    return parsed, len(parsed), len(parsed)
+
+
 def check_rows_against_plan(rows: Sequence[CaptureTokenRow], plan: Plan) -> None:
     """Rows must follow the plan and form whole, ordered example trajectories.
 
@@ -304,20 +326,20 @@ def _payload_names(root: Path) -> list[str]:
     return list_regular_files(root, PAYLOAD_DIR, max_entries=MAX_PAYLOADS + 64)
 
 
-def _read_staged_payloads(root: Path) -> list[tuple[str, bytes, list[CaptureTokenRow]]]:
-    """(relative path, exact bytes, parsed rows) of every whole staged payload, by name."""
+def _read_staged_payloads(root: Path, plan: Plan) -> list[tuple[str, bytes, list[CaptureTokenRow], int, int]]:
+    """(relative path, exact bytes, parsed rows, row count, token count) of every whole staged payload."""
     out = []
     for name in _payload_names(root):
         if _TEMP_NAME.match(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
         raw = read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)
-        out.append((rel, raw, parse_payload(raw, rel)))
+        out.append((rel, raw, *parse_any_payload(raw, rel, plan)))
     return out
 
 
 def _check_staged_payloads(root: Path, plan: Plan) -> None:
-    check_rows_against_plan([r for _, _, rows in _read_staged_payloads(root) for r in rows], plan)
+    check_rows_against_plan([r for _, _, rows, _, _ in _read_staged_payloads(root, plan) for r in rows], plan)
 
 
 def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> None:
@@ -333,9 +355,9 @@ def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> No
             raise ShardError(f"{p.path}: {len(raw)} bytes on disk, {p.bytes} committed")
         if sha256_hex(raw) != p.sha256:
             raise ShardError(f"{p.path}: SHA-256 differs from its commitment (tampering or bit rot)")
-        parsed = parse_payload(raw, p.path)
-        if len(parsed) != p.rows or len(parsed) != p.tokens:
-            raise ShardError(f"{p.path}: {len(parsed)} rows/tokens on disk, {p.rows}/{p.tokens} committed")
+        parsed, n_rows, n_tokens = parse_any_payload(raw, p.path, plan)
+        if n_rows != p.rows or n_tokens != p.tokens:
+            raise ShardError(f"{p.path}: {n_rows}/{n_tokens} rows/tokens on disk, {p.rows}/{p.tokens} committed")
         rows += parsed
     check_rows_against_plan(rows, plan)
 
@@ -395,6 +417,16 @@ def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[Capture
     atomic_write_bytes(target, b"".join(r.canonical_bytes() + b"\n" for r in rows))
 
 
+def write_payload_bytes(txn: str | os.PathLike[str], name: str, data: bytes) -> None:
+    """Write one already encoded payload (e.g. a packed ``*.kdpack``) the same way."""
+    if not _PAYLOAD_NAME.match(name):
+        raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
+    target = Path(txn) / PAYLOAD_DIR / name
+    if target.exists():
+        raise ShardError(f"payload {name} already written; payloads are immutable")
+    atomic_write_bytes(target, data)
+
+
 def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
     """Check, hash and count the payload bytes on disk and chain the complete manifest.
 
@@ -414,21 +446,22 @@ def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
         raise ShardError(f"uncommitted fragment {fragments[0]} present; resume the staging transaction first")
     plan = _read_json_artifact(txn, PLAN_FILE, Plan)
     _check_identity(head, plan)
-    staged = _read_staged_payloads(txn)
+    staged = _read_staged_payloads(txn, plan)
     try:
-        check_rows_against_plan([r for _, _, rows in staged for r in rows], plan)
+        check_rows_against_plan([r for _, _, rows, _, _ in staged for r in rows], plan)
     except ShardError as exc:
         raise ShardError(
             f"cannot complete {txn.name}: {exc}; the staged rows violate the plan, "
             "quarantine this transaction and recapture under a new transaction ID"
         ) from exc
     commitments = []
-    for rel, raw, rows in staged:
+    for rel, raw, rows, n_rows, n_tokens in staged:
         if not rows:
             raise ShardError(f"{rel} holds no rows; an empty payload is never committed")
-        n = len(rows)
         commitments.append(
-            PayloadCommitment(path=rel, bytes=len(raw), rows=n, tokens=n, sha256=sha256_hex(raw)).to_obj()
+            PayloadCommitment(
+                path=rel, bytes=len(raw), rows=n_rows, tokens=n_tokens, sha256=sha256_hex(raw)
+            ).to_obj()
         )
     complete = _next_manifest(
         head,
@@ -465,6 +498,7 @@ def publish(txn: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
     final = Path(root) / head.transaction_id
     if txn.resolve() != final.resolve():
         atomic_publish_dir(txn, final)
+    fault("publish_after_rename")
     _write_manifest(final, len(chain), _next_manifest(head, "available"))
     return final
 

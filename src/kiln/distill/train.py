@@ -1,0 +1,438 @@
+"""Student-only sparse-KD training over published shards, consumed through the ledger.
+
+``train_sparse_kd(...)`` is a plain function (a future server job can call it):
+it never loads a teacher. For every available shard of one run, in shard order:
+
+1. open the shard's ledger (``<out>/ledgers/<transaction_id>.jsonl``);
+2. skip a committed shard; if a reservation is open, either *reconcile* (the
+   latest durable checkpoint already records this reservation: append exactly
+   one commit, never retrain) or *release* it (crash before the checkpoint);
+3. reserve, train one pass over the shard (CE on the target + coarse-tail
+   forward KL, ``kiln.training.kd_loss.SparseKDLoss``), write a durable
+   checkpoint (temp dir, fsync, one rename), commit with the checkpoint's SHA-256.
+
+Training resumes from the latest checkpoint (trainable weights and optimizer
+state), and batches are a deterministic function of the shard bytes, so an
+interrupted run ends with the same weights as an uninterrupted one. At the end
+the adapter (PEFT files) or the full model is published to ``<out>/adapter``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.canonical import (
+    atomic_publish_dir,
+    atomic_write_bytes,
+    canonical_json_bytes,
+    sha256_file,
+    sha256_hex,
+    strict_json_loads,
+)
+from kiln.distill import shards
+from kiln.distill.contract import Plan, ShardManifest
+from kiln.distill.errors import ContractError, DistillError, LedgerError, ShardError
+from kiln.distill.faults import fault
+from kiln.distill.ledger import Ledger
+from kiln.distill.paths import read_bytes_nofollow
+
+__all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
+
+TRAIN_CONFIG_SCHEMA = "kiln.distill.train-config.v1"
+CHECKPOINT_SCHEMA = "kiln.distill.kd-checkpoint.v1"
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+# --------------------------------------------------------------------- shards
+
+
+def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple[Path, ShardManifest]], list[dict]]:
+    """(plan, [(shard dir, available manifest)] by shard_id, skipped) for one run's root.
+
+    Every shard is fully verified first; only intact available shards of a single
+    plan are returned. Anything else is listed in ``skipped`` with its reason.
+    """
+    root = Path(run_root)
+    if not root.is_dir():
+        raise ShardError(f"{root} is not a capture root directory")
+    good, skipped, plans = [], [], {}
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
+            continue
+        verdict = shards.verify_shard(entry)
+        if not verdict.ok or verdict.state != "available":
+            skipped.append({"path": entry.name, "state": verdict.state, "problems": verdict.problems[:3]})
+            continue
+        plans[verdict.plan_sha256] = verdict.plan
+        good.append((entry, shards.read_manifest_chain(entry)[-1]))
+    if len(plans) > 1:
+        raise ShardError(f"{root} holds shards of {len(plans)} plans; train one run at a time")
+    if not good:
+        raise ShardError(f"{root} has no intact available shard to train on")
+    good.sort(key=lambda x: (x[1].shard_id, x[1].transaction_id))
+    ids = [m.shard_id for _d, m in good]
+    if len(set(ids)) != len(ids):
+        raise ShardError("two available transactions publish the same shard_id; refusing to consume both")
+    return next(iter(plans.values())), good, skipped
+
+
+def load_shard_examples(shard_dir: Path, head: ShardManifest, plan: Plan) -> list:
+    """Columns (``binary.PackedExample``) of every example in a verified shard, in order."""
+    import numpy as np
+
+    from kiln.distill.binary import PackedExample, decode_packed_arrays
+
+    out = []
+    for p in head.payloads:
+        raw = read_bytes_nofollow(shard_dir, p.path, max_bytes=shards.MAX_PAYLOAD_BYTES)
+        if sha256_hex(raw) != p.sha256:
+            raise ShardError(f"{shard_dir.name}/{p.path} changed since verification; refusing to train on it")
+        if p.path.endswith(".kdpack"):
+            out += decode_packed_arrays(raw, p.path)[1]
+            continue
+        rows = shards.parse_payload(raw, p.path)
+        k = plan.probability.top_k
+        groups: dict[str, list] = {}
+        for r in rows:
+            groups.setdefault(r.example_id, []).append(r)
+        for eid, rs in groups.items():
+            lp_of = [dict(zip(r.selected_ids, r.selected_logprobs)) for r in rs]
+            out.append(
+                PackedExample(
+                    example_id=eid,
+                    context=np.asarray(rs[0].context_token_ids, np.int64),
+                    forced=np.asarray([r.forced_token_id for r in rs], np.int64),
+                    top_ids=np.asarray([r.top_k_ids for r in rs], np.int64).reshape(len(rs), k),
+                    top_logprobs=np.asarray([[m[i] for i in r.top_k_ids] for r, m in zip(rs, lp_of)], np.float32),
+                    forced_logprobs=np.asarray(
+                        [np.nan if r.forced_token_id in r.top_k_ids else m[r.forced_token_id] for r, m in zip(rs, lp_of)],
+                        np.float32,
+                    ),
+                    tail=np.asarray([r.tail_mass for r in rs], np.float32),
+                    entropy=np.asarray([r.entropy for r in rs], np.float32),
+                )
+            )
+    return out
+
+
+def _windows(examples: list, limit: int) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
+    """Forward rows: (tokens, [(offset, example index, position)]) reproducing each recorded context."""
+    out = []
+    for n, e in enumerate(examples):
+        ctx, forced = [int(x) for x in e.context], [int(x) for x in e.forced]
+        full = ctx + forced[:-1]
+        if len(full) <= limit:
+            out.append((full, [(len(ctx) - 1 + i, n, i) for i in range(len(forced))]))
+            continue
+        seq = list(ctx)
+        for i in range(len(forced)):
+            window = seq[-limit:]
+            out.append((window, [(len(window) - 1, n, i)]))
+            seq.append(forced[i])
+    return out
+
+
+def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
+    import numpy as np
+    import torch
+
+    width = max(len(w) for w, _p in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    att = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, (w, _p) in enumerate(batch):
+        ids[r, : len(w)] = torch.tensor(w)
+        att[r, : len(w)] = 1
+    rows, offs, sel_ids, sel_lp, sel_mask, tail, target = [], [], [], [], [], [], []
+    for r, (_w, places) in enumerate(batch):
+        for off, n, i in places:
+            e = examples[n]
+            rows.append(r)
+            offs.append(off)
+            tok = int(e.forced[i])
+            flp = float(e.forced_logprobs[i])
+            has_forced = k < vocab and not np.isnan(flp)
+            sel_ids.append(list(e.top_ids[i]) + [tok])
+            sel_lp.append(list(e.top_logprobs[i]) + [flp if has_forced else 0.0])
+            sel_mask.append([True] * k + [has_forced])
+            tail.append(float(e.tail[i]))
+            target.append(tok if ce else -100)
+    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
+    return (
+        ids.to(device),
+        att.to(device),
+        t(rows, torch.long),
+        t(offs, torch.long),
+        t(sel_ids, torch.long),
+        t(sel_lp, torch.float32),
+        t(sel_mask, torch.bool),
+        t(tail, torch.float32),
+        t(target, torch.long),
+    )
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_dirs(out: Path) -> list[Path]:
+    base = out / "checkpoints"
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if p.name.startswith("ckpt-") and p.is_dir())
+
+
+def _checkpoint_record(ckpt: Path) -> tuple[dict[str, Any], str]:
+    """(state, checkpoint_sha256) after re-hashing every file the checkpoint lists."""
+    raw = (ckpt / "CHECKPOINT.json").read_bytes()
+    doc = strict_json_loads(raw)
+    if doc.get("schema") != CHECKPOINT_SCHEMA:
+        raise ContractError(f"{ckpt}: not a {CHECKPOINT_SCHEMA} checkpoint")
+    for f in doc["files"]:
+        digest, size = sha256_file(ckpt / f["path"])
+        if (digest, size) != (f["sha256"], f["size"]):
+            raise ContractError(f"{ckpt}/{f['path']} does not match its checkpoint record")
+    return doc["state"], sha256_hex(raw)
+
+
+def _write_checkpoint(out: Path, index: int, model, optimizer, state: dict[str, Any]) -> tuple[Path, str]:
+    import torch
+    from safetensors.torch import save_file
+
+    base = out / "checkpoints"
+    final = base / f"ckpt-{index:05d}"
+    tmp = base / f".tmp-ckpt-{index:05d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    trainable = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(trainable, str(tmp / "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    files = []
+    for name in ("optimizer.pt", "trainable.safetensors"):
+        digest, size = sha256_file(tmp / name)
+        files.append({"path": name, "size": size, "sha256": digest})
+    raw = canonical_json_bytes({"schema": CHECKPOINT_SCHEMA, "files": files, "state": state})
+    atomic_write_bytes(tmp / "CHECKPOINT.json", raw)
+    atomic_publish_dir(tmp, final)
+    return final, sha256_hex(raw)
+
+
+def _restore(ckpt: Path, model, optimizer) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    if set(saved) != {n for n, p in params.items() if p.requires_grad}:
+        raise ContractError(f"{ckpt} holds other trainable parameters than this model; use a new --out")
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+
+
+# ------------------------------------------------------------------- training
+
+
+def _config_record(out: Path, config: dict[str, Any]) -> None:
+    path = out / "train.json"
+    data = canonical_json_bytes(config)
+    if path.exists():
+        if path.read_bytes() != data:
+            raise ContractError(
+                f"{path} records a different training configuration; resume with the same options or use a new --out"
+            )
+        return
+    atomic_write_bytes(path, data)
+
+
+def _publish_output(out: Path, model, lora: bool, ckpt_sha: str) -> Path:
+    final = out / "adapter"
+    marker = "kiln_kd_checkpoint.json"
+    if final.is_dir() and (final / marker).is_file():
+        if strict_json_loads((final / marker).read_bytes()).get("checkpoint_sha256") == ckpt_sha:
+            return final
+        shutil.move(str(final), str(out / f".old-adapter-{int(time.time() * 1000)}"))
+    tmp = out / f".tmp-adapter-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    atomic_write_bytes(tmp / marker, canonical_json_bytes({"checkpoint_sha256": ckpt_sha, "lora": lora}))
+    atomic_publish_dir(tmp, final)
+    return final
+
+
+def train_sparse_kd(
+    run_root: str | os.PathLike[str],
+    student: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    run_id: str = "kd",
+    lora: bool = True,
+    lora_r: int = 8,
+    lora_alpha: int = 16,
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    ce_weight: float = 1.0,
+    kd_weight: float = 1.0,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Consume every available shard of a run exactly once; return a summary dict.
+
+    Returns ``{"adapter", "shards": [{"transaction_id", "action", ...}], "steps",
+    "tokens", "checkpoint_sha256", "skipped"}`` where action is ``trained``,
+    ``reconciled`` (commit appended from an existing checkpoint, no retraining)
+    or ``already-committed``.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+    from kiln.runtime.loader import inspect_model_dir, load_model
+    from kiln.training.kd_loss import SparseKDLoss
+
+    out = Path(out_dir)
+    plan, todo, skipped = available_shards(run_root)
+    info = inspect_model_dir(student)
+    check_model_dir(plan.student, info.path, "student")
+    check_tokenizer_dir(plan.tokenizer, info.path, "student")
+    out.mkdir(parents=True, exist_ok=True)
+    _config_record(
+        out,
+        {
+            "schema": TRAIN_CONFIG_SCHEMA,
+            "plan_sha256": plan.digest(),
+            "student_fingerprint_sha256": plan.student.digest(),
+            "run_id": run_id,
+            "lora": lora,
+            "lora_r": lora_r,
+            "lora_alpha": lora_alpha,
+            "target_modules": sorted(target_modules),
+            "lr": float(lr),
+            "batch_size": batch_size,
+            "ce_weight": float(ce_weight),
+            "kd_weight": float(kd_weight),
+            "seed": seed,
+            "dtype": dtype,
+        },
+    )
+    torch.manual_seed(seed)
+    loaded = load_model(info.path, device=device, dtype=dtype, info=info)
+    model = loaded.model
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    if vocab != plan.tokenizer.vocab_size:
+        raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=list(target_modules),
+                       task_type="CAUSAL_LM"),
+        )
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
+    use_ce = plan.consumption.trajectory == "teacher-expert"
+
+    ckpts = _checkpoint_dirs(out)
+    state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
+    ckpt_sha = None
+    if ckpts:
+        state, ckpt_sha = _checkpoint_record(ckpts[-1])
+        _restore(ckpts[-1], model, optimizer)
+    consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
+    k, limit = plan.probability.top_k, plan.capture.max_sequence_length
+    report = []
+    for shard_dir, head in todo:
+        ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
+        view = ledger.view
+        if view.state == "reserved":
+            open_rid = view.open_reservation[1]  # type: ignore[index]
+            if (ledger.artifact_sha256, open_rid) in consumed:
+                ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
+                report.append({"transaction_id": head.transaction_id, "action": "reconciled"})
+                continue
+            ledger.release()
+            fault("train_after_release")
+        elif view.commits:
+            report.append({"transaction_id": head.transaction_id, "action": "already-committed"})
+            continue
+        rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+        ledger.reserve(run_id, rid)
+        fault("train_after_reserve")
+        examples = load_shard_examples(shard_dir, head, plan)
+        windows = _windows(examples, limit)
+        steps = 0
+        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
+            for b0 in range(0, len(windows), batch_size):
+                batch = windows[b0 : b0 + batch_size]
+                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                    batch, examples, k, vocab, loaded.device, use_ce
+                )
+                logits = model(input_ids=ids, attention_mask=att).logits[rows, offs]
+                loss, _parts = loss_fn(logits, sel, lp, mask, tail, target)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+                state_tokens = int(rows.numel())
+                state["tokens"] += state_tokens
+                bar.update(state_tokens)
+                fault("train_mid_shard")
+        state["step"] += steps
+        state["consumed"].append(
+            {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
+        )
+        consumed.add((ledger.artifact_sha256, rid))
+        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
+        fault("train_after_checkpoint")
+        ledger.commit(ckpt_sha)
+        fault("train_after_commit")
+        report.append({"transaction_id": head.transaction_id, "action": "trained", "steps": steps})
+    if ckpt_sha is None:
+        raise LedgerError("nothing was trained and no checkpoint exists")
+    adapter = _publish_output(out, model, lora, ckpt_sha)
+    return {
+        "adapter": str(adapter),
+        "plan_sha256": plan.digest(),
+        "shards": report,
+        "steps": state["step"],
+        "tokens": state["tokens"],
+        "checkpoint_sha256": ckpt_sha,
+        "skipped": skipped,
+    }
+
+
+def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Consumption state per ledger in a training output directory (no model import)."""
+    out = []
+    base = Path(out_dir) / "ledgers"
+    if not base.is_dir():
+        return out
+    for path in sorted(base.glob("*.jsonl")):
+        from kiln.distill.contract import ConsumptionEvent
+
+        events = [ConsumptionEvent.parse(line) for line in path.read_bytes().splitlines() if line]
+        last = events[-1] if events else None
+        out.append(
+            {
+                "transaction_id": path.stem,
+                "state": last.next_state if last else "available",
+                "events": len(events),
+                "commits": sum(1 for e in events if e.action == "commit"),
+                "checkpoint_sha256": next((e.checkpoint_sha256 for e in reversed(events) if e.checkpoint_sha256), None),
+            }
+        )
+    return out
+
+
+__all__ += ["ledger_status", "DistillError"]
