@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, latest_checkpoint
@@ -85,6 +85,8 @@ class RecipeContext:
     hooks: Hooks
     checkpoints: Path  # this job's checkpoint root
     resume_checkpoints: Path | None  # the resumed job's checkpoint root
+    # post-train gate: (published record, request's post_eval) -> verdict dict (kiln.evals); None: no evals
+    gate: Callable[[AdapterRecord, dict[str, Any]], dict[str, Any]] | None = None
 
 
 class TrainingRecipe:
@@ -94,6 +96,8 @@ class TrainingRecipe:
         self.plan, self.ctx, self.job_id = plan, ctx, job_id
         self.private = f"kiln-{job_id}"
         self.timings: dict[str, float] = {}
+        self.activated = False
+        self.post_eval: dict[str, Any] | None = None
         self.peft_model: Any = None
         self._t = time.perf_counter()
 
@@ -168,8 +172,17 @@ class TrainingRecipe:
         return record
 
     def activate(self, record: AdapterRecord) -> None:
-        if self.plan.auto_load:
+        """``auto_load``, or with ``post_eval`` only a ``promoted`` verdict with ``activate_on_pass``."""
+        post_eval = self.plan.request.get("post_eval")
+        activate = self.plan.auto_load
+        if post_eval is not None:
+            self.post_eval = (self.ctx.gate(record, post_eval) if self.ctx.gate is not None
+                              else {"verdict": "error", "reason": "evals are not available in this process"})
+            self._phase("post_eval")
+            activate = self.post_eval.get("verdict") == "promoted" and bool(post_eval.get("activate_on_pass"))
+        if activate:
             self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
+        self.activated = activate
         self._phase("activate")
 
     def result(self, record: AdapterRecord, report: Report, resume: Checkpoint | None) -> dict[str, Any]:
@@ -177,9 +190,10 @@ class TrainingRecipe:
             "adapter": record.name,
             "revision": record.revision,
             "path": str(record.path),
-            "activated": self.plan.auto_load,
+            "activated": self.activated,
             "resumed_from_step": None if resume is None else resume.step,
             "report": report.as_dict(),
+            **({"post_eval": self.post_eval} if self.post_eval is not None else {}),
             "timings_s": self.timings | {"total": round(sum(self.timings.values()), 4)},
         }
 

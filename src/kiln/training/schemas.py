@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.evals.schemas import PostEval
 
 MAX_MESSAGE_CHARS = 32_768
 MAX_MESSAGES_PER_EXAMPLE = 64
@@ -96,6 +97,14 @@ class _TrainCommon(_Wire):
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="cap on optimizer steps")
     auto_load: bool = False
     resume_from_job: str | None = Field(None, description="continue an interrupted job from its last checkpoint")
+    post_eval: PostEval | None = Field(None, description="evaluate the published adapter against a baseline and "
+                                       "activate it only on a `promoted` verdict with activate_on_pass (docs/evals.md)")
+
+    @model_validator(mode="after")
+    def _post_eval_owns_activation(self) -> "_TrainCommon":
+        if self.post_eval is not None and self.auto_load:
+            raise ValueError("with post_eval, activation is post_eval.activate_on_pass; leave auto_load false")
+        return self
 
     @field_validator("adapter", "base_adapter")
     @classmethod

@@ -99,6 +99,7 @@ class TrainingService:
         self._linear_names = _linear_module_suffixes(model.model)
         self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
         self._plans: dict[str, JobPlan] = {}  # plans of jobs submitted to this process, by job ID
+        self.evals: Any = None  # kiln.evals.service.EvalService for post_eval gates (set_eval_service)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._cancel_running = threading.Event()
@@ -355,6 +356,25 @@ class TrainingService:
                 "the training inputs or the base adapter changed after the job was submitted; resubmit it")
         return plan
 
+    def set_eval_service(self, evals: Any) -> None:
+        """The :class:`kiln.evals.service.EvalService` that runs ``post_eval`` gates (set by the app)."""
+        self.evals = evals
+
+    def _gate_for(self, job: Job) -> Any:
+        evals = self.evals
+        if evals is None:
+            return None
+        from kiln.evals.schemas import AdapterRef, PostEval
+
+        def gate(record: AdapterRecord, post_eval: dict[str, Any]) -> dict[str, Any]:
+            def record_ids(ids: dict[str, Any]) -> None:  # the eval run IDs appear on the job at once
+                self.jobs.update_progress(job.id, self.jobs.get(job.id).progress | {"post_eval": ids})
+
+            return evals.post_train_gate(AdapterRef(adapter=record.name, revision=record.revision),
+                                         PostEval.model_validate(post_eval), on_runs=record_ids)
+
+        return gate
+
     def _execute(self, job: Job) -> dict[str, Any]:
         plan = self._plan_for(job)
         resumed = job.request.get("resume_from_job")
@@ -366,7 +386,7 @@ class TrainingService:
             plan_sha256=plan.plan_sha256,
         )
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
-                            None if not resumed else self._checkpoint_root(resumed))
+                            None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job))
         return TrainingRecipe(plan, ctx, job_id=job.id).run()
 
 
