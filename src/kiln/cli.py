@@ -27,6 +27,7 @@ _GROUPS: list[tuple[str, str]] = [
     ("ranks", "kiln.cluster.cli"),
     ("train", "kiln.training.cli"),
     ("adapters", "kiln.adapters.cli"),
+    ("eval", "kiln.evals.cli"),
 ]
 
 # Top-level commands: (module, function name) registered as ``kiln <name>``.
