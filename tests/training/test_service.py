@@ -26,7 +26,7 @@ def service(builtin_model_dir, tmp_path_factory):
 
     home = tmp_path_factory.mktemp("home")
     settings = load_settings(cli={"home": str(home), "training.queue_max": 2}, environ={}).settings
-    loaded = load_model(builtin_model_dir, device="cpu")
+    loaded = load_model(builtin_model_dir, device="auto")  # CUDA when present: the service follows the model
     engine = Engine(loaded, EngineConfig()).start()
     state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=None)
     attach_training(state)
