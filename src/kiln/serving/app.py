@@ -40,7 +40,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     Raises :class:`kiln.serving.security.ApiKeyMissing` when ``server.api_key_env``
     names an unset variable.
     """
-    from kiln.serving import routes_adapters, routes_evals, routes_training
+    from kiln.serving import routes_adapters, routes_evals, routes_training, routes_ui
     from kiln.serving.fast_path import FastRoutes
     from kiln.serving.routes_openai import FAST_ROUTES
     from kiln.serving.routes_openai import router as openai_router
@@ -79,7 +79,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.state.redact_paths = redact
     app.state.evals = evals
     install_error_handlers(app, redact.text)
-    routers = (openai_router, ops_router, routes_training.router, routes_adapters.router)
+    routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
     for router in routers:
         app.include_router(router)
