@@ -22,5 +22,5 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     "${pip[@]}" install 'torch==2.13.0'
   fi
 fi
-"${pip[@]}" install -e '.[dev]'
+"${pip[@]}" install -e '.[dev]'  # dev extra: pytest, ..., playwright (tests/ui use the system chromium)
 echo "$want" > "$stamp"

@@ -5,5 +5,14 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh
+# The dashboard's browser tests (tests/ui) drive the system chromium; they skip, saying why, without it.
+if [ -z "${KILN_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y chromium || { apt-get update -qq && apt-get install -y chromium; }; } >/dev/null \
+      || echo "kiln: apt-get install chromium failed; tests/ui will skip" >&2
+  else
+    echo "kiln: no chromium: tests/ui will skip (install it: apt-get install chromium, or set KILN_CHROMIUM=/path/to/chrome)" >&2
+  fi
+fi
 venv="${KILN_VENV:-$root/.venv}"
 exec "$venv/bin/python" -m pytest "$@"
