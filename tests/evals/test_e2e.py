@@ -5,12 +5,12 @@ answers is refused with `regression` and the served adapter is unchanged."""
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 
 from kiln.demo import kiln_server, wait_job
 from kiln.runtime.builtin import BUILTIN_NAME
+from tests.evals.test_http import wait_run
 
 WORDS = ["amber", "basil", "cedar", "delta", "ember", "fjord", "gecko", "heron", "igloo", "jade",
          "koala", "lemon", "mango", "nectar", "olive", "pearl", "quartz", "raven", "sage", "tulip"]
@@ -106,23 +106,13 @@ def _gate_flow(tmp_path_factory, builtin_model_dir, n: int) -> dict:
         # 3. Strict replay of the promoted candidate's run; metrics.
         r = c.post("/v1/evals/replays", json={"run_id": cand_run["id"]})
         assert r.status_code == 202, r.text
-        replay = _wait_run(c, r.json()["id"])
+        replay = wait_run(c, r.json()["id"])
         assert replay["result"]["replay"]["verdict"] == "matched", replay["result"]["replay"]
         metrics = c.get("/metrics").text
         assert 'kiln_eval_gate_verdicts_total{verdict="promoted"} 1.0' in metrics
         assert 'kiln_eval_gate_verdicts_total{verdict="regression"} 1.0' in metrics
         assert "kiln_eval_run_duration_seconds_bucket" in metrics
     return figures
-
-
-def _wait_run(client, run_id: str, timeout: float = JOB_TIMEOUT_S) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        run = client.get(f"/v1/evals/runs/{run_id}").json()
-        if run["state"] in ("succeeded", "failed", "cancelled"):
-            return run
-        assert time.monotonic() < deadline, f"eval run {run_id} still {run['state']}"
-        time.sleep(0.1)
 
 
 def test_post_train_gate_promotes_then_refuses_a_regression(tmp_path_factory, builtin_model_dir):
