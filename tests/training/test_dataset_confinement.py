@@ -49,36 +49,57 @@ def test_directory_swapped_for_a_symlink_is_refused(dirs):
     assert _code(lambda: load_sft_dataset(data, "sub/d.jsonl", max_examples=10)) == (400, "dataset_symlink")
 
 
-def test_racing_symlink_swaps_never_read_outside(dirs):
-    """A thread flips `sub` between the real directory and a symlink to `outside` while jobs
-    open the dataset: every open either reads the inside file or is refused."""
+def test_directory_swapped_after_it_was_entered_still_reads_inside(dirs, monkeypatch):
+    """The swap lands between walking into `sub` and opening the file (the window a
+    check-then-open implementation has): the open is relative to the directory already
+    entered, so it reads the inside file, never the symlink's target."""
+    import kiln.training.data as data_mod
+
     data, outside = dirs
-    os.rename(data / "sub", data / "real")
+    real_open = os.open
+
+    def swapping_open(path, flags, *args, **kw):
+        if path == "d.jsonl":
+            os.rename(data / "sub", data / "real")
+            os.symlink(outside, data / "sub")
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(data_mod.os, "open", swapping_open)
+    examples, _ = load_sft_dataset(data, "sub/d.jsonl", max_examples=10)
+    assert os.path.islink(data / "sub")  # the swap happened
+    assert examples[0].messages[0].content == "hi"
+
+
+def test_racing_directory_symlink_swaps_never_read_outside(dirs):
+    """A thread keeps swapping the real `sub` directory for a symlink to `outside` and back
+    while jobs read the dataset: every read is the inside file or a 4xx, never the outside one."""
+    data, outside = dirs
     stop = threading.Event()
 
     def flip():
         while not stop.is_set():
-            for make in (lambda: os.symlink(outside, data / "tmp"), lambda: os.symlink("real", data / "tmp")):
-                make()
-                os.replace(data / "tmp", data / "sub")
+            os.rename(data / "sub", data / "real")
+            os.symlink(outside, data / "sub")
+            os.unlink(data / "sub")
+            os.rename(data / "real", data / "sub")
 
     t = threading.Thread(target=flip, daemon=True)
     t.start()
     seen = {"inside": 0, "refused": 0}
     try:
-        for _ in range(300):
+        for _ in range(500):
             try:
                 examples, _ = load_sft_dataset(data, "sub/d.jsonl", max_examples=10)
             except KilnError as exc:
                 assert exc.status in (400, 404), exc
                 seen["refused"] += 1
             else:
-                assert examples[0].messages[0].content == "hi"  # never the outside file
+                assert examples[0].messages[0].content == "hi", "read a file outside the data dir"
                 seen["inside"] += 1
     finally:
         stop.set()
         t.join(10)
-    assert seen["refused"] == 300  # `sub` is always a symlink here: every open is refused, none follows it
+    assert sum(seen.values()) == 500
 
 
 def test_fifo_is_refused_without_blocking(dirs):

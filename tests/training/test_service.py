@@ -189,3 +189,25 @@ def test_cancel_running_job_queue_full_and_resume(service):
     assert svc.job(resumed["id"])["progress"]["resumed_from_step"] >= 5
     svc.cancel(resumed["id"])  # no need to run all 400 epochs
     assert _wait(svc, resumed["id"])["state"] == "cancelled"
+
+
+def test_shutdown_with_a_running_job_then_restart_and_resume(service):
+    """The default lane's fast variant of the SIGKILL end-to-end test (slow lane): a service
+    stopped mid-job fails it with a resume hint; a new service on the same home resumes it."""
+    from kiln.training.service import TrainingService
+
+    svc = service.trainer
+    long = svc.submit(_sft(adapter="restart", epochs=400, checkpoint_interval=5, auto_load=False))
+    _until(lambda: (svc.job(long["id"])["progress"].get("checkpoint_step") or 0) >= 5)
+    svc.close()
+    fresh = TrainingService(engine=service.engine, store=svc.store, settings=service.settings, model=service.loaded)
+    service.trainer = fresh  # the fixture's teardown closes this one
+    fresh.start()
+    stopped = fresh.job(long["id"])
+    assert stopped["state"] == "failed" and "resume_from_job" in stopped["error"], stopped
+    resumed = fresh.submit(_sft(adapter="restart", epochs=400, checkpoint_interval=5, auto_load=False,
+                                resume_from_job=long["id"]))
+    _until(lambda: "resumed_from_step" in fresh.job(resumed["id"])["progress"])
+    assert fresh.job(resumed["id"])["progress"]["resumed_from_step"] >= 5
+    fresh.cancel(resumed["id"])
+    assert _wait(fresh, resumed["id"])["state"] == "cancelled"
