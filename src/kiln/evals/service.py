@@ -354,7 +354,10 @@ class EvalService:
                                              error=f"{exc.code}: {exc.message}").as_dict()}
         if on_runs is not None:
             on_runs({"gate_run": gate_run["id"]})
-        run = self.wait(gate_run["id"])
+        try:
+            run = self.wait(gate_run["id"])
+        except Exception as exc:  # noqa: BLE001 - e.g. the service closed under a waiting job
+            run = {"id": gate_run["id"], "state": FAILED, "error": f"the gate was interrupted: {exc}"}
         result = run.get("result") or {}
         if run["state"] != SUCCEEDED or "gate" not in result:
             verdict = gates.paired_wilson_v1([], min_accuracy=post_eval.min_accuracy, min_pairs=post_eval.min_pairs,
