@@ -62,7 +62,7 @@ def run_concurrently(fn, args_list):
 def test_greedy_equals_generate_with_chunked_prefill_and_queueing(loaded, reference, monkeypatch, packed):
     # tiny budget and chunks: prompts are split over several cycles, rows wait for the 3 slots
     if not packed:  # force the two-forward path (batched decode + right-padded prefill)
-        monkeypatch.setattr("kiln.runtime.engine.PACKED_MAX_SCORES", 0)
+        monkeypatch.setattr("kiln.runtime.batches.PACKED_MAX_SCORES", 0)
     engine = make_engine(loaded, token_budget=24, prefill_chunk_tokens=7, max_running_rows=3, max_model_len=256)
     try:
         prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -143,7 +143,7 @@ def test_stop_sequences_and_eos(loaded):
     try:
         prompt = engine.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
         full = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0))[0]
-        assert full.finish_reason == "stop" and full.token_ids[-1] in engine._eos
+        assert full.finish_reason == "stop" and full.token_ids[-1] in engine.tokens.eos_ids
         stop = full.text[5:9]
         cut = engine.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=(stop,)))[0]
         assert cut.text == full.text[: full.text.index(stop)]
@@ -171,26 +171,6 @@ def test_prompt_scoring_matches_forward(loaded, reference):
 
 
 # -- adapters -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lora_dirs(builtin_model_dir, tmp_path_factory):
-    """Two LoRA adapters with non-zero B, saved with PEFT from independent model copies."""
-    from peft import LoraConfig, get_peft_model
-
-    out = []
-    for seed in (1, 2):
-        base = load_model(builtin_model_dir).model
-        peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
-        d = tmp_path_factory.mktemp(f"lora{seed}")
-        peft_model.save_pretrained(d)
-        out.append(d)
-    return out
 
 
 def peft_greedy(builtin_model_dir, adapter_dir, prompt, n):

@@ -4,7 +4,10 @@ Served adapter *names* map to internal PEFT adapter *keys* (``name@revision[:12]
 A request resolves its name to a key once, at admission, and holds a reference
 on that key until its row is cleaned up; activation of a new revision loads the
 new key, checks it with a canary, then flips the name's mapping in one step.
-Keys no longer mapped are deleted when their last row lets go.
+Keys no longer mapped are deleted when their last row lets go. Deleting takes
+exclusive ownership; when the last reference is dropped by a thread inside a shared
+section (the engine's own cycle), the deletion is queued and :meth:`AdapterSlots.reap`
+runs it once the engine has left the section, so the engine never waits on itself.
 
 PEFT wraps the base model in place the first time an adapter is needed. It needs
 one adapter to exist, so the wrap installs a rank-1 placeholder whose B matrix is
@@ -53,6 +56,7 @@ class AdapterSlots:
         self._names: dict[str, tuple[str, str]] = {}  # name -> (key, revision)
         self._refs: dict[str, int] = {}  # key -> rows holding it
         self._retired: set[str] = set()  # keys no name maps to any more
+        self._doomed: list[str] = []  # retired keys whose last reference went while shared was held
 
     # -- model objects ---------------------------------------------------------
     @property
@@ -109,9 +113,30 @@ class AdapterSlots:
                 return
             del self._refs[key]
             drop = key in self._retired
+            if drop and self._ownership.holds_shared():
+                self._doomed.append(key)
+                return
         if drop:
             with self._ownership.exclusive():
                 self._delete_key(key)
+
+    def reap(self) -> None:
+        """Delete retired keys whose last reference was dropped inside a shared section.
+        Call it without shared ownership (the engine does, between cycles)."""
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        if doomed:
+            with self._ownership.exclusive():
+                for key in doomed:
+                    with self._lock:
+                        if self._refs.get(key, 0) > 0 or key not in self._retired:
+                            continue  # re-activated meanwhile (a new name maps to it again)
+                    self._delete_key(key)
+
+    @property
+    def reap_pending(self) -> bool:
+        with self._lock:
+            return bool(self._doomed)
 
     # -- control side ------------------------------------------------------------
     def activate(self, name: str, path: Path, revision: str, canary: Callable[[str], None]) -> None:

@@ -5,6 +5,12 @@ physical change takes exclusive ownership. The lock is writer-preferring: once a
 exclusive owner waits, new shared owners queue behind it, so a training step gets the
 device between two decode steps and serving resumes right after it. Ownership is held
 per step, never per job, which is what keeps chat responsive during a training job.
+
+The lock is not re-entrant across modes: a thread that holds shared ownership and
+asks for exclusive ownership would wait on itself forever. :meth:`exclusive` refuses
+that with :class:`OwnershipError` instead, and :meth:`holds_shared` lets code that may
+run inside a shared section (dropping the last reference to a retired adapter) defer
+its exclusive work until the section ends.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+class OwnershipError(RuntimeError):
+    """Exclusive ownership requested by a thread that holds shared ownership (a self-deadlock)."""
+
+
 class AcceleratorOwnership:
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -23,6 +33,11 @@ class AcceleratorOwnership:
         self._exclusive_waiting = 0
         self.exclusive_wait_s = 0.0  # cumulative, for metrics
         self.exclusive_held_s = 0.0
+        self._local = threading.local()  # per thread: shared sections it holds
+
+    def holds_shared(self) -> bool:
+        """True when the calling thread is inside a :meth:`shared` section."""
+        return getattr(self._local, "depth", 0) > 0
 
     @contextmanager
     def shared(self) -> Iterator[None]:
@@ -30,9 +45,11 @@ class AcceleratorOwnership:
             while self._exclusive or self._exclusive_waiting:
                 self._cond.wait()
             self._shared += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield
         finally:
+            self._local.depth -= 1
             with self._cond:
                 self._shared -= 1
                 if self._shared == 0:
@@ -40,6 +57,9 @@ class AcceleratorOwnership:
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
+        if self.holds_shared():
+            raise OwnershipError("exclusive ownership requested while this thread holds shared ownership; "
+                                 "defer the work until the shared section ends")
         t0 = time.perf_counter()
         with self._cond:
             self._exclusive_waiting += 1

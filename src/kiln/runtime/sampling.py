@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy
+LOGPROB_FLOOR = -9999.0  # reported for impossible tokens, as vLLM does
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,18 @@ class TokenChoice:
 
 
 def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k and top-p for sampled rows; ``logits``: ``[m, vocab]`` -> probabilities ``[m, vocab]``."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps[:, None]
+    """Temperature, top-k and top-p for sampled rows; ``logits``: ``[m, vocab]`` -> probabilities ``[m, vocab]``.
+
+    Robust to any parameter the API accepts and to broken logits: NaN logits count as
+    impossible, the best token always survives top-k/top-p (a ``top_p`` that rounds to 0
+    in float32 keeps just it), scaling happens after subtracting each row's maximum so a
+    tiny temperature cannot overflow, and a row left with no valid distribution becomes
+    a one-hot on its best token. Every returned row is a valid distribution.
+    """
+    logits = _sanitize(logits)
+    temps = torch.tensor([max(p.temperature, GREEDY_EPS) for p in params], dtype=logits.dtype, device=logits.device)
+    best = logits.max(-1, keepdim=True).values
+    logits = torch.where(torch.isfinite(best), logits - best, logits) / temps[:, None]  # best token at 0
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     need_k = any(k < vocab for k in top_ks)
@@ -58,14 +68,26 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
             ks = torch.tensor(top_ks, device=logits.device)
             drop |= torch.arange(vocab, device=logits.device)[None, :] >= ks[:, None]
         if need_p:
-            top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+            top_ps = torch.tensor([min(max(p.top_p, 0.0), 1.0) for p in params], dtype=logits.dtype,
+                                  device=logits.device)
             probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             cum = probs_sorted.cumsum(-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p
             drop |= (cum - probs_sorted) >= top_ps[:, None]
+        drop[:, 0] = False  # the best token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    bad = ~(torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0))
+    if bool(bad.any()):
+        onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(bad[:, None], onehot, probs)
+    return probs
+
+
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (impossible), +inf -> the largest float (certain, and arithmetic stays finite)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def select_tokens(
@@ -75,7 +97,7 @@ def select_tokens(
     shared_generator: torch.Generator | None = None,
 ) -> list[TokenChoice]:
     """Pick one token per row. ``logits``: ``[rows, vocab]`` (any float dtype)."""
-    logits = logits.float()
+    logits = _sanitize(logits.float())
     n = logits.shape[0]
     chosen = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy_idx = [i for i, p in enumerate(params) if p.greedy]
@@ -103,7 +125,8 @@ def select_tokens(
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         wi = torch.tensor(want, device=logits.device)
-        logp = logits[wi].log_softmax(-1)
+        # -inf (and NaN from a broken row) become vLLM's -9999.0: JSON has no infinities
+        logp = torch.nan_to_num(logits[wi].log_softmax(-1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
         picked = logp.gather(1, chosen[wi][:, None]).squeeze(1).tolist()
         kmax = max(params[i].logprobs or 0 for i in want)
         top_v, top_i = (logp.topk(kmax, dim=-1) if kmax > 0 else (None, None))

@@ -30,17 +30,28 @@ PromptLogprobRow = list[ScoredToken]
 
 def prompt_logprob_rows(logits: torch.Tensor, token_ids: list[int], k: int) -> list[PromptLogprobRow | None]:
     """``logits``: ``[L, vocab]`` for ``token_ids`` (length ``L``) -> ``L`` rows, the first ``None``."""
-    if len(token_ids) < 2:
-        return [None] * len(token_ids)
-    logp = logits[:-1].float().log_softmax(-1)  # [L-1, vocab]: prediction for positions 1..L-1
-    actual = torch.tensor(token_ids[1:], device=logp.device)
-    actual_lp = logp.gather(1, actual[:, None])  # [L-1, 1]
-    actual_rank = (logp >= actual_lp).sum(-1)  # [L-1]
+    if not token_ids:
+        return []
+    return [None] + chunk_rows(logits, token_ids, 0, k)
+
+
+def chunk_rows(logits: torch.Tensor, token_ids: list[int], start: int, k: int) -> list[PromptLogprobRow]:
+    """Rows for one prefill chunk: ``logits`` ``[c, vocab]`` at prompt positions ``start .. start+c-1``
+    score the tokens at ``start+1 .. start+c`` (those inside the prompt). Chunks scored in order
+    and concatenated after a leading ``None`` give :func:`prompt_logprob_rows`."""
+    n = min(logits.shape[0], len(token_ids) - 1 - start)
+    if n <= 0:
+        return []
+    logp = logits[:n].float().log_softmax(-1)  # prediction for positions start+1 .. start+n
+    targets = token_ids[start + 1 : start + 1 + n]
+    actual = torch.tensor(targets, device=logp.device)
+    actual_lp = logp.gather(1, actual[:, None])  # [n, 1]
+    actual_rank = (logp >= actual_lp).sum(-1)  # [n]
     if k > 0:
         top_v, top_i = logp.topk(min(k, logp.shape[-1]), dim=-1)
         top_v, top_i = top_v.tolist(), top_i.tolist()
-    rows: list[PromptLogprobRow | None] = [None]
-    for j, (tid, lp, rank) in enumerate(zip(token_ids[1:], actual_lp[:, 0].tolist(), actual_rank.tolist())):
+    rows: list[PromptLogprobRow] = []
+    for j, (tid, lp, rank) in enumerate(zip(targets, actual_lp[:, 0].tolist(), actual_rank.tolist())):
         entries = {tid: ScoredToken(tid, lp, int(rank))}
         if k > 0:  # a top-k entry for the actual token replaces it in place (keeps its first position)
             entries.update((t, ScoredToken(t, v, r + 1)) for r, (t, v) in enumerate(zip(top_i[j], top_v[j])))

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.errors import KilnError
+from kiln.errors import InvalidRequest, KilnError
 from kiln.serving.errors import (
     http_error_response,
     kiln_error_response,
@@ -40,6 +40,33 @@ from kiln.serving.errors import (
 Handler = Callable[[Any, Any, Receive], Awaitable[Response]]
 
 JSON_MEDIA_TYPE = b"application/json"
+MAX_JSON_DEPTH = 64  # nesting levels of arrays/objects; Kiln's request schemas need fewer than 10
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``body`` nests arrays/objects deeper than ``limit`` (brackets inside strings are
+    skipped). Cheap: bodies with at most ``limit`` opening brackets in all are never scanned."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    depth = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte == 0x5B or byte == 0x7B:  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte == 0x5D or byte == 0x7D:  # ] }
+            depth -= 1
+    return False
 
 
 def is_json_content(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -92,8 +119,13 @@ class FastRoutes:
         except HTTPException as exc:  # the body-limit middleware refusing a chunked body mid-stream
             return await http_error_response(exc)(scope, receive, send)
         model, handler = route
+        body = b"".join(chunks)
+        if json_depth_exceeds(body):  # json.loads would recurse into a RecursionError (a 500)
+            error = InvalidRequest(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels",
+                                   code="invalid_json", hint="flatten the request body")
+            return await kiln_error_response(error)(scope, receive, send)
         try:
-            request = model.model_validate(json.loads(b"".join(chunks)))
+            request = model.model_validate(json.loads(body))
         except (ValueError, ValidationError):  # not JSON (JSONDecodeError, UnicodeDecodeError) or invalid
             return await self.app(scope, replaying(messages, receive), send)
         try:

@@ -147,7 +147,15 @@ async def _collect(receive: Receive, sub: Submission, timeout_s: float) -> list[
                 if c.finish_reason is not None:
                     reasons[i] = c.finish_reason
 
-    work = asyncio.ensure_future(drain())
+    await _until_done(receive, asyncio.ensure_future(drain()), sub.cancel, timeout_s, "the request",
+                      "lower max_tokens or raise server.request_timeout_s")
+    _raise_on_engine_error(reasons.values())
+    return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
+
+
+async def _until_done(receive: Receive, work: asyncio.Future, cancel: Callable[[], None], timeout_s: float,
+                      what: str, hint: str) -> Any:
+    """``work``'s result; on a disconnect or after ``timeout_s`` cancel it (and the engine's rows) and raise."""
     watch = asyncio.ensure_future(_await_disconnect(receive))
     try:
         done, _ = await asyncio.wait({work, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -155,13 +163,11 @@ async def _collect(receive: Receive, sub: Submission, timeout_s: float) -> list[
         watch.cancel()
     if work not in done:
         work.cancel()
-        sub.cancel()
+        cancel()
         if watch in done:
             raise ClientClosed("the client disconnected", code="client_closed")
-        raise Unavailable(f"the request did not finish within {timeout_s} s", code="request_timeout", hint="lower max_tokens or raise server.request_timeout_s")
-    work.result()
-    _raise_on_engine_error(reasons.values())
-    return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
+        raise Unavailable(f"{what} did not finish within {timeout_s} s", code="request_timeout", hint=hint)
+    return work.result()
 
 
 def _raise_on_engine_error(reasons) -> None:
@@ -171,26 +177,9 @@ def _raise_on_engine_error(reasons) -> None:
         raise Unavailable("generation was aborted (the server is shutting down)", code="engine_unavailable", hint="retry against a running server")
 
 
-class _TokenText:
-    """Token id -> its text, cached (logprob entries name tokens by text)."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._tok.decode([token_id])
-            self._cache[token_id] = text
-        return text
-
-
-def _token_text(state) -> _TokenText:
-    tt = state.extras.get("token_text")
-    if tt is None:
-        tt = state.extras["token_text"] = _TokenText(state.model.tokenizer)
-    return tt
+def _token_text(state) -> Callable[[int], str]:
+    """Token id -> its text (logprob entries name tokens by text), from the engine's tokenization."""
+    return state.engine.token_text
 
 
 # Responses are built as plain dicts in the field order of the models in kiln.serving.protocol
@@ -202,7 +191,7 @@ def _top_entry(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def _chat_logprobs(tokens: list[TokenChoice], tt: _TokenText) -> dict:
+def _chat_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str]) -> dict:
     """``ChatLogprobs``."""
     return {"content": [
         {**_top_entry(tt(t.token_id), t.logprob), "top_logprobs": [_top_entry(tt(i), lp) for i, lp in t.top]}
@@ -210,7 +199,7 @@ def _chat_logprobs(tokens: list[TokenChoice], tt: _TokenText) -> dict:
     ]}
 
 
-def _completion_logprobs(tokens: list[TokenChoice], tt: _TokenText, offset: int = 0) -> dict:
+def _completion_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str], offset: int = 0) -> dict:
     """``CompletionLogprobs``."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
@@ -332,7 +321,7 @@ async def list_models(request: Request) -> ModelList:
     state = _state(request)
     created = int(state.started_at)
     limit = state.settings.limits.max_model_len
-    cards = [ModelCard(id=state.model_id, created=created, root=str(state.model.path), max_model_len=limit,
+    cards = [ModelCard(id=state.model_id, created=created, root=state.model_id, max_model_len=limit,
                        base_model_sha256=state.model.base_model_sha256)]
     for name, rev in state.engine.active_adapters().items():
         cards.append(ModelCard(id=name, created=created, root=name, parent=state.model_id, max_model_len=limit,
@@ -417,14 +406,14 @@ def _prompt_ids(state, body: CompletionRequest) -> list[int]:
         if not body.prompt:
             raise InvalidRequest("the prompt is empty", code="invalid_request", hint="send a non-empty prompt")
         return state.engine.encode_text(body.prompt)
-    vocab = len(state.model.tokenizer)
-    bad = next((t for t in body.prompt if t >= vocab), None)
+    vocab = state.engine.vocab_size
+    bad = state.engine.tokens.first_out_of_vocab(body.prompt)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})", code="invalid_token_id", hint=f"token ids must be in [0, {vocab})")
     return list(body.prompt)
 
 
-def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: _TokenText) -> list[dict[str, dict] | None]:
+def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: Callable[[int], str]) -> list[dict[str, dict] | None]:
     """One ``{token id: PromptLogprob}`` per prompt position (``None`` first)."""
     return [
         None if row is None else {
@@ -463,11 +452,8 @@ async def completion_response(state, body: CompletionRequest, receive: Receive) 
             fut = state.engine.score_prompt(prompt, body.prompt_logprobs, adapter=adapter)
         except UnknownAdapter as exc:  # unloaded between resolution and admission
             raise _unknown_model(state, str(exc)) from exc
-        try:
-            rows = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
-        except asyncio.TimeoutError:
-            fut.cancel()
-            raise Unavailable(f"scoring did not finish within {timeout} s", code="request_timeout", hint="score a shorter prompt or raise server.request_timeout_s") from None
+        rows = await _until_done(receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
+                                 "score a shorter prompt or raise server.request_timeout_s")
         prompt_rows = _prompt_logprobs_json(rows, tt)
 
     if max_tokens == 0:

@@ -38,7 +38,7 @@ async def health(request: Request) -> JSONResponse:
     state = request.app.state.kiln
     engine = state.engine
     stats = engine.stats()
-    ok = engine.running
+    ok, why = engine.health()  # not ok: stopped, failed, or stuck in one step past batching's stall timeout
     body = {
         "status": "ok" if ok else "unavailable",
         "model": state.model_id,
@@ -50,7 +50,9 @@ async def health(request: Request) -> JSONResponse:
         "queued_rows": stats["queued_rows"],
         "active_rows": stats["active_rows"],
         "max_running_rows": stats["max_running_rows"],
-        "engine_error": stats["failed"],
+        "engine_error": why,
+        "engine_busy_s": stats.get("busy_s"),
+        "engine_steps": stats["steps"],
         "adapters": engine.active_adapters(),
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,

@@ -1,0 +1,148 @@
+"""The three batch builders of an engine cycle: each turns rows into one model forward.
+
+* :meth:`Batches.packed` - decode tokens and prompt chunks of all rows as ONE sequence
+  ``[1, T]`` with a mask that confines every token to its own row's cache (no padding);
+* :meth:`Batches.decode` - one token for each decoding row (slots ``0..n-1``);
+* :meth:`Batches.prefill` - the next prompt chunk of each row, right-padded; with
+  ``all_logits=True`` it keeps every position's logits (scoring rows).
+
+Rows are the scheduler's (duck-typed: ``prompt``, ``prefilled``, ``pos``, ``slot``,
+``generated``, ``adapter_key``). Every tensor is created on the model's device.
+The caller holds shared accelerator ownership and inference mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kiln.runtime.kv_slots import SlotKV
+
+PACKED_MAX_SCORES = 1 << 21  # tokens x rows x kv_len above which a mixed cycle uses two forwards
+
+Chunk = tuple[Any, int]  # (row, prompt tokens this cycle)
+
+
+class Batches:
+    def __init__(self, kv: SlotKV, adapters: Any, device: Any, pad_id: int):
+        self.kv = kv
+        self.adapters = adapters
+        self.device = device
+        self.pad_id = pad_id
+
+    def _adapter_kwargs(self, rows: Sequence[Any]) -> dict[str, Any]:
+        if not self.adapters.wrapped:
+            return {}
+        return {"adapter_names": [r.adapter_key for r in rows]}
+
+    def packable(self, decoding: list[Any], chunks: list[Chunk]) -> bool:
+        """One packed forward if every row uses the same adapter and the attention stays small."""
+        rows = decoding + [r for r, _ in chunks]
+        if len({r.adapter_key for r in rows}) != 1:
+            return False  # PEFT picks adapters per batch row; a packed batch has one row
+        tokens = len(decoding) + sum(c for _, c in chunks)
+        kv_len = max([r.pos + 1 for r in decoding] + [r.prefilled + c for r, c in chunks])
+        return tokens * len(rows) * kv_len <= PACKED_MAX_SCORES
+
+    def packed(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
+        """Returns decode logits ``[len(decoding), vocab]`` (or ``None``), logits ``[m, vocab]``
+        at the last prompt token of the ``m`` rows whose prefill completes, and those rows."""
+        dev = self.device
+        ids: list[int] = []
+        row_of: list[int] = []
+        pos_of: list[int] = []
+        keep: list[int] = []
+        for i, r in enumerate(decoding):
+            ids.append(r.generated[-1])
+            row_of.append(i)
+            pos_of.append(r.pos)
+            keep.append(i)
+        completing = []
+        for j, (r, c) in enumerate(chunks):
+            start = r.prefilled
+            ids.extend(r.prompt[start : start + c])
+            row_of.extend([len(decoding) + j] * c)
+            pos_of.extend(range(start, start + c))
+            if start + c == len(r.prompt):
+                keep.append(len(ids) - 1)
+                completing.append(r)
+        rows = decoding + [r for r, _ in chunks]
+        kv_len = max(pos_of) + 1
+        row_t = torch.tensor(row_of, device=dev)
+        pos_t = torch.tensor(pos_of, device=dev)
+        key_row = torch.arange(len(rows), device=dev).repeat_interleave(kv_len)
+        key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
+        mask = (key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None])
+        cache = self.kv.packed_step([r.slot for r in rows], row_t, pos_t, kv_len)
+        extra = {"adapter_names": [rows[0].adapter_key]} if self.adapters.wrapped else {}
+        out = self.adapters.forward_model(
+            input_ids=torch.tensor([ids], device=dev), position_ids=pos_t[None, :], attention_mask=mask[None, None],
+            past_key_values=cache, use_cache=True,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1, **extra,
+        )
+        logits = out.logits[0]
+        for r in decoding:
+            r.pos += 1
+        for r, c in chunks:
+            r.prefilled += c
+            r.pos = r.prefilled
+        n = len(decoding)
+        return (logits[:n] if n else None), (logits[n:] if completing else None), completing
+
+    def decode(self, rows: list[Any]) -> torch.Tensor:
+        """One token for each decoding row (slots ``0..n-1``) -> logits ``[n, vocab]``."""
+        dev = self.device
+        n = len(rows)
+        pos = torch.tensor([r.pos for r in rows], device=dev)
+        kv_len = int(max(r.pos for r in rows)) + 1
+        ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
+        mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+        cache = self.kv.step(list(range(n)), pos[:, None], kv_len)
+        out = self.adapters.forward_model(
+            input_ids=ids, position_ids=pos[:, None], attention_mask=mask, past_key_values=cache,
+            use_cache=True, logits_to_keep=1, **self._adapter_kwargs(rows),
+        )
+        for r in rows:
+            r.pos += 1
+        return out.logits[:, -1]
+
+    def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
+        """Next prompt chunk of each row, right-padded into one forward.
+
+        Default: logits ``[m, vocab]`` at the last prompt token of the ``m`` rows whose
+        prefill completes in this chunk (in that order), and those rows. ``all_logits``:
+        logits ``[rows, width, vocab]`` for every chunk position (row ``i``'s first
+        ``c_i`` are real), and all the rows.
+        """
+        dev = self.device
+        rows = [r for r, _ in chunks]
+        width = max(c for _, c in chunks)
+        starts = torch.tensor([r.prefilled for r in rows], device=dev)
+        lens = torch.tensor([c for _, c in chunks], device=dev)
+        col = torch.arange(width, device=dev)[None, :]
+        qpos = starts[:, None] + torch.minimum(col, lens[:, None] - 1)
+        real = col < lens[:, None]
+        wpos = torch.where(real, starts[:, None] + col, torch.full_like(qpos, self.kv.scratch))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
+        for i, (r, c) in enumerate(chunks):
+            ids[i, :c] = torch.tensor(r.prompt[r.prefilled : r.prefilled + c], device=dev)
+        kv_len = int((starts + lens).max())
+        mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
+        cache = self.kv.step([r.slot for r in rows], wpos, kv_len)
+        out = self.adapters.forward_model(
+            input_ids=ids, position_ids=qpos, attention_mask=mask, past_key_values=cache,
+            use_cache=True, logits_to_keep=0 if all_logits else (lens - 1)[:, None], **self._adapter_kwargs(rows),
+        )
+        completing_idx = []
+        for i, (r, c) in enumerate(chunks):
+            r.prefilled += c
+            r.pos = r.prefilled
+            if r.prefilled == len(r.prompt):
+                completing_idx.append(i)
+        if all_logits:
+            return out.logits, rows
+        if not completing_idx:
+            return None, []
+        logits = out.logits[:, -1]
+        return logits[torch.tensor(completing_idx, device=dev)], [rows[i] for i in completing_idx]

@@ -1,0 +1,522 @@
+"""The engine's actor: one thread, continuous batching, and every row's lifecycle.
+
+Each scheduling cycle spends a token budget (``batching.token_budget``) in this
+order: one decode token for every decoding row, then the next chunk of prompts
+whose prefill is already under way (rotating, so one long prompt cannot hog the
+cycles), then the first chunk of newly admitted rows while slots and budget last.
+Generation rows and scoring rows (``prompt_logprobs``) share that queue, those
+limits and that budget: a scoring row is a prompt prefilled chunk by chunk whose
+every position's logits are kept, and it ends when its prefill does.
+
+KV state lives in a preallocated :class:`~kiln.runtime.kv_slots.SlotKV`; decoding
+rows are kept in slots ``0..n-1`` so the decode step reads a view. The forwards
+themselves are built in :mod:`kiln.runtime.batches`. Each cycle runs under shared
+accelerator ownership; adapter changes and training steps take it exclusively, so
+they land between two cycles. Nothing that needs exclusive ownership runs inside
+the shared section: retiring an adapter whose last row ended there is deferred to
+:meth:`~kiln.runtime.adapter_slots.AdapterSlots.reap`, between cycles.
+
+A row is *active* from admission until its cleanup (slot freed, adapter reference
+dropped, final event delivered) is done; ``stats()["active_rows"]`` counts exactly
+that, so a zero means nothing is held. Cancellation is settled by the actor at
+the next cycle boundary. A failure while sampling one row ends that row alone
+(finish reason ``error``); only a failure of the forward itself fails the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
+from kiln.runtime.batches import Batches
+from kiln.runtime.kv_slots import SlotKV
+from kiln.runtime.ownership import AcceleratorOwnership
+from kiln.runtime.sampling import SamplingParams, TokenChoice, select_tokens
+from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
+from kiln.runtime.submission import EngineError, EngineNotRunning, Observer, RowStream, _wake_all
+from kiln.runtime.textstream import TextStream
+
+log = logging.getLogger("kiln.engine")
+
+JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
+STALL_TIMEOUT_S = 60.0  # one scheduler iteration running longer than this reports the engine stuck
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    token_budget: int = 512
+    max_running_rows: int = 32
+    max_queued_rows: int = 256
+    prefill_chunk_tokens: int = 256
+    max_model_len: int = 2048
+    stall_timeout_s: float = STALL_TIMEOUT_S
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "EngineConfig":
+        b = settings.batching
+        return cls(
+            token_budget=b.token_budget,
+            max_running_rows=b.max_running_rows,
+            max_queued_rows=b.max_queued_rows,
+            prefill_chunk_tokens=b.prefill_chunk_tokens,
+            max_model_len=settings.limits.max_model_len,
+            stall_timeout_s=float(getattr(b, "stall_timeout_s", STALL_TIMEOUT_S)),
+        )
+
+
+class Row:
+    """One generated sequence (one choice of a submission)."""
+
+    scoring = False
+    __slots__ = (
+        "stream", "prompt", "params", "gen", "adapter_key", "slot", "prefilled", "pos", "generated",
+        "text", "cancelled", "t_submit", "t_last", "eos_ids",
+    )
+
+    def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
+                 adapter_key: str, text: TextStream, eos_ids: frozenset[int]):
+        self.stream = stream
+        self.prompt = prompt
+        self.params = params
+        self.gen = gen
+        self.adapter_key = adapter_key
+        self.slot = -1
+        self.prefilled = 0
+        self.pos = 0  # tokens held in the cache
+        self.generated: list[int] = []
+        self.text = text
+        self.cancelled = False
+        self.t_submit = time.perf_counter()
+        self.t_last = 0.0
+        self.eos_ids = eos_ids
+
+    def end(self, reason: str) -> RowStream:
+        """Deliver the final text and the finish reason; returns the stream to wake."""
+        tail = self.text.flush()
+        self.stream.completion_tokens = len(self.generated)
+        self.stream._push(tail, None)
+        self.stream._close(reason)
+        return self.stream
+
+
+class ScoreRow:
+    """A ``prompt_logprobs`` request: the prompt prefilled in chunks, every position scored."""
+
+    scoring = True
+    __slots__ = ("prompt", "top_k", "adapter_key", "future", "slot", "prefilled", "pos", "rows", "cancelled")
+
+    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future):
+        self.prompt = prompt
+        self.top_k = top_k
+        self.adapter_key = adapter_key
+        self.future = future
+        self.slot = -1
+        self.prefilled = 0
+        self.pos = 0
+        self.rows: list[PromptLogprobRow | None] = [None]
+        self.cancelled = False
+
+    def end(self, reason: str) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # the caller cancelled it
+        if reason == "stop":
+            self.future.set_result(self.rows)
+        elif reason == "error":
+            self.future.set_exception(EngineError("the engine failed while scoring this prompt"))
+        else:
+            self.future.set_exception(EngineNotRunning("scoring was aborted: the engine stopped"))
+        return None
+
+
+class Scheduler:
+    """The actor thread and the row queues (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, kv: SlotKV, batches: Batches, adapters: AdapterSlots,
+                 ownership: AcceleratorOwnership, observer: Observer, device: Any):
+        self.config = config
+        self.kv = kv
+        self.batches = batches
+        self.adapters = adapters
+        self.ownership = ownership
+        self.observer = observer
+        self._spare = config.max_running_rows  # the extra slot, used only to swap two rows
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[Row | ScoreRow] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._cancel_pending = False
+        self._waiting: collections.deque[Row | ScoreRow] = collections.deque()
+        self._prefilling: list[Row | ScoreRow] = []
+        self._decoding: list[Row] = []  # index == slot
+        self._free = set(range(config.max_running_rows))
+        self._active = 0
+        self._queued = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failed: str | None = None
+        self._busy_since: float | None = None  # monotonic start of the iteration under way; None when idle
+        self._shared_gen = torch.Generator(device=device)
+        self._shared_gen.manual_seed(int(time.time_ns() % (2**63)))
+        self.steps = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = JOIN_TIMEOUT_S) -> bool:
+        """Stop the thread; ``False`` (logged as an error) when it did not end within ``timeout_s``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return True
+        thread.join(timeout_s)
+        if thread.is_alive():
+            busy = self._busy_for()
+            self._failed = self._failed or f"the engine thread did not stop within {timeout_s} s"
+            log.error("engine thread did not stop within %.1f s (its current iteration has run %.1f s); "
+                      "giving up on it: its rows are lost", timeout_s, busy or 0.0)
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._failed is None
+
+    def _busy_for(self) -> float | None:
+        since = self._busy_since
+        return None if since is None else time.monotonic() - since
+
+    def health(self) -> tuple[bool, str | None]:
+        """``(ok, why not)``: not ok when stopped, failed, or one iteration has run past the stall timeout."""
+        if self._failed is not None:
+            return False, self._failed
+        if not self.running:
+            return False, "the engine is stopped"
+        busy = self._busy_for()
+        if busy is not None and busy > self.config.stall_timeout_s:
+            return False, (f"the engine is stuck: its current step has not advanced for {busy:.1f} s "
+                           f"(limit {self.config.stall_timeout_s} s) with {self._active + self._queued} rows pending")
+        return True, None
+
+    def stats(self) -> dict[str, Any]:
+        busy = self._busy_for()
+        with self._cv:
+            return {
+                "queued_rows": self._queued,
+                "active_rows": self._active,
+                "max_running_rows": self.config.max_running_rows,
+                "steps": self.steps,
+                "kv_cache_bytes": self.kv.nbytes(),
+                "failed": self._failed,
+                "busy_s": None if busy is None else round(busy, 3),
+            }
+
+    # -- admission (any thread) ----------------------------------------------------------
+    def enqueue(self, rows: list[Row | ScoreRow]) -> bool:
+        """Queue ``rows`` unless the waiting queue would overflow (then ``False``)."""
+        with self._cv:
+            if self._queued + len(rows) > self.config.max_queued_rows:
+                return False
+            self._queued += len(rows)
+            self._inbox.extend(rows)
+            self._cv.notify_all()
+            return True
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def cancel(self, rows: Iterable[Row | ScoreRow]) -> None:
+        with self._cv:
+            for r in rows:
+                r.cancelled = True
+            self._cancel_pending = True
+            self._cv.notify_all()
+
+    def run_job(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if not self.running:
+                raise EngineNotRunning("the engine is not running; restart the server")
+            self._jobs.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    # -- the actor ---------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                with self._cv:
+                    self._busy_since = None
+                    while not self._stopping and not self._has_work():
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    self._busy_since = time.monotonic()
+                    incoming = list(self._inbox)
+                    self._inbox.clear()
+                    cancels = self._cancel_pending
+                    self._cancel_pending = False
+                    jobs = list(self._jobs)
+                    self._jobs.clear()
+                self._waiting.extend(incoming)
+                if cancels:
+                    self._settle_cancellations()
+                for fn, fut in jobs:
+                    self._run_job(fn, fut)
+                self._cycle()
+                self.adapters.reap()  # retirements deferred out of the shared section
+        except BaseException as exc:  # a bug or a device failure: fail every row, refuse new work
+            log.exception("engine actor failed")
+            self._failed = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._abort_all("abort" if self._failed is None else "error")
+            self._busy_since = None
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._jobs or self._cancel_pending or self._waiting or self._prefilling
+                    or self._decoding or self.adapters.reap_pending)
+
+    def _run_job(self, fn: Callable[[], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            with self.ownership.shared(), torch.inference_mode():
+                self._ensure_eval()
+                fut.set_result(fn())
+        except BaseException as exc:  # delivered to the caller
+            fut.set_exception(exc)
+
+    def _ensure_eval(self) -> None:
+        fm = self.adapters.forward_model
+        if fm.training:
+            fm.eval()
+
+    def _settle_cancellations(self) -> None:
+        touched: list[RowStream] = []
+        for row in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(row)
+            with self._cv:
+                self._queued -= 1
+            self._finish(row, "abort", touched, was_active=False)
+        for row in [r for r in self._decoding + self._prefilling if r.cancelled]:
+            self._finish(row, "abort", touched)
+        self._notify(touched)
+
+    def _abort_all(self, reason: str) -> None:
+        touched: list[RowStream] = []
+        with self._cv:
+            incoming = list(self._inbox)
+            self._inbox.clear()
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        for _fn, fut in jobs:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineNotRunning("the engine stopped before running this job"))
+        for row in incoming + list(self._waiting):
+            with self._cv:
+                self._queued -= 1
+            self._finish(row, reason, touched, was_active=False)
+        self._waiting.clear()
+        for row in list(self._decoding) + list(self._prefilling):
+            self._finish(row, reason, touched)
+        self._notify(touched)
+
+    # -- slots -------------------------------------------------------------------------
+    def _admit(self, row: Row | ScoreRow) -> None:
+        row.slot = max(self._free)
+        self._free.discard(row.slot)
+        self._prefilling.append(row)
+        with self._cv:
+            self._queued -= 1
+            self._active += 1
+
+    def _to_decoding(self, row: Row) -> None:
+        """Move a row whose prefill just finished into slot ``len(decoding)``."""
+        self._prefilling.remove(row)
+        target = len(self._decoding)
+        if row.slot != target:
+            other = next((r for r in self._prefilling if r.slot == target), None)
+            if other is not None:  # swap through the spare slot
+                self.kv.move(other.slot, self._spare, other.pos)
+                self.kv.move(row.slot, target, row.pos)
+                self.kv.move(self._spare, row.slot, other.pos)
+                other.slot = row.slot
+            else:
+                self.kv.move(row.slot, target, row.pos)
+                self._free.add(row.slot)
+                self._free.discard(target)
+            row.slot = target
+        self._decoding.append(row)
+
+    def _release_slot(self, row: Row | ScoreRow) -> None:
+        if row in self._prefilling:
+            self._prefilling.remove(row)
+            self._free.add(row.slot)
+        else:
+            last = self._decoding.pop()
+            if last is not row:
+                self.kv.move(last.slot, row.slot, last.pos)
+                last.slot = row.slot
+                self._decoding[row.slot] = last
+            self._free.add(len(self._decoding))
+        row.slot = -1
+
+    def _finish(self, row: Row | ScoreRow, reason: str, touched: list[RowStream], *, was_active: bool = True) -> None:
+        """Terminal cleanup: slot, adapter reference, final output; then the row stops counting as active."""
+        if was_active and row.slot >= 0:
+            self._release_slot(row)
+        if row.adapter_key != BASE_KEY:
+            try:
+                self.adapters.release(row.adapter_key)
+            except Exception:  # never let adapter bookkeeping wedge the actor
+                log.exception("releasing adapter %s failed", row.adapter_key)
+        stream = row.end(reason)
+        if was_active:
+            with self._cv:
+                self._active -= 1
+        if stream is not None:
+            touched.append(stream)
+
+    def _notify(self, streams: list[RowStream]) -> None:
+        by_loop: dict[Any, list[RowStream]] = {}
+        for s in streams:
+            if s.loop is None:
+                s._wake()
+            else:
+                by_loop.setdefault(s.loop, []).append(s)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_all, group)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+    # -- one cycle ---------------------------------------------------------------------
+    def _plan(self) -> list[tuple[Row | ScoreRow, int]]:
+        """Prompt chunks for this cycle within the token budget (decode tokens come first)."""
+        cfg = self.config
+        budget = cfg.token_budget - len(self._decoding)
+        chunks: list[tuple[Row | ScoreRow, int]] = []
+        for row in list(self._prefilling):
+            if budget <= 0:
+                break
+            c = min(len(row.prompt) - row.prefilled, cfg.prefill_chunk_tokens, budget)
+            chunks.append((row, c))
+            budget -= c
+        while budget > 0 and self._waiting and self._free:
+            row = self._waiting.popleft()
+            self._admit(row)
+            c = min(len(row.prompt), cfg.prefill_chunk_tokens, budget)
+            chunks.append((row, c))
+            budget -= c
+        return chunks
+
+    def _cycle(self) -> None:
+        chunks = self._plan()
+        gen_chunks = [(r, c) for r, c in chunks if not r.scoring]
+        score_chunks = [(r, c) for r, c in chunks if r.scoring]
+        decoding = list(self._decoding)
+        if not decoding and not chunks:
+            return
+        scored: list[ScoreRow] = []
+        with self.ownership.shared(), torch.inference_mode():
+            self._ensure_eval()
+            dec_logits = pre_logits = None
+            completing: list[Row] = []
+            if gen_chunks and self.batches.packable(decoding, gen_chunks):
+                dec_logits, pre_logits, completing = self.batches.packed(decoding, gen_chunks)
+            elif decoding or gen_chunks:
+                dec_logits = self.batches.decode(decoding) if decoding else None
+                if gen_chunks:
+                    pre_logits, completing = self.batches.prefill(gen_chunks)
+            if score_chunks:
+                scored = self._score_chunks(score_chunks)
+        self.steps += 1
+        # rotate partial prefills so the next cycle starts with someone else
+        partial = [r for r, _ in chunks if r.prefilled < len(r.prompt)]
+        if partial:
+            self._prefilling = [r for r in self._prefilling if r not in partial] + partial
+        touched: list[RowStream] = []
+        for row in scored:
+            self._finish(row, "stop", touched)
+        rows = decoding + completing
+        if rows:
+            logits = [t for t in (dec_logits, pre_logits) if t is not None]
+            self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
+        self._notify(touched)
+
+    def _score_chunks(self, chunks: list[tuple[ScoreRow, int]]) -> list[ScoreRow]:
+        """One forward over the scoring rows' chunks; appends their rows; returns the rows now complete."""
+        starts = [r.prefilled for r, _ in chunks]
+        logits, rows = self.batches.prefill(chunks, all_logits=True)
+        for i, ((row, c), start) in enumerate(zip(chunks, starts)):
+            row.rows.extend(chunk_rows(logits[i, :c], row.prompt, start, row.top_k))
+        return [r for r in rows if r.prefilled == len(r.prompt)]
+
+    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> list[TokenChoice | None]:
+        """One token per row; a row whose sampling fails gets ``None`` and the others are unharmed."""
+        try:
+            return list(select_tokens(logits, [r.params for r in rows], [r.gen for r in rows], self._shared_gen))
+        except Exception:
+            log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
+        out: list[TokenChoice | None] = []
+        for i, r in enumerate(rows):
+            try:
+                out.append(select_tokens(logits[i : i + 1], [r.params], [r.gen], self._shared_gen)[0])
+            except Exception:
+                log.exception("sampling failed for one row (params %s); ending that row", r.params)
+                out.append(None)
+        return out
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor, completing: list[Row], touched: list[RowStream]) -> None:
+        choices = self._choose(logits, rows)
+        for row in completing:
+            self._to_decoding(row)
+        done: list[tuple[Row, str]] = []
+        now = time.perf_counter()
+        obs = self.observer
+        produced = 0
+        for row, choice in zip(rows, choices):
+            if choice is None:
+                done.append((row, "error"))
+                continue
+            produced += 1
+            tok = choice.token_id
+            if row.generated:
+                obs.inter_token(now - row.t_last)
+            else:
+                obs.first_token(now - row.t_submit)
+            row.t_last = now
+            row.generated.append(tok)
+            reason = None
+            if tok in row.eos_ids and not row.params.ignore_eos:
+                reason = "stop"
+                text = ""
+            else:
+                text = row.text.push(tok)
+                if row.text.stopped:
+                    reason = "stop"
+            row.stream._push(text, choice)
+            if reason is None and (len(row.generated) >= row.params.max_tokens or row.pos >= self.kv.capacity):
+                reason = "length"
+            if reason is not None or row.cancelled:
+                done.append((row, reason or "abort"))
+            elif row.stream.incremental:
+                touched.append(row.stream)
+        obs.tokens_generated(produced)
+        # highest slot first keeps the compaction moves valid
+        for row, reason in sorted(done, key=lambda rr: -rr[0].slot):
+            self._finish(row, reason, touched)
+
