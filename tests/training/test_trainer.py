@@ -163,7 +163,9 @@ def test_grpo_skips_zero_variance_groups_and_moves_toward_reward(loaded):
                       pad_id=tok.pad_token_id, skipped_groups=skipped)
     peft_model.set_adapter("g")
     after = seq_logp(items[0].rows[0]) - seq_logp(items[0].rows[1])
-    assert after > before  # the rewarded completion became relatively more likely
+    # The rewarded completion became relatively more likely, by a margin far above float noise
+    # (measured 2.73 nats on 1 thread, 2 threads and ATEN_CPU_CAPABILITY=default).
+    assert after - before > 1.0, after - before
     d = report.as_dict()
     assert d["skipped_zero_variance_groups"] == 1 and d["groups"] == 2 and d["steps"] == 10
     assert d["kl"] > 0

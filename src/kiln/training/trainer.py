@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, save_checkpoint
 from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
 from kiln.training.losses import GRPOLoss, group_advantages, sft_loss, shifted_token_logprobs
@@ -185,14 +186,14 @@ def save_adapter_files(peft_model: Any, name: str, out_dir: Path, *, base_model_
     for key, tensor in state.items():
         if not torch.isfinite(tensor).all():
             raise TrainingFailed(f"trained weight {key} is not finite; lower the learning rate")
-    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     cfg = peft_model.peft_config[name].to_dict()
     cfg["base_model_name_or_path"] = base_model_dir
     cfg["inference_mode"] = True
     for k, v in list(cfg.items()):
         if isinstance(v, set):
             cfg[k] = sorted(v)
-    (out_dir / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
 
 
 # ------------------------------------------------------------------ shared loop
