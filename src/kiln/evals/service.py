@@ -64,6 +64,7 @@ ROW_TIMEOUT_S = 600.0  # one generated row; an engine that stalls longer fails t
 GATE_TIMEOUT_S = 3_600.0
 MAX_JSONL_BYTES = 32 * 1024 * 1024
 PRIVATE_PREFIX = "kiln-eval-"
+_PLACEHOLDER = re.compile(r"\{(question|reference|answer)\}")
 _VERDICT_WORD = re.compile(r"\b(PASS|FAIL)\b", re.IGNORECASE)
 
 
@@ -689,8 +690,8 @@ class EvalService:
         for i, ex in enumerate(suite.examples):
             question = next((m.content for m in reversed(ex.messages) if m.role == "user"), "")
             for comp in completions[i]:
-                rubric = sc.rubric.replace("{question}", question).replace("{reference}", ex.reference) \
-                    .replace("{answer}", comp["text"])
+                fields = {"question": question, "reference": ex.reference, "answer": comp["text"]}
+                rubric = _PLACEHOLDER.sub(lambda m: fields[m.group(1)], sc.rubric)  # one pass: no re-expansion
                 prompts.append(self.engine.encode_chat([{"role": "user", "content": rubric}]))
                 seeds.append([0])
             shape.append(len(completions[i]))
