@@ -280,6 +280,7 @@ class HealthResponse(_Response):
     max_running_rows: int
     engine_error: str | None
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step
+    engine_steps: int | None = None  # scheduling cycles run so far
     adapters: dict[str, str]
     ownership: dict[str, float | int | bool]
     training_attached: bool
@@ -339,6 +340,10 @@ class AdapterInfo(_Response):
 
 class AdapterDetail(AdapterInfo):
     manifest: dict[str, Any]
+
+
+class AdapterMerged(AdapterInfo):
+    notes: list[str]  # adjustments made while merging (e.g. a clamped TIES rank)
 
 
 class AdapterList(_Response):
