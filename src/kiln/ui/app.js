@@ -802,12 +802,13 @@
       // Two-step confirmation inside the page (no native dialog).
       const confirmButton = h('button', {
         type: 'button', class: 'danger confirm-delete', text: `Delete ${a.name} and all its revisions`,
-        onclick: (ev) => adapterAction(ev.target, 'DELETE', `/v1/adapters/${name}`),
+        onclick: (ev) => { confirmingUntil = 0; adapterAction(ev.target, 'DELETE', `/v1/adapters/${name}`); },
       });
-      const keep = h('button', { type: 'button', class: 'secondary', text: 'Keep it', onclick: () => adaptersPoller.now() });
+      const keep = h('button', {
+        type: 'button', class: 'secondary', text: 'Keep it', onclick: () => { confirmingUntil = 0; adaptersPoller.now(); },
+      });
       actions.replaceChildren(confirmButton, keep);
-      adaptersPoller.stop(); // do not redraw the row under the confirmation
-      setTimeout(() => adaptersPoller.start(), 15000);
+      confirmingUntil = Date.now() + 15000; // do not redraw the table under the question for a while
     });
     actions.append(del);
     return h('tr', { dataset: { adapter: a.name, active: String(a.active) } },
@@ -822,7 +823,10 @@
       h('td', {}, actions));
   }
 
+  let confirmingUntil = 0;
+
   async function pollAdapters() {
+    if (Date.now() < confirmingUntil) return 1000;
     const data = await getOrShow('/v1/adapters', $('#adapters-error'));
     const rows = (data.data || []).map(adapterRow);
     $('#adapters-table tbody').replaceChildren(...(rows.length ? rows
@@ -868,27 +872,34 @@
       h('tbody', {}, items.map((item) => h('tr', {}, columns.map((c) => h('td', { text: item && item[c] != null ? item[c] : '' }))))));
   }
 
-  async function optionalFeature(box, path, feature) {
+  // A feature another part of the server may not have: 404 on its first path shows a placeholder;
+  // otherwise each path's list is shown (extra paths are best effort).
+  async function optionalFeature(box, feature, paths) {
+    const [path] = paths;
     box.replaceChildren(h('p', { class: 'muted', text: `Checking GET ${path}…` }));
-    try {
-      const { data } = await api('GET', path);
-      const items = Array.isArray(data) ? data : (data && (data.data || data.runs || data.teachers)) || [];
-      box.replaceChildren(
-        h('p', { class: 'muted', text: `${items.length} from GET ${path}` }),
-        items.length ? genericTable(items) : h('p', { class: 'muted', text: `No ${feature} yet.` }),
-      );
-      box.dataset.available = 'true';
-    } catch (err) {
-      if (err.status === 404) {
-        box.replaceChildren(h('div', { class: 'unavailable' },
-          h('p', { text: `${feature[0].toUpperCase()}${feature.slice(1)} are not available on this server: GET ${path} answered 404.` }),
-          h('p', { class: 'muted', text: `The server said: ${err.message}` })));
-        box.dataset.available = 'false';
-      } else {
-        box.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
-        box.dataset.available = 'error';
+    const sections = [];
+    for (const [i, p] of paths.entries()) {
+      try {
+        const { data } = await api('GET', p);
+        const items = Array.isArray(data) ? data : (data && (data.data || data.runs || data.teachers)) || [];
+        sections.push(h('h2', { text: `GET ${p}` }), h('p', { class: 'muted', text: `${items.length} listed` }),
+          items.length ? genericTable(items) : h('p', { class: 'muted', text: 'Nothing yet.' }));
+      } catch (err) {
+        if (i > 0) { sections.push(h('p', { class: 'error', text: `GET ${p}: ${formatError(err)}` })); continue; }
+        if (err.status === 404) {
+          box.replaceChildren(h('div', { class: 'unavailable' },
+            h('p', { text: `${feature} is not available on this server: GET ${p} answered 404.` }),
+            h('p', { class: 'muted', text: `The server said: ${err.message}` })));
+          box.dataset.available = 'false';
+        } else {
+          box.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
+          box.dataset.available = 'error';
+        }
+        return;
       }
     }
+    box.replaceChildren(...sections.map((node) => (node.tagName === 'TABLE' ? h('div', { class: 'panel' }, node) : node)));
+    box.dataset.available = 'true';
   }
 
   // ------------------------------------------------------------------ routing
@@ -898,8 +909,8 @@
     chat: { start: () => refreshModels().catch((err) => show($('#chat-error'), formatError(err))) },
     training: { start: () => trainingPoller.start(), stop: () => trainingPoller.stop() },
     adapters: { start: () => adaptersPoller.start(), stop: () => adaptersPoller.stop() },
-    evals: { start: () => optionalFeature($('#evals-body'), '/v1/evals/runs', 'evals') },
-    teachers: { start: () => optionalFeature($('#teachers-body'), '/v1/teachers', 'teachers') },
+    evals: { start: () => optionalFeature($('#evals-body'), 'Evals', ['/v1/evals/runs', '/v1/evals/suites']) },
+    teachers: { start: () => optionalFeature($('#teachers-body'), 'Teachers', ['/v1/teachers']) },
   };
   let currentPage = null;
 
