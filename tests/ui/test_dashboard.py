@@ -198,6 +198,18 @@ def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, serve
     page.wait_for_selector(f"{form} .error:not([hidden])")
     assert page.text_content(f"{form} .error").startswith(api_error["message"])
 
+    grpo = "#grpo-form"  # a GRPO request the API refuses: every group has equal rewards
+    groups = {"messages": [{"role": "user", "content": "q"}], "completions": [{"text": "a", "reward": 1},
+                                                                            {"text": "b", "reward": 1}]}
+    api_error = server.client.post("/v1/train/grpo", json={"adapter": "g", "groups": [groups]}).json()["error"]
+    page.console.expected_failures.add("/v1/train/grpo")
+    page.fill(f"{grpo} input[name=adapter]", "g")
+    page.fill(f"{grpo} textarea[name=groups]", json.dumps(groups))
+    page.click(f"{grpo} button[type=submit]")
+    page.wait_for_selector(f"{grpo} .error:not([hidden])")
+    assert page.text_content(f"{grpo} .error").startswith(api_error["message"])
+    assert f"({400} {api_error['code']})" in page.text_content(f"{grpo} .error")
+
     example = correction_body("ui-long", "Name a primary colour.", "Red is a primary colour.")["examples"][0]
     page.fill(f"{form} input[name=adapter]", "ui-long")
     page.fill(f"{form} textarea[name=examples]", json.dumps(example) + "\n")
@@ -228,6 +240,17 @@ def test_adapter_unload_load_and_delete(page, server, artifacts):
     assert c.get("/health").json()["adapters"]["ui-adapter"] == c.get("/v1/adapters/ui-adapter").json()["revision"]
     assert page.get_attribute(f"{row} a.download", "href") == "/v1/adapters/ui-adapter/download"
     page.screenshot(path=artifacts / "adapters.png", full_page=True)
+
+    r = c.post("/v1/train/sft", json=correction_body("ui-adapter2", "Say bye.", "Bye now.") | {"epochs": 2})
+    assert wait_job(c, r.json()["id"])["state"] == "succeeded"
+    merge = "#merge-form"
+    page.fill(f"{merge} input[name=name]", "ui-merged")
+    page.fill(f"{merge} textarea[name=adapters]", "ui-adapter\nui-adapter2 0.5")
+    page.click(f"{merge} button[type=submit]")
+    page.wait_for_selector(f"{merge} .ok:not([hidden])")
+    merged = c.get("/v1/adapters/ui-merged").json()
+    assert merged["kind"] == "merge" and merged["revision"][:12] in page.text_content(f"{merge} .ok")
+    page.wait_for_selector("#adapters-table tr[data-adapter='ui-merged']")
 
     page.click(f"{row} button.unload")
     page.wait_for_selector(f"{row}[data-active='false']")
