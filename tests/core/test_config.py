@@ -72,3 +72,25 @@ def test_home_paths(tmp_path) -> None:
     s = load_settings(environ={"KILN_HOME": str(tmp_path)}).settings
     assert s.home == str(tmp_path)
     assert s.adapters_path == tmp_path / "adapters" and s.data_path == tmp_path / "data"
+
+
+def test_security_lists_from_env_and_file(tmp_path) -> None:
+    cfg = tmp_path / "kiln.toml"
+    cfg.write_text('[server]\nallowed_origins = ["http://a.example"]\n')
+    loaded = load_settings(config_path=cfg, environ={"KILN_SERVER_ALLOWED_HOSTS": "kiln.lan, box.local,"})
+    server = loaded.settings.server
+    assert server.allowed_origins == ("http://a.example",)
+    assert server.allowed_hosts == ("kiln.lan", "box.local")
+    assert loaded.sources["server.allowed_hosts"] == "env"
+
+
+def test_security_defaults_are_closed() -> None:
+    server = load_settings(environ={}).settings.server
+    assert server.allowed_hosts == () and server.allowed_origins == ()
+    assert server.api_key_env is None and server.expose_paths is False
+    assert 0 < server.header_timeout_s <= server.body_timeout_s
+
+
+def test_api_key_env_must_be_a_variable_name() -> None:
+    with pytest.raises(ConfigError, match="server.api_key_env"):
+        load_settings(environ={"KILN_SERVER_API_KEY_ENV": "not a name"})
