@@ -7,10 +7,9 @@ limits and short slow-client timeouts so the timeout tests finish quickly.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.security.openapi_check import OpenAPIChecker
+from tests.security.openapi_check import OpenAPIChecker, checked_client, fetch_checker
 from tests.serving.conftest import start_server, stop_server
 
 HEADER_TIMEOUT_S = 2
@@ -54,12 +53,11 @@ def auth_server(builtin_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def checker(secure_server) -> OpenAPIChecker:
-    return OpenAPIChecker(httpx.get(f"{secure_server.base_url}/openapi.json", timeout=30).json())
+    return fetch_checker(secure_server.base_url)
 
 
 @pytest.fixture
 def client(secure_server, checker):
     """httpx client whose every response is validated against /openapi.json."""
-    with httpx.Client(base_url=secure_server.base_url, timeout=60,
-                      event_hooks={"response": [checker.check_httpx]}) as c:
+    with checked_client(secure_server.base_url, checker) as c:
         yield c

@@ -76,5 +76,18 @@ class OpenAPIChecker:
                    response.headers.get("content-type"), response.read())
 
 
+def checked_client(base_url: str, checker: OpenAPIChecker, **kw: Any):
+    """An ``httpx.Client`` whose every response is checked with ``checker`` (use it as a context manager)."""
+    import httpx
+
+    return httpx.Client(base_url=base_url, timeout=60, event_hooks={"response": [checker.check_httpx]}, **kw)
+
+
+def fetch_checker(base_url: str) -> OpenAPIChecker:
+    import httpx
+
+    return OpenAPIChecker(httpx.get(f"{base_url}/openapi.json", timeout=30).json())
+
+
 def sse_events(body: bytes) -> list[str]:
     return [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]

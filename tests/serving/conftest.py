@@ -105,16 +105,17 @@ def server(builtin_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def openapi_checker(server):
-    from tests.security.openapi_check import OpenAPIChecker
+    from tests.security.openapi_check import fetch_checker
 
-    return OpenAPIChecker(httpx.get(f"{server.base_url}/openapi.json", timeout=30).json())
+    return fetch_checker(server.base_url)
 
 
 @pytest.fixture
 def http(server, openapi_checker):
     """Every response is checked against the server's /openapi.json (status, media type, body schema)."""
-    with httpx.Client(base_url=server.base_url, timeout=60,
-                      event_hooks={"response": [openapi_checker.check_httpx]}) as client:
+    from tests.security.openapi_check import checked_client
+
+    with checked_client(server.base_url, openapi_checker) as client:
         yield client
 
 
