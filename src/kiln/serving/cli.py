@@ -76,7 +76,7 @@ def serve(
 
     from kiln.runtime.loader import ModelLoadError
     from kiln.serving.app import build_state, create_app
-    from kiln.serving.security import ApiKeyMissing, header_timeout_protocol
+    from kiln.serving.security import MAX_REQUEST_HEAD_BYTES, ApiKeyMissing, header_timeout_protocol
     from kiln.serving.state import PRIVATE_UMASK
 
     os.umask(PRIVATE_UMASK)
@@ -106,14 +106,11 @@ def serve(
         app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=srv.log_level == "debug",
         http=header_timeout_protocol(_uvicorn_http_protocol(), srv.header_timeout_s),
         timeout_keep_alive=srv.keep_alive_timeout_s, timeout_graceful_shutdown=srv.graceful_shutdown_s,
-        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,
+        h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,  # h11 answers 400 past it; httptools: the protocol
     ))
     server.run()
     if not server.started:
         raise typer.Exit(1)
-
-
-MAX_REQUEST_HEAD_BYTES = 64 * 1024  # request line + headers, h11 only (httptools: bounded in time by header_timeout_s)
 
 
 def _uvicorn_http_protocol() -> type:

@@ -24,10 +24,11 @@ order, for each HTTP request:
    ``server.body_timeout_s`` -> else 408 ``request_timeout`` and the connection
    closes.
 
-uvicorn has no timeout for reading the request head, so
-:func:`header_timeout_protocol` subclasses its HTTP protocol to close a
+uvicorn has no timeout for reading the request head (and, with httptools, no size
+limit), so :func:`header_timeout_protocol` subclasses its HTTP protocol to close a
 connection whose head is not complete ``server.header_timeout_s`` after it
-opened (or after the previous response on a kept-alive connection).
+opened (or after the previous response on a kept-alive connection), and to answer
+431 to a head over 64 KiB.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ ARCHIVE_MEDIA_TYPES = frozenset({"application/gzip", "application/x-gzip", "appl
 UPLOAD_PATH = re.compile(r"/v1/adapters/[^/]+/upload")
 CORS_MAX_AGE_S = 600
 CORS_ALLOW_HEADERS = b"authorization, content-type"
+MAX_REQUEST_HEAD_BYTES = 64 * 1024  # request line + headers
+HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
+                  b"content-length: 25\r\nconnection: close\r\n\r\nrequest head over 64 KiB\n")
 
 
 class ApiKeyMissing(RuntimeError):
@@ -222,31 +226,50 @@ def _with_cors(send: Send, origin: bytes) -> Send:
     return cors_send
 
 
-def header_timeout_protocol(base: type[asyncio.Protocol], header_timeout_s: float) -> type[asyncio.Protocol]:
-    """``base`` (a uvicorn HTTP protocol) that closes connections whose request head is slower than the limit.
+def header_timeout_protocol(base: type[asyncio.Protocol], header_timeout_s: float,
+                            max_head_bytes: int = MAX_REQUEST_HEAD_BYTES) -> type[asyncio.Protocol]:
+    """``base`` (a uvicorn HTTP protocol) that bounds the request head in time and size.
 
     The clock starts when the connection opens and again when a response completes
-    (a kept-alive connection waiting for its next request). A request whose head
-    completed in time (uvicorn then has a new ``cycle``) is not affected.
+    (a kept-alive connection waiting for its next request); a connection whose head
+    is not complete ``header_timeout_s`` later is closed. A head over
+    ``max_head_bytes`` gets a 431 and the connection closes (httptools has no size
+    limit of its own). A request whose head completed (uvicorn then has a new
+    ``cycle``) is not affected.
     """
 
     class HeaderTimeoutProtocol(base):  # type: ignore[misc,valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _head_cycle: object = None
+        _head_bytes = 0
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout, self.cycle)
+            self._head_cycle = self.cycle
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
-        def _head_timeout(self, cycle_at_arm) -> None:
+        def _waiting_for_head(self) -> bool:
+            return self.cycle is self._head_cycle and (self.cycle is None or self.cycle.response_complete)
+
+        def _head_timeout(self) -> None:
             self._head_timer = None
-            waiting = self.cycle is cycle_at_arm and (self.cycle is None or self.cycle.response_complete)
-            if waiting and not self.transport.is_closing():
+            if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # Still no complete head after parsing this data: all of it was head bytes.
+            if self._waiting_for_head() and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes:
+                    self.transport.write(HEAD_TOO_LARGE)
+                    self.transport.close()
 
         def connection_lost(self, exc) -> None:
             if self._head_timer is not None:
