@@ -82,3 +82,29 @@ def test_ce_part_and_shapes():
     )
     ref = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100)
     assert torch.allclose(loss, ref) and parts["kd"].item() == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("ce_weight,kd_weight", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.5, 2.0)])
+def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_weight):
+    n, v, k = 7, 13, 3
+    g = torch.Generator().manual_seed(3)
+    t_lp = _teacher(n, v, 5)
+    ids = torch.cat([torch.topk(t_lp, k, -1).indices, torch.randint(0, v, (n, 1), generator=g)], -1)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    for r in range(n):  # a forced ID already in the top-k is a masked duplicate slot
+        if ids[r, k] in ids[r, :k]:
+            mask[r, k] = False
+    sel = t_lp.gather(-1, ids).float()
+    tail = (1 - torch.where(mask, sel.double().exp(), 0.0).sum(-1)).float()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[2] = -100
+    logits = torch.randn(n, v, generator=g)
+    out = []
+    for fused in (True, False):
+        x = logits.clone().requires_grad_(True)
+        loss, parts = SparseKDLoss(ce_weight, kd_weight, temperature, fused=fused)(x, ids, sel, mask, tail, target)
+        loss.backward()
+        out.append((loss.item(), parts["kd"].item(), x.grad))
+    assert abs(out[0][0] - out[1][0]) < 1e-5 and abs(out[0][1] - out[1][1]) < 1e-5
+    assert torch.max(torch.abs(out[0][2] - out[1][2])).item() < 1e-6

@@ -342,10 +342,10 @@ def decode_packed_arrays(raw: bytes, name: str = "payload") -> tuple[dict[str, A
                 context=ctx.astype(np.int64),
                 forced=forced.astype(np.int64),
                 top_ids=recs["top_ids"].astype(np.int64).reshape(t, -1),
-                top_logprobs=recs["top_logprobs"].astype(np.float32).reshape(t, -1),
-                forced_logprobs=np.asarray(flp, dtype=np.float32),
-                tail=recs["tail"].astype(np.float32),
-                entropy=recs["entropy"].astype(np.float32),
+                top_logprobs=recs["top_logprobs"].astype(np.float64).reshape(t, -1),
+                forced_logprobs=np.asarray(flp, dtype=np.float64),
+                tail=recs["tail"].astype(np.float64),
+                entropy=recs["entropy"].astype(np.float64),
             )
         )
     if header is None:

@@ -186,14 +186,24 @@ class LocalTeacherScorer:
             del logits
             chunk = max(1, _MAX_SCORE_ELEMENTS // v)
             for c0 in range(0, picked.shape[0], chunk):
-                lp = torch.log_softmax(picked[c0 : c0 + chunk].double() / temp, dim=-1)  # [c, V]
-                top_lp, top_ids = torch.topk(lp, k, dim=-1)
+                z = picked[c0 : c0 + chunk].float()
+                if temp != 1.0:
+                    z = z / temp
+                # Normalizer: float32 exponentials summed, the log taken in float64
+                # (lse error ~1e-7), so stored log p, tail and entropy meet the
+                # contract's 1e-6 tolerances without a float64 copy of [rows, V].
+                m = z.max(dim=-1, keepdim=True).values
+                e = (z - m).exp_()  # [c, V]
+                s = e.sum(-1)
+                lse = m[:, 0].double() + s.double().log()
+                top_z, top_ids = torch.topk(z, k, dim=-1)
                 f = forced[c0 : c0 + chunk]
-                f_lp = lp.gather(-1, f[:, None])[:, 0]
+                f_z = z.gather(-1, f[:, None])[:, 0]
                 in_top = (top_ids == f[:, None]).any(-1)
-                entropy = -(lp.exp() * lp).sum(-1)
-                top_lp32 = top_lp.float().clamp(max=0.0)
-                f_lp32 = f_lp.float().clamp(max=0.0)
+                # H = log s - sum(e * (z - m)) / s
+                entropy = s.double().log() - torch.einsum("rv,rv->r", e, z - m).double() / s.double()
+                top_lp32 = (top_z.double() - lse[:, None]).float().clamp(max=0.0)
+                f_lp32 = (f_z.double() - lse).float().clamp(max=0.0)
                 # Tail from the exact stored (float32) values, never renormalized.
                 mass = top_lp32.double().exp().sum(-1) + torch.where(in_top, 0.0, f_lp32.double().exp())
                 tail = (1.0 - mass).clamp(min=0.0)

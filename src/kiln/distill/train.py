@@ -108,13 +108,13 @@ def load_shard_examples(shard_dir: Path, head: ShardManifest, plan: Plan) -> lis
                     context=np.asarray(rs[0].context_token_ids, np.int64),
                     forced=np.asarray([r.forced_token_id for r in rs], np.int64),
                     top_ids=np.asarray([r.top_k_ids for r in rs], np.int64).reshape(len(rs), k),
-                    top_logprobs=np.asarray([[m[i] for i in r.top_k_ids] for r, m in zip(rs, lp_of)], np.float32),
+                    top_logprobs=np.asarray([[m[i] for i in r.top_k_ids] for r, m in zip(rs, lp_of)], np.float64),
                     forced_logprobs=np.asarray(
                         [np.nan if r.forced_token_id in r.top_k_ids else m[r.forced_token_id] for r, m in zip(rs, lp_of)],
-                        np.float32,
+                        np.float64,
                     ),
-                    tail=np.asarray([r.tail_mass for r in rs], np.float32),
-                    entropy=np.asarray([r.entropy for r in rs], np.float32),
+                    tail=np.asarray([r.tail_mass for r in rs], np.float64),
+                    entropy=np.asarray([r.entropy for r in rs], np.float64),
                 )
             )
     return out
@@ -168,9 +168,9 @@ def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
         t(rows, torch.long),
         t(offs, torch.long),
         t(sel_ids, torch.long),
-        t(sel_lp, torch.float32),
+        t(sel_lp, torch.float64),  # stored widths up to float64; the loss casts to the logits' dtype
         t(sel_mask, torch.bool),
-        t(tail, torch.float32),
+        t(tail, torch.float64),
         t(target, torch.long),
     )
 

@@ -1,0 +1,184 @@
+"""Offline distillation benchmarks (autodistill v1, Milestone B), ratios from one run.
+
+    .venv/bin/python bench/distill_offline.py [--examples 16] [--target 112] [--top-k 32] [--device cpu]
+
+Models are built offline: a 4.5M-parameter Qwen3 teacher (hidden 256, 4 layers,
+vocab 4096) and a 1.2M student (hidden 128, 2 layers) sharing one tokenizer.
+
+1. Capture throughput vs a bare teacher forward pass over the same tokens and
+   batches: (a) the scorer alone (forward + float64 normalizer + top-k + entropy
+   + host copy), (b) scorer + packed encoding + write-last publication +
+   re-verification (everything the child does after the model is loaded).
+   Target: overhead <= 10%.
+2. Bytes/token of the packed layout vs the plan's sparse_upper_bytes / N and vs
+   dense (V x B_logp); JSONL for comparison.
+3. Sparse-KD step (CE + coarse-tail KL, LoRA r=8) vs a CE-only step on the same
+   tokens. Target: <= 1.15x.
+
+The quality comparison on a synthetic task is shared with the OPD issue and is
+not run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--target", type=int, default=112)
+    ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    import torch
+
+    from kiln.distill import shards
+    from kiln.distill.capture import CaptureRequest, LocalTeacherScorer, _encode, _payload_name, load_examples
+    from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples
+    from kiln.training.kd_loss import SparseKDLoss
+    from tests.distill.tinymodels import build_tiny_model, capture_in_process, make_plan, synthetic_examples
+
+    vocab = 4096
+    tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-distill-"))
+    teacher = build_tiny_model(tmp / "teacher", vocab=vocab, seed=0, hidden=256, layers=4)
+    student = build_tiny_model(tmp / "student", vocab=vocab, seed=1, hidden=128, layers=2, tokenizer_from=teacher)
+    examples = synthetic_examples(args.examples, vocab, prompt=args.prompt, target=args.target)
+    plan_path, plan, data = make_plan(tmp, teacher, student, examples, top_k=args.top_k, max_len=args.prompt + args.target)
+    n_tokens = plan.capture.planned_tokens
+    exs = load_examples(data, plan)
+    items = [(e.example_id, e.prompt_token_ids, e.target_token_ids) for e in exs]
+    scorer = LocalTeacherScorer(plan, teacher, device=args.device, batch_size=args.batch)
+    model = scorer.model
+
+    # --- 1. capture vs bare forward (same windows, same batch size)
+    windows = scorer._windows(items)
+
+    def bare():
+        for b0 in range(0, len(windows), args.batch):
+            batch = windows[b0 : b0 + args.batch]
+            width = max(len(w) for _n, w, _p in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            att = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, (_n, w, _p) in enumerate(batch):
+                ids[r, : len(w)] = torch.tensor(w)
+                att[r, : len(w)] = 1
+            with torch.inference_mode():
+                model(input_ids=ids.to(scorer.device), attention_mask=att.to(scorer.device)).logits.float()
+
+    def score_only():
+        scorer.score(items)
+
+    counter = iter(range(10**6))
+
+    def score_and_publish():
+        root = tmp / "pub"
+        txn = shards.begin(root, plan, "bench", f"bench.t{next(counter):03d}")
+        chunk = args.batch
+        for j in range(0, len(items), chunk):
+            shards.write_payload_bytes(txn, _payload_name(j // chunk, "packed"),
+                                       _encode(plan, scorer.score(items[j : j + chunk]), "packed"))
+        shards.mark_complete(txn)
+        shards.mark_verified(txn)
+        shards.publish(txn, root)
+
+    bare()  # warm-up
+    t_bare, t_score, t_pub = [], [], []
+    for _ in range(args.reps):  # interleaved so drift hits every peer alike
+        t_bare.append(_median_time(bare, 1))
+        t_score.append(_median_time(score_only, 1))
+        t_pub.append(_median_time(score_and_publish, 1))
+    tb, ts, tp = statistics.median(t_bare), statistics.median(t_score), statistics.median(t_pub)
+
+    # --- 2. bytes/token (packed and JSONL) from verified shards
+    out_packed, out_jsonl = tmp / "run-packed", tmp / "run-jsonl"
+    capture_in_process(tmp, teacher, plan_path, data, out_packed, examples_per_shard=args.examples,
+                       examples_per_payload=args.batch, batch_size=args.batch)
+    capture_in_process(tmp, teacher, plan_path, data, out_jsonl, examples_per_shard=args.examples,
+                       examples_per_payload=args.batch, batch_size=args.batch, layout="jsonl")
+    bpt = {}
+    for name, out in (("packed", out_packed), ("jsonl", out_jsonl)):
+        verdicts = [shards.verify_shard(d) for d in sorted(out.iterdir()) if not d.name.startswith(".")]
+        bpt[name] = shards.run_bytes_per_token(verdicts)["bytes_per_token"]
+    planned = bpt["packed"]["planned_sparse_upper"]
+    dense = bpt["packed"]["planned_dense"]
+
+    # --- 3. sparse-KD step vs CE-only step (LoRA r=8 on q/k/v/o), same tokens
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    plan_, todo, _ = available_shards(out_packed)
+    shard_dir, head = todo[0]
+    sexs = load_shard_examples(shard_dir, head, plan_)
+    swin = _windows(sexs, plan_.capture.max_sequence_length)[: args.batch]
+    tensors = _batch_tensors(swin, sexs, args.top_k, vocab, "cpu", True)
+    smodel = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(student),
+        LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
+    opt = torch.optim.AdamW([p for p in smodel.parameters() if p.requires_grad], lr=1e-4)
+    kd_loss = SparseKDLoss(ce_weight=1.0, kd_weight=1.0)
+    ids, att, rows, offs, sel, lp, mask, tail, target = tensors
+
+    def step(kd: bool):
+        logits = smodel(input_ids=ids, attention_mask=att).logits[rows, offs]
+        if kd:
+            loss, _ = kd_loss(logits, sel, lp, mask, tail, target)
+        else:
+            loss = torch.nn.functional.cross_entropy(logits.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step(True), step(False)
+    t_kd, t_ce = [], []
+    for _ in range(max(5, args.reps * 2)):
+        t_ce.append(_median_time(lambda: step(False), 1))
+        t_kd.append(_median_time(lambda: step(True), 1))
+    tk, tc = statistics.median(t_kd), statistics.median(t_ce)
+
+    result = {
+        "tokens": n_tokens,
+        "top_k": args.top_k,
+        "vocab": vocab,
+        "torch_threads": torch.get_num_threads(),
+        "capture_scorer_vs_bare_forward": round(ts / tb, 3),
+        "capture_scorer_plus_publication_vs_bare_forward": round(tp / tb, 3),
+        "bare_forward_tokens_per_s": round(n_tokens / tb, 1),
+        "bytes_per_token_packed": bpt["packed"]["observed"],
+        "bytes_per_token_jsonl": bpt["jsonl"]["observed"],
+        "planned_sparse_upper_per_token": planned,
+        "planned_dense_per_token": dense,
+        "packed_vs_sparse_upper": round(bpt["packed"]["observed"] / planned, 4),
+        "packed_vs_dense": round(bpt["packed"]["observed"] / dense, 4),
+        "jsonl_vs_sparse_upper": round(bpt["jsonl"]["observed"] / planned, 3),
+        "kd_step_vs_ce_step": round(tk / tc, 3),
+        "kd_step_tokens": int(rows.numel()),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Student-only sparse-KD training: dense equivalence at K = V, exactly-once
+consumption through the ledger, output adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln.distill.ledger import Ledger
+from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples, train_sparse_kd
+
+from tests.distill.tinymodels import capture_in_process, make_plan, synthetic_examples, tiny_pair  # noqa: F401
+
+torch = pytest.importorskip("torch")
+
+
+def test_offline_sparse_kd_gradient_equals_dense_kd_at_full_vocabulary(tmp_path, tiny_pair):
+    """K = V: the gradient from the captured shard equals dense KD from live teacher logits (1e-6)."""
+    teacher, student = tiny_pair
+    examples = synthetic_examples(3, 32, prompt=3, target=4)
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, examples, top_k=32, max_len=5, widths=(4, 8, 8, 8))
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run", examples_per_shard=8)
+    plan, todo, _ = available_shards(tmp_path / "run")
+    (shard_dir, head), = todo
+    exs = load_shard_examples(shard_dir, head, plan)
+    windows = _windows(exs, plan.capture.max_sequence_length)
+    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(windows, exs, 32, 32, "cpu", True)
+    assert float(tail.abs().max()) == 0.0 and bool(mask[:, :32].all()) and not bool(mask[:, 32].any())
+
+    from transformers import AutoModelForCausalLM
+
+    from kiln.training.kd_loss import SparseKDLoss
+
+    t_model = AutoModelForCausalLM.from_pretrained(teacher).eval()  # float32, as captured
+    with torch.no_grad():
+        t_lp = torch.log_softmax(t_model(input_ids=ids, attention_mask=att).logits[rows, offs].double(), -1)
+    grads = []
+    for use_sparse in (True, False):
+        s_model = AutoModelForCausalLM.from_pretrained(student).double()  # precision of the comparison, not of KD
+        logits = s_model(input_ids=ids, attention_mask=att).logits[rows, offs]
+        if use_sparse:
+            loss, _ = SparseKDLoss(ce_weight=0.0, kd_weight=1.0)(logits, sel, lp.double(), mask, tail, target)
+        else:
+            loss = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), t_lp, log_target=True,
+                                              reduction="none").sum(-1).mean()
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in s_model.parameters()]))
+    assert torch.max(torch.abs(grads[0] - grads[1])).item() < 1e-6
+
+
+def test_training_consumes_each_shard_exactly_once_and_writes_a_peft_adapter(tmp_path, tiny_pair):
+    teacher, student = tiny_pair
+    examples = synthetic_examples(4, 32, prompt=3, target=4)
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, examples, top_k=4)
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run", examples_per_shard=2)
+    out = tmp_path / "train"
+    first = train_sparse_kd(tmp_path / "run", student, out, batch_size=2)
+    assert [s["action"] for s in first["shards"]] == ["trained", "trained"]
+    adapter = Path(first["adapter"])
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    again = train_sparse_kd(tmp_path / "run", student, out, batch_size=2)
+    assert [s["action"] for s in again["shards"]] == ["already-committed"] * 2
+    assert again["checkpoint_sha256"] == first["checkpoint_sha256"]
+    for shard_dir, head in available_shards(tmp_path / "run")[1]:
+        ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
+        assert [e.action for e in ledger.events] == ["reserve", "commit"]
+    # A different configuration in the same directory is refused, not mixed in.
+    from kiln.distill.errors import ContractError
+
+    with pytest.raises(ContractError, match="different training configuration"):
+        train_sparse_kd(tmp_path / "run", student, out, batch_size=3)
+    from typer.testing import CliRunner
+
+    from kiln.distill.cli import app
+
+    res = CliRunner().invoke(app, ["status", str(tmp_path / "run"), "--train-dir", str(out)])
+    assert [(x["state"], x["commits"]) for x in json.loads(res.stdout)["ledgers"]] == [("committed", 1)] * 2
+
+
+def test_student_must_match_the_plan(tmp_path, tiny_pair):
+    teacher, student = tiny_pair
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, synthetic_examples(2, 32), top_k=4)
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run")
+    from kiln.distill.errors import ContractError
+
+    with pytest.raises(ContractError, match="student"):
+        train_sparse_kd(tmp_path / "run", teacher, tmp_path / "train")
+    assert not (tmp_path / "train").exists()
