@@ -208,3 +208,15 @@ def test_cancelled_scoring_leaves_the_engine(private_engine):
     assert fut.cancel()
     settle(engine)
     assert engine.generate([5, 6], SamplingParams(max_tokens=2, temperature=0), timeout=DEADLINE_S)
+
+
+def test_a_burst_of_long_scorings_does_not_hold_back_a_chat(private_engine):
+    engine = private_engine(max_running_rows=4, max_queued_rows=64, token_budget=512, prefill_chunk_tokens=256)
+    prompt = [(i * 11) % 500 + 3 for i in range(1500)]
+    futs = [engine.score_prompt(prompt, 1) for _ in range(20)]
+    chat = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                           timeout=DEADLINE_S)
+    assert chat[0].finish_reason == "length"
+    assert sum(f.done() for f in futs) < len(futs) // 2, "the chat waited behind the scoring burst"
+    assert all(len(f.result(DEADLINE_S)) == len(prompt) for f in futs)
+    settle(engine)

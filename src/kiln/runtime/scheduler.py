@@ -405,23 +405,47 @@ class Scheduler:
 
     # -- one cycle ---------------------------------------------------------------------
     def _plan(self) -> list[tuple[Row | ScoreRow, int]]:
-        """Prompt chunks for this cycle within the token budget (decode tokens come first)."""
+        """Prompt chunks for this cycle within the token budget (decode tokens come first).
+
+        Generation prompts (those under way, then newly admitted ones) take the budget before
+        scoring prompts, except for a quarter of it kept for scoring while any is pending; and
+        scoring rows hold at most half the running slots (``scoring_slots``). So a burst of long
+        scoring requests cannot keep a chat from being admitted and answered between their
+        chunks, and a stream of chats cannot starve scoring."""
         cfg = self.config
-        budget = cfg.token_budget - len(self._decoding)
+        total = cfg.token_budget - len(self._decoding)
+        scoring_pending = any(r.scoring for r in self._prefilling) or any(r.scoring for r in self._waiting)
+        budget = [total - (cfg.token_budget // 4 if scoring_pending else 0)]
         chunks: list[tuple[Row | ScoreRow, int]] = []
-        for row in list(self._prefilling):
-            if budget <= 0:
-                break
-            c = min(len(row.prompt) - row.prefilled, cfg.prefill_chunk_tokens, budget)
+
+        def take(row: Row | ScoreRow) -> None:
+            c = min(len(row.prompt) - row.prefilled, cfg.prefill_chunk_tokens, budget[0])
             chunks.append((row, c))
-            budget -= c
-        while budget > 0 and self._waiting and self._free:
-            row = self._waiting.popleft()
-            self._admit(row)
-            c = min(len(row.prompt), cfg.prefill_chunk_tokens, budget)
-            chunks.append((row, c))
-            budget -= c
+            budget[0] -= c
+
+        def admit(pick: Callable[[Row | ScoreRow], bool]) -> None:
+            while budget[0] > 0 and self._free:
+                row = next((r for r in self._waiting if pick(r)), None)
+                if row is None:
+                    return
+                self._waiting.remove(row)
+                self._admit(row)
+                take(row)
+
+        for row in [r for r in self._prefilling if not r.scoring]:
+            if budget[0] > 0:
+                take(row)
+        admit(lambda r: not r.scoring)
+        budget[0] = total - sum(c for _, c in chunks)  # what is left, the scoring reserve included
+        for row in [r for r in self._prefilling if r.scoring]:
+            if budget[0] > 0:
+                take(row)
+        admit(lambda r: r.scoring and sum(1 for p in self._prefilling if p.scoring) < self.scoring_slots)
         return chunks
+
+    @property
+    def scoring_slots(self) -> int:
+        return max(1, self.config.max_running_rows // 2)
 
     def _cycle(self) -> None:
         chunks = self._plan()
