@@ -40,6 +40,7 @@ from kiln.serving.protocol import (
     ModelCard,
     ModelList,
 )
+from kiln.serving.state import KilnState, get_state
 
 router = APIRouter()
 
@@ -51,8 +52,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # -- shared helpers -----------------------------------------------------------------------
 
 
-def _state(request: Request):
-    return request.app.state.kiln
+def _state(request: Request) -> KilnState:
+    return get_state(request)
 
 
 def _resolve_model(state, model: str) -> str | None:
@@ -107,7 +108,7 @@ def _params(req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
     ]
 
 
-def _submit(state, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None,
+def _submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None,
             stream: bool) -> Submission:
     try:
         sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop(),
@@ -349,7 +350,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await chat_response(_state(request), body, request.receive)
 
 
-async def chat_response(state, body: ChatCompletionRequest, receive: Receive) -> Response:
+async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: Receive) -> Response:
     """The whole chat completion (JSON or SSE) for a validated request; ``receive`` reports a disconnect."""
     adapter = _resolve_model(state, body.model)
     top = body.top_logprobs if body.logprobs else None
@@ -428,7 +429,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await completion_response(_state(request), body, request.receive)
 
 
-async def completion_response(state, body: CompletionRequest, receive: Receive) -> Response:
+async def completion_response(state: KilnState, body: CompletionRequest, receive: Receive) -> Response:
     """The whole text completion or scoring (JSON or SSE) for a validated request."""
     adapter = _resolve_model(state, body.model)
     _check_limits(state, body, body.logprobs, body.stop_list())
