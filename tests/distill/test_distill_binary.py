@@ -117,3 +117,42 @@ def test_packed_bytes_per_token_within_5_percent_of_sparse_upper(tmp_path):
     assert planned == (k + 1) * 8 + 8
     assert planned <= bpt["observed"] <= planned * 1.05, bpt
     assert bpt["observed"] < bpt["planned_dense"]
+
+
+def _tamper(plan, field, value):
+    rows = read_rows("rows-teacher-expert.jsonl")
+    ex = _packed_example(rows)
+    cols = {"tail": list(ex.tail), "entropy": list(ex.entropy), "forced_logprobs": list(ex.forced_logprobs),
+            "top_ids": [list(x) for x in ex.top_ids], "top_logprobs": [list(x) for x in ex.top_logprobs]}
+    if field in ("top_ids", "top_logprobs"):
+        cols[field][0][0] = value
+    else:
+        cols[field][0] = value
+    for name, col in cols.items():
+        setattr(ex, name, col)
+    return binary.encode_packed(plan, [ex])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("tail", 0.3, "tail"),
+    ("entropy", 5.0, "entropy"),
+    ("entropy", float("nan"), "finite|entropy"),
+    ("forced_logprobs", math.nan, "forced"),
+    ("top_logprobs", 0.5, "above 0|exceeds"),
+    ("top_logprobs", -9.0, "outranks|tail"),
+    ("top_ids", 7, "vocabulary"),
+])
+def test_column_checker_and_row_decoder_refuse_the_same_tampering(field, value, match):
+    plan = _fixture_plan(8)
+    data = _tamper(plan, field, value)
+    with pytest.raises(ShardError, match=match):
+        binary.check_packed(data, "x.kdpack", plan)
+    with pytest.raises(ShardError):
+        binary.decode_packed_rows(data, "x.kdpack")
+
+
+def test_column_checker_accepts_what_the_row_decoder_accepts():
+    plan = _fixture_plan(4)
+    data = binary.encode_packed(plan, [_packed_example(read_rows("rows-teacher-expert.jsonl"))])
+    assert binary.check_packed(data, "x.kdpack", plan) == (["ex-1"], 1, 2)
+    assert len(binary.decode_packed_rows(data, "x.kdpack")[1]) == 2

@@ -351,3 +351,92 @@ def decode_packed_arrays(raw: bytes, name: str = "payload") -> tuple[dict[str, A
     if header is None:
         header = decode_packed_header(raw, name)
     return header, out
+
+
+_EXAMPLE_ID_RE = None
+
+
+def check_packed(raw: bytes, name: str, plan) -> tuple[list[str], int, int]:
+    """Verify a packed payload against ``plan`` without building row objects.
+
+    Vectorized (numpy, float64 sums) form of exactly the checks a decoded row
+    would get from ``CaptureTokenRow`` and ``check_rows_against_plan``: header ==
+    plan, IDs inside the vocabulary, distinct top-k IDs, a stored log p for the
+    forced ID iff it is outside the top-k, finite log p <= 0 (+1e-6), selected
+    mass <= 1 (+1e-6), stored tail = 1 - mass (1e-6) and >= 0, no tail when S is
+    the vocabulary, a forced-only ID no likelier than the weakest top-k ID,
+    entropy within the bounds S and the tail allow (1e-4), contexts within
+    ``max_sequence_length`` (right truncation never captures past it), and
+    example IDs portable and unique. Contexts and positions are contiguous by
+    construction of the layout. Returns (example IDs in order, rows, tokens).
+    """
+    import re
+
+    import numpy as np
+
+    from kiln.distill.probability import ENTROPY_TOLERANCE, LOGPROB_TOLERANCE, SELECTED_MASS_TOLERANCE
+
+    global _EXAMPLE_ID_RE
+    if _EXAMPLE_ID_RE is None:
+        _EXAMPLE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    ids_seen: list[str] = []
+    header: dict[str, Any] | None = None
+    tokens = 0
+    for header, eid, ctx, forced, recs in _iter_examples(raw, name):
+        if len(ids_seen) == 0:
+            check_header_against_plan(header, plan, name)
+        where = f"{name}: {eid!r}"
+        if not _EXAMPLE_ID_RE.match(eid):
+            raise ShardError(f"{where}: example_id is not a portable ID")
+        v, k, limit = header["vocab_size"], header["top_k"], header["max_sequence_length"]
+        t, c = len(forced), len(ctx)
+        if t == 0 or c == 0:
+            raise ShardError(f"{where}: an example needs a context and at least one position")
+        if c > limit or (header["truncation"] == "right" and c + t - 1 > limit):
+            raise ShardError(f"{where}: context longer than max_sequence_length")
+        top = recs["top_ids"].reshape(t, k).astype(np.int64)
+        if (ctx >= v).any() or (forced >= v).any() or (top >= v).any():
+            raise ShardError(f"{where}: a token ID is outside the vocabulary [0, {v})")
+        if k > 1 and (np.diff(np.sort(top, axis=1), axis=1) == 0).any():
+            raise ShardError(f"{where}: top_k_ids list an ID twice")
+        top_lp = recs["top_logprobs"].reshape(t, k).astype(np.float64)
+        in_top = (top == forced.astype(np.int64)[:, None]).any(axis=1)
+        if "forced_logprob" in recs.dtype.names:
+            flp = recs["forced_logprob"].astype(np.float64)
+            if (np.isnan(flp) != in_top).any():
+                raise ShardError(f"{where}: a forced log p must be stored exactly when the ID is outside the top-k")
+        else:
+            if not in_top.all():
+                raise ShardError(f"{where}: K = V yet a forced ID is outside the top-k")
+            flp = np.full(t, np.nan)
+        extra = np.where(in_top, 0.0, flp)  # forced-only log p, 0 placeholder
+        if not np.isfinite(top_lp).all() or not np.isfinite(extra).all():
+            raise ShardError(f"{where}: a log-probability is not finite")
+        if (top_lp > LOGPROB_TOLERANCE).any() or (extra > LOGPROB_TOLERANCE).any():
+            raise ShardError(f"{where}: a log-probability is above 0")
+        mass = np.exp(top_lp).sum(axis=1) + np.where(in_top, 0.0, np.exp(extra))
+        if (mass > 1.0 + SELECTED_MASS_TOLERANCE).any():
+            raise ShardError(f"{where}: selected probability mass exceeds 1")
+        tail = recs["tail"].astype(np.float64)
+        ent = recs["entropy"].astype(np.float64)
+        if not np.isfinite(tail).all() or not np.isfinite(ent).all():
+            raise ShardError(f"{where}: tail_mass or entropy is not finite")
+        if (tail < 0).any() or (np.abs(tail - np.maximum(0.0, 1.0 - mass)) > SELECTED_MASS_TOLERANCE).any():
+            raise ShardError(f"{where}: tail_mass differs from 1 - selected mass (selected must stay unnormalized)")
+        rest = v - (k + (~in_top).astype(np.int64))
+        if ((rest == 0) & (tail > SELECTED_MASS_TOLERANCE)).any():
+            raise ShardError(f"{where}: S covers the vocabulary yet a tail remains")
+        if (~in_top & (extra > top_lp.min(axis=1) + LOGPROB_TOLERANCE)).any():
+            raise ShardError(f"{where}: a forced ID outranks the weakest top-k ID; top_k_ids is not the top-k")
+        low = (-np.exp(top_lp) * top_lp).sum(axis=1) + np.where(in_top, 0.0, -np.exp(extra) * extra)
+        safe_tail = np.where(tail > 0, tail, 1.0)
+        spread = np.where((tail > 0) & (rest > 0), tail * np.log(np.maximum(rest, 1) / safe_tail), 0.0)
+        if (ent < 0).any() or (ent < low - ENTROPY_TOLERANCE).any() or (ent > low + spread + ENTROPY_TOLERANCE).any():
+            raise ShardError(f"{where}: entropy is outside the bounds implied by the selected IDs and tail")
+        ids_seen.append(eid)
+        tokens += t
+    if header is None:
+        check_header_against_plan(decode_packed_header(raw, name), plan, name)
+    if len(set(ids_seen)) != len(ids_seen):
+        raise ShardError(f"{name}: an example appears twice; trajectories are never split or repeated")
+    return ids_seen, len(ids_seen), tokens

@@ -326,20 +326,51 @@ def _payload_names(root: Path) -> list[str]:
     return list_regular_files(root, PAYLOAD_DIR, max_entries=MAX_PAYLOADS + 64)
 
 
-def _read_staged_payloads(root: Path, plan: Plan) -> list[tuple[str, bytes, list[CaptureTokenRow], int, int]]:
-    """(relative path, exact bytes, parsed rows, row count, token count) of every whole staged payload."""
-    out = []
+def _check_payload_set(items: Sequence[tuple[str, bytes]], plan: Plan) -> list[tuple[str, bytes, int, int]]:
+    """Check payloads (in name order) as one shard; return (path, bytes, rows, tokens) each.
+
+    JSONL rows are parsed and checked together with ``check_rows_against_plan``;
+    packed payloads are checked column-wise by ``binary.check_packed`` (same rules),
+    and their examples must not repeat across payloads. One shard uses one layout.
+    """
+    from kiln.distill.binary import PACKED_SUFFIX, check_packed
+
+    kinds = {rel.endswith(PACKED_SUFFIX) for rel, _raw in items}
+    if len(kinds) > 1:
+        raise ShardError("a shard mixes JSONL and packed payloads; one shard uses one layout")
+    out, rows, seen, tokens = [], [], set(), 0
+    for rel, raw in items:
+        if rel.endswith(PACKED_SUFFIX):
+            ids, n_rows, n_tokens = check_packed(raw, rel, plan)
+            if seen.intersection(ids):
+                raise ShardError(f"{rel}: an example reappears; trajectories are never split or repeated")
+            seen.update(ids)
+        else:
+            parsed = parse_payload(raw, rel)
+            rows += parsed
+            n_rows = n_tokens = len(parsed)
+        tokens += n_tokens
+        out.append((rel, raw, n_rows, n_tokens))
+    if rows:
+        check_rows_against_plan(rows, plan)
+    if tokens > plan.capture.planned_tokens:
+        raise ShardError(f"{tokens} records exceed the plan's planned_tokens {plan.capture.planned_tokens}")
+    return out
+
+
+def _read_staged_payloads(root: Path, plan: Plan) -> list[tuple[str, bytes, int, int]]:
+    """(relative path, exact bytes, row count, token count) of every whole staged payload, checked."""
+    items = []
     for name in _payload_names(root):
         if _TEMP_NAME.match(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
-        raw = read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)
-        out.append((rel, raw, *parse_any_payload(raw, rel, plan)))
-    return out
+        items.append((rel, read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)))
+    return _check_payload_set(items, plan)
 
 
 def _check_staged_payloads(root: Path, plan: Plan) -> None:
-    check_rows_against_plan([r for _, _, rows, _, _ in _read_staged_payloads(root, plan) for r in rows], plan)
+    _read_staged_payloads(root, plan)
 
 
 def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> None:
@@ -348,18 +379,17 @@ def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> No
     if on_disk != committed:
         missing, extra = sorted(committed - on_disk), sorted(on_disk - committed)
         raise ShardError(f"payload membership differs: missing {missing}, unlisted {extra}")
-    rows: list[CaptureTokenRow] = []
+    items = []
     for p in head.payloads:
         raw = read_bytes_nofollow(root, p.path, max_bytes=MAX_PAYLOAD_BYTES)
         if len(raw) != p.bytes:
             raise ShardError(f"{p.path}: {len(raw)} bytes on disk, {p.bytes} committed")
         if sha256_hex(raw) != p.sha256:
             raise ShardError(f"{p.path}: SHA-256 differs from its commitment (tampering or bit rot)")
-        parsed, n_rows, n_tokens = parse_any_payload(raw, p.path, plan)
+        items.append((p.path, raw))
+    for (rel, _raw, n_rows, n_tokens), p in zip(_check_payload_set(items, plan), head.payloads):
         if n_rows != p.rows or n_tokens != p.tokens:
-            raise ShardError(f"{p.path}: {n_rows}/{n_tokens} rows/tokens on disk, {p.rows}/{p.tokens} committed")
-        rows += parsed
-    check_rows_against_plan(rows, plan)
+            raise ShardError(f"{rel}: {n_rows}/{n_tokens} rows/tokens on disk, {p.rows}/{p.tokens} committed")
 
 
 # -------------------------------------------------------------------- writing
@@ -446,17 +476,16 @@ def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
         raise ShardError(f"uncommitted fragment {fragments[0]} present; resume the staging transaction first")
     plan = _read_json_artifact(txn, PLAN_FILE, Plan)
     _check_identity(head, plan)
-    staged = _read_staged_payloads(txn, plan)
     try:
-        check_rows_against_plan([r for _, _, rows, _, _ in staged for r in rows], plan)
+        staged = _read_staged_payloads(txn, plan)
     except ShardError as exc:
         raise ShardError(
             f"cannot complete {txn.name}: {exc}; the staged rows violate the plan, "
             "quarantine this transaction and recapture under a new transaction ID"
         ) from exc
     commitments = []
-    for rel, raw, rows, n_rows, n_tokens in staged:
-        if not rows:
+    for rel, raw, n_rows, n_tokens in staged:
+        if not n_tokens:
             raise ShardError(f"{rel} holds no rows; an empty payload is never committed")
         commitments.append(
             PayloadCommitment(
