@@ -83,7 +83,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_evals.router,)
     for router in routers:
         app.include_router(router)
-    install_openapi(app)
+    install_openapi(app, kiln_state.model_id)
     # Innermost first: the generation routes skip FastAPI's per-request machinery but stay
     # inside the metrics, body-limit and security middlewares.
     app.add_middleware(FastRoutes, state=kiln_state, routes=FAST_ROUTES)

@@ -137,8 +137,12 @@ def complete_operation(method: str, path: str, op: dict[str, Any]) -> None:
     op["responses"] = dict(sorted(responses.items()))
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Replace ``app.openapi`` with the completed document (generated once, then cached)."""
+def install_openapi(app: FastAPI, model_id: str | None = None) -> None:
+    """Replace ``app.openapi`` with the completed document (generated once, then cached).
+
+    ``model_id`` (the served model) becomes the example of every request's ``model``
+    field, so the docs' "try it out" and API fuzzers start from a request that runs.
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -147,6 +151,11 @@ def install_openapi(app: FastAPI) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             components.update(_component_schemas())
+            if model_id is not None:
+                for name in ("ChatCompletionRequest", "CompletionRequest"):
+                    model_field = components.get(name, {}).get("properties", {}).get("model")
+                    if model_field is not None:
+                        model_field["examples"] = [model_id]
             for path, item in schema.get("paths", {}).items():
                 for method, op in item.items():
                     complete_operation(method, path, op)
