@@ -48,10 +48,21 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 OPEN_PATHS = frozenset({"/health"})
+# The dashboard's static files hold no data and no secret; a browser must be able to load
+# them before it can send the key (the page then adds it to every API call it makes).
+OPEN_GET_PREFIXES = ("/ui/",)
+OPEN_GET_PATHS = frozenset({"/", "/ui"})
 JSON_MEDIA_TYPES = frozenset({"application/json"})
 ARCHIVE_MEDIA_TYPES = frozenset({"application/gzip", "application/x-gzip", "application/octet-stream"})
 UPLOAD_PATH = re.compile(r"/v1/adapters/[^/]+/upload")
 CORS_MAX_AGE_S = 600
+
+
+def _open_path(method: str, path: str) -> bool:
+    """Paths served without the API key: ``/health``, and GETs of the dashboard's static files."""
+    if path in OPEN_PATHS:
+        return True
+    return method in ("GET", "HEAD") and (path in OPEN_GET_PATHS or path.startswith(OPEN_GET_PREFIXES))
 CORS_ALLOW_HEADERS = b"authorization, content-type"
 MAX_REQUEST_HEAD_BYTES = 64 * 1024  # request line + headers
 HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
@@ -138,7 +149,7 @@ class SecurityMiddleware:
         origin = origin_raw.decode("latin-1").rstrip("/").lower() if origin_raw is not None else None
         if method == "OPTIONS" and origin is not None and _header(scope, b"access-control-request-method"):
             return await self._preflight(send, origin)
-        if policy.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        if policy.api_key is not None and not _open_path(method, scope["path"]) and not self._authorized(scope):
             return await send_error(send, 401, "unauthorized", "missing or wrong API key",
                                 "send Authorization: Bearer <key> (the key is in the variable server.api_key_env names)",
                                 extra_headers=[(b"www-authenticate", b"Bearer")])
