@@ -17,6 +17,7 @@ import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy
 LOGPROB_FLOOR = -9999.0  # reported for impossible tokens, as vLLM does
+SAFE_SCALED_LOGIT = 1e30  # |logit| / temperature below this: plain scaling stays finite in float32
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,20 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     Robust to any parameter the API accepts and to broken logits: NaN logits count as
     impossible, the best token always survives top-k/top-p (a ``top_p`` that rounds to 0
     in float32 keeps just it), scaling happens after subtracting each row's maximum so a
-    tiny temperature cannot overflow, and a row left with no valid distribution becomes
-    a one-hot on its best token. Every returned row is a valid distribution.
+    tiny temperature cannot overflow, and a row with no possible token at all (every logit
+    NaN or -inf) draws token 0. Every returned row is a valid distribution.
     """
-    logits = _sanitize(logits)
-    temps = torch.tensor([max(p.temperature, GREEDY_EPS) for p in params], dtype=logits.dtype, device=logits.device)
-    best = logits.max(-1, keepdim=True).values
-    logits = torch.where(torch.isfinite(best), logits - best, logits) / temps[:, None]  # best token at 0
+    temps = [max(p.temperature, GREEDY_EPS) for p in params]
+    t = torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+    peak = float(logits.abs().max())  # NaN or inf when any logit is
+    possible = None
+    if peak / min(temps) < SAFE_SCALED_LOGIT:  # the common case: finite, and scaling cannot overflow
+        logits = logits / t
+    else:
+        logits = _sanitize(logits)
+        best = logits.max(-1, keepdim=True).values  # -inf only for a row with no possible token
+        possible = torch.isfinite(best)
+        logits = (logits - best) / t  # the best token at 0: a tiny temperature cannot overflow
     vocab = logits.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     need_k = any(k < vocab for k in top_ks)
@@ -78,10 +86,11 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
-    bad = ~(torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0))
-    if bool(bad.any()):
-        onehot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(bad[:, None], onehot, probs)
+    # the best token survives every filter, so a row with a finite best is a valid distribution
+    if possible is not None and not bool(possible.all()):
+        onehot = torch.zeros_like(probs)
+        onehot[:, 0] = 1.0
+        probs = torch.where(possible, probs, onehot)
     return probs
 
 
@@ -97,7 +106,7 @@ def select_tokens(
     shared_generator: torch.Generator | None = None,
 ) -> list[TokenChoice]:
     """Pick one token per row. ``logits``: ``[rows, vocab]`` (any float dtype)."""
-    logits = _sanitize(logits.float())
+    logits = logits.float()  # NaN logits may win a greedy argmax: still a valid token
     n = logits.shape[0]
     chosen = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy_idx = [i for i, p in enumerate(params) if p.greedy]
