@@ -1,6 +1,7 @@
 """Offline distillation benchmarks (autodistill v1, Milestone B), ratios from one run.
 
     .venv/bin/python bench/distill_offline.py [--examples 16] [--target 112] [--top-k 32] [--device cpu]
+        [--teacher-hidden 256 --teacher-layers 4]   # 512/8 shows a teacher whose forward dominates more
 
 Models are built offline: a 4.5M-parameter Qwen3 teacher (hidden 256, 4 layers,
 vocab 4096) and a 1.2M student (hidden 128, 2 layers) sharing one tokenizer.
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--teacher-hidden", type=int, default=256)
+    ap.add_argument("--teacher-layers", type=int, default=4)
     args = ap.parse_args()
 
     import torch
@@ -63,7 +66,7 @@ def main() -> None:
 
     vocab = 4096
     tmp = Path(tempfile.mkdtemp(prefix="kiln-bench-distill-"))
-    teacher = build_tiny_model(tmp / "teacher", vocab=vocab, seed=0, hidden=256, layers=4)
+    teacher = build_tiny_model(tmp / "teacher", vocab=vocab, seed=0, hidden=args.teacher_hidden, layers=args.teacher_layers)
     student = build_tiny_model(tmp / "student", vocab=vocab, seed=1, hidden=128, layers=2, tokenizer_from=teacher)
     examples = synthetic_examples(args.examples, vocab, prompt=args.prompt, target=args.target)
     plan_path, plan, data = make_plan(tmp, teacher, student, examples, top_k=args.top_k, max_len=args.prompt + args.target)
@@ -161,6 +164,7 @@ def main() -> None:
 
     result = {
         "tokens": n_tokens,
+        "teacher_hidden_layers": [args.teacher_hidden, args.teacher_layers],
         "top_k": args.top_k,
         "vocab": vocab,
         "torch_threads": torch.get_num_threads(),

@@ -158,14 +158,8 @@ class LocalTeacherScorer:
         prob = self.plan.probability
         k, temp, v = prob.top_k, prob.temperature, self.vocab_size
         windows = self._windows(items)
-        lengths = [len(forced) for _e, _c, forced in items]
-        cols = {
-            "top_ids": [np.zeros((t, k), np.int64) for t in lengths],
-            "top_lp": [np.zeros((t, k), np.float32) for t in lengths],
-            "forced_lp": [np.zeros(t, np.float32) for t in lengths],
-            "tail": [np.zeros(t, np.float64) for t in lengths],
-            "entropy": [np.zeros(t, np.float64) for t in lengths],
-        }
+        host_parts: list[list] = []
+        all_where: list[tuple[int, int]] = []
         for start in range(0, len(windows), self.batch_size):
             batch = windows[start : start + self.batch_size]
             width = max(len(w) for _n, w, _p in batch)
@@ -176,62 +170,64 @@ class LocalTeacherScorer:
                 att[r, : len(w)] = 1
             with torch.inference_mode():
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device)).logits
-            rows = torch.tensor([r for r, (_n, _w, p) in enumerate(batch) for _ in p], device=logits.device)
-            offs = torch.tensor([o for _n, _w, p in batch for o, _i in p], device=logits.device)
-            where = [(n, i) for n, _w, p in batch for _o, i in p]
-            forced = torch.tensor(
-                [items[n][2][i] for n, i in where], dtype=torch.long, device=logits.device
-            )
-            picked = logits[rows, offs]  # [R, V]
-            del logits
-            chunk = max(1, _MAX_SCORE_ELEMENTS // v)
-            for c0 in range(0, picked.shape[0], chunk):
-                z = picked[c0 : c0 + chunk].float()
-                if temp != 1.0:
-                    z = z / temp
-                # Normalizer: float32 exponentials summed, the log taken in float64
-                # (lse error ~1e-7), so stored log p, tail and entropy meet the
-                # contract's 1e-6 tolerances without a float64 copy of [rows, V].
-                m = z.max(dim=-1, keepdim=True).values
-                e = (z - m).exp_()  # [c, V]
-                s = e.sum(-1)
-                lse = m[:, 0].double() + s.double().log()
-                top_z, top_ids = torch.topk(z, k, dim=-1)
-                f = forced[c0 : c0 + chunk]
-                f_z = z.gather(-1, f[:, None])[:, 0]
-                in_top = (top_ids == f[:, None]).any(-1)
-                # H = log s - sum(e * (z - m)) / s
-                entropy = s.double().log() - torch.einsum("rv,rv->r", e, z - m).double() / s.double()
-                top_lp32 = (top_z.double() - lse[:, None]).float().clamp(max=0.0)
-                f_lp32 = (f_z.double() - lse).float().clamp(max=0.0)
-                # Tail from the exact stored (float32) values, never renormalized.
-                mass = top_lp32.double().exp().sum(-1) + torch.where(in_top, 0.0, f_lp32.double().exp())
-                tail = (1.0 - mass).clamp(min=0.0)
-                if k == v:
-                    tail = torch.zeros_like(tail)
-                f_store = torch.where(in_top, torch.full_like(f_lp32, float("nan")), f_lp32)
-                host = [t.cpu().numpy() for t in (top_ids, top_lp32, f_store, tail, entropy)]
-                for j in range(host[0].shape[0]):
-                    n, i = where[c0 + j]
-                    cols["top_ids"][n][i] = host[0][j]
-                    cols["top_lp"][n][i] = host[1][j]
-                    cols["forced_lp"][n][i] = host[2][j]
-                    cols["tail"][n][i] = host[3][j]
-                    cols["entropy"][n][i] = host[4][j]
+                rows = torch.tensor([r for r, (_n, _w, p) in enumerate(batch) for _ in p], device=logits.device)
+                offs = torch.tensor([o for _n, _w, p in batch for o, _i in p], device=logits.device)
+                where = [(n, i) for n, _w, p in batch for _o, i in p]
+                all_where += where
+                forced = torch.tensor([items[n][2][i] for n, i in where], dtype=torch.long, device=logits.device)
+                picked = logits.view(-1, v).index_select(0, rows * logits.shape[1] + offs)  # [R, V]
+                del logits
+                chunk = max(1, _MAX_SCORE_ELEMENTS // v)
+                for c0 in range(0, picked.shape[0], chunk):
+                    host_parts.append(self._select(picked[c0 : c0 + chunk], forced[c0 : c0 + chunk], k, temp, v))
+        cols = [np.concatenate([h[j] for h in host_parts]) for j in range(5)]
+        ex = np.fromiter((n for n, _i in all_where), dtype=np.int64, count=len(all_where))
+        pos = np.fromiter((i for _n, i in all_where), dtype=np.int64, count=len(all_where))
+        order = np.lexsort((pos, ex))  # by example, then position
+        cols = [c[order] for c in cols]
+        bounds = np.cumsum([0] + [len(forced) for _e, _c, forced in items])
         limit = self.plan.capture.max_sequence_length
         return [
             PackedExample(
                 example_id=eid,
                 context=list(ctx)[-limit:],
                 forced=list(forced),
-                top_ids=cols["top_ids"][n],
-                top_logprobs=cols["top_lp"][n],
-                forced_logprobs=cols["forced_lp"][n],
-                tail=cols["tail"][n],
-                entropy=cols["entropy"][n],
+                top_ids=cols[0][bounds[n] : bounds[n + 1]],
+                top_logprobs=cols[1][bounds[n] : bounds[n + 1]],
+                forced_logprobs=cols[2][bounds[n] : bounds[n + 1]],
+                tail=cols[3][bounds[n] : bounds[n + 1]],
+                entropy=cols[4][bounds[n] : bounds[n + 1]],
             )
             for n, (eid, ctx, forced) in enumerate(items)
         ]
+
+    @staticmethod
+    def _select(logits, forced, k: int, temp: float, v: int) -> list:
+        """Host columns (top ids, top log p, forced log p or NaN, tail, entropy) for ``[R, V]`` logits."""
+        import torch
+
+        z = logits.float()
+        if temp != 1.0:
+            z = z / temp
+        # One fused softmax pass; the normalizer is read back in float64 from the
+        # argmax (lse = z_max - log p_max, error ~1e-7), so stored log p, tail and
+        # entropy meet the contract's 1e-6 tolerances without a float64 [rows, V] copy.
+        p = torch.softmax(z, dim=-1)
+        top_z, top_ids = torch.topk(z, k, dim=-1)
+        p_max = p.gather(-1, top_ids[:, :1])[:, 0].double()
+        lse = top_z[:, 0].double() - p_max.log()
+        f_z = z.gather(-1, forced[:, None])[:, 0]
+        in_top = (top_ids == forced[:, None]).any(-1)
+        entropy = lse - torch.einsum("rv,rv->r", p, z).double()  # H = lse - sum(p z)
+        top_lp32 = (top_z.double() - lse[:, None]).float().clamp(max=0.0)
+        f_lp32 = (f_z.double() - lse).float().clamp(max=0.0)
+        # Tail from the exact stored (float32) values, never renormalized.
+        mass = top_lp32.double().exp().sum(-1) + torch.where(in_top, 0.0, f_lp32.double().exp())
+        tail = (1.0 - mass).clamp(min=0.0)
+        if k == v:
+            tail = torch.zeros_like(tail)
+        f_store = torch.where(in_top, torch.full_like(f_lp32, float("nan")), f_lp32)
+        return [t.cpu().numpy() for t in (top_ids, top_lp32, f_store, tail, entropy)]
 
 
 # ------------------------------------------------------------------- dataset
