@@ -89,3 +89,20 @@ def test_student_must_match_the_plan(tmp_path, tiny_pair):
     with pytest.raises(ContractError, match="student"):
         train_sparse_kd(tmp_path / "run", teacher, tmp_path / "train")
     assert not (tmp_path / "train").exists()
+
+
+def test_cli_train_prints_one_json_line(tmp_path, tiny_pair):
+    from typer.testing import CliRunner
+
+    from kiln.distill.cli import app
+
+    teacher, student = tiny_pair
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, synthetic_examples(2, 32), top_k=4)
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run")
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "run"), "--student", str(student),
+                                   "--out", str(tmp_path / "train"), "--batch-size", "2"])
+    assert res.exit_code == 0, res.stdout
+    line, = res.stdout.strip().splitlines()
+    assert json.loads(line)["shards"][0]["action"] == "trained"
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "run"), "--out", str(tmp_path / "t2")])
+    assert res.exit_code == 2 and json.loads(res.stdout)["error"]["code"] == "missing_option"
