@@ -106,3 +106,32 @@ def test_cli_train_prints_one_json_line(tmp_path, tiny_pair):
     assert json.loads(line)["shards"][0]["action"] == "trained"
     res = CliRunner().invoke(app, ["train", str(tmp_path / "run"), "--out", str(tmp_path / "t2")])
     assert res.exit_code == 2 and json.loads(res.stdout)["error"]["code"] == "missing_option"
+
+
+def test_epochs_replay_teacher_expert_shards_through_chained_reservations(tmp_path, tiny_pair):
+    teacher, student = tiny_pair
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, synthetic_examples(2, 32), top_k=4)
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run")
+    out = tmp_path / "train"
+    train_sparse_kd(tmp_path / "run", student, out, batch_size=2)
+    second = train_sparse_kd(tmp_path / "run", student, out, batch_size=2, epochs=2)
+    assert [s["action"] for s in second["shards"]] == ["replayed"]
+    again = train_sparse_kd(tmp_path / "run", student, out, batch_size=2, epochs=2)
+    assert [s["action"] for s in again["shards"]] == ["already-committed"]  # a target, not "one more"
+    (shard_dir, head), = available_shards(tmp_path / "run")[1]
+    events = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan).events
+    assert [e.action for e in events] == ["reserve", "commit", "replay", "commit"]
+    assert events[2].replay_of == events[1].digest()
+
+
+def test_student_rollout_shards_are_consume_once(tmp_path, tiny_pair):
+    teacher, student = tiny_pair
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, synthetic_examples(2, 32), top_k=4,
+                                      trajectory="student-rollout")
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run")
+    from kiln.distill.errors import LedgerError
+
+    with pytest.raises(LedgerError, match="consume-once"):
+        train_sparse_kd(tmp_path / "run", student, tmp_path / "train", epochs=2)
+    result = train_sparse_kd(tmp_path / "run", student, tmp_path / "train")
+    assert [s["action"] for s in result["shards"]] == ["trained"]

@@ -346,6 +346,7 @@ def train(
     ce_weight: Optional[str] = typer.Option(None, "--ce-weight"),
     kd_weight: Optional[str] = typer.Option(None, "--kd-weight"),
     seed: Optional[str] = typer.Option(None, "--seed"),
+    epochs: Optional[str] = typer.Option(None, "--epochs", help="commits per shard; >1 replays (chained plans only)"),
     device: str = typer.Option("cpu", "--device"),
     run_id: str = typer.Option("kd", "--run-id"),
     progress: bool = typer.Option(False, "--progress/--no-progress"),
@@ -369,6 +370,7 @@ def train(
             ce_weight=1.0 if ce_weight is None else _float("ce-weight", ce_weight),  # type: ignore[arg-type]
             kd_weight=1.0 if kd_weight is None else _float("kd-weight", kd_weight),  # type: ignore[arg-type]
             seed=0 if seed is None else _int("seed", seed),
+            epochs=_positive("epochs", epochs, 1),
             device=device,
             progress=progress,
         )

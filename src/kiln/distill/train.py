@@ -36,7 +36,7 @@ from kiln.canonical import (
 )
 from kiln.distill import shards
 from kiln.distill.contract import Plan, ShardManifest
-from kiln.distill.errors import ContractError, DistillError, LedgerError, ShardError
+from kiln.distill.errors import ContractError, LedgerError, ShardError
 from kiln.distill.faults import fault
 from kiln.distill.ledger import Ledger
 from kiln.distill.paths import read_bytes_nofollow
@@ -283,6 +283,7 @@ def train_sparse_kd(
     seed: int = 0,
     device: str = "cpu",
     dtype: str = "float32",
+    epochs: int = 1,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Consume every available shard of a run exactly once; return a summary dict.
@@ -290,7 +291,14 @@ def train_sparse_kd(
     Returns ``{"adapter", "shards": [{"transaction_id", "action", ...}], "steps",
     "tokens", "checkpoint_sha256", "skipped"}`` where action is ``trained``,
     ``reconciled`` (commit appended from an existing checkpoint, no retraining)
-    or ``already-committed``.
+    ``replayed`` (a further pass through a chained replay reservation) or
+    ``already-committed``.
+
+    ``epochs`` is the number of commits each shard should end with: 1 consumes
+    every shard once; more replays teacher-expert shards through ``replay_of``
+    reservations (only under ``replay: chained``; student-rollout shards are
+    consume-once). It is a target, so a resumed or repeated call never trains a
+    shard past it. It is not pinned in ``train.json``: raising it later continues.
     """
     import torch
     from tqdm import tqdm
@@ -301,10 +309,19 @@ def train_sparse_kd(
 
     out = Path(out_dir)
     plan, todo, skipped = available_shards(run_root)
+    if epochs < 1:
+        raise ContractError("epochs must be at least 1")
+    if epochs > 1 and plan.consumption.replay != "chained":
+        raise LedgerError(
+            f"epochs={epochs} needs replays, but this plan's consumption policy is replay "
+            f"{plan.consumption.replay!r} ({plan.consumption.trajectory}); student rollouts are consume-once"
+        )
     info = inspect_model_dir(student)
     check_model_dir(plan.student, info.path, "student")
     check_tokenizer_dir(plan.tokenizer, info.path, "student")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
+        shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
     _config_record(
         out,
         {
@@ -354,50 +371,53 @@ def train_sparse_kd(
     report = []
     for shard_dir, head in todo:
         ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
-        view = ledger.view
-        if view.state == "reserved":
-            open_rid = view.open_reservation[1]  # type: ignore[index]
+        action = "already-committed"
+        if ledger.view.state == "reserved":
+            open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
             if (ledger.artifact_sha256, open_rid) in consumed:
                 ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
-                report.append({"transaction_id": head.transaction_id, "action": "reconciled"})
-                continue
-            ledger.release()
-            fault("train_after_release")
-        elif view.commits:
-            report.append({"transaction_id": head.transaction_id, "action": "already-committed"})
-            continue
-        rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
-        ledger.reserve(run_id, rid)
-        fault("train_after_reserve")
-        examples = load_shard_examples(shard_dir, head, plan)
-        windows = _windows(examples, limit)
-        steps = 0
-        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
-            for b0 in range(0, len(windows), batch_size):
-                batch = windows[b0 : b0 + batch_size]
-                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
-                    batch, examples, k, vocab, loaded.device, use_ce
-                )
-                logits = model(input_ids=ids, attention_mask=att).logits[rows, offs]
-                loss, _parts = loss_fn(logits, sel, lp, mask, tail, target)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                steps += 1
-                state_tokens = int(rows.numel())
-                state["tokens"] += state_tokens
-                bar.update(state_tokens)
-                fault("train_mid_shard")
-        state["step"] += steps
-        state["consumed"].append(
-            {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
-        )
-        consumed.add((ledger.artifact_sha256, rid))
-        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
-        fault("train_after_checkpoint")
-        ledger.commit(ckpt_sha)
-        fault("train_after_commit")
-        report.append({"transaction_id": head.transaction_id, "action": "trained", "steps": steps})
+                action = "reconciled"
+            else:
+                ledger.release()
+                fault("train_after_release")
+        passes = 0
+        while ledger.view.commits < epochs:
+            rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+            if ledger.view.commits:
+                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
+                action = "replayed"
+            else:
+                ledger.reserve(run_id, rid)
+                action = "trained"
+            fault("train_after_reserve")
+            examples = load_shard_examples(shard_dir, head, plan)
+            windows = _windows(examples, limit)
+            with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
+                for b0 in range(0, len(windows), batch_size):
+                    batch = windows[b0 : b0 + batch_size]
+                    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                        batch, examples, k, vocab, loaded.device, use_ce
+                    )
+                    logits = model(input_ids=ids, attention_mask=att).logits[rows, offs]
+                    loss, _parts = loss_fn(logits, sel, lp, mask, tail, target)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    passes += 1
+                    state["step"] += 1
+                    state["tokens"] += int(rows.numel())
+                    bar.update(int(rows.numel()))
+                    fault("train_mid_shard")
+            state["consumed"].append(
+                {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
+            )
+            consumed.add((ledger.artifact_sha256, rid))
+            _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
+            fault("train_after_checkpoint")
+            ledger.commit(ckpt_sha)
+            fault("train_after_commit")
+        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
+                       "commits": ledger.view.commits})
     if ckpt_sha is None:
         raise LedgerError("nothing was trained and no checkpoint exists")
     adapter = _publish_output(out, model, lora, ckpt_sha)
@@ -435,4 +455,4 @@ def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ += ["ledger_status", "DistillError"]
+__all__ += ["ledger_status"]
