@@ -184,3 +184,42 @@ def test_64_concurrent_streams_all_complete(roomy):
     assert [f for f, _ in results] == ["length"] * 64
     assert all(p >= 2 for _, p in results)
     assert wait_idle(roomy.base_url)["active_rows"] == 0
+
+
+# -- task 1: /health sees a stuck engine ------------------------------------------------------
+
+
+def test_health_is_503_while_the_engine_is_stuck(builtin_model_dir, tmp_path):
+    import dataclasses
+
+    from kiln.config import load_settings
+    from kiln.runtime.sampling import SamplingParams
+    from kiln.serving.app import create_app
+
+    settings = load_settings(cli={"model.path": str(builtin_model_dir), "training.enabled": False,
+                                  "home": str(tmp_path)}, environ={})
+    app = create_app(settings)
+
+    async def main() -> tuple[int, dict, int]:
+        async with app.router.lifespan_context(app):
+            engine = app.state.kiln.engine
+            sched = engine._scheduler
+            sched.config = dataclasses.replace(sched.config, stall_timeout_s=0.2)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                with engine.ownership.exclusive():  # the next step cannot run
+                    engine.submit([5, 6, 7], [SamplingParams(max_tokens=2)])
+                    end = time.monotonic() + DEADLINE_S
+                    while (r := await c.get("/health")).status_code == 200:
+                        assert time.monotonic() < end, "health never reported the stall"
+                        await asyncio.sleep(0.05)
+                    stuck_code, stuck = r.status_code, r.json()
+                end = time.monotonic() + DEADLINE_S
+                while (r := await c.get("/health")).status_code != 200 or r.json()["active_rows"]:
+                    assert time.monotonic() < end, "health never recovered"
+                    await asyncio.sleep(0.05)
+                return stuck_code, stuck, r.status_code
+
+    stuck_code, stuck, recovered = asyncio.run(main())
+    assert stuck_code == 503 and stuck["status"] == "unavailable" and "stuck" in stuck["engine_error"]
+    assert recovered == 200
