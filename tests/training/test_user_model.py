@@ -148,5 +148,13 @@ def test_demo_loop_on_markerless_model(user_model_dir, tmp_path):
     with kiln_server(tmp_path / "home", extra_env={"KILN_MODEL_PATH": str(user_model_dir)}) as server:
         run_correction(server.client, question=QUESTION, correction=CORRECTION, adapter="demo-fix",
                        echo=lines.append)
+        # Serving is capped at the model's own length too, and says so.
+        effective = server.client.get("/v1/config").json()["effective"]
+        assert effective == {"max_model_len": MODEL_MAX, "model_max_position_embeddings": MODEL_MAX}
+        card = server.client.get("/v1/models").json()["data"][0]
+        assert card["max_model_len"] == MODEL_MAX
+        too_long = server.client.post("/v1/completions", json={"model": card["id"], "prompt": [5] * MODEL_MAX,
+                                                                "max_tokens": 1})
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     out = "\n".join(lines)
     assert "warning" not in out and out.rstrip().splitlines()[-2].endswith(CORRECTION), out

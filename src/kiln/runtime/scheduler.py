@@ -60,14 +60,17 @@ class EngineConfig:
     stall_timeout_s: float = STALL_TIMEOUT_S
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "EngineConfig":
+    def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
+        """Engine limits from the settings; ``max_model_len`` never exceeds ``model_max_len``
+        (the model's ``max_position_embeddings``), as vLLM caps it."""
         b = settings.batching
+        configured = settings.limits.max_model_len
         return cls(
             token_budget=b.token_budget,
             max_running_rows=b.max_running_rows,
             max_queued_rows=b.max_queued_rows,
             prefill_chunk_tokens=b.prefill_chunk_tokens,
-            max_model_len=settings.limits.max_model_len,
+            max_model_len=configured if model_max_len is None else min(configured, model_max_len),
             stall_timeout_s=float(getattr(b, "stall_timeout_s", STALL_TIMEOUT_S)),
         )
 

@@ -292,9 +292,16 @@ class SettingValue(_Response):
     source: Literal["default", "file", "env", "cli"]
 
 
+class EffectiveLimits(_Response):
+    max_model_len: int = Field(description="prompt + output token limit in force: min(limits.max_model_len, "
+                                           "the model's max_position_embeddings)")
+    model_max_position_embeddings: int | None = Field(description="the model's own limit from config.json, if any")
+
+
 class ConfigResponse(_Response):
     config_file: str | None
     settings: dict[str, SettingValue]
+    effective: EffectiveLimits
 
 
 class TrainingJob(_Response):

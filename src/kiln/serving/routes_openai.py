@@ -83,16 +83,20 @@ def _check_limits(state, req, logprobs: int | None, stop: tuple[str, ...]) -> No
 
 def _max_tokens(state, requested: int | None, prompt_len: int) -> int:
     lim = state.settings.limits
-    room = lim.max_model_len - prompt_len
+    model_len = state.engine.config.max_model_len  # min(limits.max_model_len, the model's own limit)
+    room = model_len - prompt_len
     if room <= 0:
-        raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's limit is {lim.max_model_len}", code="context_length_exceeded", hint="shorten the prompt")
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's limit is {model_len}",
+                             code="context_length_exceeded", hint="shorten the prompt")
     if requested is None:
         return min(lim.default_max_tokens, room)
     if requested > lim.max_tokens_cap:
-        raise InvalidRequest(f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}", code="limit_exceeded", hint="lower max_tokens")
+        raise InvalidRequest(f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}",
+                             code="limit_exceeded", param="max_tokens", hint="lower max_tokens")
     if requested > room:
         raise InvalidRequest(f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's limit of "
-                       f"{lim.max_model_len} tokens", code="context_length_exceeded", hint="shorten the prompt or lower max_tokens")
+                             f"{model_len} tokens", code="context_length_exceeded", param="max_tokens",
+                             hint="shorten the prompt or lower max_tokens")
     return requested
 
 
@@ -321,7 +325,7 @@ async def _cancel_on_disconnect(receive: Receive, sub: Submission) -> None:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     created = int(state.started_at)
-    limit = state.settings.limits.max_model_len
+    limit = state.engine.config.max_model_len
     cards = [ModelCard(id=state.model_id, created=created, root=state.model_id, max_model_len=limit,
                        base_model_sha256=state.model.base_model_sha256)]
     for name, rev in state.engine.active_adapters().items():

@@ -68,10 +68,16 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/config")
 async def config(request: Request) -> JSONResponse:
-    loaded = request.app.state.kiln.loaded_settings
+    state = request.app.state.kiln
+    loaded = state.loaded_settings
     return JSONResponse({
         "config_file": str(loaded.config_file) if loaded.config_file else None,
         "settings": loaded.effective(),
+        # What the server actually enforces where it differs from a setting (e.g. the model's own length cap).
+        "effective": {
+            "max_model_len": state.engine.config.max_model_len,
+            "model_max_position_embeddings": state.model.max_model_len,
+        },
     })
 
 

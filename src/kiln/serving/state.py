@@ -82,7 +82,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     model = loaded_model if loaded_model is not None else load_configured_model(settings)
     engine_box: list[Engine] = []
     metrics = Metrics(lambda: engine_box[0].stats())
-    engine = Engine(model, EngineConfig.from_settings(settings), observer=metrics)
+    engine = Engine(model, EngineConfig.from_settings(settings, model.max_model_len), observer=metrics)
     engine_box.append(engine)
     store = AdapterStore(settings.adapters_path)
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
