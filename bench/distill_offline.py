@@ -157,7 +157,7 @@ def main() -> None:
 
     step(True), step(False)
     t_kd, t_ce = [], []
-    for _ in range(max(5, args.reps * 2)):
+    for _ in range(max(11, args.reps * 3)):
         t_ce.append(_median_time(lambda: step(False), 1))
         t_kd.append(_median_time(lambda: step(True), 1))
     tk, tc = statistics.median(t_kd), statistics.median(t_ce)
