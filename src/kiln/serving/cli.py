@@ -33,7 +33,7 @@ def serve(
     served_model_id: Optional[str] = typer.Option(None, help="model ID clients send [model.served_model_id]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [model.device]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [model.dtype]"),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads, 0 = torch default [model.threads]"),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads, 0 = all cores but one [model.threads]"),
     token_budget: Optional[int] = typer.Option(None, help="tokens per scheduling cycle [batching.token_budget]"),
     max_running_rows: Optional[int] = typer.Option(None, help="rows decoding at once [batching.max_running_rows]"),
     max_queued_rows: Optional[int] = typer.Option(None, help="rows waiting for a slot [batching.max_queued_rows]"),
