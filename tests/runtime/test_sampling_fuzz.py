@@ -25,7 +25,27 @@ params = st.builds(
     top_k=st.one_of(st.just(0), st.integers(min_value=1, max_value=VOCAB + 5)),
     seed=st.one_of(st.none(), st.integers(min_value=0, max_value=2**63 - 1)),
     logprobs=st.one_of(st.none(), st.integers(min_value=0, max_value=5)),
+    presence_penalty=st.one_of(st.just(0.0), st.floats(min_value=-2.0, max_value=2.0)),
+    frequency_penalty=st.one_of(st.just(0.0), st.floats(min_value=-2.0, max_value=2.0)),
+    repetition_penalty=st.one_of(st.just(1.0), st.sampled_from([1e-6, 0.5, 2.0, 1e6]),
+                                 st.floats(min_value=0.01, max_value=2.0)),
+    logit_bias=st.lists(st.tuples(st.integers(0, VOCAB - 1), st.floats(min_value=-100, max_value=100)),
+                        max_size=4).map(tuple),
+    min_p=st.one_of(st.just(0.0), tiny_floats, st.floats(min_value=0.0, max_value=1.0)),
+    min_tokens=st.integers(0, 3),
+    stop_token_ids=st.frozensets(st.integers(0, VOCAB - 1), max_size=3),
+    bad_words=st.lists(st.lists(st.integers(0, VOCAB + 2), min_size=1, max_size=3).map(tuple), max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
 )
+
+
+class History:
+    def __init__(self, prompt, generated, eos_ids=frozenset({VOCAB - 1})):
+        self.prompt, self.generated, self.eos_ids = prompt, generated, eos_ids
+
+
+histories = st.builds(History, st.lists(st.integers(0, VOCAB - 1), max_size=8),
+                      st.lists(st.integers(0, VOCAB - 1), max_size=8))
 special = st.sampled_from([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 0.0])
 
 
@@ -44,6 +64,7 @@ def logit_rows(draw, rows: int) -> torch.Tensor:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), plist=st.lists(params, min_size=1, max_size=6))
 def test_every_row_gets_a_valid_token_and_neighbours_are_unharmed(data, plist):
+    """Any accepted parameters, penalties and histories included, and broken logits."""
     rows = len(plist) + 1  # the last row is a clean greedy neighbour
     logits = data.draw(logit_rows(rows))
     neighbour = torch.linspace(-3.0, 3.0, VOCAB)[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))]
@@ -51,7 +72,10 @@ def test_every_row_gets_a_valid_token_and_neighbours_are_unharmed(data, plist):
     greedy = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
     allp = plist + [greedy]
     gens = [make_generator(p.seed) for p in allp]
-    out = select_tokens(logits, allp, gens, torch.Generator().manual_seed(0))
+    hist = [data.draw(histories) for _ in plist] + [History([1, 2, 3], [4, 5])]
+    before = logits.clone()
+    out = select_tokens(logits, allp, gens, torch.Generator().manual_seed(0), hist)
+    assert torch.equal(before.nan_to_num(), logits.nan_to_num())  # the caller's logits are not modified
     assert len(out) == rows
     for choice, p in zip(out, allp):
         assert 0 <= choice.token_id < VOCAB
@@ -62,7 +86,7 @@ def test_every_row_gets_a_valid_token_and_neighbours_are_unharmed(data, plist):
     # a row whose finite best token is unique and that keeps only it picks it, whatever the rest
     for row, (choice, p) in enumerate(zip(out[:-1], plist)):
         finite = torch.nan_to_num(logits[row], nan=float("-inf"))
-        if p.top_k == 1 and torch.isfinite(finite).all() and (finite == finite.max()).sum() == 1:
+        if p.top_k == 1 and not p.adjusts and p.min_p == 0.0 and torch.isfinite(finite).all() and (finite == finite.max()).sum() == 1:
             assert choice.token_id == int(finite.argmax())
 
 

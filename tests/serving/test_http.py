@@ -89,7 +89,7 @@ def chat_body(server, **kw):
     ({"stop": [""]}, "stop"),
     ({"top_logprobs": -1}, "top_logprobs"),
     ({"unknown_field": 1}, "unknown_field"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"stream": "yes please"}, "stream"),
 ])
 def test_chat_validation_errors_are_400(http, server, override, field):

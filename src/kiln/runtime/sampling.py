@@ -7,11 +7,23 @@ batched pass, then each seeded row draws with its own ``torch.Generator`` so a
 seeded request gives the same tokens whoever shares its batch. Logprobs are
 those of the model's raw distribution (log-softmax of the logits), as vLLM
 reports them by default.
+
+Before that, rows that ask for them get logit adjustments, in vLLM's order:
+bad words and ``min_tokens`` (end tokens impossible until the row has that many
+tokens) as masks, ``logit_bias`` added, then the repetition penalty (prompt and
+output tokens, as transformers' ``RepetitionPenaltyLogitsProcessor``), the
+frequency and presence penalties (output tokens only, as OpenAI defines them);
+``min_p`` filters sampled rows after temperature (as ``MinPLogitsWarper``). Rows
+that ask for none of these cost nothing extra, and a row's adjustments never
+touch its batch-mates. The per-row history comes from ``rows`` (objects with
+``prompt``, ``generated`` and ``eos_ids``: the scheduler's rows).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -30,6 +42,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus the top k
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # > 1 discourages any token seen in prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_p: float = 0.0  # sampled rows keep tokens with p >= min_p * p(best)
+    min_tokens: int = 0  # end tokens (eos, stop_token_ids) impossible before this many tokens
+    stop_token_ids: frozenset[int] = frozenset()  # generating one ends the row ("stop")
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    adjusts: bool = field(init=False, repr=False, compare=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adjusts", bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.min_tokens or self.bad_words))
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +92,12 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         possible = torch.isfinite(best)
         logits = (logits - best) / t  # the best token at 0: a tiny temperature cannot overflow
     vocab = logits.shape[-1]
+    min_p_drop = None
+    if any(p.min_p > 0.0 for p in params):
+        # min_p is relative to the best token, so it is the same before or after top-k/top-p renormalize
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params],
+                                 dtype=logits.dtype, device=logits.device)[:, None]
+        min_p_drop = logits < logits.max(-1, keepdim=True).values + log_min_p
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     need_k = any(k < vocab for k in top_ks)
     need_p = any(p.top_p < 1.0 for p in params)
@@ -85,6 +117,8 @@ def _filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         drop[:, 0] = False  # the best token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    if min_p_drop is not None:  # never drops a row's best token (it is at the row's maximum)
+        logits = logits.masked_fill(min_p_drop, float("-inf"))
     probs = logits.softmax(-1)
     # the best token survives every filter, so a row with a finite best is a valid distribution
     if possible is not None and not bool(possible.all()):
@@ -99,14 +133,69 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
+def _end_ids(params: SamplingParams, row: Any) -> list[int]:
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(getattr(row, "eos_ids", ()))
+    return sorted(ids)
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[Any] | None) -> torch.Tensor:
+    """The logits after each row's masks, bias and penalties; ``logits``: ``[rows, vocab]`` float.
+
+    Returns ``logits`` itself when no row adjusts, else a copy with only the adjusting
+    rows changed. ``rows[i]`` supplies ``prompt``, ``generated`` (token ids) and
+    ``eos_ids``; without ``rows`` the history is empty.
+    """
+    which = [i for i, p in enumerate(params) if p.adjusts]
+    if not which:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    dev = out.device
+    for i in which:
+        p = params[i]
+        row = rows[i] if rows is not None else None
+        prompt = list(getattr(row, "prompt", ()) or ())
+        generated = list(getattr(row, "generated", ()) or ())
+        x = out[i]
+        if p.bad_words:
+            banned = [w[-1] for w in p.bad_words
+                      if 0 <= w[-1] < vocab and (len(w) == 1 or generated[len(generated) - len(w) + 1:] == list(w[:-1]))]
+            if banned:
+                x[torch.tensor(banned, device=dev)] = float("-inf")
+        if p.min_tokens and len(generated) < p.min_tokens:
+            ends = [t for t in _end_ids(p, row) if 0 <= t < vocab]
+            if ends:
+                x[torch.tensor(ends, device=dev)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if 0 <= t < vocab], device=dev, dtype=torch.long)
+            vals = torch.tensor([b for t, b in p.logit_bias if 0 <= t < vocab], device=dev, dtype=out.dtype)
+            x.index_add_(0, ids, vals)
+        if p.repetition_penalty != 1.0:
+            seen = [t for t in prompt + generated if 0 <= t < vocab]
+            if seen:
+                idx = torch.tensor(sorted(set(seen)), device=dev, dtype=torch.long)
+                v = x[idx]
+                x[idx] = torch.where(v < 0, v * p.repetition_penalty, v / p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and generated:
+            gen = torch.tensor([t for t in generated if 0 <= t < vocab], device=dev, dtype=torch.long)
+            counts = torch.bincount(gen, minlength=vocab).to(out.dtype)
+            x -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+    return out
+
+
 def select_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     shared_generator: torch.Generator | None = None,
+    rows: Sequence[Any] | None = None,
 ) -> list[TokenChoice]:
-    """Pick one token per row. ``logits``: ``[rows, vocab]`` (any float dtype)."""
-    logits = logits.float()  # NaN logits may win a greedy argmax: still a valid token
+    """Pick one token per row. ``logits``: ``[rows, vocab]`` (any float dtype); ``rows`` gives each
+    row's history for penalties and ``min_tokens`` (see :func:`adjust_logits`)."""
+    raw = logits = logits.float()  # NaN logits may win a greedy argmax: still a valid token
+    logits = adjust_logits(logits, params, rows)
     n = logits.shape[0]
     chosen = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy_idx = [i for i, p in enumerate(params) if p.greedy]
@@ -135,7 +224,7 @@ def select_tokens(
     if want:
         wi = torch.tensor(want, device=logits.device)
         # -inf (and NaN from a broken row) become vLLM's -9999.0: JSON has no infinities
-        logp = torch.nan_to_num(logits[wi].log_softmax(-1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
+        logp = torch.nan_to_num(raw[wi].log_softmax(-1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
         picked = logp.gather(1, chosen[wi][:, None]).squeeze(1).tolist()
         kmax = max(params[i].logprobs or 0 for i in want)
         top_v, top_i = (logp.topk(kmax, dim=-1) if kmax > 0 else (None, None))

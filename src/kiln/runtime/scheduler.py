@@ -495,13 +495,13 @@ class Scheduler:
     def _choose(self, logits: torch.Tensor, rows: list[Row]) -> list[TokenChoice | None]:
         """One token per row; a row whose sampling fails gets ``None`` and the others are unharmed."""
         try:
-            return list(select_tokens(logits, [r.params for r in rows], [r.gen for r in rows], self._shared_gen))
+            return list(select_tokens(logits, [r.params for r in rows], [r.gen for r in rows], self._shared_gen, rows))
         except Exception:
             log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
         out: list[TokenChoice | None] = []
         for i, r in enumerate(rows):
             try:
-                out.append(select_tokens(logits[i : i + 1], [r.params], [r.gen], self._shared_gen)[0])
+                out.append(select_tokens(logits[i : i + 1], [r.params], [r.gen], self._shared_gen, [r])[0])
             except Exception:
                 log.exception("sampling failed for one row (params %s); ending that row", r.params)
                 out.append(None)
@@ -528,7 +528,7 @@ class Scheduler:
             row.t_last = now
             row.generated.append(tok)
             reason = None
-            if tok in row.eos_ids and not row.params.ignore_eos:
+            if (tok in row.eos_ids and not row.params.ignore_eos) or tok in row.params.stop_token_ids:
                 reason = "stop"
                 text = ""
             else:

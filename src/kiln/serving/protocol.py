@@ -28,6 +28,8 @@ MAX_SEED = 2**63 - 1
 MAX_USER_CHARS = 256
 MAX_CONTENT_PARTS = 256
 MAX_MESSAGES = 100_000
+MAX_LOGIT_BIAS = 1024
+MAX_REPETITION_PENALTY = 100.0
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -70,8 +72,23 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension: keep going past end-of-sequence
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)  # accepted only at the neutral value
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token "
+                                    "already generated (OpenAI)")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted per occurrence of a token in "
+                                     "the output so far (OpenAI)")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="vLLM/transformers: "
+                                      "> 1 discourages tokens of the prompt and output")
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, in [-100, 100]")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM: keep tokens with p >= min_p * p(best)")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="vLLM: no end-of-sequence or stop token before "
+                            "this many tokens")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+        None, description="vLLM: generating one of these ends the choice (finish_reason stop)")
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+        None, description="vLLM: words the output never contains (as tokenized, with and without a leading space)")
     user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
 
     def stop_list(self) -> tuple[str, ...]:

@@ -100,13 +100,56 @@ def _max_tokens(state, requested: int | None, prompt_len: int) -> int:
     return requested
 
 
-def _params(req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def _token_ids(state, ids, param: str) -> None:
+    vocab = state.engine.vocab_size
+    bad = state.engine.tokens.first_out_of_vocab(ids)
+    if bad is not None:
+        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary (size {vocab})",
+                             code="invalid_token_id", param=param, hint=f"token ids must be in [0, {vocab})")
+
+
+def _controls(state, req, max_tokens: int) -> dict[str, Any]:
+    """The sampling controls beyond temperature/top-p/top-k, checked against the vocabulary."""
+    out: dict[str, Any] = {}
+    if req.presence_penalty:
+        out["presence_penalty"] = req.presence_penalty
+    if req.frequency_penalty:
+        out["frequency_penalty"] = req.frequency_penalty
+    if req.repetition_penalty != 1.0:
+        out["repetition_penalty"] = req.repetition_penalty
+    if req.min_p:
+        out["min_p"] = req.min_p
+    if req.logit_bias:
+        bias = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
+        _token_ids(state, [t for t, _ in bias], "logit_bias")
+        out["logit_bias"] = bias
+    if req.min_tokens:
+        if req.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}",
+                                 code="invalid_request", param="min_tokens", hint="lower min_tokens")
+        out["min_tokens"] = req.min_tokens
+    if req.stop_token_ids:
+        _token_ids(state, req.stop_token_ids, "stop_token_ids")
+        out["stop_token_ids"] = frozenset(req.stop_token_ids)
+    if req.bad_words:
+        words: set[tuple[int, ...]] = set()
+        for w in req.bad_words:  # as vLLM: the word as tokenized alone and after a space
+            for variant in (w, " " + w.lstrip(" ")):
+                ids = state.engine.encode_text(variant)
+                if ids:
+                    words.add(tuple(ids))
+        out["bad_words"] = tuple(sorted(words))
+    return out
+
+
+def _params(state, req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
+    extra = _controls(state, req, max_tokens)
     return [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
             seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
-            logprobs=logprobs, ignore_eos=req.ignore_eos,
+            logprobs=logprobs, ignore_eos=req.ignore_eos, **extra,
         )
         for i in range(req.n)
     ]
@@ -364,7 +407,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     _check_limits(state, body, logprobs, body.stop_list())
     prompt = await _render_chat(state, body)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
-    sub = _submit(state, prompt, _params(body, max_tokens, logprobs), adapter, body.stream)
+    sub = _submit(state, prompt, _params(state, body, max_tokens, logprobs), adapter, body.stream)
     headers = _revision_header(sub, adapter, state)
     rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
@@ -465,7 +508,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
         headers = _revision_header(None, adapter, state)
         results = [("", [], "length")] * body.n
     else:
-        sub = _submit(state, prompt, _params(body, max_tokens, body.logprobs), adapter, body.stream)
+        sub = _submit(state, prompt, _params(state, body, max_tokens, body.logprobs), adapter, body.stream)
         headers = _revision_header(sub, adapter, state)
         if body.stream:
             base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
