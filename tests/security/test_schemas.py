@@ -74,7 +74,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 999}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, 400),
     ("/v1/train/sft", {"adapter": "bad name!"}, 400),
     ("/v1/train/grpo", {"adapter": "g", "groups": []}, 400),

@@ -165,7 +165,7 @@ def test_completion_prompt_errors(http, server):
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [-1]}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": []}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": ""}), 400)
-    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "echo": True}), 400)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "suffix": "b"}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "a", "max_tokens": -1}), 400)
     assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": [1, 2], "stream": True,
                                                     "prompt_logprobs": 1}), 400)

@@ -29,6 +29,7 @@ MAX_USER_CHARS = 256
 MAX_CONTENT_PARTS = 256
 MAX_MESSAGES = 100_000
 MAX_LOGIT_BIAS = 1024
+MAX_PROMPTS = 256  # prompts in one completion request
 MAX_REPETITION_PENALTY = 100.0
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
@@ -105,20 +106,28 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
+PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
-        list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)
-    ]
+    prompt: PromptText | PromptTokens | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+            description="a string, a token-ID list, or a list of either: each prompt gets n choices, choice i of "
+                        "prompt p at index p * n + i")
     max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = Field(False, description="put the prompt (and with logprobs its tokens' logprobs) before the text")
+    suffix: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = Field(
+        None, description="refused unless empty: Kiln's templates have no fill-in-the-middle (infill) tokens")
 
-    @field_validator("echo")
+    @field_validator("suffix")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
+    def _no_suffix(cls, v: str | None) -> str | None:
         if v:
-            raise ValueError("echo is not supported; use prompt_logprobs to score the prompt")
+            raise ValueError("suffix is not supported: the served model's template has no fill-in-the-middle "
+                             "(infill) tokens; put the whole text in prompt")
         return v
 
 
@@ -295,6 +304,8 @@ class HealthResponse(_Response):
     queued_rows: int
     active_rows: int
     max_running_rows: int
+    queue_oldest_wait_s: float = 0.0  # how long the oldest waiting row has waited (admission by memory)
+    kv_blocks: dict[str, int] = {}  # paged KV: total, used, cached, free, block_size, preemptions, prefix_hit_blocks
     engine_error: str | None
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step
     engine_steps: int | None = None  # scheduling cycles run so far

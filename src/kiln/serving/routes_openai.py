@@ -449,16 +449,26 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     }, headers=headers)
 
 
-def _prompt_ids(state, body: CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, str):
-        if not body.prompt:
-            raise InvalidRequest("the prompt is empty", code="invalid_request", hint="send a non-empty prompt")
-        return state.engine.encode_text(body.prompt)
+def _prompt_list(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one string or token-ID list, or a list of either."""
+    p = body.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]
+    return list(p)
+
+
+def _prompt_ids(state, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", code="invalid_request", param=param,
+                                 hint="send a non-empty prompt")
+        return state.engine.encode_text(prompt)
     vocab = state.engine.vocab_size
-    bad = state.engine.tokens.first_out_of_vocab(body.prompt)
+    bad = state.engine.tokens.first_out_of_vocab(prompt)
     if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})", code="invalid_token_id", hint=f"token ids must be in [0, {vocab})")
-    return list(body.prompt)
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {vocab})", code="invalid_token_id",
+                             param=param, hint=f"token ids must be in [0, {vocab})")
+    return list(prompt)
 
 
 def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: Callable[[int], str]) -> list[dict[str, dict] | None]:
@@ -471,13 +481,92 @@ def _prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: Callable[[int
     ]
 
 
+def _echo_logprobs(prompt: list[int], rows: list[PromptLogprobRow | None], k: int, tt: Callable[[int], str]) -> dict:
+    """``CompletionLogprobs`` of the prompt itself (``echo`` with ``logprobs``): the first token has none."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for tid, row in zip(prompt, rows):
+        s = tt(tid)
+        out["tokens"].append(s)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if row is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(row[0].logprob)  # the actual token comes first
+        out["top_logprobs"].append({tt(e.token_id): e.logprob for e in _top_entries(row, k)})
+    return out
+
+
+def _join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return a or b
+    shift = sum(len(t) for t in a["tokens"])
+    return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+            "top_logprobs": a["top_logprobs"] + b["top_logprobs"],
+            "text_offset": a["text_offset"] + [o + shift for o in b["text_offset"]]}
+
+
+async def _score(state, prompt: list[int], k: int, adapter: str | None, receive: Receive,
+                 timeout: float) -> list[PromptLogprobRow | None]:
+    try:
+        fut = state.engine.score_prompt(prompt, k, adapter=adapter)
+    except UnknownAdapter as exc:  # unloaded between resolution and admission
+        raise _unknown_model(state, str(exc)) from exc
+    return await _until_done(receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
+                             "score a shorter prompt or raise server.request_timeout_s")
+
+
+class _StreamRef:
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Merged:
+    """Several submissions (one per prompt) read as one: choice ``i`` of prompt ``p`` is index ``p * n + i``."""
+
+    def __init__(self, subs: list[Submission], n: int):
+        self._subs, self._n = subs, n
+        self.streams = [_StreamRef(p * n + s.index) for p, sub in enumerate(subs) for s in sub.streams]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self._subs)
+
+    def cancel(self) -> None:
+        for s in self._subs:
+            s.cancel()
+
+    async def next_chunks(self) -> list[tuple[int, Any]]:
+        while not self.finished:
+            events = [sub.streams[0]._aevent for sub in self._subs if not sub.finished]
+            for e in events:
+                e.clear()
+            out = [(p * self._n + s.index, c) for p, sub in enumerate(self._subs) for s in sub.streams
+                   if (c := s._take()) is not None]
+            if out:
+                return out
+            waits = [asyncio.ensure_future(e.wait()) for e in events]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return []
+
+
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await completion_response(_state(request), body, request.receive)
 
 
 async def completion_response(state: KilnState, body: CompletionRequest, receive: Receive) -> Response:
-    """The whole text completion or scoring (JSON or SSE) for a validated request."""
+    """The whole text completion or scoring (JSON or SSE) for a validated request.
+
+    Several prompts give ``n`` choices each, choice ``i`` of prompt ``p`` at index ``p * n + i``
+    (as OpenAI numbers them). ``echo`` puts each prompt's text (and, with ``logprobs``, its
+    tokens' logprobs, the first ``None``) before the completion."""
     adapter = _resolve_model(state, body.model)
     _check_limits(state, body, body.logprobs, body.stop_list())
     lim = state.settings.limits
@@ -487,33 +576,51 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
                            f"limits.max_prompt_logprobs={lim.max_prompt_logprobs}", code="limit_exceeded", hint="ask for fewer prompt logprobs")
         if body.stream:
             raise InvalidRequest("prompt_logprobs is not supported with stream=true", code="invalid_request", hint="send the scoring request with stream=false")
-    prompt = _prompt_ids(state, body)
-    max_tokens = _max_tokens(state, body.max_tokens, len(prompt))
+    raw_prompts = _prompt_list(body)
+    many = len(raw_prompts) > 1
+    prompts = [_prompt_ids(state, p, f"prompt[{j}]" if many else "prompt") for j, p in enumerate(raw_prompts)]
+    max_tokens = min(_max_tokens(state, body.max_tokens, len(p)) for p in prompts)
     rid = f"cmpl-{_request_id()}"
     created = int(time.time())
     timeout = state.settings.server.request_timeout_s
     tt = _token_text(state)
+    n = body.n
+    total_prompt = sum(len(p) for p in prompts)
 
-    prompt_rows = None
-    if body.prompt_logprobs is not None:
-        try:
-            fut = state.engine.score_prompt(prompt, body.prompt_logprobs, adapter=adapter)
-        except UnknownAdapter as exc:  # unloaded between resolution and admission
-            raise _unknown_model(state, str(exc)) from exc
-        rows = await _until_done(receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
-                                 "score a shorter prompt or raise server.request_timeout_s")
-        prompt_rows = _prompt_logprobs_json(rows, tt)
+    prompt_rows: list[list | None] = [None] * len(prompts)
+    echo_texts = [p if isinstance(p, str) else state.engine.tokens.decode(ids) for p, ids in zip(raw_prompts, prompts)]
+    echo_lps: list[dict | None] = [None] * len(prompts)
+    score_k = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        score_k = max(score_k or 0, body.logprobs)
+    if score_k is not None:
+        for j, ids in enumerate(prompts):
+            rows = await _score(state, ids, score_k, adapter, receive, timeout)
+            if body.prompt_logprobs is not None:
+                prompt_rows[j] = _prompt_logprobs_json(
+                    rows if score_k == body.prompt_logprobs else _trim_rows(rows, body.prompt_logprobs), tt)
+            if body.echo and body.logprobs is not None:
+                echo_lps[j] = _echo_logprobs(ids, rows, body.logprobs, tt)
 
+    headers = _revision_header(None, adapter, state)
     if max_tokens == 0:
-        headers = _revision_header(None, adapter, state)
-        results = [("", [], "length")] * body.n
+        results = [("", [], "length")] * (n * len(prompts))
     else:
-        sub = _submit(state, prompt, _params(state, body, max_tokens, body.logprobs), adapter, body.stream)
-        headers = _revision_header(sub, adapter, state)
+        params = _params(state, body, max_tokens, body.logprobs)
+        subs: list[Submission] = []
+        try:
+            for ids in prompts:
+                subs.append(_submit(state, ids, params, adapter, body.stream))
+        except BaseException:
+            for s in subs:
+                s.cancel()
+            raise
+        headers = _revision_header(subs[0], adapter, state)
+        sub = subs[0] if len(subs) == 1 else _Merged(subs, n)
         if body.stream:
             base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                     "system_fingerprint": state.system_fingerprint}
-            offsets = [0] * body.n
+            offsets = [len(echo_texts[i // n]) if body.echo else 0 for i in range(n * len(prompts))]
             fast = _DeltaFrame(base, '"text":')
 
             def chunk(i: int, c, reason: str | None) -> dict | bytes:
@@ -525,24 +632,53 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
                 offsets[i] += len(c.text)
                 return {**base, "choices": [{"index": i, "text": c.text, "logprobs": lp, "finish_reason": reason}]}
 
+            first = None
+            if body.echo:
+                def first(i: int) -> dict:
+                    return {**base, "choices": [{"index": i, "text": echo_texts[i // n], "logprobs": echo_lps[i // n],
+                                                 "finish_reason": None}]}
+
             usage = None
             if body.stream_options is not None and body.stream_options.include_usage:
                 def usage(done: int) -> dict:
-                    return {**base, "choices": [], "usage": _usage(len(prompt), done)}
-            return _SSEResponse(sub, timeout, chunk, None, usage, {**SSE_HEADERS, **headers})
+                    return {**base, "choices": [], "usage": _usage(total_prompt, done)}
+            return _SSEResponse(sub, timeout, chunk, first, usage, {**SSE_HEADERS, **headers})
         results = await _collect(receive, sub, timeout)
 
+    choices = []
+    for i, (text, toks, reason) in enumerate(results):
+        p = i // n
+        lp = _completion_logprobs(toks, tt) if body.logprobs is not None else None
+        if body.echo:
+            text = echo_texts[p] + text
+            lp = _join_logprobs(echo_lps[p], lp)
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason,
+                        "prompt_logprobs": prompt_rows[p]})
     return JSONResponse({  # CompletionResponse
         "id": rid, "object": "text_completion", "created": created, "model": body.model,
         "system_fingerprint": state.system_fingerprint,
-        "choices": [
-            {"index": i, "text": text,
-             "logprobs": _completion_logprobs(toks, tt) if body.logprobs is not None else None,
-             "finish_reason": reason, "prompt_logprobs": prompt_rows}
-            for i, (text, toks, reason) in enumerate(results)
-        ],
-        "usage": _usage(len(prompt), sum(len(t) for _, t, _ in results)),
+        "choices": choices,
+        "usage": _usage(total_prompt, sum(len(t) for _, t, _ in results)),
     }, headers=headers)
+
+
+def _top_entries(row: PromptLogprobRow, k: int) -> list:
+    """The ``k`` best entries of a scored row (ranks are 1-based positions among the top)."""
+    return sorted(row, key=lambda e: e.rank)[:k]
+
+
+def _trim_rows(rows: list[PromptLogprobRow | None], k: int) -> list[PromptLogprobRow | None]:
+    """Rows scored with more top entries than ``k``, cut back to the actual token plus the top ``k``
+    (the layout of :func:`kiln.runtime.scoring.chunk_rows`)."""
+    out: list[PromptLogprobRow | None] = []
+    for row in rows:
+        if row is None:
+            out.append(None)
+            continue
+        entries = {row[0].token_id: row[0]}
+        entries.update((e.token_id, e) for e in _top_entries(row, k))
+        out.append(list(entries.values()))
+    return out
 
 
 # The generation routes, served by kiln.serving.fast_path ahead of FastAPI's routing (the
