@@ -31,7 +31,9 @@ def _completion(server, **kw):
 CHAT_VARIANTS = [{}, {"n": 2, "temperature": 0.7, "seed": 3}, {"logprobs": True, "top_logprobs": 2},
                  {"stop": ["e"]}, {"max_completion_tokens": 1}]
 COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs": 2}, {"prompt_logprobs": 2},
-                       {"max_tokens": 0, "prompt_logprobs": 1}, {"prompt": [5, 6, 7]}]
+                       {"max_tokens": 0, "prompt_logprobs": 1}, {"prompt": [5, 6, 7]},
+                       {"prompt": ["a", "b"], "n": 2}, {"prompt": [[5, 6], [7]]}, {"echo": True, "logprobs": 1},
+                       {"frequency_penalty": 1.0, "logit_bias": {"5": -5}, "min_p": 0.1, "repetition_penalty": 1.2}]
 
 
 @pytest.mark.parametrize("variant", CHAT_VARIANTS)
@@ -161,6 +163,18 @@ def test_training_and_adapter_lifecycle(client, secure_server):
     client.post("/v1/adapters/schema-a/unload")
     for name in ("schema-a", "schema-b", "schema-m"):
         p.AdapterDeleted.model_validate(client.delete(f"/v1/adapters/{name}").json())
+
+
+def test_tokenize_and_detokenize(client, secure_server):
+    r = client.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
+    assert r.status_code == 200
+    p.TokenizeResponse.model_validate(r.json())
+    chat = client.post("/tokenize", json={"model": secure_server.model_id,
+                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200
+    d = client.post("/detokenize", json={"tokens": r.json()["tokens"]})
+    assert d.status_code == 200 and d.json()["prompt"] == "Hello there"
+    p.ErrorResponse.model_validate(client.post("/detokenize", json={"tokens": [10**8]}).json())
 
 
 def test_every_operation_was_exercised(checker):

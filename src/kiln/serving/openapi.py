@@ -58,6 +58,8 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
                                                stream_event=p.ChatCompletionChunk),
     ("post", "/v1/completions"): RouteDoc(p.CompletionResponse, _GENERATION_ERRORS, stream_event=p.CompletionChunk),
     ("get", "/v1/models"): RouteDoc(p.ModelList, ()),
+    ("post", "/tokenize"): RouteDoc(p.TokenizeResponse, (400, 404)),
+    ("post", "/detokenize"): RouteDoc(p.DetokenizeResponse, (400, 404)),
     ("get", "/health"): RouteDoc(p.HealthResponse, (503,)),
     ("get", "/metrics"): RouteDoc(None, (), media="text/plain"),
     ("get", "/v1/config"): RouteDoc(p.ConfigResponse, ()),

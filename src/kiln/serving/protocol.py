@@ -131,6 +131,30 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class TokenizeCompletionRequest(_Request):
+    """``POST /tokenize`` with a text prompt (vLLM's shape)."""
+
+    model: ModelName | None = None
+    prompt: PromptText
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """``POST /tokenize`` with chat messages, rendered by the model's chat template (vLLM's shape)."""
+
+    model: ModelName | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: ModelName | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+
+
 # -- responses -------------------------------------------------------------------------
 
 
@@ -214,6 +238,34 @@ class CompletionResponse(_Response):
     usage: Usage
 
 
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class ModelPermission(_Response):
+    """The legacy OpenAI permission object some clients still read (vLLM sends one per model)."""
+
+    id: str
+    object: Literal["model_permission"] = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
@@ -224,6 +276,7 @@ class ModelCard(_Response):
     max_model_len: int
     base_model_sha256: str
     revision: str | None = None
+    permission: list[ModelPermission] = Field(default_factory=list)
 
 
 class ModelList(_Response):

@@ -37,8 +37,14 @@ from kiln.serving.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    ModelPermission,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from kiln.serving.state import KilnState, get_state
 
@@ -369,20 +375,70 @@ async def list_models(request: Request) -> ModelList:
     state = _state(request)
     created = int(state.started_at)
     limit = state.engine.config.max_model_len
+    def perm(model_id: str) -> list[ModelPermission]:
+        return [ModelPermission(id=f"modelperm-{model_id}", created=created)]
+
     cards = [ModelCard(id=state.model_id, created=created, root=state.model_id, max_model_len=limit,
-                       base_model_sha256=state.model.base_model_sha256)]
+                       base_model_sha256=state.model.base_model_sha256, permission=perm(state.model_id))]
     for name, rev in state.engine.active_adapters().items():
         cards.append(ModelCard(id=name, created=created, root=name, parent=state.model_id, max_model_len=limit,
-                               base_model_sha256=state.model.base_model_sha256, revision=rev))
+                               base_model_sha256=state.model.base_model_sha256, revision=rev, permission=perm(name)))
     return ModelList(data=cards)
 
 
-async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> TokenizeResponse:
+    """vLLM's ``/tokenize``: a prompt's (or rendered chat's) token IDs, as generation would see them."""
+    state = _state(request)
+    if body.model is not None:
+        _resolve_model(state, body.model)
+    tok = state.engine.tokens.tokenizer
+    if isinstance(body, TokenizeChatRequest):
+        text = await _render_chat_text(state, body.messages, body.add_generation_prompt)
+    else:
+        text = body.prompt
+    ids = await asyncio.to_thread(lambda: list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"]))
+    strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.engine.config.max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """vLLM's ``/detokenize``: token IDs back to text."""
+    state = _state(request)
+    if body.model is not None:
+        _resolve_model(state, body.model)
+    _token_ids(state, body.tokens, "tokens")
+    return DetokenizeResponse(prompt=await asyncio.to_thread(state.engine.tokens.decode, list(body.tokens)))
+
+
+async def _render_chat_text(state, messages_in, add_generation_prompt: bool = True) -> str:
+    """The chat template's text (``/tokenize``); template errors are the caller's input."""
+    _check_messages(state, messages_in)
+    messages = _template_messages(messages_in)
+    try:
+        return await asyncio.to_thread(state.engine.tokens.tokenizer.apply_chat_template, messages, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+    except Exception as exc:
+        raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error",
+                             param="messages", hint="check message roles and order") from exc
+
+
+def _check_messages(state, messages) -> None:
     lim = state.settings.limits
-    if len(req.messages) > lim.max_messages:
-        raise InvalidRequest(f"{len(req.messages)} messages exceed limits.max_messages="
+    if len(messages) > lim.max_messages:
+        raise InvalidRequest(f"{len(messages)} messages exceed limits.max_messages="
                        f"{lim.max_messages}", code="limit_exceeded", hint="send fewer messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+
+
+def _template_messages(messages) -> list[dict[str, Any]]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
+    _check_messages(state, req.messages)
+    messages = _template_messages(req.messages)
     size = sum(len(m["content"]) for m in messages)
     try:
         if size > LARGE_PROMPT_CHARS:
