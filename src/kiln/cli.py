@@ -24,6 +24,7 @@ _GROUPS: list[tuple[str, str]] = [
     ("model", "kiln.runtime.cli"),
     ("distill", "kiln.distill.cli"),
     ("teacher", "kiln.teachers.cli"),
+    ("teachers", "kiln.teachers.registry_cli"),
     ("ranks", "kiln.cluster.cli"),
     ("train", "kiln.training.cli"),
     ("adapters", "kiln.adapters.cli"),

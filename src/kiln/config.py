@@ -13,6 +13,7 @@ where it came from; ``GET /v1/config`` reports both.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -100,6 +101,38 @@ class EvalSettings(_Section):
     allow_code_execution: bool = False  # the `code` scorer runs model output in a sandbox (docs/evals.md)
 
 
+_CANONICAL_HTTPS_ORIGIN = r"^https://[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[1-9][0-9]{0,4})?$"
+
+
+class TeacherCredential(_Section):
+    """``[teachers.credentials.<id>]``: the exact HTTPS origin a teacher answers on and the NAME of the
+    environment variable that holds its bearer key (the key itself never enters Kiln's settings)."""
+
+    origin: str = Field(pattern=_CANONICAL_HTTPS_ORIGIN)
+    api_key_env: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+    @field_validator("origin")
+    @classmethod
+    def _no_default_port(cls, value: str) -> str:
+        if value.endswith(":443"):
+            raise ValueError("write the canonical origin without the default port :443")
+        return value
+
+
+class TeachersSettings(_Section):
+    registry_path: str | None = None  # default: $KILN_HOME/teachers/registry.json
+    credentials: dict[str, TeacherCredential] = {}  # [teachers.credentials.<id>] origin, api_key_env
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+
+    @field_validator("credentials")
+    @classmethod
+    def _ids(cls, value: dict[str, TeacherCredential]) -> dict[str, TeacherCredential]:
+        for cid in value:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cid):
+                raise ValueError(f"credential id {cid!r}: 1-64 letters, digits, '.', '_', '-'")
+        return value
+
+
 class Settings(_Section):
     home: str | None = None
     server: ServerSettings = ServerSettings()
@@ -109,6 +142,7 @@ class Settings(_Section):
     training: TrainingSettings = TrainingSettings()
     adapters: AdapterSettings = AdapterSettings()
     eval: EvalSettings = EvalSettings()
+    teachers: TeachersSettings = TeachersSettings()
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Settings":
@@ -130,6 +164,11 @@ class Settings(_Section):
     @property
     def data_path(self) -> Path:
         return Path(self.training.data_dir).expanduser() if self.training.data_dir else self.home_path / "data"
+
+    @property
+    def teachers_registry_path(self) -> Path:
+        return (Path(self.teachers.registry_path).expanduser() if self.teachers.registry_path
+                else self.home_path / "teachers" / "registry.json")
 
     @property
     def eval_path(self) -> Path:
@@ -280,4 +319,11 @@ def load_settings(
             src = sources.get(dotted, "default")
             problems.append(f"{dotted} (from {src}): {err['msg']}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+    if settings.teachers.credentials:  # the secrets' variables must be usable now (read again per request)
+        from kiln.teachers.credentials import validate_credentials
+
+        try:
+            validate_credentials(settings.teachers.credentials, environ)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return LoadedSettings(settings, sources, path)

@@ -81,6 +81,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     install_error_handlers(app, redact.text)
     routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
+    from kiln.serving import routes_teachers  # noqa: E402  (teachers: registry and probes)
+    routers += (routes_teachers.router,)
     for router in routers:
         app.include_router(router)
     install_openapi(app, kiln_state.model_id)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
     from kiln.runtime.ownership import AcceleratorOwnership
+    from kiln.teachers.service import TeacherService
     from kiln.training.service import TrainingService
 
 
@@ -46,6 +47,7 @@ class KilnState:
     metrics: Metrics
     system_fingerprint: str
     started_at: float = field(default_factory=time.time)
+    teachers: TeacherService | None = None  # this server's teacher identity and the teacher registry
     # Per-process caches of route modules (e.g. the token-text decoder); never services.
     extras: dict[str, object] = field(default_factory=dict)
 
@@ -87,7 +89,12 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     store = AdapterStore(settings.adapters_path)
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
     fingerprint = settings.server.system_fingerprint or default_fingerprint(model.base_model_sha256)
-    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint)
+    from kiln.teachers.service import build_teachers
+
+    teachers = build_teachers(settings, model, engine, store)
+    if trainer is not None and hasattr(trainer, "set_teachers"):
+        trainer.set_teachers(teachers)
+    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers)
 
 
 def build_training(settings: Settings, engine: Engine, store: AdapterStore, model: LoadedModel) -> TrainingService:

