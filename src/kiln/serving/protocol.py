@@ -42,6 +42,34 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="ignored: OpenAI's padding of stream events "
+                                             "against side channels; Kiln sends none")
+
+
+class PredictionContent(_Request):
+    """OpenAI's predicted output; accepted only when empty (Kiln has no speculative decoding from it)."""
+
+    type: Literal["content"] = "content"
+    content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
+        list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] = Field(
+        "", description="must be empty: predicted outputs are not supported")
+
+    @field_validator("content")
+    @classmethod
+    def _empty(cls, v: str | list[TextPart]) -> str | list[TextPart]:
+        if (v if isinstance(v, str) else "".join(p.text for p in v)):
+            raise ValueError("prediction (predicted outputs) is not supported: Kiln does no speculative decoding "
+                             "from it; send an empty prediction or none")
+        return v
+
+
+# OpenAI fields a self-hosted model accepts and ignores: they change nothing about the output
+# (billing, retention, abuse tracking and caching hints of OpenAI's service). A request that
+# sets one is answered normally with the header below naming them; anything else unknown is a 400.
+IGNORED_FIELDS = ("store", "metadata", "user", "service_tier", "prediction", "safety_identifier",
+                  "prompt_cache_key")
+IGNORED_FIELDS_HEADER = "x-kiln-ignored-fields"
+MAX_METADATA_KEYS = 16
 
 
 class TextPart(_Request):
@@ -90,7 +118,24 @@ class _Sampling(_Request):
         None, description="vLLM: generating one of these ends the choice (finish_reason stop)")
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
         None, description="vLLM: words the output never contains (as tokenized, with and without a leading space)")
-    user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
+    user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
+        None, description="ignored (OpenAI abuse tracking)")
+    store: bool | None = Field(None, description="ignored (OpenAI's stored completions)")
+    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=MAX_METADATA_KEYS)] | None = Field(
+        None, description="ignored (OpenAI's stored-completion tags)")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="ignored (OpenAI's billing tier)")
+    prediction: PredictionContent | None = Field(None, description="accepted only when empty")
+    safety_identifier: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
+        None, description="ignored (OpenAI abuse tracking)")
+    prompt_cache_key: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
+        None, description="ignored (OpenAI's cache routing hint)")
+
+    def ignored_fields(self) -> list[str]:
+        """The accepted-and-ignored OpenAI fields this request set (see ``IGNORED_FIELDS``)."""
+        return [f for f in IGNORED_FIELDS if f in self.model_fields_set]
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -387,7 +432,7 @@ class ConfigResponse(_Response):
 
 class TrainingJob(_Response):
     id: str
-    kind: Literal["sft", "grpo"]
+    kind: Literal["sft", "grpo", "opd"]
     adapter: str
     state: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     created_at: float

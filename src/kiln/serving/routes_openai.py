@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import secrets
 import time
 from typing import Any, Awaitable, Callable
@@ -36,6 +37,7 @@ from kiln.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
+    IGNORED_FIELDS_HEADER,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -49,6 +51,7 @@ from kiln.serving.protocol import (
 from kiln.serving.state import KilnState, get_state
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 BASE_REVISION = "base"
 LARGE_PROMPT_CHARS = 20_000  # render/tokenize bigger prompts off the event loop
@@ -170,6 +173,26 @@ def _submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams
         raise _unknown_model(state, str(exc)) from exc
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     return sub
+
+
+_WARNED_IGNORED: set[str] = set()
+
+
+def _check_request(body) -> dict[str, str]:
+    """Refusals shared by both generation routes, and the header naming ignored OpenAI fields
+    (each field is logged once per process at warning level)."""
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options is only allowed with stream=true", code="invalid_request",
+                             param="stream_options", hint="drop stream_options or set stream to true")
+    ignored = body.ignored_fields()
+    if not ignored:
+        return {}
+    new = [f for f in ignored if f not in _WARNED_IGNORED]
+    if new:
+        _WARNED_IGNORED.update(new)
+        log.warning("accepted and ignored OpenAI request fields %s (they change nothing on a self-hosted model; "
+                    "responses name them in %s)", new, IGNORED_FIELDS_HEADER)
+    return {IGNORED_FIELDS_HEADER: ",".join(ignored)}
 
 
 def _revision_header(sub: Submission | None, adapter: str | None, state) -> dict[str, str]:
@@ -456,6 +479,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: Receive) -> Response:
     """The whole chat completion (JSON or SSE) for a validated request; ``receive`` reports a disconnect."""
     adapter = _resolve_model(state, body.model)
+    extra_headers = _check_request(body)
     top = body.top_logprobs if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs=true", code="invalid_request", hint="set logprobs to true")
@@ -464,7 +488,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     prompt = await _render_chat(state, body)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     sub = _submit(state, prompt, _params(state, body, max_tokens, logprobs), adapter, body.stream)
-    headers = _revision_header(sub, adapter, state)
+    headers = {**_revision_header(sub, adapter, state), **extra_headers}
     rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
     timeout = state.settings.server.request_timeout_s
@@ -624,6 +648,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
     (as OpenAI numbers them). ``echo`` puts each prompt's text (and, with ``logprobs``, its
     tokens' logprobs, the first ``None``) before the completion."""
     adapter = _resolve_model(state, body.model)
+    extra_headers = _check_request(body)
     _check_limits(state, body, body.logprobs, body.stop_list())
     lim = state.settings.limits
     if body.prompt_logprobs is not None:
@@ -658,7 +683,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
             if body.echo and body.logprobs is not None:
                 echo_lps[j] = _echo_logprobs(ids, rows, body.logprobs, tt)
 
-    headers = _revision_header(None, adapter, state)
+    headers = {**_revision_header(None, adapter, state), **extra_headers}
     if max_tokens == 0:
         results = [("", [], "length")] * (n * len(prompts))
     else:
@@ -671,7 +696,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
             for s in subs:
                 s.cancel()
             raise
-        headers = _revision_header(subs[0], adapter, state)
+        headers = {**_revision_header(subs[0], adapter, state), **extra_headers}
         sub = subs[0] if len(subs) == 1 else _Merged(subs, n)
         if body.stream:
             base = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
