@@ -52,3 +52,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         for marker, env in _OPT_IN.items():
             if marker in item.keywords and os.environ.get(env) != "1":
                 item.add_marker(pytest.mark.skip(reason=f"opt-in lane: set {env}=1 to run"))
+
+
+def default_device() -> str:
+    """The device ``device = "auto"`` resolves to on this machine (tests follow it, never assume CPU)."""
+    from kiln.runtime.loader import resolve_device
+
+    return resolve_device("auto")

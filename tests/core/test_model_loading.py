@@ -11,6 +11,7 @@ import pytest
 
 from kiln.canonical import base_model_digest, sha256_file
 from kiln.runtime.loader import ModelLoadError, inspect_model_dir, load_model
+from tests.conftest import default_device
 
 
 def test_builtin_model_shape(builtin_model_dir: Path) -> None:
@@ -38,7 +39,9 @@ def test_builtin_model_generates_an_answer(builtin_model_dir: Path) -> None:
     out = loaded.model.generate(**enc, max_new_tokens=12, do_sample=False)
     text = tok.decode(out[0][enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in text
-    assert loaded.device == "cpu" and loaded.dtype == "float32"
+    from kiln.runtime.loader import resolve_dtype
+
+    assert loaded.device == default_device() and loaded.dtype == resolve_dtype("auto", loaded.device)
 
 
 def test_build_is_deterministic(builtin_model_dir: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.conftest import default_device
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
@@ -58,7 +59,7 @@ def test_build_state_wires_one_store_and_one_engine(built):
     assert isinstance(built.trainer, TrainingService)
     assert built.trainer.store is built.store
     assert built.trainer.engine is built.engine
-    assert built.model.device == "cpu"
+    assert built.model.device == default_device()
 
 
 def test_adapter_routes_use_the_state_store(built):

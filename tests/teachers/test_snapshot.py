@@ -6,7 +6,6 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -60,21 +59,24 @@ def test_mutation_during_copy_fails_and_leaves_nothing(tmp_path, roots):
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(os.urandom(3 << 20))
-    stop = threading.Event()
 
-    def grow():
-        time.sleep(0.6)
-        with open(model / "model.safetensors", "ab") as f:
-            f.write(b"x")
+    class MutateMidCopy(ReadLimiter):
+        """Appends to the weights once 1 MiB of them has been read: a writer racing the copy,
+        at a point fixed by the bytes read rather than by a sleep."""
 
-    t = threading.Thread(target=grow)
-    t.start()
-    try:
-        with pytest.raises(ProvenanceError, match="model.safetensors"):
-            _stage({"model": model}, roots["snapshot"], ReadLimiter(2))  # 3 MiB at 2 MiB/s: ~1.5 s
-    finally:
-        stop.set()
-        t.join()
+        mutated = False
+
+        def consume(self, n: int) -> None:
+            super().consume(n)
+            if not self.mutated and self.total > 1 << 20:
+                self.mutated = True
+                with open(model / "model.safetensors", "ab") as f:
+                    f.write(b"x")
+
+    limiter = MutateMidCopy(None)
+    with pytest.raises(ProvenanceError, match="model.safetensors"):
+        _stage({"model": model}, roots["snapshot"], limiter)
+    assert limiter.mutated
     assert os.listdir(roots["snapshot"]) == []
 
 
