@@ -1,14 +1,19 @@
 """The three batch builders of an engine cycle: each turns rows into one model forward.
 
 * :meth:`Batches.packed` - decode tokens and prompt chunks of all rows as ONE sequence
-  ``[1, T]`` with a mask that confines every token to its own row's cache (no padding);
-* :meth:`Batches.decode` - one token for each decoding row (slots ``0..n-1``);
+  ``[1, T]`` with a mask that confines every token to its own row's blocks (no padding
+  of the queries);
+* :meth:`Batches.decode` - one token for each decoding row;
 * :meth:`Batches.prefill` - the next prompt chunk of each row, right-padded; with
   ``all_logits=True`` it keeps every position's logits (scoring rows).
 
-Rows are the scheduler's (duck-typed: ``prompt``, ``prefilled``, ``pos``, ``slot``,
-``generated``, ``adapter_key``). Every tensor is created on the model's device.
-The caller holds shared accelerator ownership and inference mode.
+Rows are the scheduler's (duck-typed: ``tokens`` (what to prefill), ``prefilled``,
+``pos``, ``blocks``, ``generated``, ``adapter_key``); every row already holds the
+blocks its positions of this step need (the scheduler allocates them). KV lives in a
+:class:`~kiln.runtime.paged_kv.BlockPool`; attention reads each row's own blocks,
+``len(blocks) * block_size`` positions wide, masked to its length. Every tensor is
+created on the model's device. The caller holds shared accelerator ownership and
+inference mode.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kiln.runtime.kv_slots import SlotKV
+from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
 PACKED_MAX_SCORES = 1 << 21  # tokens x rows x kv_len above which a mixed cycle uses two forwards
 
@@ -25,7 +30,7 @@ Chunk = tuple[Any, int]  # (row, prompt tokens this cycle)
 
 
 class Batches:
-    def __init__(self, kv: SlotKV, adapters: Any, device: Any, pad_id: int):
+    def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int):
         self.kv = kv
         self.adapters = adapters
         self.device = device
@@ -36,13 +41,18 @@ class Batches:
             return {}
         return {"adapter_names": [r.adapter_key for r in rows]}
 
+    def _where(self, table: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of cache position ``pos`` of table row ``row``."""
+        bs = self.kv.block_size
+        return table[row, pos // bs], pos % bs
+
     def packable(self, decoding: list[Any], chunks: list[Chunk]) -> bool:
         """One packed forward if every row uses the same adapter and the attention stays small."""
         rows = decoding + [r for r, _ in chunks]
         if len({r.adapter_key for r in rows}) != 1:
             return False  # PEFT picks adapters per batch row; a packed batch has one row
         tokens = len(decoding) + sum(c for _, c in chunks)
-        kv_len = max([r.pos + 1 for r in decoding] + [r.prefilled + c for r, c in chunks])
+        kv_len = max(len(r.blocks) for r in rows) * self.kv.block_size
         return tokens * len(rows) * kv_len <= PACKED_MAX_SCORES
 
     def packed(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
@@ -61,20 +71,22 @@ class Batches:
         completing = []
         for j, (r, c) in enumerate(chunks):
             start = r.prefilled
-            ids.extend(r.prompt[start : start + c])
+            ids.extend(r.tokens[start : start + c])
             row_of.extend([len(decoding) + j] * c)
             pos_of.extend(range(start, start + c))
-            if start + c == len(r.prompt):
+            if start + c == len(r.tokens):
                 keep.append(len(ids) - 1)
                 completing.append(r)
         rows = decoding + [r for r, _ in chunks]
-        kv_len = max(pos_of) + 1
+        table = self.kv.table([r.blocks for r in rows])
+        kv_len = table.shape[1] * self.kv.block_size
         row_t = torch.tensor(row_of, device=dev)
         pos_t = torch.tensor(pos_of, device=dev)
+        wb, wo = self._where(table, row_t, pos_t)
         key_row = torch.arange(len(rows), device=dev).repeat_interleave(kv_len)
         key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
         mask = (key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None])
-        cache = self.kv.packed_step([r.slot for r in rows], row_t, pos_t, kv_len)
+        cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True)
         extra = {"adapter_names": [rows[0].adapter_key]} if self.adapters.wrapped else {}
         out = self.adapters.forward_model(
             input_ids=torch.tensor([ids], device=dev), position_ids=pos_t[None, :], attention_mask=mask[None, None],
@@ -91,14 +103,16 @@ class Batches:
         return (logits[:n] if n else None), (logits[n:] if completing else None), completing
 
     def decode(self, rows: list[Any]) -> torch.Tensor:
-        """One token for each decoding row (slots ``0..n-1``) -> logits ``[n, vocab]``."""
+        """One token for each decoding row -> logits ``[n, vocab]``."""
         dev = self.device
         n = len(rows)
         pos = torch.tensor([r.pos for r in rows], device=dev)
-        kv_len = int(max(r.pos for r in rows)) + 1
+        table = self.kv.table([r.blocks for r in rows])
+        kv_len = table.shape[1] * self.kv.block_size
         ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
+        wb, wo = self._where(table, torch.arange(n, device=dev), pos)
         mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-        cache = self.kv.step(list(range(n)), pos[:, None], kv_len)
+        cache = self.kv.step(table, wb[:, None], wo[:, None])
         out = self.adapters.forward_model(
             input_ids=ids, position_ids=pos[:, None], attention_mask=mask, past_key_values=cache,
             use_cache=True, logits_to_keep=1, **self._adapter_kwargs(rows),
@@ -123,13 +137,16 @@ class Batches:
         col = torch.arange(width, device=dev)[None, :]
         qpos = starts[:, None] + torch.minimum(col, lens[:, None] - 1)
         real = col < lens[:, None]
-        wpos = torch.where(real, starts[:, None] + col, torch.full_like(qpos, self.kv.scratch))
+        table = self.kv.table([r.blocks for r in rows])
+        kv_len = table.shape[1] * self.kv.block_size
+        wb, wo = self._where(table, torch.arange(len(rows), device=dev)[:, None], qpos)
+        wb = torch.where(real, wb, torch.full_like(wb, SCRATCH))
+        wo = torch.where(real, wo, torch.zeros_like(wo))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
         for i, (r, c) in enumerate(chunks):
-            ids[i, :c] = torch.tensor(r.prompt[r.prefilled : r.prefilled + c], device=dev)
-        kv_len = int((starts + lens).max())
+            ids[i, :c] = torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev)
         mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
-        cache = self.kv.step([r.slot for r in rows], wpos, kv_len)
+        cache = self.kv.step(table, wb, wo)
         out = self.adapters.forward_model(
             input_ids=ids, position_ids=qpos, attention_mask=mask, past_key_values=cache,
             use_cache=True, logits_to_keep=0 if all_logits else (lens - 1)[:, None], **self._adapter_kwargs(rows),
@@ -138,7 +155,7 @@ class Batches:
         for i, (r, c) in enumerate(chunks):
             r.prefilled += c
             r.pos = r.prefilled
-            if r.prefilled == len(r.prompt):
+            if r.prefilled == len(r.tokens):
                 completing_idx.append(i)
         if all_logits:
             return out.logits, rows

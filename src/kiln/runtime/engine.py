@@ -5,7 +5,8 @@ lives in its own module:
 
 * :mod:`kiln.runtime.submission` - the consumer side (``Submission``, ``RowStream``,
   ``Completion``) and the errors a caller sees;
-* :mod:`kiln.runtime.scheduler` - the actor thread, the queues, slots and one cycle;
+* :mod:`kiln.runtime.scheduler` - the actor thread, the queues, admission by memory, preemption, one cycle;
+* :mod:`kiln.runtime.paged_kv` - the paged KV pool (blocks, block tables, prefix cache);
 * :mod:`kiln.runtime.batches` - the packed, decode and prefill forwards;
 * :mod:`kiln.runtime.tokenization` - chat rendering, tokenizing, token text;
 * :mod:`kiln.runtime.adapter_slots` - live LoRA adapters (name -> key, references).
@@ -27,7 +28,7 @@ import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
-from kiln.runtime.kv_slots import SlotKV, cache_shape
+from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, make_generator
 from kiln.runtime.scheduler import JOIN_TIMEOUT_S, EngineConfig, Row, Scheduler, ScoreRow
@@ -66,6 +67,16 @@ __all__ = [
 ]
 
 
+def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype) -> int:
+    """Blocks in the KV pool (the scratch block included): ``kv_budget_bytes`` worth, or by default
+    enough for ``max_running_rows`` rows of ``max_model_len`` (on CPU only touched blocks take memory)."""
+    if cfg.kv_budget_bytes:
+        usable = cfg.kv_budget_bytes // block_bytes(shape, cfg.kv_block_size, dtype)
+    else:
+        usable = cfg.max_running_rows * -(-cfg.max_model_len // cfg.kv_block_size)
+    return max(1, usable) + 1
+
+
 class Engine:
     """Continuous-batching engine over one loaded model (see the module docstring)."""
 
@@ -88,8 +99,8 @@ class Engine:
         self.device = loaded.device
         dtype = next(self.model.parameters()).dtype
         cfg = self.config
-        kv = SlotKV(cache_shape(self.model.config), cfg.max_running_rows + 1, cfg.max_model_len,
-                    device=self.device, dtype=dtype)
+        kv = BlockPool(cache_shape(self.model.config), kv_pool_blocks(cfg, cache_shape(self.model.config), dtype),
+                       cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         self._scheduler = Scheduler(cfg, kv, Batches(kv, self.adapters, self.device, self.tokens.pad_id),
                                     self.adapters, self.ownership, self.observer, self.device)
@@ -196,6 +207,16 @@ class Engine:
             failed = self._scheduler.stats()["failed"]
             raise EngineNotRunning(f"the engine is not running ({failed or 'stopped'}); restart the server")
 
+    def _check_fits(self, tokens: int) -> None:
+        """A row of ``tokens`` positions must fit the whole KV pool, or it could never run."""
+        kv = self._kv
+        if kv.blocks_for(tokens) > kv.capacity:
+            raise PromptTooLong(
+                f"prompt plus max_tokens ({tokens} tokens) needs {kv.blocks_for(tokens)} KV blocks of "
+                f"{kv.block_size} tokens, more than the whole KV budget of {kv.capacity} blocks "
+                "(batching.kv_budget_bytes); shorten the prompt or lower max_tokens"
+            )
+
     def submit(
         self,
         prompt_ids: list[int],
@@ -221,6 +242,7 @@ class Engine:
                 f"exceeds the model length limit of {self.config.max_model_len} tokens; shorten the prompt "
                 "or lower max_tokens"
             )
+        self._check_fits(len(prompt_ids) + max(p.max_tokens for p in params))
         keys, revision = self._acquire(adapter, len(params))
         shared_event = asyncio.Event() if loop is not None else None
         streams = [RowStream(i, loop, shared_event, incremental) for i in range(len(params))]
@@ -256,6 +278,7 @@ class Engine:
             raise PromptTooLong(
                 f"prompt has {len(prompt_ids)} tokens, more than the limit of {self.config.max_model_len}"
             )
+        self._check_fits(len(prompt_ids))
         keys, _ = self._acquire(adapter, 1)
         fut: Future = Future()
         row = ScoreRow(list(prompt_ids), top_k, keys[0], fut)

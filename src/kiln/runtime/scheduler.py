@@ -3,20 +3,28 @@
 Each scheduling cycle spends a token budget (``batching.token_budget``) in this
 order: one decode token for every decoding row, then the next chunk of prompts
 whose prefill is already under way (rotating, so one long prompt cannot hog the
-cycles), then the first chunk of newly admitted rows while slots and budget last.
+cycles), then the first chunk of newly admitted rows while rows, blocks and budget last.
 Generation rows and scoring rows (``prompt_logprobs``) share that queue, those
 limits and that budget: a scoring row is a prompt prefilled chunk by chunk whose
 every position's logits are kept, and it ends when its prefill does.
 
-KV state lives in a preallocated :class:`~kiln.runtime.kv_slots.SlotKV`; decoding
-rows are kept in slots ``0..n-1`` so the decode step reads a view. The forwards
-themselves are built in :mod:`kiln.runtime.batches`. Each cycle runs under shared
+KV state lives in a :class:`~kiln.runtime.paged_kv.BlockPool` of fixed-size
+blocks; each row holds a block table, grown a block at a time just before a step
+writes past it. Admission is by memory as well as by row count: a waiting row is
+admitted only while the pool can hold its prompt (blocks already in the prefix
+cache count as held), so requests wait instead of failing. When a running row
+cannot grow, the youngest running row (latest admitted) is *preempted*: its blocks
+are released (its full prompt blocks stay in the prefix cache) and it goes back to
+the head of the queue, to be recomputed from its prompt plus the tokens it had
+generated (greedy outputs are unchanged). A request that could never fit the
+whole pool is refused at submission. The forwards themselves are built in
+:mod:`kiln.runtime.batches`. Each cycle runs under shared
 accelerator ownership; adapter changes and training steps take it exclusively, so
 they land between two cycles. Nothing that needs exclusive ownership runs inside
 the shared section: retiring an adapter whose last row ended there is deferred to
 :meth:`~kiln.runtime.adapter_slots.AdapterSlots.reap`, between cycles.
 
-A row is *active* from admission until its cleanup (slot freed, adapter reference
+A row is *active* from admission until its cleanup (blocks released, adapter reference
 dropped, final event delivered) is done; ``stats()["active_rows"]`` counts exactly
 that, so a zero means nothing is held. Cancellation is settled by the actor at
 the next cycle boundary. A failure while sampling one row ends that row alone
@@ -37,7 +45,7 @@ import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
 from kiln.runtime.batches import Batches
-from kiln.runtime.kv_slots import SlotKV
+from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, TokenChoice, select_tokens
 from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
@@ -58,6 +66,9 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     max_model_len: int = 2048
     stall_timeout_s: float = STALL_TIMEOUT_S
+    kv_block_size: int = 16
+    kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
+    prefix_cache: bool = True
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -72,6 +83,9 @@ class EngineConfig:
             prefill_chunk_tokens=b.prefill_chunk_tokens,
             max_model_len=configured if model_max_len is None else min(configured, model_max_len),
             stall_timeout_s=float(getattr(b, "stall_timeout_s", STALL_TIMEOUT_S)),
+            kv_block_size=int(getattr(b, "kv_block_size", 16)),
+            kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
+            prefix_cache=bool(getattr(b, "prefix_cache", True)),
         )
 
 
@@ -80,8 +94,9 @@ class Row:
 
     scoring = False
     __slots__ = (
-        "stream", "prompt", "params", "gen", "adapter_key", "slot", "prefilled", "pos", "generated",
-        "text", "cancelled", "t_submit", "t_last", "eos_ids",
+        "stream", "prompt", "params", "gen", "adapter_key", "prefilled", "pos", "generated",
+        "text", "cancelled", "t_submit", "t_last", "eos_ids", "tokens", "blocks", "seq", "t_wait",
+        "cache_uid", "registered",
     )
 
     def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
@@ -91,7 +106,12 @@ class Row:
         self.params = params
         self.gen = gen
         self.adapter_key = adapter_key
-        self.slot = -1
+        self.tokens = prompt  # what prefill feeds: the prompt, plus the output so far after a preemption
+        self.blocks: list[int] = []  # block table
+        self.seq = 0  # admission order (kept across preemptions): younger rows are preempted first
+        self.t_wait = 0.0  # when it (re)entered the queue
+        self.cache_uid = 0  # prefix-cache uid of its last published block
+        self.registered = 0  # blocks published to the prefix cache
         self.prefilled = 0
         self.pos = 0  # tokens held in the cache
         self.generated: list[int] = []
@@ -114,14 +134,18 @@ class ScoreRow:
     """A ``prompt_logprobs`` request: the prompt prefilled in chunks, every position scored."""
 
     scoring = True
-    __slots__ = ("prompt", "top_k", "adapter_key", "future", "slot", "prefilled", "pos", "rows", "cancelled")
+    __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
+                 "rows", "cancelled")
 
     def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future):
         self.prompt = prompt
+        self.tokens = prompt
         self.top_k = top_k
         self.adapter_key = adapter_key
         self.future = future
-        self.slot = -1
+        self.blocks: list[int] = []
+        self.seq = 0
+        self.t_wait = 0.0
         self.prefilled = 0
         self.pos = 0
         self.rows: list[PromptLogprobRow | None] = [None]
@@ -142,7 +166,7 @@ class ScoreRow:
 class Scheduler:
     """The actor thread and the row queues (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, kv: SlotKV, batches: Batches, adapters: AdapterSlots,
+    def __init__(self, config: EngineConfig, kv: BlockPool, batches: Batches, adapters: AdapterSlots,
                  ownership: AcceleratorOwnership, observer: Observer, device: Any):
         self.config = config
         self.kv = kv
@@ -150,15 +174,16 @@ class Scheduler:
         self.adapters = adapters
         self.ownership = ownership
         self.observer = observer
-        self._spare = config.max_running_rows  # the extra slot, used only to swap two rows
         self._cv = threading.Condition()
         self._inbox: collections.deque[Row | ScoreRow] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._cancel_pending = False
         self._waiting: collections.deque[Row | ScoreRow] = collections.deque()
         self._prefilling: list[Row | ScoreRow] = []
-        self._decoding: list[Row] = []  # index == slot
-        self._free = set(range(config.max_running_rows))
+        self._decoding: list[Row] = []
+        self._seq = 0
+        self.preemptions = 0
+        self._oldest_wait: float | None = None  # perf_counter the oldest waiting row entered the queue
         self._active = 0
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -214,13 +239,21 @@ class Scheduler:
 
     def stats(self) -> dict[str, Any]:
         busy = self._busy_for()
+        now = time.perf_counter()
         with self._cv:
+            starts = [r.t_wait for r in self._inbox]
+            if self._oldest_wait is not None:
+                starts.append(self._oldest_wait)
             return {
                 "queued_rows": self._queued,
                 "active_rows": self._active,
                 "max_running_rows": self.config.max_running_rows,
                 "steps": self.steps,
                 "kv_cache_bytes": self.kv.nbytes(),
+                "kv_used_bytes": self.kv.used() * self.kv.block_nbytes,
+                "queue_oldest_wait_s": round(now - min(starts), 3) if starts else 0.0,
+                "preemptions": self.preemptions,
+                **self.kv.stats(),
                 "failed": self._failed,
                 "busy_s": None if busy is None else round(busy, 3),
             }
@@ -232,6 +265,9 @@ class Scheduler:
             if self._queued + len(rows) > self.config.max_queued_rows:
                 return False
             self._queued += len(rows)
+            now = time.perf_counter()
+            for r in rows:
+                r.t_wait = now
             self._inbox.extend(rows)
             self._cv.notify_all()
             return True
@@ -337,50 +373,85 @@ class Scheduler:
             self._finish(row, reason, touched)
         self._notify(touched)
 
-    # -- slots -------------------------------------------------------------------------
-    def _admit(self, row: Row | ScoreRow) -> None:
-        row.slot = max(self._free)
-        self._free.discard(row.slot)
+    # -- rows and blocks ------------------------------------------------------------------
+    def _running(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    def _admit(self, row: Row | ScoreRow) -> bool:
+        """Start ``row`` (cached prefix blocks attached) if the pool can hold its prompt; else ``False``."""
+        kv = self.kv
+        if not row.scoring:  # scoring keeps every position's logits: it must compute them all
+            row.blocks, row.cache_uid = kv.match(row.adapter_key, row.tokens, len(row.tokens) - 1)
+            row.registered = len(row.blocks)
+        need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
+        if need > kv.available() and self._running():
+            kv.release(row.blocks)  # wait for memory; rows running now will free theirs
+            row.blocks = []
+            return False
+        if not row.seq:
+            self._seq += 1
+            row.seq = self._seq
+        row.prefilled = row.pos = len(row.blocks) * kv.block_size
         self._prefilling.append(row)
         with self._cv:
             self._queued -= 1
             self._active += 1
+        return True
 
     def _to_decoding(self, row: Row) -> None:
-        """Move a row whose prefill just finished into slot ``len(decoding)``."""
         self._prefilling.remove(row)
-        target = len(self._decoding)
-        if row.slot != target:
-            other = next((r for r in self._prefilling if r.slot == target), None)
-            if other is not None:  # swap through the spare slot
-                self.kv.move(other.slot, self._spare, other.pos)
-                self.kv.move(row.slot, target, row.pos)
-                self.kv.move(self._spare, row.slot, other.pos)
-                other.slot = row.slot
-            else:
-                self.kv.move(row.slot, target, row.pos)
-                self._free.add(row.slot)
-                self._free.discard(target)
-            row.slot = target
         self._decoding.append(row)
 
-    def _release_slot(self, row: Row | ScoreRow) -> None:
+    def _grow(self, row: Row | ScoreRow, positions: int) -> bool:
+        """Blocks for ``row``'s first ``positions`` positions; ``False`` when the pool ran out."""
+        for _ in range(self.kv.blocks_for(positions) - len(row.blocks)):
+            block = self.kv.allocate()
+            if block is None:
+                return False
+            row.blocks.append(block)
+        return True
+
+    def _release_blocks(self, row: Row | ScoreRow) -> None:
         if row in self._prefilling:
             self._prefilling.remove(row)
-            self._free.add(row.slot)
+        elif row in self._decoding:
+            self._decoding.remove(row)
+        self.kv.release(row.blocks)
+        row.blocks = []
+
+    def _preempt(self, row: Row | ScoreRow) -> None:
+        """Back to the head of the queue (in admission order), its blocks released; recomputed later."""
+        self._release_blocks(row)
+        row.prefilled = row.pos = 0
+        if row.scoring:
+            row.rows = [None]
         else:
-            last = self._decoding.pop()
-            if last is not row:
-                self.kv.move(last.slot, row.slot, last.pos)
-                last.slot = row.slot
-                self._decoding[row.slot] = last
-            self._free.add(len(self._decoding))
-        row.slot = -1
+            row.tokens = row.prompt + row.generated
+            row.registered = 0
+            row.cache_uid = 0
+        row.t_wait = time.perf_counter()
+        at = next((i for i, w in enumerate(self._waiting) if w.seq == 0 or w.seq > row.seq), len(self._waiting))
+        self._waiting.insert(at, row)
+        self.preemptions += 1
+        with self._cv:
+            self._queued += 1
+            self._active -= 1
+
+    def _publish(self, row: Row) -> None:
+        """Offer ``row``'s newly completed prompt blocks to the prefix cache."""
+        if not self.kv.prefix_cache:
+            return
+        bs = self.kv.block_size
+        while row.registered < row.prefilled // bs:
+            i = row.registered
+            row.cache_uid = self.kv.register(row.adapter_key, row.cache_uid, tuple(row.tokens[i * bs:(i + 1) * bs]),
+                                             row.blocks[i])
+            row.registered += 1
 
     def _finish(self, row: Row | ScoreRow, reason: str, touched: list[RowStream], *, was_active: bool = True) -> None:
-        """Terminal cleanup: slot, adapter reference, final output; then the row stops counting as active."""
-        if was_active and row.slot >= 0:
-            self._release_slot(row)
+        """Terminal cleanup: blocks, adapter reference, final output; then the row stops counting as active."""
+        if was_active:
+            self._release_blocks(row)
         if row.adapter_key != BASE_KEY:
             try:
                 self.adapters.release(row.adapter_key)
@@ -408,31 +479,51 @@ class Scheduler:
 
     # -- one cycle ---------------------------------------------------------------------
     def _plan(self) -> list[tuple[Row | ScoreRow, int]]:
-        """Prompt chunks for this cycle within the token budget (decode tokens come first).
+        """Blocks for this cycle's decode tokens, then prompt chunks within the token budget.
 
+        Decoding rows get the block their next token needs first, oldest row first; when the
+        pool is out, the youngest running row is preempted (possibly the row itself).
         Generation prompts (those under way, then newly admitted ones) take the budget before
         scoring prompts, except for a quarter of it kept for scoring while any is pending; and
         scoring rows hold at most half the running slots (``scoring_slots``). So a burst of long
         scoring requests cannot keep a chat from being admitted and answered between their
-        chunks, and a stream of chats cannot starve scoring."""
+        chunks, and a stream of chats cannot starve scoring. A prompt chunk shrinks to the
+        blocks it can get (preempting only younger prefilling rows); a waiting row is admitted
+        only while the pool can hold its prompt."""
         cfg = self.config
+        done: set[int] = set()
+        for row in sorted(self._decoding, key=lambda r: r.seq):
+            while row in self._decoding and not self._grow(row, row.pos + 1):
+                victim = max((r for r in self._prefilling + self._decoding if id(r) not in done), key=lambda r: r.seq)
+                self._preempt(victim)
+            done.add(id(row))
         total = cfg.token_budget - len(self._decoding)
         scoring_pending = any(r.scoring for r in self._prefilling) or any(r.scoring for r in self._waiting)
         budget = [total - (cfg.token_budget // 4 if scoring_pending else 0)]
         chunks: list[tuple[Row | ScoreRow, int]] = []
+        planned: set[int] = set()
 
         def take(row: Row | ScoreRow) -> None:
-            c = min(len(row.prompt) - row.prefilled, cfg.prefill_chunk_tokens, budget[0])
-            chunks.append((row, c))
-            budget[0] -= c
+            if row not in self._prefilling:
+                return  # preempted by an older row this cycle
+            c = min(len(row.tokens) - row.prefilled, cfg.prefill_chunk_tokens, budget[0])
+            while not self._grow(row, row.prefilled + c):
+                younger = [r for r in self._prefilling if r.seq > row.seq and id(r) not in planned]
+                if not younger:
+                    break
+                self._preempt(max(younger, key=lambda r: r.seq))
+            c = min(c, len(row.blocks) * self.kv.block_size - row.prefilled)
+            if c > 0:
+                chunks.append((row, c))
+                planned.add(id(row))
+                budget[0] -= c
 
         def admit(pick: Callable[[Row | ScoreRow], bool]) -> None:
-            while budget[0] > 0 and self._free:
+            while budget[0] > 0 and self._running() < cfg.max_running_rows:
                 row = next((r for r in self._waiting if pick(r)), None)
-                if row is None:
+                if row is None or not self._admit(row):
                     return
                 self._waiting.remove(row)
-                self._admit(row)
                 take(row)
 
         for row in [r for r in self._prefilling if not r.scoring]:
@@ -444,6 +535,7 @@ class Scheduler:
             if budget[0] > 0:
                 take(row)
         admit(lambda r: r.scoring and sum(1 for p in self._prefilling if p.scoring) < self.scoring_slots)
+        self._oldest_wait = min((r.t_wait for r in self._waiting), default=None)
         return chunks
 
     @property
@@ -471,8 +563,10 @@ class Scheduler:
             if score_chunks:
                 scored = self._score_chunks(score_chunks)
         self.steps += 1
+        for row, _ in gen_chunks:
+            self._publish(row)
         # rotate partial prefills so the next cycle starts with someone else
-        partial = [r for r, _ in chunks if r.prefilled < len(r.prompt)]
+        partial = [r for r, _ in chunks if r.prefilled < len(r.tokens)]
         if partial:
             self._prefilling = [r for r in self._prefilling if r not in partial] + partial
         touched: list[RowStream] = []
@@ -490,7 +584,7 @@ class Scheduler:
         logits, rows = self.batches.prefill(chunks, all_logits=True)
         for i, ((row, c), start) in enumerate(zip(chunks, starts)):
             row.rows.extend(chunk_rows(logits[i, :c], row.prompt, start, row.top_k))
-        return [r for r in rows if r.prefilled == len(r.prompt)]
+        return [r for r in rows if r.prefilled == len(r.tokens)]
 
     def _choose(self, logits: torch.Tensor, rows: list[Row]) -> list[TokenChoice | None]:
         """One token per row; a row whose sampling fails gets ``None`` and the others are unharmed."""
@@ -536,14 +630,13 @@ class Scheduler:
                 if row.text.stopped:
                     reason = "stop"
             row.stream._push(text, choice)
-            if reason is None and (len(row.generated) >= row.params.max_tokens or row.pos >= self.kv.capacity):
+            if reason is None and (len(row.generated) >= row.params.max_tokens or row.pos >= self.config.max_model_len):
                 reason = "length"
             if reason is not None or row.cancelled:
                 done.append((row, reason or "abort"))
             elif row.stream.incremental:
                 touched.append(row.stream)
         obs.tokens_generated(produced)
-        # highest slot first keeps the compaction moves valid
-        for row, reason in sorted(done, key=lambda rr: -rr[0].slot):
+        for row, reason in done:
             self._finish(row, reason, touched)
 

@@ -34,6 +34,15 @@ class Metrics:
         queued = Gauge("kiln_queued_rows", "Rows waiting for an engine slot", registry=r)
         active.set_function(lambda: row_stats()["active_rows"])
         queued.set_function(lambda: row_stats()["queued_rows"])
+        engine_gauges = {  # paged KV and admission by memory (kiln.runtime.paged_kv, scheduler)
+            "queue_oldest_wait_s": ("kiln_queue_oldest_wait_seconds", "How long the oldest waiting row has waited"),
+            "kv_blocks_total": ("kiln_kv_blocks_total", "KV blocks in the pool"),
+            "kv_blocks_used": ("kiln_kv_blocks_used", "KV blocks referenced by running rows"),
+            "kv_blocks_cached": ("kiln_kv_blocks_cached", "KV blocks published in the prefix cache"),
+            "preemptions": ("kiln_preemptions", "Running rows preempted for memory (recomputed later)"),
+        }
+        for key, (name, doc) in engine_gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda key=key: row_stats().get(key, 0))
 
     # engine observer hooks (engine thread)
     def first_token(self, ttft_s: float) -> None:

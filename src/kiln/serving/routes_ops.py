@@ -17,7 +17,8 @@ OTHER_ENDPOINT = "other"  # label for paths that match no route (bounds metric c
 
 
 def _memory(state) -> dict:
-    out: dict = {"kv_cache_bytes": state.engine.stats()["kv_cache_bytes"]}
+    stats = state.engine.stats()
+    out: dict = {"kv_cache_bytes": stats["kv_cache_bytes"], "kv_used_bytes": stats.get("kv_used_bytes", 0)}
     try:
         with open("/proc/self/statm") as f:
             out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -50,6 +51,11 @@ async def health(request: Request) -> JSONResponse:
         "queued_rows": stats["queued_rows"],
         "active_rows": stats["active_rows"],
         "max_running_rows": stats["max_running_rows"],
+        "queue_oldest_wait_s": stats.get("queue_oldest_wait_s", 0.0),
+        "kv_blocks": {k[len("kv_blocks_"):]: stats[k] for k in ("kv_blocks_total", "kv_blocks_used",
+                                                                "kv_blocks_cached", "kv_blocks_free") if k in stats}
+        | {"block_size": stats.get("kv_block_size", 0), "preemptions": stats.get("preemptions", 0),
+           "prefix_hit_blocks": stats.get("prefix_cache_hit_blocks", 0)},
         "engine_error": why,
         "engine_busy_s": stats.get("busy_s"),
         "engine_steps": stats["steps"],
