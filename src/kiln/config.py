@@ -71,6 +71,9 @@ class BatchingSettings(_Section):
     max_running_rows: int = Field(32, ge=1, le=4096)
     max_queued_rows: int = Field(256, ge=0, le=1_000_000)
     prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)
+    kv_budget_bytes: int = Field(0, ge=0)  # paged KV pool size; 0: max_running_rows x max_model_len worth
+    kv_block_size: int = Field(16, ge=1, le=4096)  # tokens per KV block
+    prefix_cache: bool = True  # share identical prompt-prefix blocks (same adapter revision)
 
 
 class LimitsSettings(_Section):

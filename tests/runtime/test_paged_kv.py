@@ -126,3 +126,12 @@ def test_kv_memory_follows_tokens_in_use(loaded):
         sub.cancel()
     finally:
         engine.stop()
+
+
+def test_settings_reach_the_engine_config():
+    from kiln.config import load_settings
+
+    settings = load_settings(cli={"batching.kv_budget_bytes": 1 << 20, "batching.kv_block_size": 8,
+                                  "batching.prefix_cache": False}, environ={})
+    cfg = EngineConfig.from_settings(settings.settings)
+    assert (cfg.kv_budget_bytes, cfg.kv_block_size, cfg.prefix_cache) == (1 << 20, 8, False)
