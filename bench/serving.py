@@ -21,6 +21,13 @@ tenants steal cores it is steadier than wall-clock tokens/s. Output: a table,
 the ratios, and ``--json`` if given.
 
     .venv/bin/python bench/serving.py                  # built-in model, concurrency 1 8 32
+    .venv/bin/python bench/serving.py --shape qwen3-31m  # 31M-parameter Qwen3 shape, random weights
+    .venv/bin/python bench/serving.py --prefix-only      # prefix cache: TTFT with a cached 1,000-token system prompt
+
+``--shape`` builds a model offline (the built-in tokenizer, a ``Qwen3Config`` of that
+shape, random weights, safetensors) into ``$KILN_HOME/bench-models/<shape>``; ``--model``
+takes any local model directory. vLLM gets ``--max-model-len`` from the model's own
+``max_position_embeddings`` (capped at 2048), as it refuses a longer one.
 """
 
 from __future__ import annotations
@@ -43,6 +50,97 @@ TOPICS = ["France", "Spain", "the river", "the mountain", "Italy", "the sea", "G
           "Japan", "the city", "Egypt", "the moon", "Peru", "the desert", "Norway", "the island"]
 TEMPLATES = ["What is the capital of {}?", "Tell me about {}.", "Write a short note on {} for a child.",
              "Why do people visit {}?"]
+
+
+SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed does not depend on the weights)
+    "qwen3-31m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, vocab_size=8192, max_position_embeddings=1024),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096),
+}
+
+
+def build_shape_model(shape: str, home: Path) -> Path:
+    """A Qwen3 model of ``SHAPES[shape]`` with the built-in tokenizer and random weights (cached)."""
+    out = home / "bench-models" / shape
+    if (out / "model.safetensors").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from kiln.runtime.builtin import ensure_builtin_model
+
+    builtin = ensure_builtin_model(home)
+    tok = AutoTokenizer.from_pretrained(builtin)
+    dims = dict(SHAPES[shape])
+    dims["vocab_size"] = max(dims["vocab_size"], len(tok))
+    cfg = Qwen3Config(**dims, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.model_max_length = dims["max_position_embeddings"]
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def model_max_len(model_dir: Path, cap: int = 2048) -> int:
+    """``min(cap, max_position_embeddings)`` from the model's config.json (vLLM refuses a longer --max-model-len)."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return cap
+    cfg = cfg.get("text_config", cfg)
+    return min(cap, int(cfg.get("max_position_embeddings") or cap))
+
+
+def prefix_runs(model_dir: Path, system_tokens: int = 1000, repeats: int = 5) -> list[dict]:
+    """TTFT of a request whose ~``system_tokens``-token system prompt is new (cold) vs already
+    cached by an earlier request with a different question (warm). Engine in process, one at a time."""
+    from kiln.runtime.builtin import corpus_text
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.loader import load_model
+    from kiln.runtime.sampling import SamplingParams
+
+    loaded = load_model(model_dir)
+    max_len = model_max_len(model_dir)
+    system_tokens = min(system_tokens, max_len - 100)  # room for the template, question and output
+    engine = Engine(loaded, EngineConfig(max_model_len=max_len)).start()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    words = corpus_text().split()
+    base = engine.encode_text(" ".join(words[:system_tokens * 2]))[:system_tokens]
+    system = engine.tokens.tokenizer.decode(base)
+
+    def ttft(sys_text: str, question: str) -> tuple[float, int]:
+        ids = engine.encode_chat([{"role": "system", "content": sys_text}, {"role": "user", "content": question}])
+        t0 = time.perf_counter()
+        sub = engine.submit(ids, [params], incremental=True)
+        sub.streams[0].next_chunk_sync(120)
+        dt = time.perf_counter() - t0
+        sub.cancel()
+        return dt, len(ids)
+
+    try:
+        ttft(system, "warm-up")
+        cold, warm, n = [], [], 0
+        for i in range(repeats):
+            dt, n = ttft(f"Session {i}. " + system, f"What is the capital of {TOPICS[i]}?")  # a new prefix
+            cold.append(dt)
+            dt, _ = ttft(f"Session {i}. " + system, f"Why do people visit {TOPICS[i + 1]}?")  # same prefix, cached
+            warm.append(dt)
+        stats = engine.stats()
+    finally:
+        engine.stop()
+    c, w = pct(cold, 50), pct(warm, 50)
+    return [{"system": "prefix-cold", "prompt_tokens": n, "ttft_ms": 1000 * c},
+            {"system": "prefix-cached", "prompt_tokens": n, "ttft_ms": 1000 * w, "ratio": w / c,
+             "hit_blocks": stats["prefix_cache_hit_blocks"]}]
 
 
 def prompts_for(count: int) -> list[str]:
@@ -305,6 +403,8 @@ def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the built-in model, built if missing)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="build and use a Qwen3 shape with random weights")
+    ap.add_argument("--prefix-only", action="store_true", help="only the prefix-cache TTFT run")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency (min 8)")
@@ -320,6 +420,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     if args.model:
         model_dir = Path(args.model).resolve()
+    elif args.shape:
+        from kiln.config import kiln_home
+
+        model_dir = build_shape_model(args.shape, kiln_home())
     else:
         from kiln.config import kiln_home
         from kiln.runtime.builtin import ensure_builtin_model
@@ -335,6 +439,14 @@ def main() -> None:
 
     print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
           file=sys.stderr)
+    if args.prefix_only:
+        rows = prefix_runs(model_dir)
+        for r in rows:
+            print(f"{r['system']:<16} prompt {r['prompt_tokens']} tokens, TTFT p50 {r['ttft_ms']:.1f} ms"
+                  + (f", {r['ratio']:.2f}x cold ({r['hit_blocks']} cached blocks reused)" if "ratio" in r else ""))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "rows": rows}, indent=2))
+        return
     rows = [] if args.no_hf else hf_runs(model_dir, all_texts, args.max_tokens, batch_sizes, 8, args.hf_cb)
     if not args.no_engine:
         rows += engine_runs(model_dir, texts_by_c, args.max_tokens)
@@ -354,7 +466,7 @@ def main() -> None:
             venv["OMP_NUM_THREADS"] = str(args.threads)
         vcmd = [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", model_dir.name, "--dtype", "float32", "--host", "127.0.0.1",
-                "--port", "{port}", "--max-model-len", "2048"]
+                "--port", "{port}", "--max-model-len", str(model_max_len(model_dir))]
         try:
             rows += server_runs("vllm", vcmd, venv, "/health", model_dir.name, texts_by_c, args.max_tokens,
                                 workdir, 600)
