@@ -29,11 +29,14 @@ def _completion(server, **kw):
 
 
 CHAT_VARIANTS = [{}, {"n": 2, "temperature": 0.7, "seed": 3}, {"logprobs": True, "top_logprobs": 2},
-                 {"stop": ["e"]}, {"max_completion_tokens": 1}]
+                 {"stop": ["e"]}, {"max_completion_tokens": 1},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "strict": True, "schema": {
+                     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}]
 COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs": 2}, {"prompt_logprobs": 2},
                        {"max_tokens": 0, "prompt_logprobs": 1}, {"prompt": [5, 6, 7]},
                        {"prompt": ["a", "b"], "n": 2}, {"prompt": [[5, 6], [7]]}, {"echo": True, "logprobs": 1},
-                       {"frequency_penalty": 1.0, "logit_bias": {"5": -5}, "min_p": 0.1, "repetition_penalty": 1.2}]
+                       {"frequency_penalty": 1.0, "logit_bias": {"5": -5}, "min_p": 0.1, "repetition_penalty": 1.2},
+                       {"guided_choice": ["yes", "no"]}]
 
 
 @pytest.mark.parametrize("variant", CHAT_VARIANTS)

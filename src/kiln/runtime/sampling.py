@@ -13,7 +13,8 @@ bad words and ``min_tokens`` (end tokens impossible until the row has that many
 tokens) as masks, ``logit_bias`` added, then the repetition penalty (prompt and
 output tokens, as transformers' ``RepetitionPenaltyLogitsProcessor``), the
 frequency and presence penalties (output tokens only, as OpenAI defines them);
-``min_p`` filters sampled rows after temperature (as ``MinPLogitsWarper``). Rows
+``min_p`` filters sampled rows after temperature (as ``MinPLogitsWarper``); last, a
+row's grammar constraint (structured output) masks every token it forbids. Rows
 that ask for none of these cost nothing extra, and a row's adjustments never
 touch its batch-mates. The per-row history comes from ``rows`` (objects with
 ``prompt``, ``generated`` and ``eos_ids``: the scheduler's rows).
@@ -50,12 +51,15 @@ class SamplingParams:
     min_tokens: int = 0  # end tokens (eos, stop_token_ids) impossible before this many tokens
     stop_token_ids: frozenset[int] = frozenset()  # generating one ends the row ("stop")
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    # this row's grammar state (kiln.runtime.constrained.RowConstraint): masks the row's logits
+    # to the tokens the grammar allows next; one object per row, never shared
+    constraint: Any = field(default=None, compare=False)
     adjusts: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adjusts", bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-            or self.min_tokens or self.bad_words))
+            or self.min_tokens or self.bad_words or self.constraint is not None))
 
     @property
     def greedy(self) -> bool:
@@ -182,6 +186,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: 
             gen = torch.tensor([t for t in generated if 0 <= t < vocab], device=dev, dtype=torch.long)
             counts = torch.bincount(gen, minlength=vocab).to(out.dtype)
             x -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
+        if p.constraint is not None:  # last: penalties cannot revive a token the grammar forbids
+            p.constraint.apply(out[i : i + 1], generated)
     return out
 
 

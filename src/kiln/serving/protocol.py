@@ -30,6 +30,7 @@ MAX_CONTENT_PARTS = 256
 MAX_MESSAGES = 100_000
 MAX_LOGIT_BIAS = 1024
 MAX_PROMPTS = 256  # prompts in one completion request
+MAX_GUIDED_CHOICES = 1024
 MAX_REPETITION_PENALTY = 100.0
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
@@ -61,6 +62,29 @@ class PredictionContent(_Request):
             raise ValueError("prediction (predicted outputs) is not supported: Kiln does no speculative decoding "
                              "from it; send an empty prediction or none")
         return v
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "response"
+    description: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema the output follows")
+    strict: bool | None = Field(None, description="always enforced: constrained decoding makes every output valid")
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 # OpenAI fields a self-hosted model accepts and ignores: they change nothing about the output
@@ -132,6 +156,17 @@ class _Sampling(_Request):
         None, description="ignored (OpenAI abuse tracking)")
     prompt_cache_key: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = Field(
         None, description="ignored (OpenAI's cache routing hint)")
+
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object or json_schema: enforced by constrained decoding (the output always parses "
+                          "and, with a schema, validates), unless the choice ends at max_tokens")
+    guided_json: dict[str, Any] | Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = Field(
+        None, description="vLLM: a JSON schema (object or JSON text) the output follows")
+    guided_regex: Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS * 64)] | None = Field(
+        None, description="vLLM: a regular expression the output matches")
+    guided_choice: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]],
+                             Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = Field(
+        None, description="vLLM: the output is exactly one of these strings")
 
     def ignored_fields(self) -> list[str]:
         """The accepted-and-ignored OpenAI fields this request set (see ``IGNORED_FIELDS``)."""

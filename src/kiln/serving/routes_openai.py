@@ -30,6 +30,7 @@ from starlette.types import Receive
 
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER as ADAPTER_HEADER
 from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
+from kiln.runtime.constrained import GrammarCompiler
 from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow
@@ -151,16 +152,64 @@ def _controls(state, req, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def _params(state, req, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+def _grammar_compiler(state) -> GrammarCompiler:
+    """One compiler per served model, built on first use (route-module cache in ``state.extras``)."""
+    comp = state.extras.get("grammar_compiler")
+    if comp is None:
+        tokens = state.engine.tokens
+        config = getattr(state.model.model, "config", None)
+        vocab = max(int(getattr(config, "vocab_size", 0) or 0), tokens.vocab_size)
+        comp = state.extras["grammar_compiler"] = GrammarCompiler(tokens.tokenizer, vocab, tokens.eos_ids)
+    return comp
+
+
+def _grammar(state, req) -> str | None:
+    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``), compiled."""
+    rf = req.response_format
+    asked = [name for name, v in (("response_format", rf if rf is not None and rf.type != "text" else None),
+                                  ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+                                  ("guided_choice", req.guided_choice)) if v is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InvalidRequest(f"{' and '.join(asked)} both constrain the output; send one", code="invalid_request",
+                             param=asked[1], hint="keep one of response_format, guided_json, guided_regex, "
+                                                  "guided_choice")
+    if req.min_tokens:
+        raise InvalidRequest("min_tokens cannot be combined with a structured-output constraint (the grammar decides "
+                             "where the output ends)", code="invalid_request", param="min_tokens",
+                             hint="drop min_tokens")
+    comp = _grammar_compiler(state)
+    if asked[0] == "response_format":
+        return comp.json_schema(rf.json_schema.schema_ if rf.type == "json_schema" else None, "response_format")
+    if asked[0] == "guided_json":
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequest(f"guided_json is not JSON: {exc}", code="invalid_schema", param="guided_json",
+                                     hint="send the schema as an object or as JSON text") from exc
+        return comp.json_schema(schema, "guided_json")
+    if asked[0] == "guided_regex":
+        return comp.regex(req.guided_regex, "guided_regex")
+    return comp.choice(req.guided_choice, "guided_choice")
+
+
+def _params(state, req, max_tokens: int, logprobs: int | None, count: int | None = None) -> list[SamplingParams]:
+    """``count`` rows (default ``n``); each gets its own grammar state when the output is constrained."""
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
     extra = _controls(state, req, max_tokens)
+    grammar = _grammar(state, req)
+    comp = _grammar_compiler(state) if grammar is not None else None
     return [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
             seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
             logprobs=logprobs, ignore_eos=req.ignore_eos, **extra,
+            constraint=comp.matcher(grammar) if comp is not None else None,
         )
-        for i in range(req.n)
+        for i in range(req.n if count is None else count)
     ]
 
 
@@ -687,11 +736,11 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
     if max_tokens == 0:
         results = [("", [], "length")] * (n * len(prompts))
     else:
-        params = _params(state, body, max_tokens, body.logprobs)
+        params = _params(state, body, max_tokens, body.logprobs, n * len(prompts))
         subs: list[Submission] = []
         try:
-            for ids in prompts:
-                subs.append(_submit(state, ids, params, adapter, body.stream))
+            for j, ids in enumerate(prompts):
+                subs.append(_submit(state, ids, params[j * n:(j + 1) * n], adapter, body.stream))
         except BaseException:
             for s in subs:
                 s.cancel()
