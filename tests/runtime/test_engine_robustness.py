@@ -149,10 +149,10 @@ def test_failure_in_one_rows_sampling_ends_that_row_only(private_engine, monkeyp
 
     real = scheduler.select_tokens
 
-    def flaky(logits, params, gens, shared=None):
+    def flaky(logits, params, gens, shared=None, *rest):
         if any(p.top_k == 7 for p in params):
             raise RuntimeError("sampler blew up")
-        return real(logits, params, gens, shared)
+        return real(logits, params, gens, shared, *rest)
 
     monkeypatch.setattr(scheduler, "select_tokens", flaky)
     engine = private_engine()
