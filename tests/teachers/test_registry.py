@@ -321,3 +321,24 @@ def test_missing_credential_secret_fails_at_startup(tmp_path):
     with pytest.raises(ConfigError):
         load_settings(config_path=cfg, environ={SECRET_ENV: "x"})
     os.environ.pop(SECRET_ENV, None)
+
+
+def test_cli_add_list_show_remove(pair):
+    import subprocess
+
+    from tests.serving.conftest import KILN
+
+    teacher, student, _ = pair
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+
+    def kiln(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(KILN), "teachers", *args, "--url", student.base_url], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    r = kiln("add", "cli@kiln", "--provider", "kiln", "--model-id", teacher.model_id, "--teacher-url", teacher.base_url)
+    assert r.returncode == 0 and "registered cli@kiln" in r.stdout, r.stderr
+    assert "cli@kiln" in kiln("list").stdout
+    assert json.loads(kiln("show", "cli@kiln").stdout)["usable"] is True
+    assert kiln("remove", "cli@kiln").returncode == 0
+    r = kiln("show", "cli@kiln")
+    assert r.returncode == 1 and "teacher_not_found" in r.stderr

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from kiln.errors import NotFound, Unavailable
 from kiln.serving.protocol import TrainingJob, TrainingStatus
 from kiln.serving.state import get_state
+from kiln.training.opd_schemas import OPDRequest
 from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ def submit_sft(body: SFTRequest, request: Request) -> dict[str, Any]:
 @router.post("/v1/train/grpo", status_code=202, response_model=TrainingJob)
 def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
     """Queue a GRPO job over pre-scored completion groups."""
+    return _public(request, _trainer(request).submit(body))
+
+
+@router.post("/v1/train/opd", status_code=202, response_model=TrainingJob)
+def submit_opd(body: OPDRequest, request: Request) -> dict[str, Any]:
+    """Queue an on-policy distillation job: the student samples, a registered teacher scores, the student
+    moves toward the teacher on its own tokens (docs/training.md, "On-policy distillation")."""
     return _public(request, _trainer(request).submit(body))
 
 

@@ -148,3 +148,34 @@ def cancel(job_id: str, url: str = UrlOpt) -> None:
     """Cancel a queued job, or stop a running one at its next step."""
     job = request("DELETE", f"{url.rstrip('/')}/v1/train/queue/{job_id}")
     typer.echo(f"{job['id']}: {job['state']}" + (" (stopping at the next step)" if job["state"] == "running" else ""))
+
+
+@app.command()
+def opd(
+    file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\": [...]} prompts (optional "
+                              "\"teacher_messages\", \"gold\")"),
+    adapter: str = typer.Option(..., "--adapter", "-a"),
+    teacher: str = typer.Option(..., "--teacher", "-t", help="a registered teacher alias (`kiln teachers list`)"),
+    url: str = UrlOpt,
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    learning_rate: Optional[float] = typer.Option(None, "--lr"),
+    rank: Optional[int] = typer.Option(None, "--rank"),
+    base_adapter: Optional[str] = typer.Option(None, "--base-adapter"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="prompts per step"),
+    samples_per_prompt: int = typer.Option(4, "--samples"),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_k: int = typer.Option(8, "--top-k"),
+    loss: str = typer.Option("tail", "--loss", help="tail, renormalized or sampled_token"),
+    ce_weight: float = typer.Option(0.0, "--ce-weight", help="CE on each prompt's `gold` (mixed recipe)"),
+    seed: int = typer.Option(0),
+    auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
+    wait: bool = typer.Option(True, "--wait/--no-wait"),
+) -> None:
+    """On-policy distillation: the adapter samples, the teacher scores, the adapter moves toward the teacher."""
+    body = _common(adapter, None, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
+    body.update(teacher=teacher, prompts=_read_rows(file), samples_per_prompt=samples_per_prompt,
+                max_tokens=max_tokens, temperature=temperature, top_k=top_k, loss=loss, ce_weight=ce_weight)
+    if steps is not None:
+        body["steps"] = steps
+    _submit("opd", url.rstrip("/"), body, wait)

@@ -100,6 +100,7 @@ class TrainingService:
         self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
         self._plans: dict[str, JobPlan] = {}  # plans of jobs submitted to this process, by job ID
         self.evals: Any = None  # kiln.evals.service.EvalService for post_eval gates (set_eval_service)
+        self.teachers: Any = None  # kiln.teachers.service.TeacherService for OPD jobs (set_teachers)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._cancel_running = threading.Event()
@@ -140,6 +141,12 @@ class TrainingService:
 
     def prepare(self, request: SFTRequest | GRPORequest) -> JobPlan:
         """Validate everything that can be checked before the job runs; return the job's typed plan."""
+        from kiln.training.opd_schemas import OPDRequest
+
+        if isinstance(request, OPDRequest):
+            from kiln.training.opd import prepare_opd
+
+            return prepare_opd(self, request)
         tok = self.loaded.tokenizer
         if request.adapter == self.loaded.model_id:
             raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name", hint="choose another adapter name")
@@ -348,13 +355,19 @@ class TrainingService:
         plan = self._plans.pop(job.id, None)
         if plan is not None:
             return plan
-        schema = SFTRequest if job.kind == "sft" else GRPORequest
+        from kiln.training.opd_schemas import OPDRequest
+
+        schema = {"sft": SFTRequest, "grpo": GRPORequest, "opd": OPDRequest}[job.kind]
         wire = {k: v for k, v in job.request.items() if k in schema.model_fields}
         plan = self.prepare(schema.model_validate(wire | {"resume_from_job": None}))
         if plan.plan_sha256 != job.request["plan_sha256"]:
             raise TrainingDataError(
                 "the training inputs or the base adapter changed after the job was submitted; resubmit it")
         return plan
+
+    def set_teachers(self, teachers: Any) -> None:
+        """The :class:`kiln.teachers.service.TeacherService` OPD jobs take their teachers from (set by the app)."""
+        self.teachers = teachers
 
     def set_eval_service(self, evals: Any) -> None:
         """The :class:`kiln.evals.service.EvalService` that runs ``post_eval`` gates (set by the app)."""
@@ -387,6 +400,10 @@ class TrainingService:
         )
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
                             None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job))
+        if plan.kind == "opd":
+            from kiln.training.opd import make_opd_recipe
+
+            return make_opd_recipe(plan, ctx, job_id=job.id, teachers=self.teachers).run()
         return TrainingRecipe(plan, ctx, job_id=job.id).run()
 
 

@@ -1,0 +1,399 @@
+"""On-policy distillation (OPD): losses and the job recipe.
+
+The student samples completions for each prompt (one batched ``generate``
+on the job's private adapter, under exclusive ownership),
+the teacher scores prompt + completion once per training batch (top-K prompt
+logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
+and the optimizer step pulls the student toward the teacher on the student's
+own tokens. Losses, all per completion token, averaged over the batch's tokens:
+
+* :class:`TailReverseKL` (``tail``, default): reverse KL(q || p) over
+  S = teacher top-K plus the sampled token, with one extra bucket holding the
+  mass outside S on each side. Nothing is renormalised; with K = vocabulary it
+  is the full reverse KL.
+* :class:`RenormalizedReverseKL` (``renormalized``): reverse KL with both sides
+  renormalised over the teacher's top-K only (kept for comparison).
+* :class:`SampledTokenLoss` (``sampled_token``): the one-sample estimator,
+  advantage ``log p(x) - log q(x)`` of the sampled token minus a batch baseline,
+  as a policy-gradient weight on ``log q(x)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+
+from kiln.errors import Conflict, InvalidRequest
+
+if TYPE_CHECKING:
+    from kiln.training.opd_schemas import OPDRequest
+
+EPS = 1e-12
+OPD_INPUTS_DOMAIN = "kiln.training-inputs.v1"
+OPD_PLAN_DOMAIN = "kiln.training-plan.v1"
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _xlogy_ratio(a: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """``a * (log_a - log_b)`` with ``0 * anything = 0``."""
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a))
+
+
+class TailReverseKL(nn.Module):
+    """Reverse KL(q || p) over S = candidates, plus one bucket for the mass outside S on each side.
+
+    Args (forward):
+        student_logits: ``[N, V]`` student logits at N completion positions.
+        cand_ids: ``[N, C]`` teacher candidate token IDs (top-K plus the sampled token), padded.
+        cand_logp: ``[N, C]`` teacher log-probabilities of those candidates (raw, not renormalised).
+        cand_mask: ``[N, C]`` True where a candidate is real (padding False; each ID at most once per row).
+    Returns: scalar, mean over the N positions of
+        ``sum_{s in S} q_s (log q_s - log p_s) + q_out (log q_out - log p_out)``,
+        ``q_out = 1 - sum_S q``, ``p_out = 1 - sum_S p`` (clamped at EPS inside the log).
+    """
+
+    def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
+                cand_mask: torch.Tensor) -> torch.Tensor:
+        logq_all = torch.log_softmax(student_logits.float(), dim=-1)
+        logq = logq_all.gather(-1, cand_ids.clamp(min=0))
+        q = logq.exp() * cand_mask
+        p = cand_logp.exp() * cand_mask
+        inside = (_xlogy_ratio(q, logq, cand_logp) * cand_mask).sum(-1)
+        q_out = (1.0 - q.sum(-1)).clamp(min=0.0)
+        p_out = (1.0 - p.sum(-1)).clamp(min=0.0)
+        outside = _xlogy_ratio(q_out, torch.log(q_out.clamp(min=EPS)), torch.log(p_out.clamp(min=EPS)))
+        return (inside + outside).mean()
+
+
+class RenormalizedReverseKL(nn.Module):
+    """Reverse KL with both distributions renormalised over the teacher's top-K.
+
+    Args (forward): as :class:`TailReverseKL`, with ``cand_*`` holding the teacher's top-K only.
+    Returns: scalar, mean over positions of ``sum_K q'_k (log q'_k - log p'_k)``,
+        ``q' = q_K / sum q_K``, ``p' = p_K / sum p_K``.
+    """
+
+    def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
+                cand_mask: torch.Tensor) -> torch.Tensor:
+        neg = torch.finfo(torch.float32).min
+        logq = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, cand_ids.clamp(min=0))
+        logq = torch.log_softmax(logq.masked_fill(~cand_mask, neg), dim=-1)
+        logp = torch.log_softmax(cand_logp.masked_fill(~cand_mask, neg), dim=-1)
+        q = logq.exp() * cand_mask
+        return ((q * (logq - logp)) * cand_mask).sum(-1).mean()
+
+
+class SampledTokenLoss(nn.Module):
+    """Single-sample reverse-KL estimator as a policy gradient.
+
+    Args (forward):
+        student_logp: ``[N]`` log q of each sampled token (with grad).
+        teacher_logp: ``[N]`` log p of the same tokens.
+    Returns: scalar ``-mean((A - b) * log q)``, ``A = log p - log q`` (detached), ``b = mean(A)``.
+    """
+
+    def forward(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+        adv = (teacher_logp - student_logp).detach()
+        return -((adv - adv.mean()) * student_logp).mean()
+
+
+def full_reverse_kl(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Reference: mean over positions of sum_v q_v (log q_v - log p_v); ``[N, V]`` inputs."""
+    logq = torch.log_softmax(student_logits.float(), dim=-1)
+    return (logq.exp() * (logq - teacher_logp)).sum(-1).mean()
+
+
+# ------------------------------------------------------------------------- candidates
+
+
+def candidates(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: int, *, include_sampled: bool,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher rows (token ID -> logprob) -> ``[N, C]`` ids, logprobs, mask.
+
+    Each row keeps its ``top_k`` most likely tokens, plus the sampled token when ``include_sampled``.
+    """
+    picked: list[list[tuple[int, float]]] = []
+    for row, tok in zip(rows, sampled):
+        best = sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]
+        if include_sampled and tok in row and all(t != tok for t, _ in best):
+            best.append((tok, row[tok]))
+        picked.append(best)
+    width = max(1, max(len(p) for p in picked))
+    ids = torch.zeros((len(picked), width), dtype=torch.long)
+    logp = torch.zeros((len(picked), width), dtype=torch.float32)
+    mask = torch.zeros((len(picked), width), dtype=torch.bool)
+    for i, p in enumerate(picked):
+        for j, (t, lp) in enumerate(p):
+            ids[i, j], logp[i, j], mask[i, j] = t, lp, True
+    return ids.to(device), logp.to(device), mask.to(device)
+
+
+def teacher_token_logp(rows: Sequence[dict[int, float]], sampled: Sequence[int]) -> torch.Tensor:
+    """log p of each sampled token; when the teacher did not return it, its tail mass bounds it."""
+    out = []
+    for row, tok in zip(rows, sampled):
+        if tok in row:
+            out.append(row[tok])
+        else:
+            out.append(math.log(max(EPS, 1.0 - sum(math.exp(v) for v in row.values()))))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class OPDItem:
+    student_ids: tuple[int, ...]
+    teacher_ids: tuple[int, ...]
+    gold_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class OPDData:
+    items: tuple[OPDItem, ...]
+    teacher: dict[str, Any]  # the pinned registry entry (fingerprint, identity, url/kind, model_id)
+    samples_per_prompt: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    top_k: int
+    loss: str
+    ce_weight: float
+    total_steps: int
+
+
+def prepare_opd(service: Any, request: OPDRequest) -> Any:
+    """Validate an OPD request against the model, the store and the teacher registry; return a JobPlan."""
+    from kiln.canonical import canonical_json_bytes, domain_digest
+    from kiln.training.recipe import RUN_ONLY_FIELDS, JobPlan
+    from kiln.training.trainer import Plan
+
+    teachers = getattr(service, "teachers", None)
+    if teachers is None:
+        raise Conflict("teachers are not available in this process", code="teachers_unavailable")
+    if request.adapter == service.loaded.model_id:
+        raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
+    entry = teachers.registry.pin(request.teacher)
+    max_k = entry["identity"]["max_top_k"]
+    if request.top_k > max_k:
+        raise InvalidRequest(f"top_k={request.top_k} exceeds teacher {request.teacher!r}'s max_top_k={max_k}",
+                             code="top_k_too_large", param="top_k", hint=f"use top_k <= {max_k}")
+    parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
+    lora = service._lora_shape(request, parent)
+    tok = service.loaded.tokenizer
+    engine = service.engine
+    limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
+    eos = tok.eos_token_id
+    items = []
+    for i, p in enumerate(request.prompts):
+        msgs = [m.model_dump() for m in p.messages]
+        s_ids = engine.encode_chat(msgs)
+        t_ids = engine.encode_chat([m.model_dump() for m in (p.teacher_messages or [])] + msgs)
+        gold = None
+        if p.gold is not None:
+            gold = tuple(engine.encode_text(p.gold)) + ((eos,) if eos is not None else ())
+        longest = max(len(s_ids), len(t_ids)) + request.max_tokens
+        if longest > limit or (gold is not None and len(s_ids) + len(gold) > limit):
+            raise InvalidRequest(f"prompt {i} plus max_tokens ({longest} tokens) exceeds the limit of {limit}",
+                                 code="sequence_too_long", hint="shorten the prompt or lower max_tokens")
+        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
+    per_epoch = math.ceil(len(items) / request.batch_size)
+    total = request.steps or (request.epochs or 1) * per_epoch
+    if request.max_steps is not None:
+        total = min(total, request.max_steps)
+    eff = request.model_dump(mode="json")
+    eff.update(steps=total, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_target_modules=list(lora.target_modules),
+               base_adapter_revision=None if parent is None else parent.revision,
+               teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"])
+    inputs = [p.model_dump(mode="json") for p in request.prompts]
+    inputs_sha = domain_digest(OPD_INPUTS_DOMAIN, b"opd", canonical_json_bytes(inputs))
+    plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
+    plan_sha = domain_digest(OPD_PLAN_DOMAIN, canonical_json_bytes(
+        {"kind": "opd", "config": plan_fields, "inputs_sha256": inputs_sha,
+         "base_model_sha256": service.loaded.base_model_sha256}))
+    eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
+    if request.resume_from_job is not None:
+        service._check_resumable(request.resume_from_job, plan_sha)
+    data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
+                   request.max_tokens, request.top_k, request.loss, request.ce_weight, total)
+    loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
+                max_steps=total)
+    return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,  # type: ignore[arg-type]
+                   request.auto_load, request.resume_from_job)
+
+
+# ------------------------------------------------------------------------- the loop
+
+
+def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_tokens: int, temperature: float,
+                 top_p: float, *, seed: int, pad_id: int, end_ids: Sequence[int], device: Any) -> list[list[int]]:
+    """``n`` completions per prompt (token IDs, through the first end-of-turn token), one left-padded
+    ``generate`` over all of them with the active (private) adapter. Seeded: the same step samples the
+    same tokens after a resume.
+
+    Not the serving engine: its prefix cache is keyed by adapter key, and the private adapter's weights
+    change every step under one key, so cached prompt blocks would be stale.
+    """
+    seqs = [list(p) for p in prompts for _ in range(n)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        ids[r, width - len(s):] = torch.tensor(s)
+        attn[r, width - len(s):] = 1
+    kw: dict[str, Any] = {"do_sample": temperature > 0}
+    if temperature > 0:
+        kw.update(temperature=temperature, top_p=top_p, top_k=0)
+    with torch.random.fork_rng(devices=[] if str(device) == "cpu" else [device]):
+        torch.manual_seed(seed)
+        out = peft_model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_tokens,
+                                  pad_token_id=pad_id, eos_token_id=list(end_ids) or None, use_cache=True, **kw)
+    ends = set(end_ids)
+    comps = []
+    for row in out[:, width:].tolist():
+        c = []
+        for t in row:
+            c.append(t)
+            if t in ends:
+                break
+        comps.append(c)
+    return comps
+
+
+def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    return (seed * 1_000_003 + step * 10_007 + prompt * 101 + sample) % (2**31 - 1)
+
+
+def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
+            model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int]) -> Any:
+    """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
+
+    Sampling and the step run under exclusive ownership; the teacher is asked outside it (a local teacher
+    scores on the serving engine)."""
+    from kiln.teachers.probe import check_answer, check_request_fits, response_cap
+    from kiln.teachers.registry import _identity_of
+    from kiln.training.trainer import _Loop
+
+    identity = _identity_of(data.teacher["identity"])
+    loss_fn: nn.Module = {"tail": TailReverseKL(), "renormalized": RenormalizedReverseKL(),
+                          "sampled_token": SampledTokenLoss()}[data.loss]
+    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    n = len(data.items)
+    for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
+        loop.stats.setdefault(key, 0.0)
+
+    with loop.running():
+        while not loop.done():
+            loop.check_cancel()
+            step = loop.step
+            chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
+            # 1. student samples: one batched generate over every prompt x sample, on the private adapter
+            t0 = time.perf_counter()
+            with loop.step_ownership(), torch.no_grad():
+                comps = sample_batch(peft_model, [list(data.items[i].student_ids) for i in chosen],
+                                     data.samples_per_prompt, data.max_tokens, data.temperature, data.top_p,
+                                     seed=sample_seed(plan.seed, step, 0, 0), pad_id=pad_id, end_ids=end_ids,
+                                     device=loop.device)
+            samples = [(idx, c) for k, idx in enumerate(chosen)
+                       for c in comps[k * data.samples_per_prompt:(k + 1) * data.samples_per_prompt] if c]
+            student_s = time.perf_counter() - t0
+            if not samples:
+                loop.stats["student_s"] += student_s
+                loop.after_step(0, 0)
+                continue
+            # 2. teacher scores every (teacher prompt + completion) in one batch
+            t1 = time.perf_counter()
+            seqs = [list(data.items[i].teacher_ids) + comp for i, comp in samples]
+            check_request_fits(identity, seqs, data.top_k)
+            scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
+                                                                   for s in seqs), vocab_size=vocab_size)
+            check_answer(scored, model_id=model_id, pinned=pinned)
+            teacher_s = time.perf_counter() - t1
+            rows, sampled = [], []
+            for (i, comp), sc in zip(samples, scored.prompts):
+                start = len(data.items[i].teacher_ids)
+                for j, tok in enumerate(comp):
+                    rows.append(sc.rows[start + j] or {})
+                    sampled.append(tok)
+            # 3. the step, under exclusive ownership
+            with loop.step_ownership():
+                t2 = time.perf_counter()
+                logits = _completion_logits(peft_model, [(list(data.items[i].student_ids), comp) for i, comp in samples],
+                                            loop.device)
+                if data.loss == "sampled_token":
+                    logq = torch.log_softmax(logits.float(), -1).gather(
+                        -1, torch.tensor(sampled, device=loop.device)[:, None])[:, 0]
+                    loss = loss_fn(logq, teacher_token_logp(rows, sampled).to(loop.device))
+                else:
+                    ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail",
+                                               device=loop.device)
+                    loss = loss_fn(logits, ids, lp, mask)
+                if data.ce_weight > 0:
+                    gold = [(list(data.items[i].student_ids), list(data.items[i].gold_ids or ())) for i in chosen]
+                    glogits = _completion_logits(peft_model, gold, loop.device)
+                    target = torch.tensor([t for _, g in gold for t in g], device=loop.device)
+                    loss = loss + data.ce_weight * nn.functional.cross_entropy(glogits.float(), target)
+                loop.optimizer_step(loss, len(sampled), t2)
+                step_s = time.perf_counter() - t2
+            loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
+            loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
+            loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
+            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled))
+            loop.after_step(0, 0)
+    return loop.report()
+
+
+def _completion_logits(peft_model: Any, pairs: Sequence[tuple[list[int], list[int]]],
+                       device: torch.device) -> torch.Tensor:
+    """``[N, V]`` student logits predicting each completion token (N = all completion tokens, in order)."""
+    width = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
+    attn = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
+    for r, (p, c) in enumerate(pairs):
+        seq = p + c
+        ids[r, : len(seq)] = torch.tensor(seq, device=device)
+        attn[r, : len(seq)] = 1
+    logits = peft_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    out = [logits[r, len(p) - 1: len(p) - 1 + len(c)] for r, (p, c) in enumerate(pairs)]
+    return torch.cat(out, dim=0)
+
+
+# ------------------------------------------------------------------------- the recipe
+
+
+def make_opd_recipe(plan: Any, ctx: Any, *, job_id: str, teachers: Any) -> Any:
+    """An OPD job: re-probe the pinned teacher (before taking the accelerator), then setup -> train -> save ->
+    publish (manifest kind ``opd``, config binding the teacher's fingerprint and identity) -> activate."""
+    from kiln.training.recipe import TrainingRecipe
+
+    class OPDRecipe(TrainingRecipe):
+        def run(self) -> dict[str, Any]:
+            entry = self.plan.rows.teacher
+            self.teacher = teachers.registry.client_for(entry)
+            teachers.registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
+            self._phase("probe")
+            return super().run()
+
+        def train(self, resume: Any) -> Any:
+            data: OPDData = self.plan.rows
+            from kiln.training.templates import end_of_turn_ids
+
+            tok = self.ctx.model.tokenizer
+            end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+            report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
+                             pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
+                             vocab_size=teachers.identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
+                             pad_id=pad_id, end_ids=end_ids)
+            self._phase("train")
+            return report
+
+    return OPDRecipe(plan, ctx, job_id=job_id)

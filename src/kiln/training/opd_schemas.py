@@ -1,0 +1,62 @@
+"""Wire model for ``POST /v1/train/opd`` (pydantic only; no torch).
+
+Bounded here; what needs the model, the adapter store or the teacher registry
+(token lengths, the teacher's top-K ceiling, the alias being usable) is checked
+in :func:`kiln.training.opd.prepare_opd` before the job is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kiln.training.schemas import MAX_MESSAGES_PER_EXAMPLE, ChatMessage, _TrainCommon, _Wire
+
+MAX_OPD_PROMPTS = 1_000
+MAX_SAMPLES_PER_PROMPT = 64
+MAX_OPD_NEW_TOKENS = 1_024
+MAX_OPD_TOP_K = 1 << 20
+
+OPDLoss = Literal["tail", "renormalized", "sampled_token"]
+
+
+class OPDPrompt(_Wire):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES_PER_EXAMPLE,
+                                        description="the student's prompt (ends with a user turn)")
+    teacher_messages: list[ChatMessage] | None = Field(
+        None, max_length=MAX_MESSAGES_PER_EXAMPLE,
+        description="extra messages only the teacher sees, placed before `messages` (e.g. a system hint)")
+    gold: str | None = Field(None, max_length=32_768, description="a gold completion for the ce_weight term")
+
+    @model_validator(mode="after")
+    def _ends_with_prompt(self) -> "OPDPrompt":
+        if self.messages[-1].role == "assistant":
+            raise ValueError("an OPD prompt's last message must not be an assistant turn (the student answers it)")
+        return self
+
+
+class OPDRequest(_TrainCommon):
+    teacher: str = Field(min_length=1, max_length=128, description="a registered teacher alias")
+    prompts: list[OPDPrompt] = Field(min_length=1, max_length=MAX_OPD_PROMPTS)
+    samples_per_prompt: int = Field(4, ge=1, le=MAX_SAMPLES_PER_PROMPT)
+    temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(32, ge=1, le=MAX_OPD_NEW_TOKENS)
+    top_k: int = Field(8, ge=1, le=MAX_OPD_TOP_K, description="teacher candidates per position (<= its max_top_k)")
+    loss: OPDLoss = "tail"
+    ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions (mixed recipe)")
+    training_mode: Literal["on_policy", "off_policy"] = "on_policy"
+    steps: int | None = Field(None, ge=1, le=100_000, description="optimizer steps (default: one pass of prompts)")
+    learning_rate: float = Field(5e-3, gt=0, le=1.0)
+    batch_size: int = Field(4, ge=1, le=256, description="prompts per step (each sampled samples_per_prompt times)")
+
+    @model_validator(mode="after")
+    def _checks(self) -> "OPDRequest":
+        if self.training_mode == "off_policy":
+            raise ValueError("training_mode 'off_policy' is not supported yet; use 'on_policy'")
+        if self.ce_weight > 0 and any(p.gold is None for p in self.prompts):
+            raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt")
+        if self.post_eval is not None:
+            raise ValueError("post_eval is not supported for OPD jobs yet")
+        return self

@@ -1,0 +1,126 @@
+"""On-policy distillation end to end through a real `kiln serve` on 127.0.0.1.
+
+The teacher is this server's own model with an SFT-trained adapter (a `local`
+teacher: same identity rules, no HTTP hop). The student is a fresh adapter on
+the base model, trained by OPD on its own samples. The property checked: the
+log-likelihood the student gives the teacher's greedy answer (never shown to
+the student as a target) rises well above the base model's.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kiln.demo import CORRECTION, QUESTION, correction_body, wait_job
+from tests.serving.conftest import start_server, stop_server
+
+MSGS = [{"role": "user", "content": QUESTION}]
+
+
+@pytest.fixture(scope="module")
+def srv(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("opd-home")
+    s = start_server(builtin_model_dir, home, extra_args=[], env_extra={}, config=None)
+    yield s
+    stop_server(s)
+
+
+def _answer_logprob(c: httpx.Client, model: str, prompt_ids: list[int], answer_ids: list[int]) -> float:
+    r = c.post("/v1/completions", json={"model": model, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
+                                        "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    return sum(rows[len(prompt_ids) + j][str(t)]["logprob"] for j, t in enumerate(answer_ids))
+
+
+@pytest.fixture(scope="module")
+def tutor(srv):
+    c = httpx.Client(base_url=srv.base_url, timeout=120)
+    job = c.post("/v1/train/sft", json=correction_body("tutor-adapter", QUESTION, CORRECTION)).json()
+    assert wait_job(c, job["id"], timeout=300)["state"] == "succeeded"
+    r = c.post("/v1/teachers", json={"alias": "tutor", "kind": "local", "adapter": "tutor-adapter"})
+    assert r.status_code == 201, r.text
+    assert r.json()["identity"]["adapter"] is not None
+    return c
+
+
+def test_opd_refusals_before_queueing(tutor):
+    c = tutor
+    base = {"adapter": "s", "teacher": "tutor", "prompts": [{"messages": MSGS}]}
+    assert c.post("/v1/train/opd", json=base | {"teacher": "nobody"}).status_code == 404
+    r = c.post("/v1/train/opd", json=base | {"top_k": 10_000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "top_k_too_large"
+    assert c.post("/v1/train/opd", json=base | {"training_mode": "off_policy"}).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0}).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"loss": "forward"}).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"prompts": [{"messages": MSGS + [
+        {"role": "assistant", "content": "x"}]}]}).status_code == 400
+
+
+def test_opd_moves_student_toward_teacher(srv, tutor):
+    c = tutor
+    r = c.post("/v1/chat/completions", json={"model": "tutor-adapter", "messages": MSGS, "temperature": 0,
+                                             "max_tokens": 16})
+    assert r.status_code == 200
+    tok = c.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": True})
+    assert tok.status_code == 200, tok.text
+    prompt_ids = tok.json()["tokens"]
+    answer = r.json()["choices"][0]["message"]["content"]
+    answer_ids = c.post("/tokenize", json={"prompt": answer, "add_special_tokens": False}).json()["tokens"]
+    before = _answer_logprob(c, srv.model_id, prompt_ids, answer_ids)
+    teacher_lp = _answer_logprob(c, "tutor-adapter", prompt_ids, answer_ids)
+    assert teacher_lp > before + 5  # the teacher knows something the student does not
+
+    body = {"adapter": "student", "teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 4,
+            "max_tokens": len(answer_ids) + 2, "top_k": 8, "steps": 60, "learning_rate": 3e-3,
+            "temperature": 1.0, "batch_size": 1, "auto_load": True}
+    r = c.post("/v1/train/opd", json=body)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job.get("error")
+    res = job["result"]
+    rep = res["report"]
+    assert rep["steps"] == 60 and rep["teacher_s"] > 0 and rep["student_s"] > 0
+    assert job["kind"] == "opd"
+    after = _answer_logprob(c, "student", prompt_ids, answer_ids)
+    # The student closes part of the gap to the teacher on the teacher's own answer (measured: 0.34-0.45
+    # of the gap in nats over 3 seeds, ATEN_CPU_CAPABILITY default and native).
+    assert after > before + 0.15 * (teacher_lp - before), (before, after, teacher_lp, rep)
+    info = c.get("/v1/adapters/student").json()
+    assert "opd" in str(info)
+
+
+def _adapter_scores(c: httpx.Client, model: str) -> list[float]:
+    r = c.post("/v1/completions", json={"model": model, "prompt": list(range(3, 40)), "max_tokens": 1,
+                                        "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    return [max(v["logprob"] for v in row.values()) for row in r.json()["choices"][0]["prompt_logprobs"][1:]]
+
+
+def test_opd_resume_equals_uninterrupted(tutor):
+    import time
+
+    c = tutor
+    body = {"teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2, "max_tokens": 8,
+            "top_k": 4, "steps": 200, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
+            "auto_load": True}
+    whole = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "whole"}).json()["id"], timeout=600)
+    assert whole["state"] == "succeeded", whole.get("error")
+    job = c.post("/v1/train/opd", json=body | {"adapter": "parted"}).json()
+    while True:
+        j = c.get(f"/v1/train/jobs/{job['id']}").json()
+        if (j["progress"] or {}).get("checkpoint_step", 0) >= 5 or j["state"] != "queued" and j["state"] != "running":
+            break
+        time.sleep(0.02)
+    c.delete(f"/v1/train/queue/{job['id']}")
+    first = wait_job(c, job["id"], timeout=600)
+    if first["state"] == "succeeded":
+        pytest.skip("the job finished before it could be cancelled")
+    assert first["state"] == "cancelled"
+    resumed = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "parted", "resume_from_job": job["id"]})
+                       .json()["id"], timeout=600)
+    assert resumed["state"] == "succeeded", resumed.get("error")
+    assert resumed["result"]["resumed_from_step"] >= 5
+    a, b = _adapter_scores(c, "whole"), _adapter_scores(c, "parted")
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
