@@ -74,6 +74,7 @@ class BatchingSettings(_Section):
     kv_budget_bytes: int = Field(0, ge=0)  # paged KV pool size; 0: max_running_rows x max_model_len worth
     kv_block_size: int = Field(16, ge=1, le=4096)  # tokens per KV block
     prefix_cache: bool = True  # share identical prompt-prefix blocks (same adapter revision)
+    compile_decode: bool = False  # torch.compile the decode step (bucketed static shapes); docs/benchmarks.md
 
 
 class LimitsSettings(_Section):

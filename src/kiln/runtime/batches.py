@@ -29,12 +29,24 @@ PACKED_MAX_SCORES = 1 << 21  # tokens x rows x kv_len above which a mixed cycle 
 Chunk = tuple[Any, int]  # (row, prompt tokens this cycle)
 
 
+def bucket(n: int, cap: int) -> int:
+    """The next power of two >= ``n``, at most ``cap`` (a static shape for the compiled decode)."""
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 class Batches:
-    def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int):
+    def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int, *, compile_decode: bool = False,
+                 max_rows: int = 1, max_blocks: int = 1):
         self.kv = kv
         self.adapters = adapters
         self.device = device
         self.pad_id = pad_id
+        self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        # torch.compile over static shapes: rows padded to a power-of-two bucket, block tables to
+        # a power-of-two width; one compilation per (rows, width) bucket, on first use.
+        self._compiled = torch.compile(self._decode_forward, dynamic=False) if compile_decode else None
+        self.compiled_shapes: set[tuple[int, int]] = set()
 
     def _adapter_kwargs(self, rows: Sequence[Any]) -> dict[str, Any]:
         if not self.adapters.wrapped:
@@ -102,8 +114,34 @@ class Batches:
         n = len(decoding)
         return (logits[:n] if n else None), (logits[n:] if completing else None), completing
 
+    def _decode_forward(self, ids, pos, mask, table, wb, wo) -> torch.Tensor:
+        cache = self.kv.step(table, wb, wo)
+        out = self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                          use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def decode_compiled(self, rows: list[Any]) -> torch.Tensor:
+        """:meth:`decode` through the compiled step: padding rows read and write only the scratch block."""
+        dev = self.device
+        n = len(rows)
+        rows_b = bucket(n, self.max_rows)
+        width = bucket(max(len(r.blocks) for r in rows), self.max_blocks)
+        table = self.kv.table([r.blocks for r in rows] + [[]] * (rows_b - n), width)
+        pos = torch.tensor([r.pos for r in rows] + [0] * (rows_b - n), device=dev)
+        ids = torch.tensor([[r.generated[-1]] for r in rows] + [[self.pad_id]] * (rows_b - n), device=dev)
+        wb, wo = self._where(table, torch.arange(rows_b, device=dev), pos)
+        mask = (torch.arange(width * self.kv.block_size, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+        self.compiled_shapes.add((rows_b, width))
+        logits = self._compiled(ids, pos[:, None], mask, table, wb[:, None], wo[:, None])
+        for r in rows:
+            r.pos += 1
+        return logits[:n]
+
     def decode(self, rows: list[Any]) -> torch.Tensor:
-        """One token for each decoding row -> logits ``[n, vocab]``."""
+        """One token for each decoding row -> logits ``[n, vocab]`` (compiled when enabled and no
+        adapter is loaded: PEFT's per-row adapter routing stays eager)."""
+        if self._compiled is not None and not self.adapters.wrapped:
+            return self.decode_compiled(rows)
         dev = self.device
         n = len(rows)
         pos = torch.tensor([r.pos for r in rows], device=dev)

@@ -69,6 +69,7 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
     prefix_cache: bool = True
+    compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -86,6 +87,7 @@ class EngineConfig:
             kv_block_size=int(getattr(b, "kv_block_size", 16)),
             kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
             prefix_cache=bool(getattr(b, "prefix_cache", True)),
+            compile_decode=bool(getattr(b, "compile_decode", False)),
         )
 
 

@@ -1,0 +1,33 @@
+"""The compiled decode step (torch.compile over bucketed static shapes) against the eager reference:
+greedy outputs equal. One bucket only (one row, one block wide), so one compilation."""
+
+from __future__ import annotations
+
+from kiln.runtime.batches import bucket
+from kiln.runtime.engine import Engine, EngineConfig
+from kiln.runtime.sampling import SamplingParams
+from tests.runtime.test_engine import loaded  # noqa: F401  (module fixture)
+
+PROMPTS = ["What is the capital of France?", "Count: 1 2 3", "Hi"]
+
+
+def test_buckets_are_powers_of_two_capped():
+    assert [bucket(n, 32) for n in (1, 2, 3, 5, 8, 9, 31, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
+    assert bucket(7, 6) == 6
+
+
+def test_compiled_decode_greedy_equals_eager(loaded):  # noqa: F811
+    cfg = dict(max_running_rows=1, max_model_len=64, kv_block_size=64)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = {}
+    for compiled in (False, True):
+        engine = Engine(loaded, EngineConfig(compile_decode=compiled, **cfg)).start()
+        try:
+            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PROMPTS]
+            out[compiled] = [engine.generate(p, params, timeout=280)[0].token_ids for p in prompts]
+            if compiled:
+                assert engine._scheduler.batches.compiled_shapes == {(1, 1)}
+            assert engine.stats()["kv_blocks_used"] == 0
+        finally:
+            engine.stop()
+    assert out[True] == out[False]
