@@ -124,3 +124,18 @@ def test_opd_resume_equals_uninterrupted(tutor):
     assert resumed["result"]["resumed_from_step"] >= 5
     a, b = _adapter_scores(c, "whole"), _adapter_scores(c, "parted")
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_opd_with_remote_kiln_teacher_batched_scoring(srv, tutor):
+    """The same server registered as a remote/kiln teacher over loopback HTTP: probes, then a short OPD job
+    whose teacher scores each step's samples in one batched /v1/completions request."""
+    c = tutor
+    r = c.post("/v1/teachers", json={"alias": "tutor-http", "kind": "remote", "provider": "kiln",
+                                     "model_id": "tutor-adapter", "url": srv.base_url})
+    assert r.status_code == 201, r.text
+    assert r.json()["fingerprint"] == c.get("/v1/teachers/tutor").json()["fingerprint"]  # same identity
+    body = {"adapter": "student-http", "teacher": "tutor-http", "prompts": [{"messages": MSGS}],
+            "samples_per_prompt": 3, "max_tokens": 8, "top_k": 4, "steps": 4, "batch_size": 1}
+    job = wait_job(c, c.post("/v1/train/opd", json=body).json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job.get("error")
+    assert job["result"]["report"]["teacher_s"] > 0

@@ -105,29 +105,28 @@ class RemoteTeacher:
 
     def score(self, prompts: Sequence[Sequence[int]], top_k: int, *, max_bytes: int,
               vocab_size: int | None) -> ScoreResult:
-        """Score each prompt (one request per prompt); every answer must carry the same fingerprint."""
+        """Score every prompt in one request (a list of token-ID prompts, as vLLM and Kiln accept)."""
+        many = len(prompts) > 1
+        body = self._post({"model": self.model_id, "prompt": [list(p) for p in prompts] if many else list(prompts[0]),
+                           "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}, max_bytes)
+        model = body.get("model")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or len(choices) != len(prompts) or \
+                not all(isinstance(c, dict) for c in choices):
+            raise TeacherRefused(f"the teacher answered {len(choices) if isinstance(choices, list) else 'no'} "
+                                 f"choices for {len(prompts)} prompts")
+        by_index = sorted(choices, key=lambda c: c.get("index", 0))
         results: list[Scored] = []
-        fingerprint: str | None = None
-        model = ""
         total = 0
-        for ids in prompts:
-            body = self._post({"model": self.model_id, "prompt": list(ids), "max_tokens": 1, "temperature": 0,
-                               "prompt_logprobs": top_k}, max_bytes)
-            fp = body.get("system_fingerprint")
-            if fingerprint is not None and fp != fingerprint:
-                raise TeacherRefused("the teacher's fingerprint changed between two answers of one batch")
-            fingerprint = fp
-            model = body.get("model")
-            choices = body.get("choices")
-            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-                raise TeacherRefused("the teacher's answer has no choices")
-            scored, n = parse_rows(choices[0], vocab_size=vocab_size, top_k=top_k)
+        for ids, choice in zip(prompts, by_index):
+            scored, n = parse_rows(choice, vocab_size=vocab_size, top_k=top_k)
             if len(scored.rows) != len(ids):
                 raise TeacherRefused(f"the teacher returned {len(scored.rows)} prompt_logprobs rows for a "
                                      f"{len(ids)}-token prompt")
             results.append(scored)
             total += n
-        return ScoreResult(fingerprint or "", model if isinstance(model, str) else "", results, total)
+        fp = body.get("system_fingerprint")
+        return ScoreResult(fp if isinstance(fp, str) else "", model if isinstance(model, str) else "", results, total)
 
     def _post(self, payload: dict[str, Any], max_bytes: int) -> dict[str, Any]:
         import httpx
