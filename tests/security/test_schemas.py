@@ -28,10 +28,17 @@ def _completion(server, **kw):
     return {"model": server.model_id, "prompt": "Hello there", "max_tokens": 4, **kw}
 
 
+_TOOL = {"type": "function", "function": {"name": "t", "parameters": {
+    "type": "object", "properties": {"z": {"enum": ["a", "b"]}}, "required": ["z"], "additionalProperties": False}}}
 CHAT_VARIANTS = [{}, {"n": 2, "temperature": 0.7, "seed": 3}, {"logprobs": True, "top_logprobs": 2},
                  {"stop": ["e"]}, {"max_completion_tokens": 1},
                  {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "strict": True, "schema": {
-                     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}]
+                     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
+                 {"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 30},
+                 {"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": None, "tool_calls": [
+                                   {"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]},
+                               {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": [_TOOL]}]
 COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs": 2}, {"prompt_logprobs": 2},
                        {"max_tokens": 0, "prompt_logprobs": 1}, {"prompt": [5, 6, 7]},
                        {"prompt": ["a", "b"], "n": 2}, {"prompt": [[5, 6], [7]]}, {"echo": True, "logprobs": 1},
@@ -42,7 +49,7 @@ COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs":
 @pytest.mark.parametrize("variant", CHAT_VARIANTS)
 def test_chat_json(client, secure_server, variant):
     r = client.post("/v1/chat/completions", json=_chat(secure_server, **variant))
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
     p.ChatCompletionResponse.model_validate(r.json())
 
 
@@ -54,7 +61,7 @@ def test_completion_json(client, secure_server, variant):
 
 
 STREAM_VARIANTS = [{}, {"stream_options": {"include_usage": True}}, {"n": 2, "seed": 4, "temperature": 1.0},
-                   {"logprobs_variant": True}]
+                   {"logprobs_variant": True}, {"tools_variant": True}]
 
 
 @pytest.mark.parametrize("variant", STREAM_VARIANTS)
@@ -63,6 +70,9 @@ def test_streams(client, secure_server, route, variant):
     variant = dict(variant)
     if variant.pop("logprobs_variant", False):
         variant = {"logprobs": True, "top_logprobs": 1} if route == "chat" else {"logprobs": 1}
+    if variant.pop("tools_variant", False):  # delta.tool_calls events (completions: a guided choice)
+        variant = ({"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 30}
+                   if route == "chat" else {"guided_choice": ["x", "y"]})
     if route == "chat":
         path, body, model = "/v1/chat/completions", _chat(secure_server, stream=True, **variant), p.ChatCompletionChunk
     else:

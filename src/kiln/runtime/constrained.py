@@ -61,6 +61,16 @@ class GrammarCompiler:
                                  param=param, hint="send a valid regular expression") from exc
         return self._validated(grammar, param)
 
+    def lark(self, grammar_text: str, param: str) -> str:
+        """A Lark grammar in llguidance's dialect (``%json {schema}`` embeds a JSON schema)."""
+        self._bound(grammar_text, param)
+        try:
+            grammar = self._ll.LLMatcher.grammar_from_lark(grammar_text)
+        except Exception as exc:
+            raise InvalidRequest(f"the grammar cannot be used for constrained decoding: {exc}",
+                                 code="invalid_schema", param=param, hint="check the JSON schemas involved") from exc
+        return self._validated(grammar, param)
+
     def choice(self, options: Sequence[str], param: str) -> str:
         return self.regex("(" + "|".join(re.escape(o) for o in options) + ")", param)
 

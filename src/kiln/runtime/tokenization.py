@@ -22,13 +22,17 @@ class Tokenization:
         self.eos_ids = self._eos_ids(model)
         self._token_text: dict[int, str] = {}
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template's text for ``messages``, ready for the assistant's turn."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for ``messages`` (and ``tools``, OpenAI's tool list, for templates
+        that show them), ready for the assistant's turn."""
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template's text, tokenized as ``apply_chat_template(tokenize=True)`` would."""
-        return self.encode_text(self.render_chat(messages))
+        return self.encode_text(self.render_chat(messages, tools))
 
     def encode_text(self, text: str) -> list[int]:
         """Short texts go straight to the Rust tokenizer's single ``encode``: ~80 us less than the

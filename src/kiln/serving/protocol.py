@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 MAX_MODEL_NAME_CHARS = 256
 MAX_CONTENT_CHARS = 1_000_000
@@ -31,6 +31,7 @@ MAX_MESSAGES = 100_000
 MAX_LOGIT_BIAS = 1024
 MAX_PROMPTS = 256  # prompts in one completion request
 MAX_GUIDED_CHOICES = 1024
+MAX_TOOLS = 128
 MAX_REPETITION_PENALTY = 100.0
 
 ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
@@ -101,17 +102,73 @@ class TextPart(_Request):
     text: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+ToolCallId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_USER_CHARS)]
+
+
+class CalledFunction(_Request):
+    name: FunctionName
+    arguments: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] = Field(
+        description="the arguments as a JSON string, as the model produced them")
+
+
+class AssistantToolCall(_Request):
+    """A tool call in an earlier assistant turn, sent back by the client."""
+
+    id: ToolCallId
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
         list[TextPart], Field(max_length=MAX_CONTENT_PARTS)
-    ]
+    ] | None = Field(None, description="required except on an assistant message with tool_calls")
     name: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
+        None, description="assistant messages: the calls the model made")
+    tool_call_id: ToolCallId | None = Field(None, description="tool messages: the call this result answers")
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only on an assistant message with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema for the arguments")
+    strict: bool | None = Field(None, description="always enforced when tool_choice is required or named")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Sampling(_Request):
@@ -184,6 +241,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="functions the model may call, shown to it through the model's chat template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (default with tools): the model decides; none: no tools; required or a named "
+                          "function: enforced by constrained decoding")
+    parallel_tool_calls: bool | None = Field(None, description="with required: allow more than one call "
+                                                               "(default true)")
 
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
@@ -225,6 +289,7 @@ class TokenizeChatRequest(_Request):
 
     model: ModelName | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
@@ -265,9 +330,21 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -364,9 +441,22 @@ class ModelList(_Response):
     data: list[ModelCard]
 
 
+class DeltaFunction(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -50,6 +50,7 @@ from kiln.serving.protocol import (
     TokenizeResponse,
 )
 from kiln.serving.state import KilnState, get_state
+from kiln.serving.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -166,9 +167,10 @@ def _grammar_compiler(state) -> GrammarCompiler:
 def _grammar(state, req) -> str | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``), compiled."""
     rf = req.response_format
+    forced = _forced_tools(req)
     asked = [name for name, v in (("response_format", rf if rf is not None and rf.type != "text" else None),
                                   ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
-                                  ("guided_choice", req.guided_choice)) if v is not None]
+                                  ("guided_choice", req.guided_choice), ("tool_choice", forced)) if v is not None]
     if not asked:
         return None
     if len(asked) > 1:
@@ -180,6 +182,9 @@ def _grammar(state, req) -> str | None:
                              "where the output ends)", code="invalid_request", param="min_tokens",
                              hint="drop min_tokens")
     comp = _grammar_compiler(state)
+    if asked[0] == "tool_choice":
+        tools, parallel = forced
+        return comp.lark(_tool_parser(state).forcing_grammar(tools, parallel), "tool_choice")
     if asked[0] == "response_format":
         return comp.json_schema(rf.json_schema.schema_ if rf.type == "json_schema" else None, "response_format")
     if asked[0] == "guided_json":
@@ -194,6 +199,44 @@ def _grammar(state, req) -> str | None:
     if asked[0] == "guided_regex":
         return comp.regex(req.guided_regex, "guided_regex")
     return comp.choice(req.guided_choice, "guided_choice")
+
+
+def _tool_parser(state) -> ToolParser:
+    """The tool-call parser for the served model's template family (``hermes``: Hermes/Qwen)."""
+    parser = state.extras.get("tool_parser")
+    if parser is None:
+        parser = state.extras["tool_parser"] = get_tool_parser(DEFAULT_TOOL_PARSER)
+    return parser
+
+
+def _tools_on(req) -> bool:
+    return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
+
+
+def _forced_tools(req) -> tuple[list[dict[str, Any]], bool] | None:
+    """``(tools, parallel)`` a ``required`` or named ``tool_choice`` forces, else ``None``."""
+    choice = getattr(req, "tool_choice", None)
+    if choice is None or choice in ("none", "auto"):
+        return None
+    tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools or ()]
+    if choice == "required":
+        return tools, req.parallel_tool_calls is not False
+    named = [t for t in tools if t["name"] == choice.function.name]
+    if not named:
+        raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                             code="invalid_request", param="tool_choice",
+                             hint=f"name one of {[t['name'] for t in tools]}")
+    return named, False
+
+
+def _check_tools(req) -> None:
+    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
+        raise InvalidRequest("tool_choice needs tools", code="invalid_request", param="tool_choice",
+                             hint="send the tools the model may call, or drop tool_choice")
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("two tools share a name", code="invalid_request", param="tools",
+                             hint="give every function a distinct name")
 
 
 def _params(state, req, max_tokens: int, logprobs: int | None, count: int | None = None) -> list[SamplingParams]:
@@ -466,7 +509,8 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
         _resolve_model(state, body.model)
     tok = state.engine.tokens.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        text = await _render_chat_text(state, body.messages, body.add_generation_prompt)
+        text = await _render_chat_text(state, body.messages, body.add_generation_prompt,
+                                       [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
     else:
         text = body.prompt
     ids = await asyncio.to_thread(lambda: list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"]))
@@ -485,13 +529,15 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     return DetokenizeResponse(prompt=await asyncio.to_thread(state.engine.tokens.decode, list(body.tokens)))
 
 
-async def _render_chat_text(state, messages_in, add_generation_prompt: bool = True) -> str:
+async def _render_chat_text(state, messages_in, add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template's text (``/tokenize``); template errors are the caller's input."""
     _check_messages(state, messages_in)
     messages = _template_messages(messages_in)
+    extra = {"tools": tools} if tools else {}
     try:
         return await asyncio.to_thread(state.engine.tokens.tokenizer.apply_chat_template, messages, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:
         raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error",
                              param="messages", hint="check message roles and order") from exc
@@ -505,14 +551,42 @@ def _check_messages(state, messages) -> None:
 
 
 def _template_messages(messages) -> list[dict[str, Any]]:
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    """Messages as chat templates take them: tool calls with their arguments as objects (as HF
+    templates expect), tool results with their ``tool_call_id``."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _template_tools(req) -> list[dict[str, Any]] | None:
+    if not _tools_on(req):
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
     _check_messages(state, req.messages)
     messages = _template_messages(req.messages)
     size = sum(len(m["content"]) for m in messages)
+    tools = _template_tools(req)
     try:
+        if tools:
+            return await asyncio.to_thread(state.engine.tokens.encode_chat, messages, tools)
         if size > LARGE_PROMPT_CHARS:
             return await asyncio.to_thread(state.engine.encode_chat, messages)
         return state.engine.encode_chat(messages)
@@ -534,6 +608,8 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
         raise InvalidRequest("top_logprobs requires logprobs=true", code="invalid_request", hint="set logprobs to true")
     logprobs = (top or 0) if body.logprobs else None
     _check_limits(state, body, logprobs, body.stop_list())
+    _check_tools(body)
+    parser = _tool_parser(state) if _tools_on(body) else None
     prompt = await _render_chat(state, body)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     sub = _submit(state, prompt, _params(state, body, max_tokens, logprobs), adapter, body.stream)
@@ -559,6 +635,9 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
             delta = {"content": c.text} if c.text or reason is None else {}
             return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
 
+        if parser is not None:
+            chunk = _tool_chunks(parser, base, logprobs, tt, body.n)
+
         usage = None
         if body.stream_options is not None and body.stream_options.include_usage:
             def usage(done: int) -> dict:
@@ -566,16 +645,56 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
         return _SSEResponse(sub, timeout, chunk, first, usage, {**SSE_HEADERS, **headers})
 
     results = await _collect(receive, sub, timeout)
+    choices = []
+    for i, (text, toks, reason) in enumerate(results):
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parser is not None:
+            content, calls = parser.parse(text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append({"index": i, "message": message,
+                        "logprobs": _chat_logprobs(toks, tt) if logprobs is not None else None,
+                        "finish_reason": reason})
     return JSONResponse({  # ChatCompletionResponse
         "id": rid, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": state.system_fingerprint,
-        "choices": [
-            {"index": i, "message": {"role": "assistant", "content": text},
-             "logprobs": _chat_logprobs(toks, tt) if logprobs is not None else None, "finish_reason": reason}
-            for i, (text, toks, reason) in enumerate(results)
-        ],
+        "choices": choices,
         "usage": _usage(len(prompt), sum(len(t) for _, t, _ in results)),
     }, headers=headers)
+
+
+def _tool_chunks(parser: ToolParser, base: dict, logprobs: int | None, tt: Callable[[int], str],
+                 n: int) -> Callable[[int, Any, str | None], bytes]:
+    """Stream chunks for choices whose text is parsed for tool calls: content deltas as the text
+    arrives (a possible ``<tool_call>`` opening held back), one ``delta.tool_calls`` event per
+    complete call, ``finish_reason: "tool_calls"`` when the choice called a tool."""
+    states = [parser.stream() for _ in range(n)]
+    calls_sent = [0] * n
+
+    def event(i: int, delta: dict, lp: dict | None = None, reason: str | None = None) -> bytes:
+        return _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
+
+    def chunk(i: int, c, reason: str | None) -> bytes:
+        text, calls = states[i].feed(c.text)
+        if reason is not None:
+            tail, more = states[i].finish()
+            text, calls = text + tail, calls + more
+        lp = _chat_logprobs(c.tokens, tt) if logprobs is not None else None
+        frames = []
+        if text or lp is not None:
+            frames.append(event(i, {"content": text} if text else {}, lp))
+        for call in calls:
+            frames.append(event(i, {"tool_calls": [{"index": calls_sent[i], "id": call.id, "type": "function",
+                                                    "function": {"name": call.name, "arguments": call.arguments}}]}))
+            calls_sent[i] += 1
+        if reason is not None:
+            frames.append(event(i, {}, None, "tool_calls" if calls_sent[i] and reason == "stop" else reason))
+        return b"".join(frames)
+
+    return chunk
 
 
 def _prompt_list(body: CompletionRequest) -> list[str | list[int]]:
@@ -786,9 +905,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
                         "prompt_logprobs": prompt_rows[p]})
     return JSONResponse({  # CompletionResponse
         "id": rid, "object": "text_completion", "created": created, "model": body.model,
-        # Scoring answers carry this server's kiln-teacher-v1 identity (kiln.teachers.kiln_identity).
-        "system_fingerprint": (body.prompt_logprobs is not None and state.teachers is not None
-                               and state.teachers.scoring_fingerprint(adapter)) or state.system_fingerprint,
+        "system_fingerprint": state.system_fingerprint,
         "choices": choices,
         "usage": _usage(total_prompt, sum(len(t) for _, t, _ in results)),
     }, headers=headers)

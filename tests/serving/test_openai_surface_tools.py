@@ -1,0 +1,224 @@
+"""Tool calling through the official ``openai`` client, streaming and not.
+
+The built-in model's template has no tools section, so the end-to-end tests run on a copy of
+it whose chat template is tools-aware (Hermes/Qwen style: tools listed in the system turn,
+calls as ``<tool_call>`` JSON blocks, results in ``<tool_response>``). The tiny model was
+never trained on tool calls, so ``required`` and named ``tool_choice`` (enforced by constrained
+decoding) are what make it call; ``auto`` is checked for shape only. The parser itself is
+tested on fixed texts, whole and streamed in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from kiln.serving.tool_parsers import HermesParser, get_tool_parser
+from tests.serving.conftest import start_server, stop_server
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions.\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nReturn each call as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n"
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' "
+    "+ (tc['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_server(builtin_model_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("tools-model") / "kiln-tools-test"
+    shutil.copytree(builtin_model_dir, model)
+    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    home = tmp_path_factory.mktemp("tools-home")
+    srv = start_server(model, home, extra_args=["--no-training"], env_extra={},
+                       config=None)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def client(tools_server):
+    return openai.OpenAI(base_url=f"{tools_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _args_valid(call, tool):
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_named_tool_choice_forces_a_valid_call(client, tools_server):
+    r = client.chat.completions.create(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER, TIME],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       max_tokens=120, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    _args_valid(call, WEATHER)
+
+
+def test_required_with_parallel_calls_off_gives_one_valid_call(client, tools_server):
+    r = client.chat.completions.create(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER, TIME],
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                       temperature=1.0, seed=5, n=3)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        _args_valid(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
+
+
+def test_streamed_tool_calls_match_the_whole_answer(client, tools_server):
+    kw = dict(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required",
+              parallel_tool_calls=False, max_tokens=200, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls: dict[int, dict] = {}
+    reason = None
+    for ev in client.chat.completions.create(stream=True, **kw):
+        for ch in ev.choices:
+            for tc in ch.delta.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            reason = ch.finish_reason or reason
+    assert reason == whole.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_parallel_calls_each_valid(client, tools_server):
+    r = client.chat.completions.create(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER, TIME],
+                                       tool_choice="required", max_tokens=300, temperature=1.0, seed=11, n=2)
+    for c in r.choices:
+        assert c.message.tool_calls, c.message.content  # the first call fits in max_tokens
+        assert [t.id for t in c.message.tool_calls] == list(dict.fromkeys(t.id for t in c.message.tool_calls))
+        for call in c.message.tool_calls:
+            _args_valid(call, {"get_weather": WEATHER, "get_time": TIME}[call.function.name])
+
+
+def test_tool_results_go_back_through_the_template(client, tools_server):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})}}
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    r = client.chat.completions.create(model=tools_server.model_id, messages=history, tools=[WEATHER],
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the prompt is exactly what transformers' apply_chat_template renders with the same tools
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tools_server.model_dir)
+    hf_msgs = [dict(m) for m in history]
+    hf_msgs[1] = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "unit": "c"}}}]}
+    text = tok.apply_chat_template(hf_msgs, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\n18 C and sunny" in text and "get_weather" in text
+    assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_auto_and_none_answer_in_shape(client, tools_server):
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER],
+                                           tool_choice=choice, max_tokens=12, temperature=0)
+        c = r.choices[0]
+        assert c.finish_reason in ("stop", "length", "tool_calls")
+        assert c.message.tool_calls or isinstance(c.message.content, str)
+
+
+def test_required_tool_call_on_the_builtin_template(oai, server):
+    """A template without a tools section still gets a valid call: the grammar forces it."""
+    r = oai.chat.completions.create(model=server.model_id, messages=MESSAGES, tools=[TIME], tool_choice="required",
+                                    parallel_tool_calls=False, max_tokens=80, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name == "get_time"
+    _args_valid(c.message.tool_calls[0], TIME)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+])
+def test_tool_errors(oai, server, extra, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model=server.model_id, messages=MESSAGES, max_tokens=5, **extra)
+    if param:
+        assert exc.value.body["param"] == param
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "tool", "content": "x"}],  # no tool_call_id
+    [{"role": "user", "content": None}],
+    [{"role": "user", "content": "x", "tool_call_id": "c"}],
+    [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+                                                      "function": {"name": "f", "arguments": "{}"}}]}],
+])
+def test_message_shape_errors(http, server, messages):
+    r = http.post("/v1/chat/completions", json={"model": server.model_id, "messages": messages})
+    assert r.status_code == 400
+
+
+TEXTS = [
+    'Sure.<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": {}}'
+    '</tool_call>',
+    "no calls here, just <tool_ text",
+    '<tool_call>not json</tool_call> after',
+    '<tool_call>\n{"name": "c", "arguments": "{\\"y\\": 2}"}',  # unclosed at the end
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_hermes_parser_stream_matches_whole(text):
+    parser = get_tool_parser("hermes")
+    content, calls = parser.parse(text)
+    for size in (1, 3, 7, len(text)):
+        st = parser.stream()
+        got_text, got_calls = "", []
+        for k in range(0, len(text), size):
+            t, c = st.feed(text[k:k + size])
+            got_text, got_calls = got_text + t, got_calls + c
+        t, c = st.finish()
+        got_text, got_calls = got_text + t, got_calls + c
+        assert [(c.name, c.arguments) for c in got_calls] == [(c.name, c.arguments) for c in calls]
+        assert (got_text.strip() or None) == (content.strip() if content else None)
+
+
+def test_hermes_parser_results():
+    content, calls = HermesParser().parse(TEXTS[0])
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    assert HermesParser().parse(TEXTS[2]) == (TEXTS[2], [])
+    with pytest.raises(ValueError):
+        get_tool_parser("nope")
