@@ -23,6 +23,13 @@ the ratios, and ``--json`` if given.
     .venv/bin/python bench/serving.py                  # built-in model, concurrency 1 8 32
     .venv/bin/python bench/serving.py --shape qwen3-31m  # 31M-parameter Qwen3 shape, random weights
     .venv/bin/python bench/serving.py --prefix-only      # prefix cache: TTFT with a cached 1,000-token system prompt
+    .venv/bin/python bench/serving.py --structured-only  # JSON-schema output vs unconstrained at c=8, mask cost
+
+``--structured-only``: one ``kiln serve``, streaming chat at ``--structured-concurrency``
+(default 8), the same prompts unconstrained and with ``response_format: json_schema``
+(interleaved A/B rounds, best of each), tokens/s ratio (target >= 0.85x); and, in
+process, the grammar mask's cost per token (llguidance fill + apply on one row) next to
+the batched sampler's own cost per step.
 
 ``--shape`` builds a model offline (the built-in tokenizer, a ``Qwen3Config`` of that
 shape, random weights, safetensors) into ``$KILN_HOME/bench-models/<shape>``; ``--model``
@@ -231,15 +238,19 @@ def hf_runs(model_dir: Path, texts: list[str], max_tokens: int, batch_sizes: lis
     return out
 
 
-def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int) -> list[dict]:
-    """Kiln's engine in process, no HTTP: C client threads, each waiting for its completion."""
+def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int, compiled: bool = False) -> list[dict]:
+    """Kiln's engine in process, no HTTP: C client threads, each waiting for its completion.
+    ``compiled``: the torch.compile'd decode step; every run is done once untimed first, so
+    its buckets are compiled, and that warm-up time is reported as ``compile_s``."""
     import threading
 
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
     from kiln.runtime.sampling import SamplingParams
 
-    engine = Engine(load_model(model_dir)).start()
+    engine = Engine(load_model(model_dir), EngineConfig(max_model_len=model_max_len(model_dir),
+                                                        compile_decode=compiled)).start()
+    name = "engine-compiled" if compiled else "engine"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out = []
     try:
@@ -247,8 +258,17 @@ def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int) -> list[dict
             prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
             engine.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up
             lock = threading.Lock()
+            warm_s = 0.0
+            if compiled:  # compile this concurrency's buckets outside the timed run
+                t0 = time.perf_counter()
+                warm = [threading.Thread(target=engine.generate, args=(p, params)) for p in prompts[:c]]
+                for t in warm:
+                    t.start()
+                for t in warm:
+                    t.join()
+                warm_s = time.perf_counter() - t0
 
-            def worker(prompts=prompts, lock=lock):
+            def worker(prompts=list(prompts), lock=lock):
                 while True:
                     with lock:
                         if not prompts:
@@ -264,7 +284,10 @@ def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int) -> list[dict
                 t.join()
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             n = len(texts) * max_tokens
-            out.append({"system": f"engine-c{c}", "concurrency": c, "tok_s": n / dt, "cpu_ms_per_tok": 1000 * cpu / n})
+            out.append({"system": f"{name}-c{c}", "concurrency": c, "tok_s": n / dt, "cpu_ms_per_tok": 1000 * cpu / n})
+            if compiled:
+                out[-1]["compile_s"] = warm_s
+                print(f"{name}-c{c}: warm-up (compiling buckets) {warm_s:.1f} s", file=sys.stderr)
     finally:
         engine.stop()
     return out
@@ -277,7 +300,8 @@ CONTENT_EVENT = re.compile(rb'"(?:delta":\{"content|text)":"[^"]')  # a non-empt
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
 
 
-async def one_request(host: str, port: int, model: str, text: str, max_tokens: int) -> dict:
+async def one_request(host: str, port: int, model: str, text: str, max_tokens: int,
+                      extra: dict | None = None) -> dict:
     """Stream one chat completion over a raw socket; timestamps every read that carries new text.
 
     The client is deliberately minimal (no HTTP library, no JSON per event, a regex on raw
@@ -285,7 +309,7 @@ async def one_request(host: str, port: int, model: str, text: str, max_tokens: i
     """
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
+                       "stream_options": {"include_usage": True}, **(extra or {})}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
@@ -321,15 +345,16 @@ async def one_request(host: str, port: int, model: str, text: str, max_tokens: i
     return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": int(m.group(1))}
 
 
-async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int, concurrency: int) -> dict:
+async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int, concurrency: int,
+                    extra: dict | None = None) -> dict:
     host, port = base_url.rsplit("//", 1)[1].rsplit(":", 1)
     queue = list(texts)
     results: list[dict] = []
-    await one_request(host, int(port), model, texts[0], 4)  # warm-up
+    await one_request(host, int(port), model, texts[0], 4, extra)  # warm-up
 
     async def worker():
         while queue:
-            results.append(await one_request(host, int(port), model, queue.pop(), max_tokens))
+            results.append(await one_request(host, int(port), model, queue.pop(), max_tokens, extra))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -397,6 +422,98 @@ def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str
         stop(proc)
 
 
+# -- structured output ----------------------------------------------------------------------------
+
+# Open-ended on purpose (an array of short notes): with ignore_eos every request generates
+# --max-tokens tokens, and the grammar stays live (not yet complete) for most of them.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 24},
+    "notes": {"type": "array", "items": {"type": "string", "maxLength": 40}}},
+    "required": ["topic", "notes"], "additionalProperties": False}
+
+
+def mask_cost(model_dir: Path, steps: int = 400, rows: int = 8) -> dict:
+    """In process: the grammar's cost per token on one row (llguidance fill + apply) and the
+    batched sampler's cost per step for ``rows`` greedy rows with and without one constrained row."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.constrained import GrammarCompiler
+    from kiln.runtime.sampling import SamplingParams, select_tokens
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab = max(int(cfg.get("vocab_size", 0)), len(tok))
+    comp = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+    grammar = comp.json_schema(STRUCTURED_SCHEMA, "bench")
+    g = torch.Generator().manual_seed(0)
+
+    class Row:
+        def __init__(self):
+            self.prompt, self.generated, self.eos_ids = [1], [], frozenset({tok.eos_token_id})
+
+    def run(constrained: bool) -> tuple[float, float, int]:
+        hist = [Row() for _ in range(rows)]
+        params = [SamplingParams(max_tokens=steps, temperature=0) for _ in range(rows)]
+        if constrained:
+            params[0] = SamplingParams(max_tokens=steps, temperature=0, constraint=comp.matcher(grammar))
+        total = masked = 0.0
+        live = 0
+        for _ in range(steps):
+            logits = torch.randn(rows, vocab, generator=g) * 3
+            logits[:, tok.eos_token_id] = -1e4  # keep going: the grammar stays live
+            t0 = time.perf_counter()
+            out = select_tokens(logits, params, [None] * rows, None, hist)
+            dt = time.perf_counter() - t0
+            total += dt
+            for r, o in zip(hist, out):
+                r.generated.append(o.token_id)
+        if constrained:  # the mask alone, replayed along the constrained row's own tokens
+            c = comp.matcher(grammar)
+            seq = hist[0].generated
+            row = torch.zeros(1, vocab)
+            done: list[int] = []
+            for tok_id in seq:
+                before = c.mask_calls
+                t0 = time.perf_counter()
+                c.apply(row, done)
+                if c.mask_calls > before:  # the grammar was live (not yet complete): a real mask
+                    masked += time.perf_counter() - t0
+                done.append(tok_id)
+            live = c.mask_calls
+        return total / steps, masked / max(1, live), live
+
+    plain = min(run(False)[0] for _ in range(3))
+    best = min((run(True) for _ in range(3)), key=lambda r: r[0])
+    return {"sampler_step_us_plain": 1e6 * plain, "sampler_step_us_one_constrained": 1e6 * best[0],
+            "mask_us_per_token": 1e6 * best[1], "mask_live_tokens": best[2], "rows": rows, "vocab": vocab}
+
+
+def structured_runs(model_dir: Path, workdir: Path, env: dict, kiln_cmd: list[str], concurrency: int,
+                    max_tokens: int, rounds: int = 3) -> dict:
+    port = free_port()
+    cmd = [a.replace("{port}", str(port)) for a in kiln_cmd]
+    log = workdir / "kiln-structured.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=workdir)
+    fmt = {"response_format": {"type": "json_schema",
+                               "json_schema": {"name": "notes", "schema": STRUCTURED_SCHEMA, "strict": True}}}
+    texts = prompts_for(max(8, 4 * concurrency))
+    best: dict[str, float] = {}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base + "/health", 300, log)
+        for _ in range(rounds):  # interleaved: a noisy neighbour hits both alike
+            for name, extra in (("unconstrained", None), ("json_schema", fmt)):
+                r = asyncio.run(http_load(base, model_dir.name, texts, max_tokens, concurrency, extra))
+                best[name] = max(best.get(name, 0.0), r["tok_s"])
+                print(f"  {name} c={concurrency}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        stop(proc)
+    return {"concurrency": concurrency, "tok_s_unconstrained": best["unconstrained"],
+            "tok_s_json_schema": best["json_schema"], "ratio": best["json_schema"] / best["unconstrained"]}
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -405,6 +522,10 @@ def main() -> None:
     ap.add_argument("--model", help="model directory (default: the built-in model, built if missing)")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="build and use a Qwen3 shape with random weights")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-cache TTFT run")
+    ap.add_argument("--structured-only", action="store_true",
+                    help="only the structured-output run (JSON schema vs unconstrained, mask cost per token)")
+    ap.add_argument("--structured-concurrency", type=int, default=8)
+    ap.add_argument("--compiled", action="store_true", help="also the engine with its compiled decode step")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency (min 8)")
@@ -439,6 +560,22 @@ def main() -> None:
 
     print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
           file=sys.stderr)
+    if args.structured_only:
+        senv = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+        senv["KILN_HOME"] = str(workdir / "home")
+        scmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
+                "--no-training", "--log-level", "warning"] + (["--threads", str(args.threads)] if args.threads else [])
+        cost = mask_cost(model_dir)
+        run = structured_runs(model_dir, workdir, senv, scmd, args.structured_concurrency, args.max_tokens)
+        print(f"mask cost: {cost['mask_us_per_token']:.1f} us/token ({cost['mask_live_tokens']} live tokens, vocab "
+              f"{cost['vocab']}); sampler step, {cost['rows']} rows: {cost['sampler_step_us_plain']:.0f} us plain, "
+              f"{cost['sampler_step_us_one_constrained']:.0f} us with one constrained row")
+        print(f"structured output c={run['concurrency']}: {run['tok_s_json_schema']:.0f} tok/s with a JSON schema vs "
+              f"{run['tok_s_unconstrained']:.0f} unconstrained: {run['ratio']:.2f}x (target >= 0.85x)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "mask": cost,
+                                                   "structured": run}, indent=2))
+        return
     if args.prefix_only:
         rows = prefix_runs(model_dir)
         for r in rows:
@@ -450,6 +587,8 @@ def main() -> None:
     rows = [] if args.no_hf else hf_runs(model_dir, all_texts, args.max_tokens, batch_sizes, 8, args.hf_cb)
     if not args.no_engine:
         rows += engine_runs(model_dir, texts_by_c, args.max_tokens)
+        if args.compiled:
+            rows += engine_runs(model_dir, texts_by_c, args.max_tokens, compiled=True)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env["KILN_HOME"] = str(workdir / "home")
