@@ -7,6 +7,7 @@ budget forces rows to wait for memory and running rows to be preempted.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -135,3 +136,34 @@ def test_settings_reach_the_engine_config():
                                   "batching.prefix_cache": False}, environ={})
     cfg = EngineConfig.from_settings(settings.settings)
     assert (cfg.kv_budget_bytes, cfg.kv_block_size, cfg.prefix_cache) == (1 << 20, 8, False)
+
+
+def test_scoring_and_generation_share_a_tiny_budget(loaded, reference):  # noqa: F811
+    """Scoring rows wait for memory and may be preempted too; their logprobs stay exact."""
+    bs = 4
+    cfg = EngineConfig(token_budget=24, prefill_chunk_tokens=8, max_running_rows=4, max_model_len=128,
+                       kv_block_size=bs, kv_budget_bytes=budget(loaded, 24, bs))
+    engine = Engine(loaded, cfg).start()
+    try:
+        score_prompts = [[(j * 13 + k) % 400 + 3 for j in range(40)] for k in range(3)]
+        gen_prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        futs = [engine.score_prompt(p, 1) for p in score_prompts]
+        outs = generate_all(engine, gen_prompts, params)
+        for p, out in zip(gen_prompts, outs):
+            assert out.token_ids == hf_greedy(reference, p, 32)
+        for p, fut in zip(score_prompts, futs):
+            rows = fut.result(60)
+            with torch.no_grad():
+                logp = reference.model(torch.tensor([p])).logits[0].log_softmax(-1)
+            assert rows[0] is None and len(rows) == len(p)
+            for i in range(1, len(p)):
+                entry = next(e for e in rows[i] if e.token_id == p[i])
+                assert entry.logprob == pytest.approx(logp[i - 1, p[i]].item(), abs=1e-4)
+        deadline = time.monotonic() + 30  # a future resolves just before its row stops counting as active
+        while engine.stats()["active_rows"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert stats["active_rows"] == 0 and stats["kv_blocks_used"] == 0
+    finally:
+        engine.stop()
