@@ -157,15 +157,15 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: 
     out = logits.clone()
     vocab = out.shape[-1]
     dev = out.device
+    constrained: list[tuple[int, Any, list[int]]] = []
     for i in which:
         p = params[i]
         row = rows[i] if rows is not None else None
-        prompt = list(getattr(row, "prompt", ()) or ())
-        generated = list(getattr(row, "generated", ()) or ())
+        generated = getattr(row, "generated", None) or []  # read, not copied: this runs every step
         x = out[i]
         if p.bad_words:
             banned = [w[-1] for w in p.bad_words
-                      if 0 <= w[-1] < vocab and (len(w) == 1 or generated[len(generated) - len(w) + 1:] == list(w[:-1]))]
+                      if 0 <= w[-1] < vocab and (len(w) == 1 or list(generated[len(generated) - len(w) + 1:]) == list(w[:-1]))]
             if banned:
                 x[torch.tensor(banned, device=dev)] = float("-inf")
         if p.min_tokens and len(generated) < p.min_tokens:
@@ -177,7 +177,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: 
             vals = torch.tensor([b for t, b in p.logit_bias if 0 <= t < vocab], device=dev, dtype=out.dtype)
             x.index_add_(0, ids, vals)
         if p.repetition_penalty != 1.0:
-            seen = [t for t in prompt + generated if 0 <= t < vocab]
+            seen = [t for t in [*(getattr(row, "prompt", None) or ()), *generated] if 0 <= t < vocab]
             if seen:
                 idx = torch.tensor(sorted(set(seen)), device=dev, dtype=torch.long)
                 v = x[idx]
@@ -186,8 +186,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: 
             gen = torch.tensor([t for t in generated if 0 <= t < vocab], device=dev, dtype=torch.long)
             counts = torch.bincount(gen, minlength=vocab).to(out.dtype)
             x -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
-        if p.constraint is not None:  # last: penalties cannot revive a token the grammar forbids
-            p.constraint.apply(out[i : i + 1], generated)
+        if p.constraint is not None:
+            constrained.append((i, p.constraint, generated))
+    if constrained:  # last, all rows at once: penalties cannot revive a token the grammar forbids
+        type(constrained[0][1]).mask_rows(out, constrained)
     return out
 
 
