@@ -53,6 +53,19 @@ class RouteDoc:
 
 
 _GENERATION_ERRORS = (400, 404, 429, 503)
+
+
+def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
+    from kiln.serving.routes_teachers import TeacherInfo, TeacherList
+
+    return {
+        # 409: alias exists or the teacher's answer breaks the identity contract; 413: answer over the byte cap;
+        # 503: teacher unreachable or its credential unusable.
+        ("post", "/v1/teachers"): RouteDoc(TeacherInfo, (400, 404, 409, 413, 503), status=201),
+        ("get", "/v1/teachers"): RouteDoc(TeacherList, (503,)),
+        ("get", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
+        ("delete", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
+    }
 ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
                                                stream_event=p.ChatCompletionChunk),
@@ -77,6 +90,8 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/adapters/{name}/upload"): RouteDoc(p.AdapterInfo, (400, 409, 429, 500), status=201,
                                                      request_media="application/gzip"),
     ("post", "/v1/adapters/merge"): RouteDoc(p.AdapterMerged, (400, 404, 409, 500), status=201),
+    ("post", "/v1/train/opd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
+    **_teacher_docs(),
 }
 
 
