@@ -54,7 +54,11 @@ class TeacherService:
             return None
         if adapter is None:
             return self.identity.identity(self.model.model_id).fingerprint()
-        return self.identity.identity(adapter, self._adapter_ref(adapter)).fingerprint()
+        try:
+            ref = self._adapter_ref(adapter)
+        except Exception:  # noqa: BLE001 - served but not in the store (or swapped meanwhile): no teacher identity
+            return None
+        return self.identity.identity(adapter, ref).fingerprint()
 
     def local_teacher(self, adapter: str | None) -> LocalTeacher:
         if adapter is not None:
