@@ -89,6 +89,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     # Innermost first: the generation routes skip FastAPI's per-request machinery but stay
     # inside the metrics, body-limit and security middlewares.
     app.add_middleware(FastRoutes, state=kiln_state, routes=FAST_ROUTES)
+    from kiln.serving.teacher_wire import TeacherWireMiddleware  # Accept: binary prompt logprobs (Kiln-to-Kiln)
+    app.add_middleware(TeacherWireMiddleware)
     app.add_middleware(RequestMetricsMiddleware, metrics=kiln_state.metrics,
                        routes=[route for router in routers for route in router.routes])
     app.add_middleware(

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from kiln.errors import Conflict, InvalidRequest, KilnError, PayloadTooLarge, Unavailable
 from kiln.teachers.credentials import CredentialHandle
 from kiln.teachers.identity import TeacherIdentityV1, row_width
+from kiln.teachers.wire import MEDIA_TYPE as WIRE_MEDIA_TYPE
 
 # Bytes one JSON candidate may take on the wire ("id": {"logprob", "rank", "decoded_token"}).
 BYTES_PER_CANDIDATE = 256
@@ -109,6 +110,8 @@ class RemoteTeacher:
         many = len(prompts) > 1
         body = self._post({"model": self.model_id, "prompt": [list(p) for p in prompts] if many else list(prompts[0]),
                            "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}, max_bytes)
+        if "binary" in body:
+            return self._binary(body["binary"], prompts, top_k, vocab_size)
         model = body.get("model")
         choices = body.get("choices")
         if not isinstance(choices, list) or len(choices) != len(prompts) or \
@@ -128,10 +131,30 @@ class RemoteTeacher:
         fp = body.get("system_fingerprint")
         return ScoreResult(fp if isinstance(fp, str) else "", model if isinstance(model, str) else "", results, total)
 
+    @staticmethod
+    def _binary(data: bytes, prompts: Sequence[Sequence[int]], top_k: int, vocab_size: int | None) -> ScoreResult:
+        from kiln.teachers.wire import WireError, decode
+
+        try:
+            fp, model, rows = decode(data, vocab_size=vocab_size, top_k=top_k)
+        except WireError as exc:
+            raise TeacherRefused(f"the teacher's binary answer is invalid: {exc}") from None
+        if len(rows) != len(prompts) or any(len(r) != len(p) for r, p in zip(rows, prompts)):
+            raise TeacherRefused("the teacher's binary answer does not match the prompts it was asked to score")
+        for t_rows in rows:
+            for t, row in enumerate(t_rows):
+                if (row is None) != (t == 0):
+                    raise TeacherRefused(f"prompt_logprobs row {t} is {'null' if row is None else 'present'}")
+                if row and (max(row.values()) > 1e-6 or any(v != v for v in row.values())):
+                    raise TeacherRefused(f"prompt_logprobs row {t} holds a value that is not a log-probability")
+        total = sum(len(r) for p in rows for r in p if r)
+        return ScoreResult(fp, model, [Scored(r) for r in rows], total)
+
     def _post(self, payload: dict[str, Any], max_bytes: int) -> dict[str, Any]:
         import httpx
 
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        # A Kiln teacher answers in the compact binary layout (kiln.teachers.wire); vLLM answers JSON.
+        headers = {"Content-Type": "application/json", "Accept": f"{WIRE_MEDIA_TYPE}, application/json;q=0.5"}
         if self.credential is not None:
             headers.update(self.credential.bearer())
         where = f"{self.url}/v1/completions"
@@ -157,6 +180,7 @@ class RemoteTeacher:
                                 "candidate ceiling allows; refused before reading the rest",
                                 code="teacher_response_too_large")
                     status = r.status_code
+                    binary = r.headers.get("content-type", "").startswith(WIRE_MEDIA_TYPE)
         except httpx.HTTPError as exc:
             raise TeacherUnreachable(f"cannot reach the teacher at {self.url}: {type(exc).__name__}",
                                      hint="check that the teacher is running and the URL is right") from None
@@ -164,6 +188,8 @@ class RemoteTeacher:
             # Authenticated error bodies are redacted: only the status is reported.
             detail = "" if self.credential is not None else f": {bytes(buf[:300]).decode('utf-8', 'replace')}"
             raise TeacherUnreachable(f"the teacher answered HTTP {status}{detail}")
+        if binary:
+            return {"binary": bytes(buf)}
         try:
             body = json.loads(bytes(buf))
         except ValueError:
