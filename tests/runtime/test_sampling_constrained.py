@@ -78,7 +78,7 @@ def _generate(tok, compiler, grammar, seed: int, temperature: float) -> tuple[st
     return tok.decode(row.generated), False
 
 
-@settings(max_examples=120, deadline=None,
+@settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schema=schemas, seed=st.integers(0, 2**31), temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]))
 def test_constrained_rows_always_parse_and_validate(compiler, schema, seed, temperature):

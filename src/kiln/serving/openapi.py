@@ -154,6 +154,27 @@ def complete_operation(method: str, path: str, op: dict[str, Any]) -> None:
     op["responses"] = dict(sorted(responses.items()))
 
 
+# Whole request bodies the docs show (with the served model's ``model``): one per kind of use,
+# so "try it out" and API fuzzers (their examples phase) reach the engine, not only the validators.
+REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
+    ("post", "/v1/chat/completions"): {
+        "chat": {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8},
+        "json_schema": {"messages": [{"role": "user", "content": "A city as JSON"}], "max_tokens": 24,
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": {
+                            "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                            "required": ["name"]}}}},
+        "tools": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 24,
+                  "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                      "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}],
+                  "tool_choice": "required", "parallel_tool_calls": False},
+    },
+    ("post", "/v1/completions"): {
+        "completion": {"prompt": "The river", "max_tokens": 8, "presence_penalty": 0.5},
+        "batch": {"prompt": ["The river", "Once upon"], "max_tokens": 4, "echo": True, "logprobs": 1},
+    },
+}
+
+
 def install_openapi(app: FastAPI, model_id: str | None = None) -> None:
     """Replace ``app.openapi`` with the completed document (generated once, then cached).
 
@@ -176,6 +197,11 @@ def install_openapi(app: FastAPI, model_id: str | None = None) -> None:
             for path, item in schema.get("paths", {}).items():
                 for method, op in item.items():
                     complete_operation(method, path, op)
+                    if model_id is not None and (method, path) in REQUEST_EXAMPLES:
+                        body = op.get("requestBody", {}).get("content", {}).get("application/json")
+                        if body is not None:
+                            body["examples"] = {name: {"value": {"model": model_id, **value}}
+                                                for name, value in REQUEST_EXAMPLES[(method, path)].items()}
             app.openapi_schema = schema
         return app.openapi_schema
 
