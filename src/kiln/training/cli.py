@@ -138,6 +138,9 @@ def status(url: str = UrlOpt) -> None:
         step = f"{j.get('step') or 0}/{j.get('total_steps') or '?'}"
         loss = f"{j['loss']:.4f}" if j.get("loss") is not None else ""
         note = j.get("error") or (f"position {j['queue_position']}" if j.get("queue_position") else "")
+        prog = j.get("progress") or {}
+        if not note and "teacher_s" in prog:  # OPD: where the time goes
+            note = f"teacher {prog['teacher_s']}s / student {prog.get('student_s')}s / step {prog.get('step_s')}s"
         table.add_row(j["id"], j["kind"], j["adapter"], j["state"], step, loss,
                       str(j.get("tokens_per_s") or ""), str(j.get("eta_s") or ""), (note or "")[:60])
     Console().print(table)
