@@ -905,7 +905,9 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
                         "prompt_logprobs": prompt_rows[p]})
     return JSONResponse({  # CompletionResponse
         "id": rid, "object": "text_completion", "created": created, "model": body.model,
-        "system_fingerprint": state.system_fingerprint,
+        # Scoring answers carry this server's kiln-teacher-v1 identity (kiln.teachers.kiln_identity).
+        "system_fingerprint": (body.prompt_logprobs is not None and state.teachers is not None
+                               and state.teachers.scoring_fingerprint(adapter)) or state.system_fingerprint,
         "choices": choices,
         "usage": _usage(total_prompt, sum(len(t) for _, t, _ in results)),
     }, headers=headers)
