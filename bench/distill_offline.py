@@ -59,7 +59,7 @@ def main() -> None:
     import torch
 
     from kiln.distill import shards
-    from kiln.distill.capture import CaptureRequest, LocalTeacherScorer, _encode, _payload_name, load_examples
+    from kiln.distill.capture import LocalTeacherScorer, _encode, _payload_name, load_examples, pad_windows
     from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples
     from kiln.training.kd_loss import SparseKDLoss
     from tests.distill.tinymodels import build_tiny_model, capture_in_process, make_plan, synthetic_examples
@@ -81,15 +81,9 @@ def main() -> None:
 
     def bare():
         for b0 in range(0, len(windows), args.batch):
-            batch = windows[b0 : b0 + args.batch]
-            width = max(len(w) for _n, w, _p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            att = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, (_n, w, _p) in enumerate(batch):
-                ids[r, : len(w)] = torch.tensor(w)
-                att[r, : len(w)] = 1
+            ids, att = pad_windows(windows[b0 : b0 + args.batch], scorer.device)
             with torch.inference_mode():
-                model(input_ids=ids.to(scorer.device), attention_mask=att.to(scorer.device)).logits.float()
+                model(input_ids=ids, attention_mask=att).logits.float()
 
     def score_only():
         scorer.score(items)

@@ -7,12 +7,15 @@ running server share one URL option and one error rendering.
 from __future__ import annotations
 
 import os
-from typing import Any, NoReturn
+import time
+from typing import Any, Callable, NoReturn
 
 import typer
 
 DEFAULT_URL = os.environ.get("KILN_URL", "http://127.0.0.1:8420")
 HTTP_TIMEOUT_S = 60.0
+POLL_S = 0.25
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", help="Kiln server URL ($KILN_URL)")
 
@@ -40,3 +43,26 @@ def request(method: str, url: str, **kw: Any) -> dict[str, Any]:
         hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
         fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
     return body
+
+
+BarState = tuple[int | None, int, str]  # (total, completed, info) for the bar
+
+
+def follow(url: str, label: str, progress: Callable[[dict[str, Any]], BarState]) -> dict[str, Any]:
+    """Poll ``GET url`` with a rich progress bar until its ``state`` is terminal; return the last body.
+
+    ``progress(body)`` maps one answer to the bar's (total, completed, info).
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Bar(*columns, transient=False) as bar:
+        task = bar.add_task(label, total=None, info="queued")
+        while True:
+            body = request("GET", url)
+            total, completed, info = progress(body)
+            bar.update(task, total=total, completed=completed, info=info)
+            if body["state"] in TERMINAL_STATES:
+                return body
+            time.sleep(POLL_S)

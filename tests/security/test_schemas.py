@@ -178,6 +178,25 @@ def test_training_and_adapter_lifecycle(client, secure_server):
         p.AdapterDeleted.model_validate(client.delete(f"/v1/adapters/{name}").json())
 
 
+def test_teachers_and_opd(client):
+    """The teacher registry (a local teacher: this server's own model) and one short OPD job."""
+    r = client.post("/v1/teachers", json={"alias": "schema-t", "kind": "local"})
+    assert r.status_code == 201, r.text
+    listed = client.get("/v1/teachers")
+    assert listed.status_code == 200 and "schema-t" in {t["alias"] for t in listed.json()["data"]}
+    assert client.get("/v1/teachers/schema-t").status_code == 200
+    assert client.post("/v1/teachers", json={"alias": "schema-t", "kind": "local"}).status_code == 409
+    assert client.get("/v1/teachers/absent").status_code == 404
+    job = client.post("/v1/train/opd", json={
+        "adapter": "schema-o", "teacher": "schema-t", "prompts": [{"messages": [{"role": "user", "content": "Hi"}]}],
+        "samples_per_prompt": 2, "max_tokens": 4, "top_k": 4, "steps": 1, "batch_size": 1})
+    assert job.status_code == 202, job.text
+    p.TrainingJob.model_validate(job.json())
+    assert _wait(client, job.json()["id"])["state"] == "succeeded"
+    assert client.delete("/v1/teachers/schema-t").status_code == 200
+    assert client.get("/v1/teachers/schema-t").status_code == 404
+
+
 def test_tokenize_and_detokenize(client, secure_server):
     r = client.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
     assert r.status_code == 200

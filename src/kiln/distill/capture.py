@@ -18,7 +18,6 @@ transaction of every shard (see docs/distill.md).
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -81,6 +80,20 @@ class TeacherScorer(Protocol):
 
 def _float_dtypes(model) -> list[str]:
     return sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.dtype.is_floating_point})
+
+
+def pad_windows(batch, device):
+    """Right-padded ``input_ids`` and ``attention_mask`` (``[rows, longest]``) for windows
+    ``(example index, tokens, positions)``, on ``device``."""
+    import torch
+
+    width = max(len(w) for _n, w, _p in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    att = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, (_n, w, _p) in enumerate(batch):
+        ids[r, : len(w)] = torch.tensor(w)
+        att[r, : len(w)] = 1
+    return ids.to(device), att.to(device)
 
 
 class LocalTeacherScorer:
@@ -162,14 +175,9 @@ class LocalTeacherScorer:
         all_where: list[tuple[int, int]] = []
         for start in range(0, len(windows), self.batch_size):
             batch = windows[start : start + self.batch_size]
-            width = max(len(w) for _n, w, _p in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            att = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, (_n, w, _p) in enumerate(batch):
-                ids[r, : len(w)] = torch.tensor(w)
-                att[r, : len(w)] = 1
+            ids, att = pad_windows(batch, self.device)
             with torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device)).logits
+                logits = self.model(input_ids=ids, attention_mask=att).logits
                 rows = torch.tensor([r for r, (_n, _w, p) in enumerate(batch) for _ in p], device=logits.device)
                 offs = torch.tensor([o for _n, _w, p in batch for o, _i in p], device=logits.device)
                 where = [(n, i) for n, _w, p in batch for _o, i in p]

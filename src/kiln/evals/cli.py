@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from kiln.client import UrlOpt, fail, request
+from kiln.client import follow as follow_state
 
 app = typer.Typer(help="Eval suites, runs, comparisons, strict replay and gates on a running server.",
                   no_args_is_help=True)
@@ -17,8 +17,6 @@ suites_app = typer.Typer(help="Create, import, list, show and delete suites.", n
 app.add_typer(suites_app, name="suites")
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
-POLL_S = 0.25
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def _read(path: Path) -> str:
@@ -35,21 +33,13 @@ def _target(adapter: Optional[str], revision: Optional[str] = None) -> dict[str,
 
 def follow(url: str, run_id: str) -> dict[str, Any]:
     """A progress bar for ``run_id`` until it is terminal; return the final run."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as bar:
-        task = bar.add_task(run_id, total=None, info="queued")
-        while True:
-            run = request("GET", f"{url}/v1/evals/runs/{run_id}")
-            prog = run.get("progress") or {}
-            total = prog.get("examples") or prog.get("targets")
-            done = prog.get("generated") or prog.get("targets_done") or 0
-            bar.update(task, total=total, completed=done, info=run["state"])
-            if run["state"] in TERMINAL:
-                return run
-            time.sleep(POLL_S)
+    def progress(run: dict[str, Any]) -> tuple[int | None, int, str]:
+        prog = run.get("progress") or {}
+        total = prog.get("examples") or prog.get("targets")
+        return total, prog.get("generated") or prog.get("targets_done") or 0, run["state"]
+
+    return follow_state(f"{url}/v1/evals/runs/{run_id}", run_id, progress)
 
 
 def _show_run(run: dict[str, Any], examples: bool = False) -> None:

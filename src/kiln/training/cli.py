@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from kiln.client import UrlOpt, fail, request
+from kiln.client import follow as follow_state
 
 app = typer.Typer(help="Submit and follow LoRA training jobs on a running server.", no_args_is_help=True)
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
-POLL_S = 0.25
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -39,23 +37,16 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 
 def follow(url: str, job_id: str) -> dict[str, Any]:
     """Show a progress bar for ``job_id`` until it finishes; return the final job."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as bar:
-        task = bar.add_task(job_id, total=None, info="queued")
-        while True:
-            job = request("GET", f"{url}/v1/train/jobs/{job_id}")
-            info = job["state"]
-            if job.get("loss") is not None:
-                info = f"loss {job['loss']:.4f}  {job.get('tokens_per_s') or 0:.0f} tok/s  ETA {job.get('eta_s') or 0:.1f}s"
-            elif job.get("queue_position"):
-                info = f"queued (position {job['queue_position']})"
-            bar.update(task, total=job.get("total_steps"), completed=job.get("step") or 0, info=info)
-            if job["state"] in TERMINAL:
-                return job
-            time.sleep(POLL_S)
+    def progress(job: dict[str, Any]) -> tuple[int | None, int, str]:
+        info = job["state"]
+        if job.get("loss") is not None:
+            info = f"loss {job['loss']:.4f}  {job.get('tokens_per_s') or 0:.0f} tok/s  ETA {job.get('eta_s') or 0:.1f}s"
+        elif job.get("queue_position"):
+            info = f"queued (position {job['queue_position']})"
+        return job.get("total_steps"), job.get("step") or 0, info
+
+    return follow_state(f"{url}/v1/train/jobs/{job_id}", job_id, progress)
 
 
 def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
