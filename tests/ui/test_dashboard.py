@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -258,6 +259,158 @@ def test_adapter_unload_load_and_delete(page, server, artifacts):
     page.click(f"{row} button.confirm-delete")
     page.wait_for_selector(row, state="detached")
     assert c.get("/v1/adapters/ui-adapter").status_code == 404
+
+
+def _wait_run(c, run_id: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        run = c.get(f"/v1/evals/runs/{run_id}").json()
+        if run["state"] in ("succeeded", "failed", "cancelled"):
+            return run
+        assert time.monotonic() < deadline, f"eval run {run_id} still {run['state']}"
+        time.sleep(0.1)
+
+
+def test_evals_page_runs_results_and_the_gate_verdict_on_adapters(page, server, artifacts):
+    c = server.client
+    suite = {"name": "ui-suite", "description": "two questions",
+             "examples": [{"id": "ant", "messages": [{"role": "user", "content": QUESTION}], "reference": CORRECTION},
+                          {"id": "sky", "messages": [{"role": "user", "content": "What colour is the sky?"}],
+                           "reference": "blue"}],
+             "scorers": [{"type": "contains"}], "generation": {"max_tokens": 8}}
+    r = c.post("/v1/evals/suites", json=suite)
+    assert r.status_code == 201, r.text
+    # A training job with a post-train gate: its verdict is recorded on the job (result.post_eval).
+    body = {"adapter": "ui-gated", "epochs": 2, "examples": [{"messages": [
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": CORRECTION}]}],
+        "post_eval": {"suite": "ui-suite", "min_pairs": 1, "min_accuracy": 0.0}}
+    r = c.post("/v1/train/sft", json=body)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"])
+    assert job["state"] == "succeeded", job["error"]
+    gate = job["result"]["post_eval"]
+    assert gate["numbers"] and gate["gate_run"], gate
+    r = c.post("/v1/evals/runs", json={"suite": "ui-suite"})
+    assert r.status_code == 202, r.text
+    run = _wait_run(c, r.json()["id"])
+    assert run["state"] == "succeeded", run["error"]
+
+    _open(page, "evals")
+    page.wait_for_selector("#evals-suites tr[data-suite='ui-suite']")
+    page.click(f"#evals-runs tr[data-run-id='{run['id']}'] td:nth-child(4)")  # anywhere on the row
+    page.wait_for_selector(f"#eval-detail[data-run-id='{run['id']}'] #eval-examples")
+    assert page.url.endswith(f"#/evals/{run['id']}")
+    rows = page.locator("#eval-examples tbody tr")
+    assert rows.count() == len(suite["examples"])
+    for i, ex in enumerate(run["result"]["examples"]):
+        row = rows.nth(i)
+        assert row.get_attribute("data-example-id") == ex["id"]
+        assert row.get_attribute("data-passed") == str(ex["passed"]).lower()
+        assert row.locator(".prompt").text_content() == suite["examples"][i]["messages"][-1]["content"]
+        assert row.locator(".completion").text_content() == ex["samples"][0]["completion"]
+        assert float(row.locator(".score").text_content()) == ex["score"]
+    agg = run["result"]["aggregate"]
+    assert page.text_content("#eval-aggregate .card[data-key='passed'] .v") == f"{agg['passed']} / {agg['examples']}"
+    page.screenshot(path=artifacts / "evals-run.png", full_page=True)
+
+    # Adapters page: the gate column shows the producing job's verdict and links to the gate run.
+    _open(page, "adapters")
+    cell = "#adapters-table tr[data-adapter='ui-gated'] td.gate-cell"
+    page.wait_for_selector(f"{cell}[data-gate='{gate['verdict']}']")
+    assert page.get_attribute(cell, "data-job") == job["id"]
+    if c.get("/v1/adapters/ui-long").status_code == 200:  # trained earlier without post_eval
+        plain = "#adapters-table tr[data-adapter='ui-long'] td.gate-cell"
+        page.wait_for_selector(f"{plain}[data-gate='none']")
+        assert page.text_content(plain) == "—"
+    page.screenshot(path=artifacts / "adapters-gate.png", full_page=True)
+    page.click(f"{cell} a")
+    detail = f"#eval-detail[data-run-id='{gate['gate_run']}'] .gate[data-verdict='{gate['verdict']}']"
+    page.wait_for_selector(detail)
+    assert page.text_content(f"{detail} .badge.verdict") == gate["verdict"]
+    assert page.text_content(f"{detail} .reason") == gate["reason"]
+    for key in ("pairs", "candidate_only", "baseline_only", "p_value", "wilson_lower"):
+        assert float(page.get_attribute(f"{detail} td[data-key='{key}']", "data-value")) == gate["numbers"][key], key
+    assert page.is_visible(f"#eval-detail a.run-link[href='#/evals/{gate['candidate_run']}']")
+    page.screenshot(path=artifacts / "evals-gate.png", full_page=True)
+
+
+def test_teachers_register_list_and_remove(page, server, artifacts):
+    c = server.client
+    _open(page, "teachers")
+    form = "#teacher-form"
+    page.wait_for_selector("#teachers-body[data-available='true']")
+    page.console.expected_failures.add("/v1/teachers")
+    bad = {"alias": "bad alias!", "kind": "local"}
+    api_error = c.post("/v1/teachers", json=bad).json()["error"]
+    page.fill(f"{form} input[name=alias]", bad["alias"])
+    page.click(f"{form} button[type=submit]")
+    page.wait_for_selector(f"{form} .error:not([hidden])")
+    assert page.text_content(f"{form} .error").startswith(api_error["message"])
+
+    page.fill(f"{form} input[name=alias]", "ui-local")
+    page.click(f"{form} button[type=submit]")
+    row = "#teachers-table tr[data-alias='ui-local']"
+    page.wait_for_selector(f"{row}[data-usable='true']")
+    t = c.get("/v1/teachers/ui-local").json()
+    cells = [page.text_content(f"{row} td:nth-child({i})") for i in range(1, 4)]
+    assert cells == ["ui-local", "local", "this server"]
+    assert page.text_content(f"{row} code.fingerprint") == t["fingerprint"].rsplit(".", 1)[-1][:12]  # its digest
+    assert page.text_content(f"{row} code.identity") == t["identity_revision"][:12]
+    assert page.is_hidden(f"{form} .error")
+
+    api_error = c.post("/v1/teachers", json={"alias": "ui-local", "kind": "local"}).json()["error"]
+    page.click(f"{form} button[type=submit]")  # the same alias again: the API refuses it in its words
+    page.wait_for_selector(f"{form} .error:not([hidden])")
+    assert page.text_content(f"{form} .error").startswith(api_error["message"])
+    page.screenshot(path=artifacts / "teachers.png", full_page=True)
+
+    page.click(f"{row} button.remove")
+    assert c.get("/v1/teachers/ui-local").status_code == 200  # nothing happens before the confirmation
+    page.click(f"{row} button.confirm-remove")
+    page.wait_for_selector(row, state="detached")
+    assert c.get("/v1/teachers/ui-local").status_code == 404
+
+
+def test_opd_form_validation_messages_and_a_job(page, server, artifacts):
+    c = server.client
+    if c.get("/v1/teachers/ui-opd").status_code == 404:
+        r = c.post("/v1/teachers", json={"alias": "ui-opd", "kind": "local"})
+        assert r.status_code == 201, r.text
+    _open(page, "training")
+    form = "#opd-form"
+    page.wait_for_selector(f"{form} select[name=teacher] option[value='ui-opd']", state="attached")
+    page.console.expected_failures.add("/v1/train/opd")
+    prompts = [{"messages": [{"role": "user", "content": "Say hi."}]}]
+    page.fill(f"{form} input[name=adapter]", "ui-opd-student")
+    page.select_option(f"{form} select[name=teacher]", "ui-opd")
+    page.fill(f"{form} textarea[name=prompts]", json.dumps(prompts))
+    base = {"adapter": "ui-opd-student", "prompts": prompts, "teacher": "ui-opd", "auto_load": False}
+    for fields in ({"samples_per_prompt": 0}, {"samples_per_prompt": 2, "top_k": 1 << 21},
+                   {"samples_per_prompt": 2, "top_k": 4, "loss": "reverse_kl"}):
+        r = c.post("/v1/train/opd", json=base | fields)
+        assert r.status_code == 400, r.text
+        api_error = r.json()["error"]
+        for name in ("samples_per_prompt", "top_k"):
+            page.fill(f"{form} input[name={name}]", str(fields.get(name, "")))
+        if "loss" in fields:  # not one of the form's choices: sent through the select's DOM value
+            page.evaluate("(v) => { const s = document.querySelector('#opd-form select[name=loss]');"
+                          " s.append(new Option(v, v)); s.value = v; }", fields["loss"])
+        page.click(f"{form} button[type=submit]")
+        page.wait_for_function("(m) => { const e = document.querySelector('#opd-form .error');"
+                               " return !e.hidden && e.textContent.startsWith(m); }", arg=api_error["message"])
+        assert f"400 {api_error['code']}" in page.text_content(f"{form} .error")
+
+    page.select_option(f"{form} select[name=loss]", "tail")
+    for name, value in (("samples_per_prompt", "2"), ("top_k", "4"), ("steps", "1"), ("max_tokens", "4")):
+        page.fill(f"{form} input[name={name}]", value)
+    page.click(f"{form} button[type=submit]")
+    page.wait_for_selector(f"{form}[data-last-job]")
+    assert page.is_hidden(f"{form} .error")
+    job = wait_job(c, page.get_attribute(form, "data-last-job"))
+    assert job["state"] == "succeeded", job["error"]
+    assert job["kind"] == "opd" and c.get("/v1/adapters/ui-opd-student").json()["kind"] == "opd"
+    page.wait_for_selector(f"#recent-table tr[data-job-id='{job['id']}'][data-state='succeeded']")
+    page.screenshot(path=artifacts / "training-opd.png", full_page=True)
 
 
 def test_api_key_field_sends_the_bearer_token(browser, builtin_model_dir, tmp_path):

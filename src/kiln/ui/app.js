@@ -728,7 +728,7 @@
       try { body[key] = parseRecords(form.elements[key].value, key); }
       catch (e) { show(out.error, `Could not read the ${key}: ${e.message}`); return; }
       for (const name of numeric) { const v = numberField(form, name); if (v !== undefined) body[name] = v; }
-      for (const name of ['base_adapter', 'kl_estimator']) {
+      for (const name of ['base_adapter', 'kl_estimator', 'teacher', 'loss']) {
         const field = form.elements[name];
         if (field && field.value.trim()) body[name] = field.value.trim();
       }
@@ -818,6 +818,7 @@
       h('td', {}, h('code', { text: short(a.parent_revision) || '–', title: a.parent_revision || '' })),
       h('td', { text: fmtBytes(a.size_bytes) }),
       h('td', { text: a.created }),
+      gateCell(a),
       h('td', {}, a.active ? h('span', { class: 'badge serving', text: `serving ${short(a.active_revision)}` })
         : h('span', { class: 'badge', text: 'stored' })),
       h('td', {}, actions));
@@ -825,12 +826,64 @@
 
   let confirmingUntil = 0;
 
+  // The gate verdict of the job that produced an adapter's revision, from the public API only:
+  // GET /v1/train/status (recent jobs carry result.revision and result.post_eval), else the
+  // revision's manifest (config.job_id, GET /v1/adapters/{name}) and GET /v1/train/jobs/{id}.
+  // Known answers are kept per revision (a revision never changes); a job still gating is asked again.
+  const gates = new Map(); // revision -> {state: 'gate'|'none'|'pending', gate?, job?, note}
+
+  function noteJob(revision, job) {
+    const result = job.result || {};
+    if (result.post_eval) gates.set(revision, { state: 'gate', gate: result.post_eval, job: job.id });
+    else if (TERMINAL.includes(job.state)) gates.set(revision, { state: 'none', job: job.id, note: `job ${job.id} had no post_eval` });
+    else {
+      const gateRun = job.progress && job.progress.post_eval && job.progress.post_eval.gate_run;
+      gates.set(revision, { state: 'pending', job: job.id, gateRun, note: `job ${job.id} is ${job.state}` + (gateRun ? ' (gate running)' : '') });
+    }
+  }
+
+  async function resolveGates(adapters) {
+    const unknown = adapters.filter((a) => !gates.has(a.revision) || gates.get(a.revision).state === 'pending');
+    if (!unknown.length) return;
+    let recent = [];
+    try {
+      const status = (await api('GET', '/v1/train/status')).data;
+      recent = [...(status.recent || []), ...(status.running ? [status.running] : [])];
+    } catch (e) { recent = []; }
+    for (const a of unknown.slice(0, 8)) {
+      const job = recent.find((j) => j.result && j.result.revision === a.revision);
+      if (job) { noteJob(a.revision, job); continue; }
+      if (a.kind === 'merge' || a.kind === 'upload') { gates.set(a.revision, { state: 'none', note: `a ${a.kind}: no training job` }); continue; }
+      try {
+        const detail = (await api('GET', `/v1/adapters/${encodeURIComponent(a.name)}`)).data;
+        const config = (detail.manifest && detail.manifest.config) || {};
+        if (detail.revision !== a.revision) continue; // a newer revision arrived: next poll
+        if (!config.job_id) { gates.set(a.revision, { state: 'none', note: 'the manifest names no training job' }); continue; }
+        noteJob(a.revision, (await api('GET', `/v1/train/jobs/${encodeURIComponent(config.job_id)}`)).data);
+      } catch (err) {
+        gates.set(a.revision, { state: 'none', note: `verdict unknown: ${err.message}` });
+      }
+    }
+  }
+
+  function gateCell(a) {
+    const g = gates.get(a.revision);
+    if (!g || g.state !== 'gate') {
+      return h('td', { class: 'gate-cell', dataset: { gate: g ? g.state : 'unknown' }, title: g ? g.note : '' }, '—');
+    }
+    const link = h('a', { href: g.gate.gate_run ? `#/evals/${g.gate.gate_run}` : '#/evals', title: `job ${g.job}: ${gateSummary(g.gate)}` },
+      h('span', { class: `badge verdict ${VERDICT_CLASS[g.gate.verdict] || ''}`, text: g.gate.verdict }));
+    return h('td', { class: 'gate-cell', dataset: { gate: g.gate.verdict, job: g.job } }, link);
+  }
+
   async function pollAdapters() {
     if (Date.now() < confirmingUntil) return 1000;
     const data = await getOrShow('/v1/adapters', $('#adapters-error'));
+    await resolveGates(data.data || []);
+    if (Date.now() < confirmingUntil) return 1000;
     const rows = (data.data || []).map(adapterRow);
     $('#adapters-table tbody').replaceChildren(...(rows.length ? rows
-      : [h('tr', {}, h('td', { colspan: '8', class: 'muted', text: 'No adapters yet: train one on the Training page or from the chat playground.' }))]));
+      : [h('tr', {}, h('td', { colspan: '9', class: 'muted', text: 'No adapters yet: train one on the Training page or from the chat playground.' }))]));
     return 3000;
   }
 
@@ -858,48 +911,321 @@
     });
   }
 
-  // ------------------------------------------------------------------ evals / teachers
+  // ------------------------------------------------------------------ gate verdicts (evals page, adapters page)
 
-  function genericTable(items) {
-    const columns = [];
-    for (const item of items.slice(0, 20)) {
-      for (const [k, v] of Object.entries(item || {})) {
-        if (columns.length < 8 && !columns.includes(k) && (v === null || typeof v !== 'object')) columns.push(k);
-      }
-    }
-    return h('table', { class: 'grid' },
-      h('thead', {}, h('tr', {}, columns.map((c) => h('th', { text: c })))),
-      h('tbody', {}, items.map((item) => h('tr', {}, columns.map((c) => h('td', { text: item && item[c] != null ? item[c] : '' }))))));
+  const GATE_FIELDS = [
+    ['pairs', 'pairs (n)'], ['candidate_passed', 'candidate passed (k)'], ['baseline_passed', 'baseline passed'],
+    ['both_passed', 'both passed'], ['both_failed', 'both failed'],
+    ['candidate_only', 'discordant: candidate only (b)'], ['baseline_only', 'discordant: baseline only (c)'],
+    ['p_value', 'sign-test p-value'], ['alpha', 'alpha'], ['candidate_accuracy', 'candidate accuracy'],
+    ['baseline_accuracy', 'baseline accuracy'], ['wilson_lower', 'Wilson 95% lower bound'],
+    ['min_accuracy', 'min_accuracy'], ['min_pairs', 'min_pairs'],
+  ];
+  const VERDICT_CLASS = { promoted: 'succeeded', kept: 'kept', inconclusive: 'kept', demoted: 'failed',
+    regression: 'failed', error: 'failed' };
+
+  const fmtStat = (x) => (typeof x === 'number' && !Number.isInteger(x) ? x.toPrecision(4) : String(x ?? '–'));
+
+  function gateSummary(gate) {
+    const n = gate && gate.numbers;
+    if (!n) return gate ? `${gate.verdict}: ${gate.reason || ''}` : '';
+    return `${gate.verdict}: ${n.pairs} pairs, b=${n.candidate_only} c=${n.baseline_only}, p=${fmtStat(n.p_value)}, `
+      + `Wilson lower ${fmtStat(n.wilson_lower)} (min_accuracy ${n.min_accuracy})`;
   }
 
-  // A feature another part of the server may not have: 404 on its first path shows a placeholder;
-  // otherwise each path's list is shown (extra paths are best effort).
-  async function optionalFeature(box, feature, paths) {
-    const [path] = paths;
-    box.replaceChildren(h('p', { class: 'muted', text: `Checking GET ${path}…` }));
-    const sections = [];
-    for (const [i, p] of paths.entries()) {
-      try {
-        const { data } = await api('GET', p);
-        const items = Array.isArray(data) ? data : (data && (data.data || data.runs || data.teachers)) || [];
-        sections.push(h('h2', { text: `GET ${p}` }), h('p', { class: 'muted', text: `${items.length} listed` }),
-          items.length ? genericTable(items) : h('p', { class: 'muted', text: 'Nothing yet.' }));
-      } catch (err) {
-        if (i > 0) { sections.push(h('p', { class: 'error', text: `GET ${p}: ${formatError(err)}` })); continue; }
-        if (err.status === 404) {
-          box.replaceChildren(h('div', { class: 'unavailable' },
-            h('p', { text: `${feature} is not available on this server: GET ${p} answered 404.` }),
-            h('p', { class: 'muted', text: `The server said: ${err.message}` })));
-          box.dataset.available = 'false';
-        } else {
-          box.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
-          box.dataset.available = 'error';
-        }
-        return;
-      }
+  // The verdict with every number it carries; links to the candidate and baseline runs when known.
+  function gateView(gate, links) {
+    const numbers = gate.numbers || null;
+    const rows = numbers ? GATE_FIELDS.filter(([key]) => key in numbers).map(([key, label]) => h('tr', {},
+      h('th', { text: label }), h('td', { dataset: { key, value: String(numbers[key]) }, text: fmtStat(numbers[key]) }))) : [];
+    const runLinks = (links || []).filter(([, id]) => id).map(([label, id]) => h('a', { href: `#/evals/${id}`, class: 'run-link', text: `${label} ${id}` }));
+    return h('div', { class: 'gate panel', dataset: { verdict: gate.verdict } },
+      h('h2', {}, 'Gate verdict ', h('span', { class: `badge verdict ${VERDICT_CLASS[gate.verdict] || ''}`, text: gate.verdict }),
+        h('small', { text: ` rule ${gate.rule || 'paired_wilson_v1'}` })),
+      h('p', { class: 'reason', text: gate.reason || '' }),
+      rows.length ? h('table', { class: 'grid numbers' }, h('tbody', {}, rows)) : h('p', { class: 'muted', text: 'No numbers (the gate did not evaluate).' }),
+      runLinks.length ? h('div', { class: 'row' }, runLinks) : null);
+  }
+
+  // ------------------------------------------------------------------ evals page
+
+  const TERMINAL = ['succeeded', 'failed', 'cancelled'];
+  const evals = { runId: null, detailState: null, built: false };
+
+  function targetText(t) {
+    if (!t) return 'base';
+    if (!t.adapter) return 'base';
+    return t.revision ? `${t.adapter} @ ${short(t.revision)}` : t.adapter;
+  }
+
+  function runTarget(run) {
+    const req = run.request || {};
+    if (run.kind === 'gate') return `${targetText(req.candidate)} vs ${targetText(req.post_eval && req.post_eval.baseline)}`;
+    if (run.kind === 'comparison') return (req.targets || []).map(targetText).join(', ');
+    if (run.kind === 'replay') return `replay of ${req.run_id || '?'}`;
+    return targetText(req.target) + (req.role ? ` (${req.role} of ${req.parent})` : '');
+  }
+
+  function runOutcome(run) {
+    const r = run.result || {};
+    if (r.gate) return gateSummary(r.gate);
+    if (r.aggregate) return `${r.aggregate.passed}/${r.aggregate.examples} passed (accuracy ${fmtStat(r.aggregate.accuracy)})`;
+    if (r.replay) return `replay ${r.replay.verdict}`;
+    return run.error || '';
+  }
+
+  function buildEvals(box) {
+    box.replaceChildren(
+      h('div', { class: 'panel' }, h('h2', { text: 'Suites' }),
+        h('table', { class: 'grid', id: 'evals-suites' }, h('thead', {}, h('tr', {},
+          ['name', 'description', 'examples', 'scorers', 'aggregation'].map((c) => h('th', { text: c })))), h('tbody'))),
+      h('div', { class: 'panel' }, h('h2', {}, 'Runs ', h('small', { text: '(newest first; click one for its results)' })),
+        h('table', { class: 'grid clickable', id: 'evals-runs' }, h('thead', {}, h('tr', {},
+          ['run', 'kind', 'suite', 'target', 'state', 'outcome', 'created'].map((c) => h('th', { text: c })))), h('tbody'))),
+      h('div', { id: 'eval-detail' }));
+    evals.built = true;
+  }
+
+  function evalsUnavailable(box, err) {
+    evals.built = false;
+    if (err.status === 404 || err.status === 503) {
+      box.replaceChildren(h('div', { class: 'unavailable' },
+        h('p', { text: `Evals are not available on this server: GET /v1/evals/runs answered ${err.status}.` }),
+        h('p', { class: 'muted', text: `The server said: ${err.message}` })));
+      box.dataset.available = 'false';
+    } else {
+      box.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
+      box.dataset.available = 'error';
     }
-    box.replaceChildren(...sections.map((node) => (node.tagName === 'TABLE' ? h('div', { class: 'panel' }, node) : node)));
+  }
+
+  async function pollEvals() {
+    const box = $('#evals-body');
+    let runs;
+    try {
+      runs = (await api('GET', '/v1/evals/runs')).data.data || [];
+    } catch (err) {
+      evalsUnavailable(box, err);
+      throw err;
+    }
+    if (!evals.built) buildEvals(box);
+    try {
+      const suites = (await api('GET', '/v1/evals/suites')).data.data || [];
+      $('#evals-suites tbody').replaceChildren(...(suites.length ? suites.map((s) => h('tr', { dataset: { suite: s.name } },
+        h('td', {}, h('strong', { text: s.name })), h('td', { text: s.description || '' }), h('td', { text: s.examples }),
+        h('td', { text: (s.scorers || []).join(', ') }), h('td', { text: s.aggregation })))
+        : [h('tr', {}, h('td', { colspan: '5', class: 'muted', text: 'No suites yet: POST /v1/evals/suites or `kiln eval suites create`.' }))]));
+      show($('#evals-error'), '');
+    } catch (err) {
+      show($('#evals-error'), `GET /v1/evals/suites: ${formatError(err)}`);
+    }
+    $('#evals-runs tbody').replaceChildren(...(runs.length ? runs.map((run) => h('tr', {
+      class: run.id === evals.runId ? 'selected' : null,
+      dataset: { runId: run.id, state: run.state, kind: run.kind },
+      onclick: () => { location.hash = `#/evals/${run.id}`; },
+    }, h('td', {}, h('a', { href: `#/evals/${run.id}` }, h('code', { text: run.id }))), h('td', { text: run.kind }),
+    h('td', { text: (run.request && run.request.suite_name) || '' }), h('td', { text: runTarget(run) }),
+    h('td', {}, h('span', { class: `badge ${run.state}`, text: run.state })), h('td', { text: runOutcome(run) }),
+    h('td', { text: fmtTime(run.created_at) })))
+      : [h('tr', {}, h('td', { colspan: '7', class: 'muted', text: 'No runs yet: POST /v1/evals/runs or `kiln eval run`.' }))]));
     box.dataset.available = 'true';
+    if (evals.runId && !TERMINAL.includes(evals.detailState)) await showRun(evals.runId);
+    return runs.some((r) => !TERMINAL.includes(r.state)) ? 1000 : 4000;
+  }
+
+  const evalsPoller = new Poller(pollEvals, 4000, 30000);
+
+  function exampleRows(run) {
+    const result = run.result || {};
+    const suiteExamples = ((run.request || {}).suite || {}).examples || [];
+    return (result.examples || []).map((ex, i) => {
+      const spec = suiteExamples[i] || {};
+      const messages = spec.messages || [];
+      const prompt = messages.length ? messages[messages.length - 1].content : '(prompt not recorded)';
+      const samples = ex.samples || [];
+      const completion = h('td', { class: 'completion' }, samples.map((sm, j) => h('div', {
+        class: `sample ${sm.passed ? 'pass' : 'fail'}`, title: `seed ${sm.seed}, ${sm.tokens} tokens, finish ${sm.finish_reason}`,
+        text: samples.length > 1 ? `[${j + 1}] ${sm.completion}` : sm.completion })));
+      return h('tr', { dataset: { exampleId: ex.id, passed: String(ex.passed) } },
+        h('td', {}, h('code', { text: ex.id })),
+        h('td', { class: 'prompt', text: typeof prompt === 'string' ? prompt : JSON.stringify(prompt) }),
+        h('td', { class: 'reference', text: spec.reference == null ? '' : String(spec.reference) }),
+        completion,
+        h('td', { class: 'score', text: fmtStat(ex.score) }),
+        h('td', {}, h('span', { class: `badge ${ex.passed ? 'succeeded' : 'failed'}`, text: ex.passed ? 'pass' : 'fail' })));
+    });
+  }
+
+  function aggregateCards(agg) {
+    const items = [['accuracy', fmtStat(agg.accuracy)], ['passed', `${agg.passed} / ${agg.examples}`],
+      ['mean_score', fmtStat(agg.mean_score)], ['wilson_lower_95', fmtStat(agg.wilson_lower_95)],
+      ['aggregation', agg.aggregation], ['generation_s', fmtStat(agg.generation_s)]];
+    return h('div', { class: 'cards', id: 'eval-aggregate' }, items.map(([k, v]) => h('div', { class: 'card', dataset: { key: k } },
+      h('div', { class: 'k', text: k }), h('div', { class: 'v', text: v ?? '–' }))));
+  }
+
+  async function showRun(id) {
+    const detail = $('#eval-detail');
+    if (!detail) return;
+    let run;
+    try {
+      run = (await api('GET', `/v1/evals/runs/${encodeURIComponent(id)}`)).data;
+    } catch (err) {
+      evals.detailState = 'error';
+      detail.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
+      return;
+    }
+    if (evals.runId !== id) return; // another run was picked meanwhile
+    evals.detailState = run.state;
+    const result = run.result || {};
+    const parts = [
+      h('h2', {}, 'Run ', h('code', { text: run.id }), ' ', h('span', { class: `badge ${run.state}`, text: run.state })),
+      h('p', { class: 'muted', text: `${run.kind} of suite ${(run.request && run.request.suite_name) || '?'} · ${runTarget(run)}`
+        + ` · created ${fmtTime(run.created_at)}` + (run.finished_at ? ` · finished ${fmtTime(run.finished_at)}` : '') }),
+    ];
+    if (run.request && run.request.parent) parts.push(h('p', {}, 'Part of ', h('a', { href: `#/evals/${run.request.parent}`, text: run.request.parent })));
+    if (run.error) parts.push(h('p', { class: 'error', text: run.error }));
+    if (!TERMINAL.includes(run.state)) parts.push(h('p', { class: 'muted', text: `progress: ${JSON.stringify(run.progress || {})}` }));
+    if (result.gate) parts.push(gateView(result.gate, [['candidate run', result.candidate_run], ['baseline run', result.baseline_run]]));
+    if (result.aggregate) parts.push(aggregateCards(result.aggregate));
+    if (result.aggregates) {
+      parts.push(h('table', { class: 'grid', id: 'eval-comparison' }, h('thead', {}, h('tr', {},
+        ['target', 'run', 'passed', 'accuracy', 'Wilson lower'].map((c) => h('th', { text: c })))),
+      h('tbody', {}, result.aggregates.map((a) => h('tr', {}, h('td', { text: targetText(a.target) }),
+        h('td', {}, h('a', { href: `#/evals/${a.run}`, text: a.run })), h('td', { text: `${a.passed}/${a.examples}` }),
+        h('td', { text: fmtStat(a.accuracy) }), h('td', { text: fmtStat(a.wilson_lower_95) }))))));
+    }
+    if (result.replay) parts.push(h('pre', { class: 'replay', text: JSON.stringify(result.replay, null, 2) }));
+    if (result.examples) {
+      parts.push(h('table', { class: 'grid', id: 'eval-examples' }, h('thead', {}, h('tr', {},
+        ['example', 'prompt', 'reference', 'completion', 'score', ''].map((c) => h('th', { text: c })))),
+      h('tbody', {}, exampleRows(run))));
+    }
+    detail.replaceChildren(h('div', { class: 'panel' }, parts));
+    detail.dataset.runId = run.id;
+    detail.dataset.state = run.state;
+  }
+
+  function startEvals(arg) {
+    evals.runId = arg || null;
+    evals.detailState = null;
+    const detail = $('#eval-detail');
+    if (detail && !arg) { detail.replaceChildren(); delete detail.dataset.runId; }
+    for (const row of document.querySelectorAll('#evals-runs tbody tr')) row.classList.toggle('selected', row.dataset.runId === arg);
+    evalsPoller.start();
+    evalsPoller.now();
+  }
+
+  // ------------------------------------------------------------------ teachers page
+
+  let teachersConfirmAlias = null;
+
+  // kiln-teacher-v1.<identity b64>.<sha256>: the digest at the end tells fingerprints apart.
+  const shortFingerprint = (f) => (typeof f === 'string' ? short(f.slice(f.lastIndexOf('.') + 1)) : '');
+
+  function teacherRow(t) {
+    const alias = encodeURIComponent(t.alias);
+    const actions = h('div', { class: 'actions' });
+    const remove = h('button', { type: 'button', class: 'danger remove', text: 'Remove' });
+    remove.addEventListener('click', () => {
+      teachersConfirmAlias = t.alias;
+      actions.replaceChildren(
+        h('button', { type: 'button', class: 'danger confirm-remove', text: `Remove ${t.alias}`,
+          onclick: async (ev) => {
+            ev.target.disabled = true;
+            teachersConfirmAlias = null;
+            try { await api('DELETE', `/v1/teachers/${alias}`); show($('#teachers-error'), ''); }
+            catch (err) { show($('#teachers-error'), formatError(err)); }
+            await loadTeachers().catch(() => {});
+          } }),
+        h('button', { type: 'button', class: 'secondary', text: 'Keep it',
+          onclick: () => { teachersConfirmAlias = null; loadTeachers().catch(() => {}); } }));
+    });
+    actions.append(remove);
+    const status = `${t.status}${t.usable ? ' · usable' : ' · not usable'}${t.reason ? `: ${t.reason}` : ''}`;
+    const provider = t.kind === 'local' ? 'this server' : (t.provider || '–');
+    const model = t.kind === 'local' ? (t.adapter ? `adapter ${t.adapter}` : 'base model') : (t.model_id || '–');
+    return h('tr', { dataset: { alias: t.alias, usable: String(t.usable) } },
+      h('td', {}, h('strong', { text: t.alias })), h('td', { text: t.kind }), h('td', { text: provider }),
+      h('td', { text: model }),
+      h('td', {}, h('span', { class: `badge ${t.usable ? 'succeeded' : 'failed'}`, text: status })),
+      h('td', {}, h('code', { class: 'fingerprint', text: shortFingerprint(t.fingerprint) || '–', title: t.fingerprint || '' })),
+      h('td', {}, h('code', { class: 'identity', text: short(t.identity_revision) || '–', title: t.identity_revision || '' })),
+      h('td', { text: fmtTime(t.registered_at) }),
+      h('td', {}, actions));
+  }
+
+  async function loadTeachers() {
+    const box = $('#teachers-body');
+    const form = $('#teacher-form');
+    let list;
+    try {
+      list = (await api('GET', '/v1/teachers')).data.data || [];
+    } catch (err) {
+      form.hidden = true;
+      if (err.status === 404 || err.status === 503) {
+        box.replaceChildren(h('div', { class: 'unavailable' },
+          h('p', { text: `Teachers are not available on this server: GET /v1/teachers answered ${err.status}.` }),
+          h('p', { class: 'muted', text: `The server said: ${err.message}` })));
+        box.dataset.available = 'false';
+      } else {
+        box.replaceChildren(h('p', { class: 'error', text: formatError(err) }));
+        box.dataset.available = 'error';
+      }
+      throw err;
+    }
+    if (teachersConfirmAlias && list.some((t) => t.alias === teachersConfirmAlias)) return; // a question is open
+    box.replaceChildren(h('table', { class: 'grid', id: 'teachers-table' },
+      h('thead', {}, h('tr', {}, ['alias', 'kind', 'provider', 'model', 'status', 'fingerprint', 'identity revision', 'registered', '']
+        .map((c) => h('th', { text: c })))),
+      h('tbody', {}, list.length ? list.map(teacherRow)
+        : h('tr', {}, h('td', { colspan: '9', class: 'muted', text: 'No teachers registered yet.' })))));
+    box.dataset.available = 'true';
+    box.dataset.count = String(list.length);
+    form.hidden = false;
+  }
+
+  function teacherForm(form) {
+    form.addEventListener('submit', async (ev) => {
+      ev.preventDefault();
+      const out = formOutput(form);
+      show(out.error, ''); show(out.ok, '');
+      const body = { alias: form.elements.alias.value.trim(), kind: 'local' };
+      const adapter = form.elements.adapter.value.trim();
+      if (adapter) body.adapter = adapter;
+      const button = form.querySelector('button[type=submit]');
+      button.disabled = true;
+      show(out.ok, `probing ${body.alias}…`);
+      try {
+        const t = (await api('POST', '/v1/teachers', body)).data;
+        show(out.ok, `registered ${t.alias}: ${t.status}, fingerprint ${shortFingerprint(t.fingerprint)}`);
+        form.dataset.lastAlias = t.alias;
+      } catch (err) {
+        show(out.ok, '');
+        show(out.error, formatError(err));
+      } finally {
+        button.disabled = false;
+      }
+      await loadTeachers().catch(() => {});
+    });
+  }
+
+  // The OPD form's teacher picker: the registry's aliases (usable ones first).
+  async function refreshTeacherOptions() {
+    const select = $('#opd-form select[name=teacher]');
+    const previous = select.value;
+    let list;
+    try {
+      list = (await api('GET', '/v1/teachers')).data.data || [];
+    } catch (err) {
+      select.replaceChildren(h('option', { value: '', text: `(teachers unavailable: ${err.message})` }));
+      return;
+    }
+    list.sort((a, b) => Number(b.usable) - Number(a.usable));
+    select.replaceChildren(h('option', { value: '', text: list.length ? '(pick a teacher)' : '(no teachers registered)' }),
+      ...list.map((t) => h('option', { value: t.alias, text: `${t.alias} (${t.kind}${t.usable ? '' : ', not usable'})` })));
+    if (previous && list.some((t) => t.alias === previous)) select.value = previous;
+    else if (list.some((t) => t.usable)) select.value = list[0].alias;
   }
 
   // ------------------------------------------------------------------ routing
@@ -907,22 +1233,25 @@
   const PAGES = {
     status: { start: () => { statusPoller.now(); loadConfig().catch((err) => show($('#status-error'), formatError(err))); } },
     chat: { start: () => refreshModels().catch((err) => show($('#chat-error'), formatError(err))) },
-    training: { start: () => trainingPoller.start(), stop: () => trainingPoller.stop() },
+    training: {
+      start: () => { trainingPoller.start(); refreshTeacherOptions(); },
+      stop: () => trainingPoller.stop(),
+    },
     adapters: { start: () => adaptersPoller.start(), stop: () => adaptersPoller.stop() },
-    evals: { start: () => optionalFeature($('#evals-body'), 'Evals', ['/v1/evals/runs', '/v1/evals/suites']) },
-    teachers: { start: () => optionalFeature($('#teachers-body'), 'Teachers', ['/v1/teachers']) },
+    evals: { start: startEvals, stop: () => evalsPoller.stop() },
+    teachers: { start: () => loadTeachers().catch(() => {}) },
   };
   let currentPage = null;
 
   function route() {
-    const name = (location.hash.replace(/^#\/?/, '') || 'status').split('/')[0];
+    const [name, arg] = (location.hash.replace(/^#\/?/, '') || 'status').split('/');
     const page = PAGES[name] ? name : 'status';
     if (currentPage && currentPage !== page && PAGES[currentPage].stop) PAGES[currentPage].stop();
     currentPage = page;
     for (const section of document.querySelectorAll('.page')) section.hidden = section.id !== `page-${page}`;
     for (const link of document.querySelectorAll('#nav a')) link.classList.toggle('active', link.dataset.page === page);
     document.title = `Kiln · ${page}`;
-    PAGES[page].start();
+    PAGES[page].start(page === name ? decodeURIComponent(arg || '') : '');
     document.body.dataset.page = page;
   }
 
@@ -947,7 +1276,9 @@
     $('#correct-cancel').addEventListener('click', () => { $('#correct-panel').hidden = true; chat.correcting = null; });
     trainingForm($('#sft-form'), 'sft', 'examples', ['epochs', 'learning_rate', 'lora_rank']);
     trainingForm($('#grpo-form'), 'grpo', 'groups', ['epochs', 'learning_rate', 'kl_coef']);
+    trainingForm($('#opd-form'), 'opd', 'prompts', ['samples_per_prompt', 'top_k', 'steps', 'max_tokens', 'learning_rate']);
     mergeForm($('#merge-form'));
+    teacherForm($('#teacher-form'));
     window.addEventListener('hashchange', route);
     window.addEventListener('resize', () => { if (currentPage === 'status') renderTpsChart(); if (currentPage === 'training') renderCharts(); });
     statusPoller.start();
