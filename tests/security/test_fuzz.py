@@ -4,7 +4,7 @@ status, media type or body.
 Bounds: ``--max-examples 10`` per operation and phases examples + coverage + fuzzing
 (about 3,000 cases, 20-40 s on two shared cores). Skipped operations:
 
-* ``POST /v1/train/sft``, ``/v1/train/grpo`` and ``/v1/train/opd``: a valid random body queues a real
+* ``POST /v1/train/sft``, ``/v1/train/grpo``, ``/v1/train/opd`` and ``/v1/train/kd``: a valid random body queues a real
   training job (minutes of CPU each); their responses are checked in ``test_schemas.py``.
 * ``/v1/evals/*``: another component's routes, not yet in ``kiln.serving.openapi.ROUTE_DOCS``.
 
@@ -25,7 +25,7 @@ import pytest
 ST = Path(sys.executable).with_name("st")
 MAX_EXAMPLES = 10
 RUN_TIMEOUT_S = 240
-EXCLUDE = r"^/v1/(train/(sft|grpo|opd)$|evals)"
+EXCLUDE = r"^/v1/(train/(sft|grpo|opd|kd)$|evals)"
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 
 

@@ -93,6 +93,7 @@ ERROR_CASES = [
     ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, 400),
     ("/v1/train/sft", {"adapter": "bad name!"}, 400),
     ("/v1/train/grpo", {"adapter": "g", "groups": []}, 400),
+    ("/v1/train/kd", {"adapter": "k"}, 400),
     ("/v1/adapters/merge", {"name": "m", "adapters": [{"name": "missing"}]}, 404),
 ]
 

@@ -29,7 +29,7 @@ from kiln.canonical import (
 MANIFEST_SCHEMA = "kiln.adapter-manifest.v1"
 REVISION_DOMAIN = "kiln.adapter-revision.v1"
 MANIFEST_FILE = "kiln-manifest.json"
-KINDS = ("sft", "grpo", "opd", "merge", "upload")
+KINDS = ("sft", "grpo", "opd", "kd", "merge", "upload")
 MAX_MANIFEST_BYTES = 1024 * 1024
 MAX_CONFIG_BYTES = 256 * 1024
 MAX_MANIFEST_FILES = 64

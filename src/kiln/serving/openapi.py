@@ -91,6 +91,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
                                                      request_media="application/gzip"),
     ("post", "/v1/adapters/merge"): RouteDoc(p.AdapterMerged, (400, 404, 409, 500), status=201),
     ("post", "/v1/train/opd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
+    ("post", "/v1/train/kd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     **_teacher_docs(),
 }
 

@@ -557,7 +557,7 @@ class ConfigResponse(_Response):
 
 class TrainingJob(_Response):
     id: str
-    kind: Literal["sft", "grpo", "opd"]
+    kind: Literal["sft", "grpo", "opd", "kd"]
     adapter: str
     state: Literal["queued", "running", "succeeded", "failed", "cancelled"]
     created_at: float

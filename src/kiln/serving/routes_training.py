@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from kiln.errors import NotFound, Unavailable
 from kiln.serving.protocol import TrainingJob, TrainingStatus
 from kiln.serving.state import get_state
+from kiln.training.kd_schemas import KDRequest
 from kiln.training.opd_schemas import OPDRequest
 from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
 
@@ -59,6 +60,13 @@ def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
 def submit_opd(body: OPDRequest, request: Request) -> dict[str, Any]:
     """Queue an on-policy distillation job: the student samples, a registered teacher scores, the student
     moves toward the teacher on its own tokens (docs/training.md, "On-policy distillation")."""
+    return _public(request, _trainer(request).submit(body))
+
+
+@router.post("/v1/train/kd", status_code=202, response_model=TrainingJob)
+def submit_kd(body: KDRequest, request: Request) -> dict[str, Any]:
+    """Queue a sparse-KD job on the served model's adapter from an offline capture run under the data dir,
+    consumed through its ledger exactly once (docs/training.md, "Sparse KD from a capture")."""
     return _public(request, _trainer(request).submit(body))
 
 

@@ -173,3 +173,28 @@ def opd(
     if steps is not None:
         body["steps"] = steps
     _submit("opd", url.rstrip("/"), body, wait)
+
+
+@app.command()
+def kd(
+    run: str = typer.Option(..., "--run", "-r", help="capture run root (`kiln distill capture --out`), relative to "
+                            "the server's data dir"),
+    adapter: str = typer.Option(..., "--adapter", "-a"),
+    url: str = UrlOpt,
+    epochs: Optional[int] = typer.Option(None, help="passes over each shard (more than 1: chained replays)"),
+    learning_rate: Optional[float] = typer.Option(None, "--lr"),
+    rank: Optional[int] = typer.Option(None, "--rank"),
+    base_adapter: Optional[str] = typer.Option(None, "--base-adapter"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="captured sequences per step"),
+    ce_weight: float = typer.Option(1.0, "--ce-weight"),
+    kd_weight: float = typer.Option(1.0, "--kd-weight"),
+    replay: bool = typer.Option(False, "--replay/--no-replay", help="consume already-committed shards again "
+                                "(chained replay)"),
+    seed: int = typer.Option(0),
+    auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
+    wait: bool = typer.Option(True, "--wait/--no-wait"),
+) -> None:
+    """Sparse KD from an offline capture: train the served model's adapter, each shard consumed once."""
+    body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
+    body.update(run=run, ce_weight=ce_weight, kd_weight=kd_weight, replay=replay)
+    _submit("kd", url.rstrip("/"), body, wait)

@@ -49,42 +49,42 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _path_parts(root: Path, relative: str) -> list[str]:
+def _path_parts(root: Path, relative: str, label: str = "dataset_path") -> list[str]:
     """The components of ``relative`` below ``root``; refuses NUL bytes, absolute paths outside and ``..``."""
     if "\x00" in relative:
-        raise TrainingDataError("dataset_path contains a NUL byte", code="invalid_dataset_path")
+        raise TrainingDataError(f"{label} contains a NUL byte", code="invalid_dataset_path", param=label)
     candidate = Path(relative)
     if candidate.is_absolute():
         if not candidate.is_relative_to(root):
-            raise _outside(relative, root)
+            raise _outside(relative, root, label)
         candidate = candidate.relative_to(root)
     parts = [p for p in candidate.parts if p != "."]
     if not parts or ".." in parts:
-        raise _outside(relative, root)
+        raise _outside(relative, root, label)
     return parts
 
 
-def _outside(relative: str, root: Path) -> TrainingDataError:
+def _outside(relative: str, root: Path, label: str = "dataset_path") -> TrainingDataError:
     return TrainingDataError(
-        f"dataset_path {relative!r} is outside the data directory",
-        code="dataset_outside_data_dir",
-        hint=f"put the JSONL file under {root} and pass its path relative to it",
+        f"{label} {relative!r} is outside the data directory",
+        code="dataset_outside_data_dir", param=label,
+        hint=f"put {'the JSONL file' if label == 'dataset_path' else 'it'} under {root} and pass its path relative to it",
     )
 
 
-def _open_below(dir_fd: int, name: str, flags: int, relative: str, root: Path) -> int:
+def _open_below(dir_fd: int, name: str, flags: int, relative: str, root: Path, label: str = "dataset_path") -> int:
     """``openat(dir_fd, name, flags)`` with every failure mapped to a 4xx training-data error."""
     try:
         return os.open(name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
         raise TrainingDataError(
-            f"dataset_path {relative!r} does not exist in the data directory",
-            code="dataset_not_found", hint=f"files are looked up under {root}",
+            f"{label} {relative!r} does not exist in the data directory",
+            code="dataset_not_found", hint=f"files are looked up under {root}", param=label,
         ) from None
     except OSError as exc:
         if exc.errno == errno.ENAMETOOLONG:
-            raise TrainingDataError(f"dataset_path {relative!r} has a component that is too long",
-                                    code="invalid_dataset_path") from None
+            raise TrainingDataError(f"{label} {relative!r} has a component that is too long",
+                                    code="invalid_dataset_path", param=label) from None
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
             try:
                 link = stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
@@ -92,13 +92,14 @@ def _open_below(dir_fd: int, name: str, flags: int, relative: str, root: Path) -
                 link = False
             if link:
                 raise TrainingDataError(
-                    f"dataset_path {relative!r} goes through a symlink ({name}); symlinks are refused",
+                    f"{label} {relative!r} goes through a symlink ({name}); symlinks are refused",
                     code="dataset_symlink", hint="copy the file into the data directory instead of linking it",
+                    param=label,
                 ) from None
-            raise TrainingDataError(f"dataset_path {relative!r}: {name} is not a directory",
-                                    code="dataset_not_file") from None
-        raise TrainingDataError(f"dataset_path {relative!r} cannot be opened: {exc.strerror}",
-                                code="dataset_unreadable") from None
+            raise TrainingDataError(f"{label} {relative!r}: {name} is not a directory",
+                                    code="dataset_not_file", param=label) from None
+        raise TrainingDataError(f"{label} {relative!r} cannot be opened: {exc.strerror}",
+                                code="dataset_unreadable", param=label) from None
 
 
 def open_dataset(data_dir: Path, relative: str) -> int:
@@ -133,6 +134,26 @@ def open_dataset(data_dir: Path, relative: str) -> int:
         os.close(file_fd)
         raise
     return file_fd
+
+
+def confined_data_dir(data_dir: Path, relative: str, *, label: str) -> Path:
+    """The directory ``relative`` strictly inside ``data_dir``, walked component by component with
+    ``O_NOFOLLOW | O_DIRECTORY`` as :func:`open_dataset` does (a symlink anywhere on the way is refused)."""
+    root = Path(data_dir).resolve()
+    parts = _path_parts(root, relative, label)
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise TrainingDataError(f"the data directory {root} does not exist", code="dataset_not_found",
+                                param=label) from None
+    try:
+        for part in parts:
+            nxt = _open_below(fd, part, _DIR_FLAGS, relative, root, label)
+            os.close(fd)
+            fd = nxt
+    finally:
+        os.close(fd)
+    return root.joinpath(*parts)
 
 
 def load_sft_dataset(data_dir: Path, relative: str, *, max_examples: int) -> tuple[list[SFTExample], str]:

@@ -58,7 +58,7 @@ class GRPOData:
 class JobPlan:
     """A fully validated job: what to train on, how, and where the result goes."""
 
-    kind: Literal["sft", "grpo"]
+    kind: Literal["sft", "grpo", "opd", "kd"]
     adapter: str
     request: dict[str, Any]  # the effective request (defaults resolved), as stored in the queue
     inputs_sha256: str
@@ -196,6 +196,19 @@ class TrainingRecipe:
             **({"post_eval": self.post_eval} if self.post_eval is not None else {}),
             "timings_s": self.timings | {"total": round(sum(self.timings.values()), 4)},
         }
+
+
+def seal_plan(kind: str, eff: dict[str, Any], inputs: Any, base_model_sha256: str) -> tuple[str, str]:
+    """Digest a job's inputs and plan (kind, effective request less ``RUN_ONLY_FIELDS``, inputs, base model),
+    record both in ``eff`` and return ``(inputs_sha256, plan_sha256)``."""
+    from kiln.canonical import canonical_json_bytes, domain_digest
+
+    inputs_sha = domain_digest("kiln.training-inputs.v1", kind.encode(), canonical_json_bytes(inputs))
+    plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
+    plan_sha = domain_digest("kiln.training-plan.v1", canonical_json_bytes(
+        {"kind": kind, "config": plan_fields, "inputs_sha256": inputs_sha, "base_model_sha256": base_model_sha256}))
+    eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
+    return inputs_sha, plan_sha
 
 
 def published_result(record: AdapterRecord) -> dict[str, Any]:

@@ -147,6 +147,12 @@ class TrainingService:
             from kiln.training.opd import prepare_opd
 
             return prepare_opd(self, request)
+        from kiln.training.kd_schemas import KDRequest
+
+        if isinstance(request, KDRequest):
+            from kiln.training.kd_job import prepare_kd
+
+            return prepare_kd(self, request)
         tok = self.loaded.tokenizer
         if request.adapter == self.loaded.model_id:
             raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name", hint="choose another adapter name")
@@ -355,9 +361,10 @@ class TrainingService:
         plan = self._plans.pop(job.id, None)
         if plan is not None:
             return plan
+        from kiln.training.kd_schemas import KDRequest
         from kiln.training.opd_schemas import OPDRequest
 
-        schema = {"sft": SFTRequest, "grpo": GRPORequest, "opd": OPDRequest}[job.kind]
+        schema = {"sft": SFTRequest, "grpo": GRPORequest, "opd": OPDRequest, "kd": KDRequest}[job.kind]
         wire = {k: v for k, v in job.request.items() if k in schema.model_fields}
         plan = self.prepare(schema.model_validate(wire | {"resume_from_job": None}))
         if plan.plan_sha256 != job.request["plan_sha256"]:
@@ -404,6 +411,10 @@ class TrainingService:
             from kiln.training.opd import make_opd_recipe
 
             return make_opd_recipe(plan, ctx, job_id=job.id, teachers=self.teachers).run()
+        if plan.kind == "kd":
+            from kiln.training.kd_job import make_kd_recipe
+
+            return make_kd_recipe(plan, ctx, job_id=job.id).run()
         return TrainingRecipe(plan, ctx, job_id=job.id).run()
 
 
