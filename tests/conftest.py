@@ -18,9 +18,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _builder_key() -> str:
+    """The builder's source and the floating-point path it trains on: the built-in model is byte-identical
+    on rebuild for one CPU code path (torch version and ATen capability: AVX2, AVX-512, default), and a
+    different path trains to slightly different weights, so each path gets its own cached build."""
+    import torch
+
     h = hashlib.sha256()
     for rel in ("src/kiln/runtime/builtin.py", "src/kiln/runtime/corpus/builtin.txt"):
         h.update((ROOT / rel).read_bytes())
+    h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
     return h.hexdigest()[:16]
 
 

@@ -4,8 +4,11 @@
 ships inside the package, gives it a ChatML chat template (with ``{% generation %}``
 markers so assistant-token masks work), creates a small Qwen3 model with fixed
 seeds, trains it briefly on the same text rendered as chats, and saves everything
-as safetensors. The result is bit-for-bit reproducible on one machine and loads in
-transformers, PEFT and vLLM (head size 32).
+as safetensors. The result is bit-for-bit reproducible for one CPU code path (the
+torch version and its ATen capability: AVX-512, AVX2 or ``ATEN_CPU_CAPABILITY=default``;
+training runs on one thread); another path trains to slightly different weights, so
+two machines may serve different ``base_model_sha256`` values for the built-in model.
+It loads in transformers, PEFT and vLLM (head size 32).
 """
 
 from __future__ import annotations
