@@ -3,15 +3,21 @@
     .venv/bin/python bench/training.py                 # everything (TRL default SFTConfig is slow: ~minutes)
     .venv/bin/python bench/training.py --skip-trl-default --steps 10
 
-1. LoRA SFT throughput and peak memory on a 4.5M-parameter Qwen3 (hidden 256,
-   4 layers, vocab 4096), r=8 on q/k/v/o, batch 8 x 128 tokens, the same random
-   token data and the same number of timed steps for every peer:
+1. LoRA SFT throughput, peak memory and loss after N steps on two random-weight
+   Qwen3 shapes: 4.5M parameters (hidden 256, 4 layers, vocab 4096) and 31M
+   (hidden 512, 8 layers, vocab 32000, where the [B, T, V] logits dominate
+   activation memory); r=8 on q/k/v/o, batch 8 x 128 tokens, the same random
+   token data, batch order, LoRA init and number of timed steps for every peer:
    plain PyTorch + PEFT loop, Kiln's trainer (`kiln.training.trainer.run_sft` on
-   the engine's PEFT wrapping, each step under exclusive ownership), TRL
+   the engine's PEFT wrapping, each step under exclusive ownership; chunked
+   head + loss), Kiln with the full-logits loss (`kiln_full_logits`, the
+   previous step), Kiln with fused AdamW (`kiln_fused_adamw`), TRL
    `SFTTrainer` matched (fp32, no gradient checkpointing, constant LR, no
    clipping) and TRL with its default `SFTConfig`. Each peer runs in its own
-   subprocess so its peak RSS is its own.
-2. GRPO step time (Kiln, built-in model, 4 groups x 8 completions per step) and
+   subprocess so its peak RSS is its own. The load average is printed before
+   and after: ratios from a loaded machine are noisy.
+2. GRPO step time (Kiln, built-in model, 4 groups x 8 completions per step;
+   also with the full-logits path, `kiln_full_logits_step_s`) and
    TRL `GRPOTrainer` on the same model, group size and batch (TRL generates its
    own completions inside the step; its time is reported with that caveat).
 3. Seconds from an SFT correction's submit to the first response from the new
@@ -39,6 +45,11 @@ SEQ, BATCH, RANK, WARMUP = 128, 8, 8, 2
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LR = 1e-4
 VOCAB = 4096
+# name -> (vocab, hidden, intermediate, layers, heads, kv heads)
+# Which tokens carry the loss: "all", or "half" (the first SEQ // 2 tokens are the prompt, as in chat SFT
+# where only the assistant turn is supervised). Set from --loss-on; the child processes get it on argv.
+LOSS_ON = {"value": "all"}
+SHAPES = {"4.5m": (4096, 256, 896, 4, 4, 2), "31m": (32000, 512, 704, 8, 8, 4)}
 SEED = 1234
 CHAT_REQUESTS = 50
 CHAT_MAX_TOKENS = 16
@@ -47,31 +58,48 @@ CHAT_MAX_TOKENS = 16
 # ------------------------------------------------------------------ the model
 
 
-def build_bench_model(out: Path) -> Path:
-    """A 4.5M-parameter Qwen3 with random weights and a word-level tokenizer (offline)."""
+def build_bench_model(out: Path, shape: str = "4.5m") -> Path:
+    """A Qwen3 of ``SHAPES[shape]`` with random weights and a word-level tokenizer (offline)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    n_vocab, hidden, inter, layers, heads, kv = SHAPES[shape]
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, n_vocab)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     fast.save_pretrained(out)
     torch.manual_seed(SEED)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+    cfg = Qwen3Config(vocab_size=n_vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=64, max_position_embeddings=512,
                       tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def bench_data(steps: int) -> list[list[int]]:
+def bench_data(steps: int, vocab: int = VOCAB) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(SEED)
-    return torch.randint(2, VOCAB, (steps * BATCH, SEQ), generator=gen).tolist()
+    return torch.randint(2, vocab, (steps * BATCH, SEQ), generator=gen).tolist()
+
+
+def _vocab(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def _phases(model_dir: Path, steps: int) -> list[list[list[int]]]:
+    """Warm-up rows and timed rows, each in the order Kiln's trainer walks them (one epoch, seed SEED)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from kiln.training.data import epoch_order
+
+    data = bench_data(WARMUP + steps, _vocab(model_dir))
+    out = []
+    for part in (data[:WARMUP * BATCH], data[WARMUP * BATCH:]):
+        out.append([part[i] for i in epoch_order(len(part), seed=SEED, epoch=0)])
+    return out
 
 
 def _load(model_dir: Path) -> Any:
@@ -89,44 +117,84 @@ def _peak_mib() -> float:
 
 
 def peer_plain(model_dir: Path, steps: int) -> dict[str, Any]:
+    """The plain loop, fed what Kiln's trainer is fed: the same batch order, LoRA init seed and
+    a fresh AdamW for the warm-up and for the timed phase (the bench calls ``run_sft`` twice)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(_load(model_dir), LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
-                                                        lora_dropout=0.0))
+    base = _load(model_dir)
+    torch.manual_seed(SEED)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS,
+                                            lora_dropout=0.0))
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    data = torch.tensor(bench_data(WARMUP + steps))
+    params = [p for p in model.parameters() if p.requires_grad]
+    warm, timed = (torch.tensor(p) for p in _phases(model_dir, steps))
     t0 = c0 = 0.0
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
+    loss_value = float("nan")
+    for phase, data in enumerate((warm, timed)):
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        if phase == 1:
             t0, c0 = time.perf_counter(), time.process_time()
-        batch = data[i * BATCH:(i + 1) * BATCH]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+        for i in range(data.shape[0] // BATCH):
+            batch = data[i * BATCH:(i + 1) * BATCH]
+            labels = batch.clone()
+            if LOSS_ON["value"] == "half":
+                labels[:, :SEQ // 2] = -100
+            loss = model(input_ids=batch, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_value = float(loss.detach())
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0, "loss_after_n": loss_value}
 
 
-def peer_kiln(model_dir: Path, steps: int) -> dict[str, Any]:
+def peer_kiln(model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
+    import torch
+
+    import kiln.training.trainer as trainer_mod
     from kiln.runtime.adapter_slots import AdapterSlots
     from kiln.runtime.ownership import AcceleratorOwnership
     from kiln.training.data import Row
-    from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config, run_sft
+    from kiln.training.trainer import (
+        Hooks,
+        Plan,
+        add_private_adapter,
+        lora_config,
+        run_sft,
+    )
 
+    if variant == "full_logits":  # the step before the chunked head: model(...).logits + sft_loss
+        trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
+    elif variant == "fused_adamw":
+        trainer_mod.torch = _TorchWithFusedAdamW(torch)  # type: ignore[assignment]
     ownership = AcceleratorOwnership()
     base = _load(model_dir)
     base.eval()  # as served
     peft_model = AdapterSlots(base, ownership).peft_model()  # the engine's own wrapping
     with ownership.exclusive():
         add_private_adapter(peft_model, "kiln-bench", lora_config(RANK, 2 * RANK, TARGETS), seed=SEED)
-    rows = [Row(ids, [1] * SEQ) for ids in bench_data(WARMUP + steps)]
+    mask = [0] * (SEQ // 2) + [1] * (SEQ - SEQ // 2) if LOSS_ON["value"] == "half" else [1] * SEQ
+    rows = [Row(ids, mask) for ids in bench_data(WARMUP + steps, _vocab(model_dir))]
     hooks = Hooks(exclusive=ownership.exclusive)
     run_sft(peft_model, "kiln-bench", rows[:WARMUP * BATCH], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
     t0, c0 = time.perf_counter(), time.process_time()
-    run_sft(peft_model, "kiln-bench", rows[WARMUP * BATCH:], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
-    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    rep = run_sft(peft_model, "kiln-bench", rows[WARMUP * BATCH:], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
+    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+            "loss_after_n": rep.final_loss}
+
+
+class _TorchWithFusedAdamW:
+    """``torch`` as seen by the trainer module, with ``torch.optim.AdamW(fused=True)`` (measurement only)."""
+
+    def __init__(self, torch: Any):
+        import functools
+        import types
+
+        self._torch = torch
+        self.optim = types.SimpleNamespace(AdamW=functools.partial(torch.optim.AdamW, fused=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
 
 
 def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
@@ -155,7 +223,7 @@ def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
                          lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, warmup_steps=0)
     else:
         args = SFTConfig(**common)
-    ds = Dataset.from_dict({"input_ids": bench_data(WARMUP + steps)})
+    ds = Dataset.from_dict({"input_ids": bench_data(WARMUP + steps, _vocab(model_dir))})
     trainer = SFTTrainer(model=_load(model_dir), args=args, train_dataset=ds,
                          processing_class=AutoTokenizer.from_pretrained(model_dir),
                          peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, lora_dropout=0.0),
@@ -168,6 +236,8 @@ def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
 PEERS = {
     "plain": lambda d, s: peer_plain(d, s),
     "kiln": lambda d, s: peer_kiln(d, s),
+    "kiln_full_logits": lambda d, s: peer_kiln(d, s, "full_logits"),
+    "kiln_fused_adamw": lambda d, s: peer_kiln(d, s, "fused_adamw"),
     "trl_matched": lambda d, s: peer_trl(d, s, matched=True),
     "trl_default": lambda d, s: peer_trl(d, s, matched=False),
 }
@@ -175,7 +245,8 @@ PEERS = {
 
 def run_peer(name: str, model_dir: Path, steps: int) -> dict[str, Any]:
     """Run one peer in a fresh interpreter; returns its JSON result."""
-    cmd = [sys.executable, __file__, "--peer", name, "--model-dir", str(model_dir), "--steps", str(steps)]
+    cmd = [sys.executable, __file__, "--peer", name, "--model-dir", str(model_dir), "--steps", str(steps),
+           "--loss-on", LOSS_ON["value"]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
@@ -185,13 +256,23 @@ def run_peer(name: str, model_dir: Path, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------ GRPO
 
 
-def bench_grpo(builtin_dir: Path, steps: int, group: int = 8, groups_per_step: int = 4) -> dict[str, Any]:
+def bench_grpo(builtin_dir: Path, steps: int, group: int = 8, groups_per_step: int = 4,
+               full_logits: bool = False) -> dict[str, Any]:
+    import kiln.training.trainer as trainer_mod
     from kiln.runtime.adapter_slots import AdapterSlots
     from kiln.runtime.loader import load_model
     from kiln.runtime.ownership import AcceleratorOwnership
     from kiln.training.data import tokenize_grpo_group
     from kiln.training.schemas import GRPOGroup
-    from kiln.training.trainer import GRPOSettings, Hooks, Plan, add_private_adapter, grpo_items, lora_config, run_grpo
+    from kiln.training.trainer import (
+        GRPOSettings,
+        Hooks,
+        Plan,
+        add_private_adapter,
+        grpo_items,
+        lora_config,
+        run_grpo,
+    )
 
     lm = load_model(builtin_dir, device="cpu")
     ownership = AcceleratorOwnership()
@@ -204,9 +285,16 @@ def bench_grpo(builtin_dir: Path, steps: int, group: int = 8, groups_per_step: i
                         for c in range(group)]}) for g in range(groups_per_step * steps)]
     rows = [tokenize_grpo_group(lm.tokenizer, g, max_seq_len=512) for g in groups]
     items, _ = grpo_items(rows, [[c.reward for c in g.completions] for g in groups], scale_rewards=True)
-    rep = run_grpo(peft_model, "kiln-grpo", items, Plan(1e-4, 1, groups_per_step, SEED),
-                   GRPOSettings(kl_coef=0.04), pad_id=lm.tokenizer.pad_token_id, hooks=Hooks(exclusive=ownership.exclusive))
-    return {"kiln_step_s": rep.train_seconds / rep.steps, "steps": rep.steps,
+    split = trainer_mod.split_causal_lm
+    if full_logits:
+        trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
+    try:
+        rep = run_grpo(peft_model, "kiln-grpo", items, Plan(1e-4, 1, groups_per_step, SEED),
+                       GRPOSettings(kl_coef=0.04), pad_id=lm.tokenizer.pad_token_id,
+                       hooks=Hooks(exclusive=ownership.exclusive))
+    finally:
+        trainer_mod.split_causal_lm = split
+    return {"kiln_step_s": rep.train_seconds / rep.steps, "steps": rep.steps, "loss_after_n": rep.final_loss,
             "rows_per_step": group * groups_per_step}
 
 
@@ -289,6 +377,50 @@ def bench_server(home: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------- main
 
 
+def bench_sft(model_dir: Path, shape: str, peers: list[str], args: Any) -> dict[str, Any]:
+    n_params = sum(p.numel() for p in _load(model_dir).parameters())
+    print(f"SFT: {shape} shape, {n_params / 1e6:.2f}M-param Qwen3 (vocab {_vocab(model_dir)}), LoRA r={RANK} "
+          f"{'/'.join(TARGETS)}, batch {BATCH}x{SEQ}, {args.steps} timed steps")
+    sft: dict[str, Any] = {}
+    # Interleave repeats and keep each peer's best run: on a shared machine the
+    # load of other processes moves single runs by 2x or more.
+    for rep in range(args.repeats):
+        for name in peers:
+            if name == "trl_default" and rep > 0:
+                continue  # ~30x slower; one run is enough to show it
+            r = run_peer(name, model_dir, args.steps)
+            r["runs"] = sft.get(name, {}).get("runs", 0) + 1
+            if name not in sft or "error" in sft[name] or r.get("tokens_per_s", 0) > sft[name]["tokens_per_s"]:
+                sft[name] = r
+            else:
+                sft[name]["runs"] = r["runs"]
+    plain = sft.get("plain", {})
+    for name in peers:
+        r = sft[name]
+        if "error" in r:
+            print(f"  {name:<17} FAILED: {r['error'][-300:]}")
+            continue
+        if "error" not in plain:
+            r["ratio_vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+            r["cpu_ratio_vs_plain"] = plain["cpu_ms_per_1k_tokens"] / r["cpu_ms_per_1k_tokens"]
+            r["peak_rss_ratio_vs_plain"] = r["peak_rss_mib"] / plain["peak_rss_mib"]
+            if "loss_after_n" in r and "loss_after_n" in plain:
+                r["loss_rel_diff_vs_plain"] = abs(r["loss_after_n"] - plain["loss_after_n"]) / abs(plain["loss_after_n"])
+        loss = f"loss@{args.steps} {r['loss_after_n']:.6f}" if "loss_after_n" in r else ""
+        print(f"  {name:<17} {r['tokens_per_s']:8.0f} tok/s ({r.get('ratio_vs_plain', float('nan')):.2f}x)  "
+              f"{r['cpu_ms_per_1k_tokens']:6.0f} CPU ms/1k tok  peak {r['peak_rss_mib']:6.0f} MiB "
+              f"({r.get('peak_rss_ratio_vs_plain', float('nan')):.2f}x)  {loss}  (best of {r['runs']})")
+    kiln = sft.get("kiln", {})
+    if "error" not in kiln and kiln:
+        for name in peers:
+            if name.startswith("trl") and "error" not in sft[name]:
+                kiln[f"ratio_vs_{name}"] = kiln["tokens_per_s"] / sft[name]["tokens_per_s"]
+                kiln[f"cpu_ratio_vs_{name}"] = sft[name]["cpu_ms_per_1k_tokens"] / kiln["cpu_ms_per_1k_tokens"]
+        print("  kiln ratios: " + ", ".join(f"{k}={v:.3g}" for k, v in kiln.items()
+                                           if k.startswith(("ratio", "peak_rss_ratio", "loss_rel"))))
+    return {"params": n_params, "vocab": _vocab(model_dir), "peers": sft}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="timed SFT steps per peer (after 2 warm-up steps)")
@@ -297,11 +429,17 @@ def main() -> None:
     ap.add_argument("--skip-trl-default", action="store_true", help="skip TRL's default SFTConfig (slow on CPU)")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-grpo", action="store_true")
-    ap.add_argument("--peers", default="plain,kiln,trl_matched,trl_default", help="SFT peers to run (comma list)")
+    ap.add_argument("--peers", default="plain,kiln,kiln_full_logits,kiln_fused_adamw,trl_matched,trl_default",
+                    help="SFT peers to run (comma list)")
+    ap.add_argument("--shapes", default="4.5m,31m", help=f"SFT model shapes (comma list of {', '.join(SHAPES)})")
+    ap.add_argument("--loss-on", choices=["all", "half"], default="all",
+                    help="SFT loss on every token, or on the second half only (a prompt/answer split); "
+                         "TRL peers always train on every token")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    LOSS_ON["value"] = args.loss_on
 
     if args.peer:  # child process: one SFT peer
         result = PEERS[args.peer](args.model_dir, args.steps)
@@ -314,48 +452,17 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "steps": args.steps,
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "steps": args.steps, "loss_on": args.loss_on,
                                "batch": BATCH, "seq": SEQ, "rank": RANK}
+    results["load_average_start"] = list(os.getloadavg())
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
-        model_dir = build_bench_model(Path(tmp) / "qwen3-4.5m")
-        n_params = sum(p.numel() for p in _load(model_dir).parameters())
-        results["sft_model_params"] = n_params
-        print(f"SFT: {n_params / 1e6:.2f}M-param Qwen3, LoRA r={RANK} {'/'.join(TARGETS)}, batch {BATCH}x{SEQ}, "
-              f"{args.steps} timed steps, torch threads {results['torch_threads']}")
         peers = [p for p in args.peers.split(",") if not (args.skip_trl_default and p == "trl_default")]
-        sft: dict[str, Any] = {}
-        # Interleave repeats and keep each peer's best run: on a shared machine the
-        # load of other processes moves single runs by 2x or more.
-        for rep in range(args.repeats):
-            for name in peers:
-                if name == "trl_default" and rep > 0:
-                    continue  # ~30x slower; one run is enough to show it
-                r = run_peer(name, model_dir, args.steps)
-                r["runs"] = sft.get(name, {}).get("runs", 0) + 1
-                if name not in sft or "error" in sft[name] or r.get("tokens_per_s", 0) > sft[name]["tokens_per_s"]:
-                    sft[name] = r
-                else:
-                    sft[name]["runs"] = r["runs"]
-        for name in peers:
-            r = sft[name]
-            print(f"  {name:<12} " + (f"{r['tokens_per_s']:8.0f} tok/s  {r['cpu_ms_per_1k_tokens']:6.0f} CPU ms/1k tok  "
-                                      f"peak {r['peak_rss_mib']:6.0f} MiB  "
-                                      f"(best of {r['runs']})"
-                                      if "error" not in r else f"FAILED: {r['error'][-300:]}"))
-        results["sft"] = sft
-        if "error" not in sft["plain"] and "error" not in sft["kiln"]:
-            base = sft["plain"]["tokens_per_s"]
-            for name in peers:
-                if "error" not in sft[name]:
-                    sft[name]["ratio_vs_plain"] = sft[name]["tokens_per_s"] / base
-                    sft[name]["cpu_ratio_vs_plain"] = (sft["plain"]["cpu_ms_per_1k_tokens"]
-                                                       / sft[name]["cpu_ms_per_1k_tokens"])
-            for name in peers:
-                if name.startswith("trl") and "error" not in sft[name]:
-                    sft["kiln"][f"ratio_vs_{name}"] = sft["kiln"]["tokens_per_s"] / sft[name]["tokens_per_s"]
-                    sft["kiln"][f"cpu_ratio_vs_{name}"] = (sft[name]["cpu_ms_per_1k_tokens"]
-                                                           / sft["kiln"]["cpu_ms_per_1k_tokens"])
-            print("  ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in sft["kiln"].items() if k.startswith("ratio")))
+        results["sft_shapes"] = {}
+        for shape in args.shapes.split(","):
+            model_dir = build_bench_model(Path(tmp) / f"qwen3-{shape}", shape)
+            results["sft_shapes"][shape] = bench_sft(model_dir, shape, peers, args)
+        results["sft"] = results["sft_shapes"][args.shapes.split(",")[0]]["peers"]  # the first shape, as before
 
         from kiln.runtime.builtin import BUILTIN_NAME, build_builtin_model
 
@@ -366,6 +473,10 @@ def main() -> None:
                 k = bench_grpo(builtin, args.grpo_steps)
                 if k["kiln_step_s"] < grpo.get("kiln_step_s", float("inf")):
                     grpo.update(k)
+                f = bench_grpo(builtin, args.grpo_steps, full_logits=True)
+                if f["kiln_step_s"] < grpo.get("kiln_full_logits_step_s", float("inf")):
+                    grpo["kiln_full_logits_step_s"] = f["kiln_step_s"]
+                    grpo["kiln_full_logits_loss_after_n"] = f["loss_after_n"]
                 try:
                     trl_s = bench_trl_grpo(builtin, args.grpo_steps)["trl_step_s_incl_generation"]
                     grpo["trl_step_s_incl_generation"] = min(trl_s, grpo.get("trl_step_s_incl_generation", trl_s))
@@ -373,6 +484,8 @@ def main() -> None:
                     grpo["trl_error"] = f"{type(exc).__name__}: {exc}"[:500]
             results["grpo"] = grpo
             print(f"GRPO (built-in model, {grpo['rows_per_step']} completions/step): Kiln {grpo['kiln_step_s'] * 1000:.0f} ms/step"
+                  f" (full logits {grpo['kiln_full_logits_step_s'] * 1000:.0f} ms/step; loss@{grpo['steps']} "
+                  f"{grpo['loss_after_n']:.6f} vs {grpo['kiln_full_logits_loss_after_n']:.6f})"
                   + (f"; TRL GRPOTrainer {grpo['trl_step_s_incl_generation'] * 1000:.0f} ms/step incl. generation"
                      if "trl_step_s_incl_generation" in grpo else f"; TRL: {grpo.get('trl_error')}"))
 
@@ -387,6 +500,8 @@ def main() -> None:
                   f"during training {srv['chat_training_p50_s'] * 1000:.0f}/{srv['chat_training_p99_s'] * 1000:.0f} ms "
                   f"(p99 ratio {srv['chat_p99_ratio_training_vs_idle']:.2f}x; "
                   f"{srv['training_steps_during_chat']} training steps meanwhile)")
+    results["load_average_end"] = list(os.getloadavg())
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print(json.dumps(results))

@@ -29,6 +29,7 @@ import torch
 
 from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, save_checkpoint
+from kiln.training.chunked_loss import SplitLM, chunk_rows, linear_token_logprobs, sft_loss_from_hidden, split_causal_lm
 from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
 from kiln.training.losses import GRPOLoss, group_advantages, sft_loss, shifted_token_logprobs
 
@@ -199,6 +200,15 @@ def save_adapter_files(peft_model: Any, name: str, out_dir: Path, *, base_model_
 # ------------------------------------------------------------------ shared loop
 
 
+def _adamw(params: Sequence[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW, fused where this torch supports it for these parameters (one kernel for all
+    adapter tensors: 1.7 -> 0.3 ms per step for the 64 LoRA tensors of the 31M bench shape)."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
 class _Loop:
     """Optimizer, counters, progress and checkpoints shared by both loops."""
 
@@ -209,7 +219,7 @@ class _Loop:
         self.params = private_parameters(peft_model, name)
         self.device = self.params[0].device
         self.previous = peft_model.active_adapter
-        self.opt = torch.optim.AdamW(self.params, lr=plan.learning_rate, weight_decay=0.0)
+        self.opt = _adamw(self.params, plan.learning_rate)
         self.step, self.epoch, self.batch = 0, 0, 0
         self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
         self.stats: dict[str, Any] = {}
@@ -311,9 +321,22 @@ def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_si
     """
     device = next(peft_model.parameters()).device
     worst = math.inf
+    split = split_causal_lm(peft_model)
     with torch.no_grad():
         for i in range(0, len(rows), batch_size):
             batch = collate(rows[i:i + batch_size], pad_id, device)
+            if split is not None:  # logits only at the target positions, a chunk at a time
+                ids = batch["input_ids"]
+                r, c = batch["loss_mask"][:, 1:].bool().nonzero(as_tuple=True)
+                hidden = split.hidden(ids)[r, c]
+                targets = ids[r, c + 1].unsqueeze(-1)
+                step = chunk_rows(split.head.weight.shape[0])
+                for s in range(0, max(1, hidden.shape[0]), step):
+                    logits = (hidden[s:s + step] @ split.head.weight.t()).float()
+                    t = targets[s:s + step]
+                    margin = logits.gather(-1, t).squeeze(-1) - logits.scatter(-1, t, float("-inf")).amax(-1)
+                    worst = min(worst, float(margin.min()))
+                continue
             logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1, :].float()
             targets = batch["input_ids"][:, 1:].unsqueeze(-1)
             mask = batch["loss_mask"][:, 1:].bool()
@@ -335,6 +358,7 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
     check = plan.until_learned
+    split = split_causal_lm(peft_model)  # logits only at the target positions, a chunk at a time
 
     def learned() -> bool:
         with loop.step_ownership():
@@ -354,8 +378,12 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
                 batch = collate(chosen, pad_id, loop.device)
                 with loop.step_ownership():
                     t0 = time.perf_counter()
-                    logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-                    loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+                    if split is not None:
+                        hidden = split.hidden(batch["input_ids"])
+                        loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
+                    else:
+                        logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+                        loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
                     loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
                 if check is not None and loop.step % check.every == 0 and learned():
                     stopped = "learned"
@@ -407,10 +435,26 @@ def grpo_items(groups_rows: Sequence[list[Row]], rewards: Sequence[Sequence[floa
     return items, skipped
 
 
-def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, T-1]`` log-probabilities of each next token (right padding, no mask: see the module docstring)."""
-    logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-    return shifted_token_logprobs(logits, batch["input_ids"])
+def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor], split: SplitLM | None = None,
+                       mask: torch.Tensor | None = None, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T-1]`` log-probabilities of each next token (right padding, no mask: see the module docstring).
+
+    With ``split`` the head runs a chunk at a time; with ``mask`` (``[B, T-1]``) too, only
+    at the masked positions, the others taken from ``fill`` (``[B, T-1]``, detached).
+    """
+    ids = batch["input_ids"]
+    if split is None:
+        return shifted_token_logprobs(peft_model(input_ids=ids, use_cache=False).logits, ids)
+    hidden = split.hidden(ids)
+    if mask is None:
+        b, t = ids.shape
+        flat = linear_token_logprobs(hidden[:, :-1].reshape(b * (t - 1), -1), split.head.weight,
+                                     ids[:, 1:].reshape(-1))
+        return flat.view(b, t - 1)
+    assert fill is not None
+    rows, cols = mask.bool().nonzero(as_tuple=True)
+    chosen = linear_token_logprobs(hidden[rows, cols], split.head.weight, ids[rows, cols + 1])
+    return fill.detach().index_put((rows, cols), chosen)
 
 
 def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
@@ -438,6 +482,7 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
     per_epoch = batches_per_epoch(len(items), plan.batch_size)
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
     loop.stats.update({"groups": len(items) + skipped_groups, "skipped_zero_variance_groups": skipped_groups})
+    split = split_causal_lm(peft_model)
 
     with loop.running():
         # old_logp: one [len-1] tensor per row, from the policy before any update.
@@ -447,7 +492,7 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
             old = []
             with torch.no_grad(), loop.step_ownership():
                 for it in items:
-                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id, loop.device))
+                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id, loop.device), split)
                     old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
         offsets = [0]
         for it in items:
@@ -469,11 +514,12 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
                 with loop.step_ownership():
                     t0 = time.perf_counter()
                     ref = None
+                    old_padded = _padded(old_lp, mask.shape[1], loop.device)
                     if settings.kl_coef > 0:
                         with torch.no_grad(), peft_model.disable_adapter():
-                            ref = _sequence_logprobs(peft_model, batch)
-                    logp = _sequence_logprobs(peft_model, batch)
-                    loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1], loop.device), adv, mask, ref)
+                            ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+                    logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+                    loss, st = loss_fn(logp, old_padded, adv, mask, ref)
                     loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
                 loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
                 loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
