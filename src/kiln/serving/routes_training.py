@@ -52,7 +52,12 @@ def submit_sft(body: SFTRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/v1/train/grpo", status_code=202, response_model=TrainingJob)
 def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
-    """Queue a GRPO job over pre-scored completion groups."""
+    """Queue a GRPO job: over pre-scored completion groups, or over `prompts` that Kiln samples `group_size`
+    completions for and scores with `reward` (an eval scorer, a sandboxed Python file under the data dir, or an
+    HTTP endpoint on loopback), `iterations` times (docs/training.md, "GRPO with rollouts"). Every check runs
+    before queueing: 400 (invalid request, unknown scorer, missing reference, non-loopback URL, reward file
+    outside the data dir, code execution disabled), 404 (base adapter or reward file not found),
+    409 (base adapter of another model), 503 (queue full, training disabled)."""
     return _public(request, _trainer(request).submit(body))
 
 

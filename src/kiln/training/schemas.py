@@ -7,13 +7,13 @@ lengths, target modules, the adapter store) happen in :mod:`kiln.training.servic
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
-from kiln.evals.schemas import PostEval
+from kiln.evals.schemas import PostEval, Scorer
 
 MAX_MESSAGE_CHARS = 32_768
 MAX_MESSAGES_PER_EXAMPLE = 64
@@ -27,6 +27,12 @@ MAX_TARGET_MODULES = 32
 MAX_SEQ_LEN = 8_192
 MAX_PATH_CHARS = 1_024
 MAX_ABS_REWARD = 1e6
+MAX_ROLLOUT_PROMPTS = 256
+MAX_ROLLOUT_ITERATIONS = 1_000
+MAX_ROLLOUT_TOKENS = 1_024
+MAX_REWARD_URL_CHARS = 2_048
+MAX_REWARD_TIMEOUT_S = 300.0
+MAX_REWARD_RESPONSE_BYTES = 16 * 1024 * 1024
 
 # Defaults tuned so a one-example correction on the built-in model is learned
 # (greedy answer reproduced) in well under a second of training on 2 CPU cores.
@@ -60,7 +66,7 @@ class SFTExample(_Wire):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES_PER_EXAMPLE)
 
     @model_validator(mode="after")
-    def _has_assistant(self) -> "SFTExample":
+    def _has_assistant(self) -> SFTExample:
         if not any(m.role == "assistant" for m in self.messages):
             raise ValueError("an SFT example needs at least one assistant message (the loss is on assistant tokens)")
         return self
@@ -76,7 +82,7 @@ class GRPOGroup(_Wire):
     completions: list[Completion] = Field(min_length=2, max_length=MAX_COMPLETIONS_PER_GROUP)
 
     @model_validator(mode="after")
-    def _ends_with_prompt(self) -> "GRPOGroup":
+    def _ends_with_prompt(self) -> GRPOGroup:
         if self.messages[-1].role == "assistant":
             raise ValueError("a GRPO group's messages are the prompt: the last one must not be an assistant turn")
         return self
@@ -101,7 +107,7 @@ class _TrainCommon(_Wire):
                                        "activate it only on a `promoted` verdict with activate_on_pass (docs/evals.md)")
 
     @model_validator(mode="after")
-    def _post_eval_owns_activation(self) -> "_TrainCommon":
+    def _post_eval_owns_activation(self) -> _TrainCommon:
         if self.post_eval is not None and self.auto_load:
             raise ValueError("with post_eval, activation is post_eval.activate_on_pass; leave auto_load false")
         return self
@@ -143,16 +149,85 @@ class SFTRequest(_TrainCommon):
                                   description="logit margin by which each target token must be the greedy choice")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "SFTRequest":
+    def _one_source(self) -> SFTRequest:
         if (self.examples is None) == (self.dataset_path is None):
             raise ValueError("give exactly one of `examples` (inline) or `dataset_path` (JSONL in the data dir)")
         return self
 
 
+class RolloutPrompt(_Wire):
+    """One prompt Kiln samples a group of completions for (GRPO with rollouts)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES_PER_EXAMPLE)
+    reference: str | None = Field(None, max_length=MAX_COMPLETION_CHARS,
+                                  description="what a scorer reward compares against; sent to file/HTTP rewards")
+
+    @model_validator(mode="after")
+    def _ends_with_prompt(self) -> RolloutPrompt:
+        if self.messages[-1].role == "assistant":
+            raise ValueError("a rollout prompt's last message must not be an assistant turn")
+        return self
+
+
+class ScorerReward(_Wire):
+    """Reward 1.0 when the eval scorer passes against the prompt's reference, else 0.0."""
+
+    type: Literal["scorer"]
+    scorer: Scorer
+
+
+class PythonReward(_Wire):
+    """``reward(messages, completion, reference) -> float`` from a Python file under the data dir, run in the
+    evals sandbox (needs ``eval.allow_code_execution = true``)."""
+
+    type: Literal["python"]
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS, description="relative to the data dir")
+    timeout_s: float = Field(30.0, gt=0, le=MAX_REWARD_TIMEOUT_S, description="per scoring batch")
+    memory_mb: int = Field(512, ge=64, le=4_096)
+
+
+class HTTPReward(_Wire):
+    """POST the completions to a reward endpoint on loopback (IP literal); redirects are not followed."""
+
+    type: Literal["http"]
+    url: str = Field(min_length=1, max_length=MAX_REWARD_URL_CHARS)
+    timeout_s: float = Field(30.0, gt=0, le=MAX_REWARD_TIMEOUT_S)
+    max_response_bytes: int = Field(1024 * 1024, ge=1024, le=MAX_REWARD_RESPONSE_BYTES)
+
+
+Reward = Annotated[ScorerReward | PythonReward | HTTPReward, Field(discriminator="type")]
+# GRPORequest fields that only apply with `prompts` (left out of a pre-scored job's plan when unset).
+ROLLOUT_FIELDS = ("prompts", "reward", "group_size", "iterations", "max_tokens", "temperature", "top_p")
+
+
 class GRPORequest(_TrainCommon):
-    groups: list[GRPOGroup] = Field(min_length=1, max_length=MAX_GROUPS)
+    groups: list[GRPOGroup] | None = Field(None, min_length=1, max_length=MAX_GROUPS,
+                                           description="pre-scored completion groups")
+    prompts: list[RolloutPrompt] | None = Field(
+        None, min_length=1, max_length=MAX_ROLLOUT_PROMPTS,
+        description="prompts Kiln samples `group_size` completions for and scores with `reward`")
+    reward: Reward | None = Field(None, description="with `prompts`: a scorer, a sandboxed Python file or an HTTP "
+                                                    "endpoint on loopback")
+    group_size: int | None = Field(None, ge=2, le=MAX_COMPLETIONS_PER_GROUP, description="default 8")
+    iterations: int | None = Field(None, ge=1, le=MAX_ROLLOUT_ITERATIONS,
+                                   description="sample -> score -> update rounds; default 1")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_ROLLOUT_TOKENS, description="per completion; default 64")
+    temperature: float | None = Field(None, gt=0, le=2.0, allow_inf_nan=False, description="default 1.0")
+    top_p: float | None = Field(None, gt=0, le=1.0, description="default 1.0")
     clip_epsilon: float = Field(0.2, gt=0, lt=1)
     scale_rewards: bool = Field(True, description="divide centred rewards by the group's std")
     kl_coef: float = Field(0.0, ge=0, le=100)
     kl_estimator: Literal["k1", "k3"] = "k3"
     learning_rate: float = Field(1e-3, gt=0, le=1.0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> GRPORequest:
+        if (self.groups is None) == (self.prompts is None):
+            raise ValueError("give exactly one of `groups` (pre-scored) or `prompts` with a `reward`")
+        if self.prompts is not None and self.reward is None:
+            raise ValueError("`prompts` needs a `reward` (scorer, python or http)")
+        if self.groups is not None:
+            extra = [k for k in ROLLOUT_FIELDS if getattr(self, k) is not None and k != "groups"]
+            if extra:
+                raise ValueError(f"{extra} only apply with `prompts`")
+        return self

@@ -47,6 +47,7 @@ from kiln.training.schemas import (
     DEFAULT_MIN_STEPS,
     DEFAULT_TARGET_MODULES,
     MAX_EPOCHS,
+    ROLLOUT_FIELDS,
     GRPORequest,
     SFTRequest,
 )
@@ -153,6 +154,10 @@ class TrainingService:
             from kiln.training.kd_job import prepare_kd
 
             return prepare_kd(self, request)
+        if isinstance(request, GRPORequest) and request.prompts is not None:
+            from kiln.training.grpo_rollouts import prepare_rollouts
+
+            return prepare_rollouts(self, request)  # Kiln samples and scores the groups itself
         tok = self.loaded.tokenizer
         if request.adapter == self.loaded.model_id:
             raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name", hint="choose another adapter name")
@@ -179,6 +184,9 @@ class TrainingService:
             n_items = len(rows)
         else:
             kind = "grpo"
+            assert request.groups is not None
+            for key in ROLLOUT_FIELDS:  # a pre-scored job's plan is what it was before rollouts existed
+                eff.pop(key, None)
             grouped = [tokenize_grpo_group(tok, g, max_seq_len=max_len) for g in request.groups]
             rewards = [[c.reward for c in g.completions] for g in request.groups]
             items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
@@ -415,6 +423,10 @@ class TrainingService:
             from kiln.training.kd_job import make_kd_recipe
 
             return make_kd_recipe(plan, ctx, job_id=job.id).run()
+        if plan.kind == "grpo" and plan.request.get("prompts") is not None:
+            from kiln.training.grpo_rollouts import make_rollout_recipe
+
+            return make_rollout_recipe(plan, ctx, job_id=job.id).run()
         return TrainingRecipe(plan, ctx, job_id=job.id).run()
 
 

@@ -1,0 +1,219 @@
+"""GRPO that samples and scores its own rollouts: ``POST /v1/train/grpo`` with ``prompts`` and a ``reward``.
+
+Each of ``iterations`` rounds: sample ``group_size`` completions per prompt with the policy being
+trained -> score them (:mod:`kiln.training.rewards`) -> group-normalised advantages (zero-variance
+groups dropped, counted) -> ``epochs`` passes of clipped GRPO updates over that round's groups, with
+the round's sampling policy as the ratio's denominator (on-policy: ratio 1 at the round's first step).
+
+Behaviour policy. The first round samples from the job's starting point: ``base_adapter`` at its
+published revision (recorded in the result), or the base model (a fresh LoRA adapter is zero at init).
+Later rounds sample from the private adapter as updated so far. Sampling goes through
+:func:`kiln.training.opd.sample_batch` (one batched ``generate`` on the private adapter), not the
+serving engine: the engine serves published revisions and keys its prefix cache by adapter key, while
+the private adapter changes every round under one key, so the engine cannot serve it mid-training.
+
+Rollout jobs do not checkpoint (a round's samples would have to be stored too): ``resume_from_job``
+and ``checkpoint_interval`` are refused for them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.errors import InvalidRequest
+from kiln.training.data import Row, collate, epoch_order
+from kiln.training.rewards import RewardError, RewardFn, build_reward
+from kiln.training.schemas import GRPORequest
+from kiln.training.trainer import GRPOSettings, TrainingFailed, grpo_items
+
+DEFAULT_GROUP_SIZE = 8
+DEFAULT_ITERATIONS = 1
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+SAMPLER = "private adapter via PeftModel.generate (kiln.training.opd.sample_batch)"
+
+
+@dataclass(frozen=True)
+class RolloutData:
+    prompt_ids: tuple[tuple[int, ...], ...]
+    reward: RewardFn
+    group_size: int
+    iterations: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    settings: GRPOSettings
+    behaviour: dict[str, Any]  # the starting policy (adapter, revision) and how it is sampled
+
+
+def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
+    """Validate a GRPO request with ``prompts`` (reward, lengths, data dir, loopback) and return its JobPlan."""
+    from kiln.training.recipe import JobPlan, seal_plan
+    from kiln.training.trainer import Plan
+
+    assert request.prompts is not None and request.reward is not None
+    if request.adapter == service.loaded.model_id:
+        raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
+    if request.resume_from_job is not None or request.checkpoint_interval:
+        raise InvalidRequest("GRPO with rollouts does not checkpoint; resume_from_job and checkpoint_interval "
+                             "apply to pre-scored groups only", code="rollouts_not_resumable",
+                             hint="drop resume_from_job and checkpoint_interval")
+    settings = service.settings
+    reward = build_reward(request.reward, request.prompts, data_dir=settings.data_path,
+                          allow_code_execution=settings.eval.allow_code_execution)
+    parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
+    lora = service._lora_shape(request, parent)
+    group_size = request.group_size or DEFAULT_GROUP_SIZE
+    iterations = request.iterations or DEFAULT_ITERATIONS
+    max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+    temperature = request.temperature if request.temperature is not None else DEFAULT_TEMPERATURE
+    top_p = request.top_p if request.top_p is not None else DEFAULT_TOP_P
+    engine = service.engine
+    limit = min(request.max_seq_len, engine.config.max_model_len)
+    if service.max_seq_len_limit is not None:
+        limit = min(limit, service.max_seq_len_limit)
+    prompt_ids = []
+    for i, p in enumerate(request.prompts):
+        ids = engine.encode_chat([m.model_dump() for m in p.messages])
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequest(f"prompt {i} ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                 f"limit of {limit}", code="sequence_too_long", param="prompts",
+                                 hint="shorten the prompt or lower max_tokens")
+        prompt_ids.append(tuple(ids))
+    epochs = request.epochs or 1
+    eff = request.model_dump(mode="json")
+    eff.pop("groups", None)
+    eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
+               top_p=top_p, epochs=epochs, lora_rank=lora.rank, lora_alpha=lora.alpha,
+               lora_target_modules=list(lora.target_modules), max_seq_len=limit,
+               base_adapter_revision=None if parent is None else parent.revision, reward_source=reward.describe)
+    inputs = [p.model_dump(mode="json") for p in request.prompts]
+    inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, service.loaded.base_model_sha256)
+    behaviour = {"adapter": None if parent is None else parent.name,
+                 "revision": None if parent is None else parent.revision, "sampler": SAMPLER}
+    data = RolloutData(tuple(prompt_ids), reward, group_size, iterations, max_tokens, temperature, top_p,
+                       GRPOSettings(request.clip_epsilon, request.scale_rewards, request.kl_coef,
+                                    request.kl_estimator), behaviour)
+    loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, 0, max_steps=request.max_steps)
+    return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,  # type: ignore[arg-type]
+                   parent, request.auto_load, None)
+
+
+def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
+                 pad_id: int, end_ids: Sequence[int]) -> Any:
+    """The loop described in the module docstring; returns the trainer's Report (stats per iteration)."""
+    from kiln.training.losses import GRPOLoss
+    from kiln.training.opd import sample_batch, sample_seed
+    from kiln.training.trainer import _Loop, _padded, _sequence_logprobs
+
+    s = data.settings
+    loss_fn = GRPOLoss(s.clip_epsilon, s.kl_coef, s.kl_estimator)  # type: ignore[arg-type]
+    n = len(data.prompt_ids)
+    per_round = plan.epochs * math.ceil(n / plan.batch_size)
+    loop = _Loop(peft_model, name, plan, hooks, data.iterations * per_round, None)
+    cap = loop.total_steps
+    rewards_hist: list[float] = []
+    zero_hist: list[float] = []
+    loop.stats.update({"iterations": data.iterations, "iteration": 0, "behaviour_policy": data.behaviour,
+                       "reward_per_iteration": rewards_hist, "zero_variance_fraction_per_iteration": zero_hist,
+                       "sample_s": 0.0, "reward_s": 0.0})
+    with loop.running():
+        for it in range(data.iterations):
+            if loop.step >= cap:
+                break
+            loop.check_cancel()
+            # 1. sample: one batched generate, group_size completions per prompt, current policy
+            t0 = time.perf_counter()
+            with loop.step_ownership(), torch.no_grad():
+                comps = sample_batch(peft_model, [list(p) for p in data.prompt_ids], data.group_size,
+                                     data.max_tokens, data.temperature, data.top_p,
+                                     seed=sample_seed(plan.seed, it, 0, 0), pad_id=pad_id, end_ids=end_ids,
+                                     device=loop.device)
+            t1 = time.perf_counter()
+            # 2. score (outside exclusive ownership: serving goes on meanwhile)
+            texts = [decode(c) for c in comps]
+            try:
+                flat = data.reward([(k // data.group_size, t) for k, t in enumerate(texts)])
+            except RewardError as exc:
+                raise TrainingFailed(f"iteration {it + 1}: {exc}") from None
+            t2 = time.perf_counter()
+            grouped_rows, grouped_rewards = [], []
+            for i, prompt in enumerate(data.prompt_ids):
+                sl = slice(i * data.group_size, (i + 1) * data.group_size)
+                grouped_rows.append([Row(list(prompt) + c, [0] * len(prompt) + [1] * len(c)) for c in comps[sl]])
+                grouped_rewards.append(flat[sl])
+            items, skipped = grpo_items(grouped_rows, grouped_rewards, scale_rewards=s.scale_rewards)
+            rewards_hist.append(round(sum(flat) / len(flat), 6))
+            zero_hist.append(round(skipped / n, 6))
+            loop.stats.update({"iteration": it + 1, "mean_reward": rewards_hist[-1],
+                               "zero_variance_fraction": zero_hist[-1],
+                               "sample_s": round(loop.stats["sample_s"] + t1 - t0, 4),
+                               "reward_s": round(loop.stats["reward_s"] + t2 - t1, 4)})
+            # 3. update: epochs passes over the round's groups; the sampling policy is the ratio's denominator
+            if items:
+                old: list[torch.Tensor] = []
+                with torch.no_grad(), loop.step_ownership():
+                    for item in items:
+                        lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device))
+                        old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
+                offsets = [0]
+                for item in items:
+                    offsets.append(offsets[-1] + len(item.rows))
+                batches = math.ceil(len(items) / plan.batch_size)
+                for epoch in range(plan.epochs):
+                    order = epoch_order(len(items), seed=plan.seed, epoch=it * plan.epochs + epoch)
+                    for b in range(batches):
+                        if loop.step >= cap:
+                            break
+                        loop.check_cancel()
+                        chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
+                        rows = [r for g in chosen for r in items[g].rows]
+                        adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
+                        old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
+                        batch = collate(rows, pad_id, loop.device)
+                        mask = batch["loss_mask"][:, 1:]
+                        with loop.step_ownership():
+                            t3 = time.perf_counter()
+                            ref = None
+                            if s.kl_coef > 0:
+                                with torch.no_grad(), peft_model.disable_adapter():
+                                    ref = _sequence_logprobs(peft_model, batch)
+                            logp = _sequence_logprobs(peft_model, batch)
+                            loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1], loop.device), adv, mask, ref)
+                            loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t3)
+                        loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+                        loop.after_step(it, b + 1)
+            hooks.on_progress(loop.progress())  # every round's reward shows in status at once
+    loop.total_steps = loop.step
+    hooks.on_progress(loop.progress())
+    if loop.step == 0:
+        raise TrainingFailed(f"every group of all {len(rewards_hist)} iteration(s) had identical rewards (mean "
+                             f"rewards {rewards_hist}); nothing to learn from: sample more (group_size, "
+                             "temperature) or use a reward that separates completions")
+    return loop.report()
+
+
+def make_rollout_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:
+    """A rollout GRPO job: setup -> (sample -> score -> update) x iterations -> save -> publish -> activate."""
+    from kiln.training.recipe import TrainingRecipe
+    from kiln.training.templates import end_of_turn_ids
+
+    class RolloutRecipe(TrainingRecipe):
+        def train(self, resume: Any) -> Any:
+            tok = self.ctx.model.tokenizer
+            end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+            report = run_rollouts(self.peft_model, self.private, self.plan.rows, self.plan.loop,
+                                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids)
+            self._phase("train")
+            return report
+
+    return RolloutRecipe(plan, ctx, job_id=job_id)

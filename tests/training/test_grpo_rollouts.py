@@ -1,0 +1,180 @@
+"""GRPO with rollouts through a real `kiln serve` on 127.0.0.1: Kiln samples groups with the policy it
+trains, scores them (an eval scorer, a sandboxed reward file, a loopback HTTP endpoint), and updates.
+
+The learning check is a verifiable toy task on the built-in model: reward 1 when the completion
+contains the word "answer" (the model starts at roughly one completion in six). Seeds are fixed,
+but no exact text is asserted (sampling differs across CPU code paths); the assertion is a rise of
+the mean reward by a clear margin between the first and the last iterations.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import httpx
+import pytest
+
+from kiln.demo import wait_job
+from kiln.evals.sandbox import landlock_abi
+from tests.serving.conftest import start_server, stop_server
+
+QUESTIONS = ["What color is the sky?", "What is two plus two?", "How many legs does an ant have?",
+             "Name a fruit."]
+PROMPTS = [{"messages": [{"role": "user", "content": q}], "reference": "answer"} for q in QUESTIONS]
+CONTAINS = {"type": "scorer", "scorer": {"type": "contains"}}
+FAST = {"group_size": 4, "iterations": 1, "max_tokens": 4, "batch_size": 4}
+
+REWARD_FILE = '''
+def reward(messages, completion, reference):
+    return 1.0 if "is" in completion.split() else 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def srv(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("grpo-home")
+    (home / "data").mkdir()
+    (home / "data" / "reward.py").write_text(REWARD_FILE)
+    (home / "outside.py").write_text(REWARD_FILE)
+    s = start_server(builtin_model_dir, home, extra_args=[], env_extra={"KILN_EVAL_ALLOW_CODE_EXECUTION": "1"},
+                     config=None)
+    c = httpx.Client(base_url=s.base_url, timeout=120)
+    yield c
+    c.close()
+    stop_server(s)
+
+
+def _run(c: httpx.Client, body: dict) -> dict:
+    r = c.post("/v1/train/grpo", json=body)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=120)
+    assert job["state"] == "succeeded", job
+    return job
+
+
+def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
+    body = {"adapter": "says-answer", "prompts": PROMPTS, "reward": CONTAINS, "group_size": 8, "iterations": 8,
+            "max_tokens": 4, "temperature": 1.0, "learning_rate": 2e-2, "batch_size": 4, "seed": 3}
+    job = _run(srv, body)
+    report = job["result"]["report"]
+    rewards = report["reward_per_iteration"]
+    assert len(rewards) == 8 and len(report["zero_variance_fraction_per_iteration"]) == 8
+    assert all(0.0 <= f <= 1.0 for f in report["zero_variance_fraction_per_iteration"])
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last >= first + 0.25, rewards  # a real rise, not noise
+    assert report["behaviour_policy"]["adapter"] is None and "sample_batch" in report["behaviour_policy"]["sampler"]
+    # the status shows the per-iteration reward too (the job's progress)
+    assert job["progress"]["reward_per_iteration"] == rewards
+    assert "zero_variance_fraction" in job["progress"]
+    # continuing from the published adapter records it as the behaviour policy
+    print("reward per iteration:", rewards, "zero-variance fractions:",
+          report["zero_variance_fraction_per_iteration"], "train_seconds:", report["train_seconds"])
+    again = _run(srv, {"adapter": "says-answer-2", "base_adapter": "says-answer", "prompts": PROMPTS,
+                       "reward": {"type": "http", "url": f"{reward_server}/score"}, **FAST})
+    bp = again["result"]["report"]["behaviour_policy"]
+    assert bp["adapter"] == "says-answer" and bp["revision"] == job["result"]["revision"]
+
+
+@pytest.mark.parametrize("patch,code", [
+    ({"reward": {"type": "scorer", "scorer": {"type": "levenshtein"}}}, None),  # unknown scorer
+    ({"prompts": [{"messages": [{"role": "user", "content": "hi"}]}]}, "missing_reference"),
+    ({"reward": {"type": "scorer", "scorer": {"type": "judge"}}}, "unsupported_reward_scorer"),
+    ({"reward": {"type": "scorer", "scorer": {"type": "regex", "pattern": "(a"}}}, "invalid_regex"),
+    ({"reward": {"type": "http", "url": "http://10.0.0.1:9/r"}}, "reward_url_not_loopback"),
+    ({"reward": {"type": "http", "url": "http://localhost:9/r"}}, "reward_url_not_loopback"),
+    ({"reward": {"type": "http", "url": "file:///etc/passwd"}}, "invalid_reward_url"),
+    ({"reward": {"type": "python", "path": "../outside.py"}}, "dataset_outside_data_dir"),
+    ({"reward": {"type": "python", "path": "/etc/passwd"}}, "dataset_outside_data_dir"),
+    ({"reward": None}, None),  # prompts without a reward
+    ({"groups": [{"messages": [{"role": "user", "content": "q"}],
+                  "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 0}]}]}, None),  # both sources
+    ({"checkpoint_interval": 5}, "rollouts_not_resumable"),
+    ({"max_tokens": 1024, "max_seq_len": 64}, "sequence_too_long"),
+])
+def test_refusals_before_queueing(srv, patch, code):
+    before = srv.get("/v1/train/status").json()
+    body = {"adapter": "refused", "prompts": PROMPTS, "reward": CONTAINS, **FAST} | patch
+    if body.get("reward") is None:
+        body.pop("reward")
+    r = srv.post("/v1/train/grpo", json=body)
+    assert r.status_code == 400, r.text
+    if code is not None:
+        assert r.json()["error"]["code"] == code, r.text
+    after = srv.get("/v1/train/status").json()
+    assert len(after["queued"]) == len(before["queued"]) and after["recent"] == before["recent"]
+
+
+def test_rollout_settings_refused_with_pre_scored_groups(srv):
+    groups = [{"messages": [{"role": "user", "content": "q"}],
+               "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 0}]}]
+    r = srv.post("/v1/train/grpo", json={"adapter": "x", "groups": groups, "group_size": 4})
+    assert r.status_code == 400, r.text
+
+
+class _RewardHandler(BaseHTTPRequestHandler):
+    seen: ClassVar[list[dict]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _RewardHandler.seen.append(body)
+        if self.path == "/redirect":
+            self.send_response(307)
+            self.send_header("Location", "http://127.0.0.1:1/elsewhere")
+            self.end_headers()
+            return
+        if self.path == "/huge":
+            out = b'{"rewards": [' + b"0," * 600_000 + b"0]}"
+        else:
+            out = json.dumps({"rewards": [float(len(it["completion"]) % 3) for it in body["items"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _RewardHandler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_loopback_http_reward(srv, reward_server):
+    _RewardHandler.seen.clear()
+    job = _run(srv, {"adapter": "http-reward", "prompts": PROMPTS,
+                     "reward": {"type": "http", "url": f"{reward_server}/score"}, **FAST, "iterations": 2})
+    assert len(_RewardHandler.seen) == 2
+    items = _RewardHandler.seen[0]["items"]
+    assert len(items) == len(PROMPTS) * FAST["group_size"]
+    assert items[0]["reference"] == "answer" and items[0]["messages"][0]["content"] == QUESTIONS[0]
+    assert len(job["result"]["report"]["reward_per_iteration"]) == 2
+
+
+@pytest.mark.parametrize("path,why", [("/redirect", "HTTP 307"), ("/huge", "more than")])
+def test_http_reward_redirects_and_oversize_fail_the_job(srv, reward_server, path, why):
+    r = srv.post("/v1/train/grpo", json={"adapter": "http-bad", "prompts": PROMPTS, **FAST, "reward": {
+        "type": "http", "url": f"{reward_server}{path}", "max_response_bytes": 100_000}})
+    assert r.status_code == 202, r.text
+    job = wait_job(srv, r.json()["id"], timeout=120)
+    assert job["state"] == "failed" and why in job["error"], job
+
+
+@pytest.mark.skipif(landlock_abi() < 1, reason="the evals sandbox needs Landlock")
+def test_sandboxed_reward_file(srv):
+    job = _run(srv, {"adapter": "file-reward", "prompts": PROMPTS,
+                     "reward": {"type": "python", "path": "reward.py", "timeout_s": 20}, **FAST})
+    report = job["result"]["report"]
+    assert len(report["reward_per_iteration"]) == 1 and 0.0 <= report["reward_per_iteration"][0] <= 1.0
+    # the file's digest is bound to the published adapter's config
+    manifest = srv.get("/v1/adapters/file-reward").json()
+    assert "reward_source" in json.dumps(manifest)
