@@ -109,9 +109,10 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
 def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
                  pad_id: int, end_ids: Sequence[int]) -> Any:
     """The loop described in the module docstring; returns the trainer's Report (stats per iteration)."""
+    from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.losses import GRPOLoss
     from kiln.training.opd import sample_batch, sample_seed
-    from kiln.training.trainer import _Loop, _padded, _sequence_logprobs
+    from kiln.training.trainer import _Loop, _sequence_logprobs, grpo_step
 
     s = data.settings
     loss_fn = GRPOLoss(s.clip_epsilon, s.kl_coef, s.kl_estimator)  # type: ignore[arg-type]
@@ -119,6 +120,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     per_round = plan.epochs * math.ceil(n / plan.batch_size)
     loop = _Loop(peft_model, name, plan, hooks, data.iterations * per_round, None)
     cap = loop.total_steps
+    split = split_causal_lm(peft_model)  # the trainer's chunked head: logits at completion tokens only
     rewards_hist: list[float] = []
     zero_hist: list[float] = []
     loop.stats.update({"iterations": data.iterations, "iteration": 0, "behaviour_policy": data.behaviour,
@@ -161,7 +163,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                 old: list[torch.Tensor] = []
                 with torch.no_grad(), loop.step_ownership():
                     for item in items:
-                        lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device))
+                        lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
                         old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
                 offsets = [0]
                 for item in items:
@@ -177,18 +179,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                         rows = [r for g in chosen for r in items[g].rows]
                         adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
                         old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-                        batch = collate(rows, pad_id, loop.device)
-                        mask = batch["loss_mask"][:, 1:]
-                        with loop.step_ownership():
-                            t3 = time.perf_counter()
-                            ref = None
-                            if s.kl_coef > 0:
-                                with torch.no_grad(), peft_model.disable_adapter():
-                                    ref = _sequence_logprobs(peft_model, batch)
-                            logp = _sequence_logprobs(peft_model, batch)
-                            loss, st = loss_fn(logp, _padded(old_lp, logp.shape[1], loop.device), adv, mask, ref)
-                            loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t3)
-                        loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+                        grpo_step(peft_model, loop, loss_fn, s, split, rows, adv, old_lp, pad_id=pad_id)
                         loop.after_step(it, b + 1)
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
     loop.total_steps = loop.step

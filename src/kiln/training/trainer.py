@@ -464,6 +464,25 @@ def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> 
     return out
 
 
+def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
+              rows: Sequence[Row], adv: torch.Tensor, old_lp: Sequence[torch.Tensor], *, pad_id: int) -> None:
+    """One clipped GRPO optimizer step on ``rows`` (advantages ``adv``, behaviour log-probs ``old_lp``),
+    under exclusive ownership (shared by :func:`run_grpo` and :mod:`kiln.training.grpo_rollouts`)."""
+    batch = collate(rows, pad_id, loop.device)
+    mask = batch["loss_mask"][:, 1:]
+    with loop.step_ownership():
+        t0 = time.perf_counter()
+        ref = None
+        old_padded = _padded(list(old_lp), mask.shape[1], loop.device)
+        if settings.kl_coef > 0:
+            with torch.no_grad(), peft_model.disable_adapter():
+                ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+        logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+        loss, st = loss_fn(logp, old_padded, adv, mask, ref)
+        loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+    loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+
+
 def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, settings: GRPOSettings, *,
              pad_id: int, skipped_groups: int = 0, hooks: Hooks | None = None,
              resume: Checkpoint | None = None) -> Report:
@@ -509,18 +528,6 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
                 rows = [r for g in chosen for r in items[g].rows]
                 adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
                 old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-                batch = collate(rows, pad_id, loop.device)
-                mask = batch["loss_mask"][:, 1:]
-                with loop.step_ownership():
-                    t0 = time.perf_counter()
-                    ref = None
-                    old_padded = _padded(old_lp, mask.shape[1], loop.device)
-                    if settings.kl_coef > 0:
-                        with torch.no_grad(), peft_model.disable_adapter():
-                            ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
-                    logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
-                    loss, st = loss_fn(logp, old_padded, adv, mask, ref)
-                    loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
-                loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+                grpo_step(peft_model, loop, loss_fn, settings, split, rows, adv, old_lp, pad_id=pad_id)
                 loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
     return loop.report()
