@@ -14,7 +14,7 @@ import pytest
 import kiln
 
 PACKAGE_ROOT = Path(kiln.__file__).parent
-LOWER_LAYERS = ("training", "adapters", "runtime", "distill", "teachers", "cluster", "evals")
+LOWER_LAYERS = ("training", "adapters", "runtime", "distill", "teachers", "cluster", "evals", "openenv")
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -29,6 +29,7 @@ _GROUPS: list[tuple[str, str]] = [
     ("train", "kiln.training.cli"),
     ("adapters", "kiln.adapters.cli"),
     ("eval", "kiln.evals.cli"),
+    ("openenv", "kiln.openenv.cli"),
 ]
 
 # Top-level commands: (module, function name) registered as ``kiln <name>``.

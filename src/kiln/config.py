@@ -105,6 +105,19 @@ class EvalSettings(_Section):
     allow_code_execution: bool = False  # the `code` scorer runs model output in a sandbox (docs/evals.md)
 
 
+class OpenEnvSettings(_Section):
+    """``[openenv]``: bounds on server-owned OpenEnv runs (docs/openenv.md)."""
+
+    max_active_runs: int = Field(1, ge=1, le=64)  # runs collecting/training at once (strict FIFO admission)
+    max_tracked_runs: int = Field(16, ge=1, le=10_000)  # queued + active runs; more are refused 429
+    max_discovery_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=64 * 1024**2)  # per discovery document
+    max_frame_bytes: int = Field(1024 * 1024, ge=1024, le=256 * 1024**2)  # per WebSocket frame received
+    max_rollout_bytes: int = Field(512 * 1024 * 1024, ge=4096, le=16 * 1024**3)  # everything one run retains
+    exchange_timeout_s: float = Field(30.0, gt=0, le=3600)  # one WebSocket exchange (and each discovery GET)
+    capacity_wait_s: float = Field(60.0, ge=0, le=3600)  # CAPACITY_REACHED backoff deadline per episode
+    generation_timeout_s: float = Field(120.0, gt=0, le=3600)  # one policy action
+
+
 _CANONICAL_HTTPS_ORIGIN = r"^https://[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[1-9][0-9]{0,4})?$"
 
 
@@ -147,6 +160,7 @@ class Settings(_Section):
     adapters: AdapterSettings = AdapterSettings()
     eval: EvalSettings = EvalSettings()
     teachers: TeachersSettings = TeachersSettings()
+    openenv: OpenEnvSettings = OpenEnvSettings()
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Settings":

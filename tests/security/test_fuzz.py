@@ -7,6 +7,8 @@ Bounds: ``--max-examples 10`` per operation and phases examples + coverage + fuz
 * ``POST /v1/train/sft``, ``/v1/train/grpo``, ``/v1/train/opd`` and ``/v1/train/kd``: a valid random body queues a real
   training job (minutes of CPU each); their responses are checked in ``test_schemas.py``.
 * ``/v1/evals/*``: another component's routes, not yet in ``kiln.serving.openapi.ROUTE_DOCS``.
+* ``POST /v1/openenv/runs``: a valid random body starts a run (episodes on a loopback environment, then a
+  GRPO job); its responses are checked in ``test_schemas.py`` and tests/openenv.
 
 Adapter deletion runs: the server's store is empty, so it can only answer 404/400.
 """
@@ -25,7 +27,7 @@ import pytest
 ST = Path(sys.executable).with_name("st")
 MAX_EXAMPLES = 10
 RUN_TIMEOUT_S = 240
-EXCLUDE = r"^/v1/(train/(sft|grpo|opd|kd)$|evals)"
+EXCLUDE = r"^/v1/(train/(sft|grpo|opd|kd)$|evals|openenv/runs$)"
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 
 

@@ -210,6 +210,28 @@ def test_tokenize_and_detokenize(client, secure_server):
     p.ErrorResponse.model_validate(client.post("/detokenize", json={"tokens": [10**8]}).json())
 
 
+def test_openenv_runs(client):
+    """An OpenEnv run: a preflight refusal, then a run against a loopback port nobody serves (fails at discovery)."""
+    from tests.serving.conftest import free_port
+
+    body = {"env_url": f"http://127.0.0.1:{free_port()}", "group_size": 2, "groups": 1,
+            "training": {"adapter": "schema-oe", "learning_rat": 0.1}}
+    bad = client.post("/v1/openenv/runs", json=body)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_training_config"
+    body["training"] = {"adapter": "schema-oe"}
+    r = client.post("/v1/openenv/runs", json=body)
+    assert r.status_code == 202, r.text
+    run_id = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while (run := client.get(f"/v1/openenv/runs/{run_id}").json())["state"] not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, run
+        time.sleep(0.1)
+    assert run["state"] == "failed" and run["error"]["code"] == "environment_unavailable"
+    assert run_id in {x["id"] for x in client.get("/v1/openenv/runs").json()["data"]}
+    assert client.post(f"/v1/openenv/runs/{run_id}/cancel").status_code == 409
+    assert client.get("/v1/openenv/runs/oerun-0000000000000000").status_code == 404
+
+
 def test_every_operation_was_exercised(checker):
     """Runs last in this module: the scenarios above reached every operation of kiln.serving.openapi.ROUTE_DOCS."""
     from kiln.serving.openapi import ROUTE_DOCS

@@ -83,6 +83,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_evals.router,)
     from kiln.serving import routes_teachers  # noqa: E402  (teachers: registry and probes)
     routers += (routes_teachers.router,)
+    from kiln.serving import routes_openenv  # noqa: E402  (OpenEnv runs -> GRPO; docs/openenv.md)
+    routers += (routes_openenv.router,)
     for router in routers:
         app.include_router(router)
     install_openapi(app, kiln_state.model_id)

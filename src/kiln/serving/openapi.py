@@ -66,6 +66,20 @@ def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
         ("get", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
         ("delete", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
     }
+def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
+    from kiln.openenv.schemas import OpenEnvRun, OpenEnvRunList
+
+    return {
+        # 400: invalid request or training field (preflight; nothing persisted); 404: base_adapter unknown;
+        # 409: adapter conflict; 429: [openenv] max_tracked_runs reached (Retry-After); 503: training disabled.
+        ("post", "/v1/openenv/runs"): RouteDoc(OpenEnvRun, (400, 404, 409, 429, 503), status=202),
+        ("get", "/v1/openenv/runs"): RouteDoc(OpenEnvRunList, ()),
+        ("get", "/v1/openenv/runs/{run_id}"): RouteDoc(OpenEnvRun, (404,)),
+        # 409: the run is already succeeded, failed or cancelled.
+        ("post", "/v1/openenv/runs/{run_id}/cancel"): RouteDoc(OpenEnvRun, (404, 409)),
+    }
+
+
 ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
                                                stream_event=p.ChatCompletionChunk),
@@ -93,6 +107,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/train/opd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     ("post", "/v1/train/kd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     **_teacher_docs(),
+    **_openenv_docs(),
 }
 
 

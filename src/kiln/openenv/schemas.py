@@ -1,0 +1,97 @@
+"""Wire models for ``/v1/openenv/*`` (pydantic only; no torch)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kiln.canonical import canonical_json_bytes
+from kiln.openenv.discovery import check_env_url
+
+MAX_INSTRUCTIONS_CHARS = 8_192
+MAX_GROUPS = 256
+MAX_GROUP_SIZE = 64
+MAX_EPISODE_STEPS = 64
+MAX_ACTION_TOKENS = 1_024
+MAX_RESET_BYTES = 16_384
+MAX_TRAINING_BYTES = 65_536
+ROLLOUT_OWNED = ("groups",)  # GRPO fields the run fills in; a request that sets them is refused
+RUN_ID_RE = re.compile(r"^oerun-[0-9a-f]{16}$")
+RUN_STATES = ("queued", "discovering", "collecting", "revalidating", "training", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class OpenEnvRunRequest(_Wire):
+    env_url: str = Field(description="the environment server, on loopback: http://127.0.0.1:<port>")
+    instructions: str = Field("", max_length=MAX_INSTRUCTIONS_CHARS,
+                              description="system prompt; the action schema is appended to it")
+    group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, description="episodes per group (one reset seed each group)")
+    groups: int = Field(4, ge=1, le=MAX_GROUPS)
+    max_steps: int = Field(8, ge=1, le=MAX_EPISODE_STEPS, description="Kiln's step cutoff per episode")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="group g resets with seed + g")
+    reset: dict[str, Any] = Field(default_factory=dict, description="extra reset fields (a `seed` here is replaced)")
+    temperature: float = Field(1.0, ge=0, le=2)
+    max_action_tokens: int = Field(64, ge=1, le=MAX_ACTION_TOKENS)
+    constrained: bool = Field(True, description="decode actions under the environment's action schema")
+    protocol_error_reward: float = Field(-1.0, ge=-1e6, le=1e6, allow_inf_nan=False,
+                                         description="added to the return of an invalid_model_action or protocol_error episode")
+    policy_adapter: str | None = Field(None, max_length=64,
+                                       description="a loaded adapter that generates the actions (default: the base model)")
+    training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)")
+
+    @field_validator("env_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return check_env_url(v)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "OpenEnvRunRequest":
+        if len(canonical_json_bytes(self.reset)) > MAX_RESET_BYTES:
+            raise ValueError(f"reset is over {MAX_RESET_BYTES} bytes")
+        if len(canonical_json_bytes(self.training)) > MAX_TRAINING_BYTES:
+            raise ValueError(f"training is over {MAX_TRAINING_BYTES} bytes")
+        owned = [k for k in ROLLOUT_OWNED if k in self.training]
+        if owned:
+            raise ValueError(f"training.{owned[0]} is filled by the run from its episodes; remove it")
+        if "adapter" not in self.training:
+            raise ValueError("training.adapter is required: the name the trained adapter is published under")
+        return self
+
+
+class OpenEnvError(_Wire):
+    code: str
+    message: str
+
+
+class OpenEnvRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["openenv.run"] = "openenv.run"
+    state: Literal["queued", "discovering", "collecting", "revalidating", "training", "succeeded", "failed", "cancelled"]
+    admission_seq: int
+    queue_position: int | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    request: dict[str, Any]
+    training_contract: dict[str, Any] = Field(description="the effective GRPO config materialised at preflight")
+    environment: dict[str, Any] | None = None
+    progress: dict[str, Any]
+    returns: dict[str, Any] | None = None
+    terminations: dict[str, int]
+    training_job: dict[str, Any] | None = None
+    error: OpenEnvError | None = None
+
+
+class OpenEnvRunList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    object: Literal["list"] = "list"
+    data: list[OpenEnvRun]

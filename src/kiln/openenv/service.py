@@ -1,0 +1,415 @@
+"""Server-owned OpenEnv runs: preflight, FIFO admission, collection, revalidation, GRPO handoff.
+
+A run's life: ``submit`` materialises the exact GRPO config (``TrainingService.prepare`` on
+the request's training fields and a placeholder group) before anything is persisted, so a
+typo spends no episode; admitted runs wait in strict FIFO order for one of
+``[openenv] max_active_runs`` workers. A worker discovers the environment, collects
+``groups`` x ``group_size`` episodes (one reset seed per group, identical initial messages),
+re-discovers and compares the identity digest, then submits the completed groups through
+``TrainingService.submit(GRPORequest)`` and follows the job. ``run.json`` under
+``<adapters>/.openenv/runs/<id>/`` is rewritten atomically at every transition.
+
+Restart rules: a run persisted as ``queued`` never acquired a slot and is queued again in
+its admission order; a run that was past admission becomes ``failed`` with
+``interrupted`` (a stateful external episode cannot be resumed safely).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from pydantic import ValidationError
+
+from kiln.canonical import atomic_write_json, canonical_json, strict_json_loads
+from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, RateLimited, Unavailable
+from kiln.openenv import episode as ep
+from kiln.openenv.discovery import Discovery, discover
+from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
+
+if TYPE_CHECKING:
+    from kiln.config import Settings
+    from kiln.runtime.engine import Engine
+    from kiln.training.service import TrainingService
+
+log = logging.getLogger("kiln.openenv")
+
+RUNS_DIR = Path(".openenv") / "runs"
+RUN_FILE = "run.json"
+MAX_RUN_FILE_BYTES = 4 * 1024 * 1024
+JOB_POLL_S = 0.25
+JOB_TERMINAL = ("succeeded", "failed", "cancelled")
+PREFLIGHT_GROUP = {"messages": [{"role": "user", "content": "preflight"}],
+                   "completions": [{"text": "a", "reward": 0.0}, {"text": "b", "reward": 1.0}]}
+CONTRACT_DROPPED = ("groups", "inputs_sha256", "plan_sha256")
+ACTION_PROMPT = "\n\nReply with exactly one JSON object (the action) that matches this JSON schema:\n"
+
+
+class EnvironmentIdentityChanged(Conflict):
+    code = "environment_identity_changed"
+    default_hint = "the environment was redeployed during the run; nothing was published, start a new run"
+
+
+class OpenEnvService:
+    """Runs under ``<adapters>/.openenv/runs``; ``start()`` starts the workers, ``close()`` stops them."""
+
+    def __init__(self, *, engine: Engine, trainer: TrainingService | None, settings: Settings):
+        self.engine, self.trainer, self.settings = engine, trainer, settings
+        self.cfg = settings.openenv
+        self.root = settings.adapters_path / RUNS_DIR
+        self._lock = threading.Condition()
+        self._runs: dict[str, dict[str, Any]] = {}
+        self._requests: dict[str, OpenEnvRunRequest] = {}
+        self._queue: deque[str] = deque()
+        self._cancel: dict[str, threading.Event] = {}
+        self._seq = 0
+        self._stop = False
+        self._compiler: Any = None
+        self._threads = [threading.Thread(target=self._worker, name=f"kiln-openenv-{i}", daemon=True)
+                         for i in range(self.cfg.max_active_runs)]
+        self._recover()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            for event in self._cancel.values():
+                event.set()
+            self._lock.notify_all()
+
+    def _recover(self) -> None:
+        if not self.root.is_dir():
+            return
+        queued = []
+        for d in sorted(self.root.iterdir()):
+            path = d / RUN_FILE
+            if not RUN_ID_RE.match(d.name) or not path.is_file() or path.stat().st_size > MAX_RUN_FILE_BYTES:
+                continue
+            try:
+                rec = strict_json_loads(path.read_bytes())
+                req = OpenEnvRunRequest.model_validate(rec["request"])
+            except (ValueError, KeyError, ValidationError):
+                log.warning("skipping unreadable OpenEnv run %s", path)
+                continue
+            self._runs[rec["id"]] = rec
+            self._requests[rec["id"]] = req
+            self._seq = max(self._seq, int(rec.get("admission_seq", 0)))
+            if rec["state"] == "queued":
+                queued.append(rec)
+            elif rec["state"] not in TERMINAL:
+                self._finish(rec, "failed", error=("interrupted", "the server stopped while this run was "
+                                                   f"{rec['state']}; episodes are not resumed"))
+        for rec in sorted(queued, key=lambda r: r["admission_seq"]):
+            self._cancel[rec["id"]] = threading.Event()
+            self._queue.append(rec["id"])
+
+    # ----------------------------------------------------------- submission
+    def preflight(self, request: OpenEnvRunRequest) -> dict[str, Any]:
+        """The effective GRPO config the run will train with (no groups); raises on any invalid field."""
+        from kiln.training.schemas import GRPORequest
+
+        if self.trainer is None:
+            raise Unavailable("training is not enabled on this server", code="training_disabled",
+                              hint="start the server with training.enabled = true")
+        try:
+            grpo = GRPORequest.model_validate({**request.training, "groups": [PREFLIGHT_GROUP]})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(f"training.{loc}: {first['msg']}", code="invalid_training_config",
+                                 param=f"training.{loc}", hint="training takes the fields of POST /v1/train/grpo "
+                                 "except groups") from None
+        if request.policy_adapter is not None and request.policy_adapter not in self.engine.active_adapters():
+            raise NotFound(f"policy_adapter {request.policy_adapter!r} is not loaded", code="adapter_not_loaded",
+                           param="policy_adapter", hint="load it with POST /v1/adapters/{name}/load (or train with auto_load)")
+        plan = self.trainer.prepare(grpo)
+        return {k: v for k, v in plan.request.items() if k not in CONTRACT_DROPPED}
+
+    def submit(self, request: OpenEnvRunRequest) -> dict[str, Any]:
+        contract = self.preflight(request)  # before any persistence or environment contact
+        with self._lock:
+            tracked = sum(1 for r in self._runs.values() if r["state"] not in TERMINAL)
+            if tracked >= self.cfg.max_tracked_runs:
+                raise RateLimited(f"{tracked} OpenEnv runs are queued or running ([openenv] max_tracked_runs)",
+                                  code="openenv_queue_full", hint="wait for a run to finish or cancel one",
+                                  retry_after=5)
+            self._seq += 1
+            run_id = f"oerun-{secrets.token_hex(8)}"
+            rec: dict[str, Any] = {
+                "id": run_id, "object": "openenv.run", "state": "queued", "admission_seq": self._seq,
+                "created_at": time.time(), "started_at": None, "finished_at": None,
+                "request": request.model_dump(mode="json"), "training_contract": contract,
+                "environment": None, "progress": {"groups_done": 0, "episodes_done": 0, "env_steps": 0,
+                                                  "capacity_retries": 0, "rollout_bytes": 0},
+                "returns": None, "terminations": {k: 0 for k in ep.TERMINATIONS}, "training_job": None,
+                "error": None,
+            }
+            self._persist(rec)
+            self._runs[run_id] = rec
+            self._requests[run_id] = request
+            self._cancel[run_id] = threading.Event()
+            self._queue.append(run_id)
+            self._lock.notify_all()
+            return self._public(rec)
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        with self._lock:
+            return self._public(self._record(run_id))
+
+    def list(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._public(r) for r in sorted(self._runs.values(), key=lambda r: r["admission_seq"])]
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        with self._lock:
+            rec = self._record(run_id)
+            if rec["state"] in TERMINAL:
+                raise Conflict(f"run {run_id} is already {rec['state']}", code="run_not_cancellable")
+            self._cancel[run_id].set()
+            if rec["state"] == "queued":
+                self._queue.remove(run_id)
+                self._finish(rec, "cancelled")
+            job = rec.get("training_job")
+        if job is not None and self.trainer is not None:
+            try:
+                self.trainer.cancel(job["id"])
+            except KilnError:
+                pass  # already terminal: the follower records its outcome
+        with self._lock:
+            return self._public(rec)
+
+    def _record(self, run_id: str) -> dict[str, Any]:
+        rec = self._runs.get(run_id) if RUN_ID_RE.match(run_id) else None
+        if rec is None:
+            raise NotFound(f"no OpenEnv run {run_id!r}", code="run_not_found", hint="list runs with GET /v1/openenv/runs")
+        return rec
+
+    def _public(self, rec: dict[str, Any]) -> dict[str, Any]:
+        out = dict(rec)
+        out["queue_position"] = self._queue.index(rec["id"]) + 1 if rec["id"] in self._queue else None
+        return out
+
+    def _persist(self, rec: dict[str, Any]) -> None:
+        atomic_write_json(self.root / rec["id"] / RUN_FILE, rec, mode=0o600)
+
+    def _update(self, rec: dict[str, Any], **fields: Any) -> None:
+        with self._lock:
+            rec.update(fields)
+            self._persist(rec)
+
+    def _finish(self, rec: dict[str, Any], state: str, *, error: tuple[str, str] | None = None) -> None:
+        rec.update(state=state, finished_at=time.time(),
+                   error=None if error is None else {"code": error[0], "message": error[1][:2000]})
+        self._persist(rec)
+
+    # ------------------------------------------------------------- execution
+    def _worker(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                run_id = self._queue.popleft()
+                rec = self._runs[run_id]
+                rec.update(state="discovering", started_at=time.time())
+                self._persist(rec)
+            cancelled = self._cancel[run_id].is_set
+            try:
+                self._execute(rec, self._requests[run_id], cancelled)
+            except ep.Cancelled:
+                with self._lock:
+                    self._finish(rec, "cancelled")
+            except KilnError as exc:
+                with self._lock:
+                    self._finish(rec, "failed", error=(exc.code, exc.message))
+            except Exception as exc:  # noqa: BLE001  (a bug must not kill the worker)
+                log.exception("OpenEnv run %s crashed", run_id)
+                with self._lock:
+                    self._finish(rec, "failed", error=("internal_error", f"{type(exc).__name__}: {exc}"))
+
+    def _discover(self, url: str) -> Discovery:
+        return discover(url, max_bytes=self.cfg.max_discovery_bytes, timeout_s=self.cfg.exchange_timeout_s)
+
+    def _execute(self, rec: dict[str, Any], req: OpenEnvRunRequest, cancelled: Callable[[], bool]) -> None:
+        import httpx
+
+        from kiln.training.schemas import GRPORequest
+
+        disc = self._discover(req.env_url)
+        self._update(rec, state="collecting",
+                     environment={"url": disc.base_url, "name": disc.name, "discovery_sha256": disc.digest,
+                                  "documents": sorted(disc.documents)})
+        system = req.instructions + ACTION_PROMPT + canonical_json(disc.action_schema)
+        policy = self._policy(req, disc)
+        budget = ep.Budget(self.cfg.max_rollout_bytes)
+        groups: list[dict[str, Any]] = []
+        returns: list[list[float]] = []
+        with httpx.Client(follow_redirects=False, timeout=self.cfg.exchange_timeout_s, trust_env=False) as http:
+            retries = [0]
+
+            def open_session() -> ep.Session:
+                retries[0] += 1
+                return ep.Session(disc.base_url, max_frame_bytes=self.cfg.max_frame_bytes,
+                                  timeout_s=self.cfg.exchange_timeout_s, http=http,
+                                  discovery_cap=self.cfg.max_discovery_bytes)
+
+            for g in range(req.groups):
+                seed = req.seed + g
+                reset = {**req.reset, "seed": seed}
+                initial: list[dict[str, str]] | None = None
+                completions = []
+                group_returns = []
+                for _ in range(req.group_size):
+                    if cancelled():
+                        raise ep.Cancelled("the run was cancelled")
+                    session, data = ep.open_episode(open_session, reset, capacity_wait_s=self.cfg.capacity_wait_s,
+                                                    cancelled=cancelled, budget=budget)
+                    messages = [{"role": "system", "content": system},
+                                {"role": "user", "content": ep.render_observation(data)}]
+                    if initial is None:
+                        initial = messages
+                    elif messages != initial:
+                        session.close(polite=False)
+                        raise ep.EnvironmentProtocolError(
+                            f"group {g}: reset with seed {seed} gave a different initial observation",
+                            code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
+                    episode = ep.play(session, ep.Episode(seed, data), policy, messages, validator=disc.validator,
+                                      max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
+                                      budget=budget, render=ep.render_observation)
+                    completions.append({"text": episode.actions[0] if episode.actions else "",
+                                        "reward": episode.episode_return})
+                    group_returns.append(episode.episode_return)
+                    with self._lock:
+                        rec["terminations"][episode.termination] += 1
+                        p = rec["progress"]
+                        p["episodes_done"] += 1
+                        p["env_steps"] += episode.steps
+                        p["capacity_retries"] = retries[0] - p["episodes_done"]
+                        p["rollout_bytes"] = budget.used
+                        if episode.error is not None:
+                            p["last_episode_error"] = {"termination": episode.termination, **episode.error}
+                        self._persist(rec)
+                assert initial is not None
+                groups.append({"messages": initial, "completions": completions})
+                returns.append(group_returns)
+                with self._lock:
+                    rec["progress"]["groups_done"] = g + 1
+                    rec["returns"] = _return_stats(returns)
+                    self._persist(rec)
+        self._update(rec, state="revalidating")
+        again = self._discover(req.env_url)
+        if again.digest != disc.digest:
+            raise EnvironmentIdentityChanged(
+                f"the environment's discovery digest changed during the run ({disc.digest[:12]} -> {again.digest[:12]})")
+        if cancelled():
+            raise ep.Cancelled("the run was cancelled")
+        assert self.trainer is not None
+        grpo = GRPORequest.model_validate({**req.training, "groups": groups})
+        job = self.trainer.submit(grpo)
+        self._update(rec, state="training", training_job=_job_view(job))
+        self._follow(rec, job["id"], cancelled)
+
+    def _follow(self, rec: dict[str, Any], job_id: str, cancelled: Callable[[], bool]) -> None:
+        assert self.trainer is not None
+        forwarded = False
+        while True:
+            job = self.trainer.job(job_id)
+            with self._lock:
+                if job != rec["training_job"]:
+                    rec["training_job"] = _job_view(job)
+                    self._persist(rec)
+            if job["state"] in JOB_TERMINAL:
+                break
+            if cancelled() and not forwarded:
+                forwarded = True
+                try:
+                    self.trainer.cancel(job_id)
+                except KilnError:
+                    pass
+            time.sleep(JOB_POLL_S)
+        with self._lock:
+            if job["state"] == "succeeded":
+                self._finish(rec, "succeeded")
+            elif job["state"] == "cancelled":
+                self._finish(rec, "cancelled")
+            else:
+                err = job.get("error") or {}
+                msg = err.get("message") if isinstance(err, dict) else str(err)
+                self._finish(rec, "failed", error=("training_failed", f"GRPO job {job_id} failed: {msg}"))
+
+    def _policy(self, req: OpenEnvRunRequest, disc: Discovery) -> Callable[[list[dict[str, str]]], str]:
+        from kiln.runtime.sampling import SamplingParams
+
+        grammar = self._grammar(generation_schema(disc.action_schema)) if req.constrained else None
+        counter = [0]
+
+        def act(messages: list[dict[str, str]]) -> str:
+            counter[0] += 1
+            params = SamplingParams(max_tokens=req.max_action_tokens, temperature=req.temperature,
+                                    seed=(req.seed * 1_000_003 + counter[0]) % (2**63),
+                                    constraint=None if grammar is None else self._compiler.matcher(grammar))
+            ids = self.engine.encode_chat(messages)
+            try:
+                out = self.engine.generate(ids, params, adapter=req.policy_adapter,
+                                           timeout=self.cfg.generation_timeout_s)
+            except TimeoutError as exc:
+                raise Unavailable(str(exc), code="policy_timeout") from None
+            return out[0].text
+
+        return act
+
+    def _grammar(self, schema: dict[str, Any]) -> str:
+        from kiln.runtime.constrained import GrammarCompiler
+
+        if self._compiler is None:
+            tokens = self.engine.tokens
+            config = getattr(getattr(self.engine, "loaded", None), "model", None)
+            vocab = max(int(getattr(getattr(config, "config", None), "vocab_size", 0) or 0), tokens.vocab_size)
+            self._compiler = GrammarCompiler(tokens.tokenizer, vocab, tokens.eos_ids)
+        try:
+            return self._compiler.json_schema(schema, "action_schema")
+        except InvalidRequest as exc:
+            raise ep.EnvironmentProtocolError(f"the action schema cannot be compiled for constrained decoding: "
+                                              f"{exc.message}", code="action_schema_unsupported",
+                                              hint="run with constrained=false") from None
+
+
+def generation_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema actions are decoded under: the action schema without OpenEnv's optional ``metadata``.
+
+    Every OpenEnv ``Action`` inherits a free-form ``metadata`` object; it is bookkeeping, not the
+    policy's decision, and under a grammar a row could spend all its tokens inside it. The
+    complete schema still validates every action before it is sent.
+    """
+    props = schema.get("properties")
+    if isinstance(props, dict) and "metadata" in props and "metadata" not in (schema.get("required") or []):
+        return {**schema, "properties": {k: v for k, v in props.items() if k != "metadata"}}
+    return schema
+
+
+def _job_view(job: dict[str, Any]) -> dict[str, Any]:
+    keep = ("id", "state", "adapter", "created_at", "finished_at", "error", "result", "progress")
+    return {k: job[k] for k in keep if k in job}
+
+
+def _return_stats(returns: list[list[float]]) -> dict[str, Any]:
+    flat = [r for g in returns for r in g]
+    return {"mean": sum(flat) / len(flat), "min": min(flat), "max": max(flat),
+            "group_means": [sum(g) / len(g) for g in returns]}
+
+
+def runs_root(settings: Settings) -> Path:
+    return settings.adapters_path / RUNS_DIR
+
+
+__all__ = ["OpenEnvService", "EnvironmentIdentityChanged", "runs_root"]

@@ -1,0 +1,62 @@
+"""HTTP routes for ``/v1/openenv/*``: start an OpenEnv run, follow it, cancel it.
+
+Thin layer over :class:`kiln.openenv.service.OpenEnvService`, built on first use over the
+app's engine, training service and settings (``app.state.openenv``) and started then.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from kiln.openenv.schemas import OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
+from kiln.serving.state import get_state
+
+router = APIRouter(tags=["openenv"])
+_BUILD_LOCK = threading.Lock()
+
+
+def _service(request: Request) -> Any:
+    app_state = request.app.state
+    service = getattr(app_state, "openenv", None)
+    if service is None:
+        with _BUILD_LOCK:
+            service = getattr(app_state, "openenv", None)
+            if service is None:
+                from kiln.openenv.service import OpenEnvService
+
+                state = get_state(request)
+                service = OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings)
+                service.start()
+                app_state.openenv = service
+    return service
+
+
+def _public(request: Request, body: Any) -> Any:
+    return request.app.state.redact_paths(body)
+
+
+@router.post("/v1/openenv/runs", status_code=202, response_model=OpenEnvRun)
+def start_run(body: OpenEnvRunRequest, request: Request) -> dict[str, Any]:
+    """Preflight the GRPO fields, then queue a run: episodes on the environment, then a GRPO job."""
+    return _public(request, _service(request).submit(body))
+
+
+@router.get("/v1/openenv/runs", response_model=OpenEnvRunList)
+def list_runs(request: Request) -> dict[str, Any]:
+    """Every run this server tracks, in admission order."""
+    return _public(request, {"object": "list", "data": _service(request).list()})
+
+
+@router.get("/v1/openenv/runs/{run_id}", response_model=OpenEnvRun)
+def get_run(run_id: str, request: Request) -> dict[str, Any]:
+    """One run's state, progress, returns, termination counts and training job."""
+    return _public(request, _service(request).get(run_id))
+
+
+@router.post("/v1/openenv/runs/{run_id}/cancel", response_model=OpenEnvRun)
+def cancel_run(run_id: str, request: Request) -> dict[str, Any]:
+    """Cancel a queued or running run (a training job it started is cancelled too)."""
+    return _public(request, _service(request).cancel(run_id))

@@ -1,0 +1,164 @@
+"""OpenEnv runs end to end over a real ``kiln serve`` (built-in model) and real openenv-core servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.conftest import start_server
+
+CONFIG = """
+[openenv]
+max_active_runs = 1
+max_tracked_runs = 3
+exchange_timeout_s = 10.0
+capacity_wait_s = 10.0
+"""
+KILN = Path(sys.executable).with_name("kiln")
+RISE_MARGIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def kiln(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("oehome")
+    cfg = home / "kiln.toml"
+    cfg.write_text(CONFIG)
+    server = start_server(builtin_model_dir, home, extra_args=[], env_extra={}, config=cfg)
+    try:
+        yield server, home
+    finally:
+        server.proc.terminate()
+        server.proc.wait(30)
+
+
+def _body(url, adapter, **over):
+    body = {"env_url": url, "instructions": "Guess the secret digit.", "group_size": 4, "groups": 3,
+            "max_steps": 2, "seed": 0, "temperature": 1.0,
+            "training": {"adapter": adapter, "learning_rate": 0.05, "epochs": 4, "lora_rank": 8}}
+    body.update(over)
+    return body
+
+
+def _wait(base, run_id, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = httpx.get(f"{base}/v1/openenv/runs/{run_id}", timeout=10).json()
+        if run["state"] in ("succeeded", "failed", "cancelled"):
+            return run
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id} did not finish: {run}")
+
+
+def _runs_dir(home):
+    return home / "adapters" / ".openenv" / "runs"
+
+
+def test_preflight_refusals_spend_nothing(kiln, env_servers):
+    server, home = kiln
+    base = server.base_url
+    before = sorted(_runs_dir(home).glob("*")) if _runs_dir(home).exists() else []
+    cases = [
+        ({"training": {"adapter": "x", "learning_rat": 0.1}}, "invalid_training_config"),  # a typo
+        ({"training": {"adapter": "x", "lora_target_modules": ["nope"]}}, "unknown_target_modules"),  # needs the model
+        ({"training": {"adapter": "x", "base_adapter": "missing"}}, "adapter_not_found"),
+    ]
+    for over, code in cases:
+        r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["guess"], "x", **over), timeout=30)
+        assert r.status_code in (400, 404), r.text
+        assert r.json()["error"]["code"] == code
+    for over in ({"env_url": "http://10.1.2.3:80"}, {"training": {"adapter": "x", "groups": []}},
+                 {"group_size": 1}):
+        r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["guess"], "x", **over), timeout=30)
+        assert r.status_code == 400, r.text
+    after = sorted(_runs_dir(home).glob("*")) if _runs_dir(home).exists() else []
+    assert after == before
+    assert httpx.get(f"{base}/v1/openenv/runs/oerun-0000000000000000", timeout=10).status_code == 404
+
+
+def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
+    server, home = kiln
+    base = server.base_url
+    train = {"adapter": "oe-guess", "learning_rate": 0.005, "epochs": 8, "lora_rank": 8, "auto_load": True}
+    body = _body(env_servers["guess"], "oe-guess", groups=4, group_size=8, max_steps=1, training=train)
+    r = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)
+    assert r.status_code == 202, r.text
+    run = _wait(base, r.json()["id"], timeout=180)
+    assert run["state"] == "succeeded", run
+    assert run["terminations"]["done"] + run["terminations"]["invalid_model_action"] == 32
+    assert run["progress"]["episodes_done"] == 32
+    assert run["environment"]["discovery_sha256"] and run["training_contract"]["adapter"] == "oe-guess"
+    assert run["training_job"]["state"] == "succeeded"
+    on_disk = json.loads((_runs_dir(home) / run["id"] / "run.json").read_text())
+    assert on_disk["state"] == "succeeded" and on_disk["training_job"]["id"] == run["training_job"]["id"]
+    assert httpx.get(f"{base}/v1/adapters/oe-guess", timeout=10).status_code == 200
+    # the trained adapter as the behaviour policy on the same seeds
+    again = _body(env_servers["guess"], "oe-guess-2", groups=4, group_size=8, max_steps=1, policy_adapter="oe-guess",
+                  training={"adapter": "oe-guess-2", "epochs": 1})
+    after = _wait(base, httpx.post(f"{base}/v1/openenv/runs", json=again, timeout=60).json()["id"], timeout=180)
+    print("OPENENV_RETURNS before", run["returns"]["mean"], "after", after["returns"]["mean"])
+    assert after["progress"]["episodes_done"] == 32
+    assert after["returns"]["mean"] > run["returns"]["mean"] + RISE_MARGIN, (run["returns"], after["returns"])
+    # the CLI reads the same state
+    out = subprocess.run([str(KILN), "openenv", "status", "--url", base], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0 and run["id"] in out.stdout
+
+
+def test_hostile_oversized_observation_fails_without_artifacts(kiln, env_servers):
+    server, _ = kiln
+    base = server.base_url
+    r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["huge"], "oe-huge"), timeout=60)
+    run = _wait(base, r.json()["id"])
+    assert run["state"] == "failed" and run["error"]["code"] == "environment_frame_too_large"
+    assert run["training_job"] is None
+    assert httpx.get(f"{base}/v1/adapters/oe-huge", timeout=10).status_code == 404
+
+
+def test_identity_change_publishes_nothing(kiln, env_servers):
+    server, _ = kiln
+    base = server.base_url
+    r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["drift"], "oe-drift", groups=1), timeout=60)
+    run = _wait(base, r.json()["id"])
+    assert run["state"] == "failed" and run["error"]["code"] == "environment_identity_changed", run
+    assert run["training_job"] is None and run["progress"]["episodes_done"] == 4
+    assert httpx.get(f"{base}/v1/adapters/oe-drift", timeout=10).status_code == 404
+
+
+def test_unconstrained_invalid_actions_and_zero_variance(kiln, env_servers):
+    server, _ = kiln
+    base = server.base_url
+    body = _body(env_servers["guess"], "oe-invalid", groups=1, constrained=False, max_action_tokens=8)
+    run = _wait(base, httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60).json()["id"])
+    # the built-in model does not write this schema's JSON on its own: every action is refused before sending,
+    # every return is the protocol-error reward, and GRPO refuses groups with nothing to learn
+    if run["terminations"]["invalid_model_action"] == 4:
+        assert run["state"] == "failed" and run["error"]["code"] == "zero_variance_groups", run
+        assert run["returns"]["mean"] == -1.0
+    else:
+        assert run["terminations"]["invalid_model_action"] >= 1
+
+
+def test_fifo_queue_position_cancel_and_bound(kiln, env_servers):
+    server, _ = kiln
+    base = server.base_url
+    slow = _body(env_servers["counter"], "oe-fifo", groups=8, max_steps=10)
+    ids = [httpx.post(f"{base}/v1/openenv/runs", json=slow, timeout=60).json()["id"] for _ in range(3)]
+    r = httpx.post(f"{base}/v1/openenv/runs", json=slow, timeout=60)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "openenv_queue_full" and "retry-after" in r.headers
+    runs = [httpx.get(f"{base}/v1/openenv/runs/{i}", timeout=10).json() for i in ids]
+    assert [x["admission_seq"] for x in runs] == sorted(x["admission_seq"] for x in runs)
+    assert runs[2]["queue_position"] == runs[1]["queue_position"] + 1
+    third = httpx.post(f"{base}/v1/openenv/runs/{ids[2]}/cancel", timeout=10).json()
+    assert third["state"] == "cancelled" and third["progress"]["episodes_done"] == 0
+    assert httpx.post(f"{base}/v1/openenv/runs/{ids[2]}/cancel", timeout=10).status_code == 409
+    for i in ids[:2]:
+        httpx.post(f"{base}/v1/openenv/runs/{i}/cancel", timeout=10)
+    ends = [_wait(base, i) for i in ids[:2]]
+    assert {e["state"] for e in ends} == {"cancelled"}, [e["error"] for e in ends]
