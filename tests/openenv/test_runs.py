@@ -114,7 +114,13 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
 def test_hostile_oversized_observation_fails_without_artifacts(kiln, env_servers):
     server, _ = kiln
     base = server.base_url
-    r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["huge"], "oe-huge"), timeout=60)
+    body = _body(env_servers["huge"], "oe-huge", idempotency_key="huge-1")
+    r = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)
+    assert r.status_code == 202
+    retry = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)  # same key, same request: the same run
+    assert retry.status_code == 202 and retry.json()["id"] == r.json()["id"]
+    changed = httpx.post(f"{base}/v1/openenv/runs", json={**body, "groups": 2}, timeout=60)
+    assert changed.status_code == 409 and changed.json()["error"]["code"] == "idempotency_key_reused"
     run = _wait(base, r.json()["id"])
     assert run["state"] == "failed" and run["error"]["code"] == "environment_frame_too_large"
     assert run["training_job"] is None

@@ -44,6 +44,9 @@ class OpenEnvRunRequest(_Wire):
     policy_adapter: str | None = Field(None, max_length=64,
                                        description="a loaded adapter that generates the actions (default: the base model)")
     training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)")
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+                                        description="a retry with the same key and request returns the original run; "
+                                        "the same key with any other field changed is a 409")
 
     @field_validator("env_url")
     @classmethod

@@ -134,9 +134,30 @@ class OpenEnvService:
         plan = self.trainer.prepare(grpo)
         return {k: v for k, v in plan.request.items() if k not in CONTRACT_DROPPED}
 
+    def _same_key(self, request: OpenEnvRunRequest) -> dict[str, Any] | None:
+        """The retained run submitted under ``request.idempotency_key``: its status, or 409 if the request differs."""
+        if request.idempotency_key is None:
+            return None
+        wanted = request.model_dump(mode="json")
+        for rec in self._runs.values():
+            if rec["request"].get("idempotency_key") == request.idempotency_key:
+                if rec["request"] != wanted:
+                    raise Conflict(f"idempotency_key {request.idempotency_key!r} was used by run {rec['id']} "
+                                   "with a different request", code="idempotency_key_reused",
+                                   param="idempotency_key", hint="use a new key for a different request")
+                return self._public(rec)
+        return None
+
     def submit(self, request: OpenEnvRunRequest) -> dict[str, Any]:
+        with self._lock:
+            original = self._same_key(request)
+        if original is not None:
+            return original
         contract = self.preflight(request)  # before any persistence or environment contact
         with self._lock:
+            original = self._same_key(request)  # a concurrent retry may have been admitted meanwhile
+            if original is not None:
+                return original
             tracked = sum(1 for r in self._runs.values() if r["state"] not in TERMINAL)
             if tracked >= self.cfg.max_tracked_runs:
                 raise RateLimited(f"{tracked} OpenEnv runs are queued or running ([openenv] max_tracked_runs)",

@@ -71,7 +71,7 @@ def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
 
     return {
         # 400: invalid request or training field (preflight; nothing persisted); 404: base_adapter unknown;
-        # 409: adapter conflict; 429: [openenv] max_tracked_runs reached (Retry-After); 503: training disabled.
+        # 409: adapter conflict or idempotency_key reused with another request; 429: [openenv] max_tracked_runs reached (Retry-After); 503: training disabled.
         ("post", "/v1/openenv/runs"): RouteDoc(OpenEnvRun, (400, 404, 409, 429, 503), status=202),
         ("get", "/v1/openenv/runs"): RouteDoc(OpenEnvRunList, ()),
         ("get", "/v1/openenv/runs/{run_id}"): RouteDoc(OpenEnvRun, (404,)),
