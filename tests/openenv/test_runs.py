@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -98,6 +99,17 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     on_disk = json.loads((_runs_dir(home) / run["id"] / "run.json").read_text())
     assert on_disk["state"] == "succeeded" and on_disk["training_job"]["id"] == run["training_job"]["id"]
     assert httpx.get(f"{base}/v1/adapters/oe-guess", timeout=10).status_code == 200
+    rundir = _runs_dir(home) / run["id"]
+    for name, entry in run["artifacts"].items():
+        data = (rundir / name).read_bytes()
+        assert len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    rows = [json.loads(line) for line in (rundir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(len(g["completions"]) == 8 for g in rows)
+    replay = json.loads((rundir / "replay.json").read_text())
+    assert replay["rollouts_sha256"] == run["artifacts"]["rollouts.jsonl"]["sha256"]
+    first = replay["groups"][0]["episodes"][0]
+    assert first["return"] == rows[0]["completions"][0]["reward"]
+    assert first["return"] == sum(x["result"]["reward"] for x in first["exchanges"])
     # the trained adapter as the behaviour policy on the same seeds
     again = _body(env_servers["guess"], "oe-guess-2", groups=4, group_size=8, max_steps=1, policy_adapter="oe-guess",
                   training={"adapter": "oe-guess-2", "epochs": 1})
@@ -123,7 +135,8 @@ def test_hostile_oversized_observation_fails_without_artifacts(kiln, env_servers
     assert changed.status_code == 409 and changed.json()["error"]["code"] == "idempotency_key_reused"
     run = _wait(base, r.json()["id"])
     assert run["state"] == "failed" and run["error"]["code"] == "environment_frame_too_large"
-    assert run["training_job"] is None
+    assert run["training_job"] is None and run["artifacts"] is None
+    assert sorted(p.name for p in (_runs_dir(kiln[1]) / run["id"]).iterdir()) == ["run.json"]
     assert httpx.get(f"{base}/v1/adapters/oe-huge", timeout=10).status_code == 404
 
 
@@ -133,7 +146,7 @@ def test_identity_change_publishes_nothing(kiln, env_servers):
     r = httpx.post(f"{base}/v1/openenv/runs", json=_body(env_servers["drift"], "oe-drift", groups=1), timeout=60)
     run = _wait(base, r.json()["id"])
     assert run["state"] == "failed" and run["error"]["code"] == "environment_identity_changed", run
-    assert run["training_job"] is None and run["progress"]["episodes_done"] == 4
+    assert run["training_job"] is None and run["artifacts"] is None and run["progress"]["episodes_done"] == 4
     assert httpx.get(f"{base}/v1/adapters/oe-drift", timeout=10).status_code == 404
 
 

@@ -157,6 +157,7 @@ class Episode:
     episode_return: float = 0.0
     steps: int = 0
     actions: list[str] = field(default_factory=list)  # completion texts, in order
+    exchanges: list[dict[str, Any]] = field(default_factory=list)  # {"action", "result"} per step sent
     error: dict[str, Any] | None = None
 
 
@@ -243,6 +244,7 @@ def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, st
                     return _end(episode, PROTOCOL_ERROR, protocol_error_reward,
                                 {"code": str(data.get("code"))[:64], "message": str(data.get("message"))[:300]})
                 obs = answer["data"]
+                episode.exchanges.append({"action": action, "result": obs})
                 episode.episode_return += _reward(obs)
             except SessionPoisoned as exc:
                 return _end(episode, PROTOCOL_ERROR, protocol_error_reward, {"code": exc.code, "message": exc.message[:300]})

@@ -89,6 +89,8 @@ class OpenEnvRun(BaseModel):
     progress: dict[str, Any]
     returns: dict[str, Any] | None = None
     terminations: dict[str, int]
+    artifacts: dict[str, dict[str, Any]] | None = Field(
+        None, description="files published in the run directory: name -> {sha256, bytes} (after revalidation)")
     training_job: dict[str, Any] | None = None
     error: OpenEnvError | None = None
 

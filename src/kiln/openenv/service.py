@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import ValidationError
 
-from kiln.canonical import atomic_write_json, canonical_json, strict_json_loads
+from kiln.canonical import (
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    canonical_json_bytes,
+    sha256_hex,
+    strict_json_loads,
+)
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, RateLimited, Unavailable
 from kiln.openenv import episode as ep
 from kiln.openenv.discovery import Discovery, discover
@@ -47,6 +54,7 @@ JOB_TERMINAL = ("succeeded", "failed", "cancelled")
 PREFLIGHT_GROUP = {"messages": [{"role": "user", "content": "preflight"}],
                    "completions": [{"text": "a", "reward": 0.0}, {"text": "b", "reward": 1.0}]}
 CONTRACT_DROPPED = ("groups", "inputs_sha256", "plan_sha256")
+REPLAY_SCHEMA = "kiln.openenv-replay.v1"
 ACTION_PROMPT = "\n\nReply with exactly one JSON object (the action) that matches this JSON schema:\n"
 
 
@@ -171,7 +179,8 @@ class OpenEnvService:
                 "request": request.model_dump(mode="json"), "training_contract": contract,
                 "environment": None, "progress": {"groups_done": 0, "episodes_done": 0, "env_steps": 0,
                                                   "capacity_retries": 0, "rollout_bytes": 0},
-                "returns": None, "terminations": {k: 0 for k in ep.TERMINATIONS}, "training_job": None,
+                "returns": None, "terminations": {k: 0 for k in ep.TERMINATIONS}, "artifacts": None,
+                "training_job": None,
                 "error": None,
             }
             self._persist(rec)
@@ -275,6 +284,7 @@ class OpenEnvService:
         budget = ep.Budget(self.cfg.max_rollout_bytes)
         groups: list[dict[str, Any]] = []
         returns: list[list[float]] = []
+        played: list[tuple[dict[str, Any], list[ep.Episode]]] = []  # (reset payload, episodes) per group
         with httpx.Client(follow_redirects=False, timeout=self.cfg.exchange_timeout_s, trust_env=False) as http:
             retries = [0]
 
@@ -289,6 +299,7 @@ class OpenEnvService:
                 reset = {**req.reset, "seed": seed}
                 initial: list[dict[str, str]] | None = None
                 completions = []
+                played.append((reset, []))
                 group_returns = []
                 for _ in range(req.group_size):
                     if cancelled():
@@ -307,6 +318,7 @@ class OpenEnvService:
                     episode = ep.play(session, ep.Episode(seed, data), policy, messages, validator=disc.validator,
                                       max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
                                       budget=budget, render=ep.render_observation)
+                    played[-1][1].append(episode)
                     completions.append({"text": episode.actions[0] if episode.actions else "",
                                         "reward": episode.episode_return})
                     group_returns.append(episode.episode_return)
@@ -336,9 +348,30 @@ class OpenEnvService:
             raise ep.Cancelled("the run was cancelled")
         assert self.trainer is not None
         grpo = GRPORequest.model_validate({**req.training, "groups": groups})
+        self._update(rec, artifacts=self._publish(rec, disc, groups, played))
         job = self.trainer.submit(grpo)
         self._update(rec, state="training", training_job=_job_view(job))
         self._follow(rec, job["id"], cancelled)
+
+    def _publish(self, rec: dict[str, Any], disc: Discovery, groups: list[dict[str, Any]],
+                 played: list[tuple[dict[str, Any], list[ep.Episode]]]) -> dict[str, dict[str, Any]]:
+        """Write the rollout JSONL (exactly the groups GRPO trains on, one per line) and the replay record
+        (reset payloads, reset observations, ordered action/result exchanges) into the run directory."""
+        rollouts = b"".join(canonical_json_bytes(g) + b"\n" for g in groups)
+        replay = canonical_json_bytes({
+            "schema": REPLAY_SCHEMA, "discovery_sha256": disc.digest,
+            "rollouts_sha256": sha256_hex(rollouts),
+            "groups": [{"reset": reset, "episodes": [
+                {"reset_observation": e.reset_observation, "actions": e.actions, "exchanges": e.exchanges,
+                 "termination": e.termination, "return": e.episode_return, "steps": e.steps, "error": e.error}
+                for e in episodes]} for reset, episodes in played]})
+        out = {}
+        for name, data in (("rollouts.jsonl", rollouts), ("replay.json", replay)):
+            if len(data) > self.cfg.max_rollout_bytes:
+                raise ep.RolloutBudgetExceeded(f"{name} would be {len(data)} bytes, over max_rollout_bytes")
+            atomic_write_bytes(self.root / rec["id"] / name, data, mode=0o600)
+            out[name] = {"sha256": sha256_hex(data), "bytes": len(data)}
+        return out
 
     def _follow(self, rec: dict[str, Any], job_id: str, cancelled: Callable[[], bool]) -> None:
         assert self.trainer is not None
