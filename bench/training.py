@@ -10,8 +10,9 @@
    token data, batch order, LoRA init and number of timed steps for every peer:
    plain PyTorch + PEFT loop, Kiln's trainer (`kiln.training.trainer.run_sft` on
    the engine's PEFT wrapping, each step under exclusive ownership; chunked
-   head + loss), Kiln with the full-logits loss (`kiln_full_logits`, the
-   previous step), Kiln with fused AdamW (`kiln_fused_adamw`), TRL
+   head + loss, fused AdamW), Kiln with the full-logits loss
+   (`kiln_full_logits`, the previous step) and with AdamW's default foreach
+   implementation (`kiln_foreach_adamw`), TRL
    `SFTTrainer` matched (fp32, no gradient checkpointing, constant LR, no
    clipping) and TRL with its default `SFTConfig`. Each peer runs in its own
    subprocess so its peak RSS is its own. The load average is printed before
@@ -165,8 +166,8 @@ def peer_kiln(model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
 
     if variant == "full_logits":  # the step before the chunked head: model(...).logits + sft_loss
         trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
-    elif variant == "fused_adamw":
-        trainer_mod.torch = _TorchWithFusedAdamW(torch)  # type: ignore[assignment]
+    elif variant == "foreach_adamw":  # the optimizer before: AdamW's default (foreach) implementation
+        trainer_mod._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # type: ignore[assignment]
     ownership = AcceleratorOwnership()
     base = _load(model_dir)
     base.eval()  # as served
@@ -181,20 +182,6 @@ def peer_kiln(model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
     rep = run_sft(peft_model, "kiln-bench", rows[WARMUP * BATCH:], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
     return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "loss_after_n": rep.final_loss}
-
-
-class _TorchWithFusedAdamW:
-    """``torch`` as seen by the trainer module, with ``torch.optim.AdamW(fused=True)`` (measurement only)."""
-
-    def __init__(self, torch: Any):
-        import functools
-        import types
-
-        self._torch = torch
-        self.optim = types.SimpleNamespace(AdamW=functools.partial(torch.optim.AdamW, fused=True))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._torch, name)
 
 
 def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
@@ -237,7 +224,7 @@ PEERS = {
     "plain": lambda d, s: peer_plain(d, s),
     "kiln": lambda d, s: peer_kiln(d, s),
     "kiln_full_logits": lambda d, s: peer_kiln(d, s, "full_logits"),
-    "kiln_fused_adamw": lambda d, s: peer_kiln(d, s, "fused_adamw"),
+    "kiln_foreach_adamw": lambda d, s: peer_kiln(d, s, "foreach_adamw"),
     "trl_matched": lambda d, s: peer_trl(d, s, matched=True),
     "trl_default": lambda d, s: peer_trl(d, s, matched=False),
 }
@@ -429,7 +416,7 @@ def main() -> None:
     ap.add_argument("--skip-trl-default", action="store_true", help="skip TRL's default SFTConfig (slow on CPU)")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-grpo", action="store_true")
-    ap.add_argument("--peers", default="plain,kiln,kiln_full_logits,kiln_fused_adamw,trl_matched,trl_default",
+    ap.add_argument("--peers", default="plain,kiln,kiln_full_logits,kiln_foreach_adamw,trl_matched,trl_default",
                     help="SFT peers to run (comma list)")
     ap.add_argument("--shapes", default="4.5m,31m", help=f"SFT model shapes (comma list of {', '.join(SHAPES)})")
     ap.add_argument("--loss-on", choices=["all", "half"], default="all",
