@@ -11,6 +11,11 @@ Bounds: ``--max-examples 10`` per operation and phases examples + coverage + fuz
   GRPO job); its responses are checked in ``test_schemas.py`` and tests/openenv.
 
 Adapter deletion runs: the server's store is empty, so it can only answer 404/400.
+
+One worker, fixed seed: the generated cases are then the same on every run (2,216 requests here). With two
+workers the thread interleaving changed the draws, and one run in several hit CPython 3.11.7's
+"AST constructor recursion depth mismatch" inside hypothesis's lambda descriptions (a tool crash, not a
+server error) and failed the test.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(fuzz_server, tmp_p
         pytest.fail(f"schemathesis is not installed ({ST}); pip install -e '.[dev]'")
     har = tmp_path / "run.har"
     cmd = [str(ST), "run", f"{fuzz_server.base_url}/openapi.json", "--max-examples", str(MAX_EXAMPLES),
-           "--seed", "1", "--no-shrink", "--generation-database", "none", "--workers", "2",
+           "--seed", "1", "--no-shrink", "--generation-database", "none", "--workers", "1",
            "--request-timeout", "30", "--checks", CHECKS, "--exclude-path-regex", EXCLUDE,
            "--phases", "examples,coverage,fuzzing", "--no-color",
            "--report", "har", "--report-har-path", str(har)]
