@@ -128,7 +128,9 @@ class _RewardHandler(BaseHTTPRequestHandler):
         if self.path == "/huge":
             out = b'{"rewards": [' + b"0," * 600_000 + b"0]}"
         else:
-            out = json.dumps({"rewards": [float(len(it["completion"]) % 3) for it in body["items"]]}).encode()
+            # Alternating rewards: every group (contiguous items) has variance whatever the policy samples,
+            # so a job continuing from an adapter that already answers one way still has something to learn.
+            out = json.dumps({"rewards": [float(i % 2) for i, _it in enumerate(body["items"])]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
