@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kiln.errors import InvalidRequest
-from kiln.training.data import Row, collate, epoch_order
+from kiln.training.data import Row, epoch_order
 from kiln.training.rewards import RewardError, RewardFn, build_reward
 from kiln.training.schemas import GRPORequest
 from kiln.training.trainer import GRPOSettings, TrainingFailed, grpo_items
@@ -112,7 +112,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.losses import GRPOLoss
     from kiln.training.opd import sample_batch, sample_seed
-    from kiln.training.trainer import _Loop, _sequence_logprobs, grpo_step
+    from kiln.training.trainer import _Loop, grpo_step, policy_logprobs, row_offsets
 
     s = data.settings
     loss_fn = GRPOLoss(s.clip_epsilon, s.kl_coef, s.kl_estimator)  # type: ignore[arg-type]
@@ -160,14 +160,8 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                                "reward_s": round(loop.stats["reward_s"] + t2 - t1, 4)})
             # 3. update: epochs passes over the round's groups; the sampling policy is the ratio's denominator
             if items:
-                old: list[torch.Tensor] = []
-                with torch.no_grad(), loop.step_ownership():
-                    for item in items:
-                        lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
-                        old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
-                offsets = [0]
-                for item in items:
-                    offsets.append(offsets[-1] + len(item.rows))
+                old = policy_logprobs(peft_model, items, pad_id, loop, split)
+                offsets = row_offsets(items)
                 batches = math.ceil(len(items) / plan.batch_size)
                 for epoch in range(plan.epochs):
                     order = epoch_order(len(items), seed=plan.seed, epoch=it * plan.epochs + epoch)

@@ -464,6 +464,26 @@ def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> 
     return out
 
 
+def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loop: _Loop,
+                    split: SplitLM | None) -> list[torch.Tensor]:
+    """Per row of every item, the current policy's token log-probs (``[len - 1]``), without gradients:
+    the ratio's denominator for the GRPO updates that follow."""
+    old: list[torch.Tensor] = []
+    with torch.no_grad(), loop.step_ownership():
+        for item in items:
+            lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
+            old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
+    return old
+
+
+def row_offsets(items: Sequence[GRPOItem]) -> list[int]:
+    """``offsets[g]`` is the index of item ``g``'s first row in the flat per-row list; the last entry is the total."""
+    offsets = [0]
+    for item in items:
+        offsets.append(offsets[-1] + len(item.rows))
+    return offsets
+
+
 def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
               rows: Sequence[Row], adv: torch.Tensor, old_lp: Sequence[torch.Tensor], *, pad_id: int) -> None:
     """One clipped GRPO optimizer step on ``rows`` (advantages ``adv``, behaviour log-probs ``old_lp``),
@@ -508,14 +528,8 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
         if resume is not None:
             old = [resume.tensors[f"old.{i}"].to(loop.device) for i in range(sum(len(it.rows) for it in items))]
         else:
-            old = []
-            with torch.no_grad(), loop.step_ownership():
-                for it in items:
-                    lp = _sequence_logprobs(peft_model, collate(it.rows, pad_id, loop.device), split)
-                    old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(it.rows))
-        offsets = [0]
-        for it in items:
-            offsets.append(offsets[-1] + len(it.rows))
+            old = policy_logprobs(peft_model, items, pad_id, loop, split)
+        offsets = row_offsets(items)
         old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
 
         for epoch in range(loop.epoch, plan.epochs):
