@@ -170,10 +170,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                             break
                         loop.check_cancel()
                         chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                        rows = [r for g in chosen for r in items[g].rows]
-                        adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
-                        old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-                        grpo_step(peft_model, loop, loss_fn, s, split, rows, adv, old_lp, pad_id=pad_id)
+                        grpo_step(peft_model, loop, loss_fn, s, split, items, chosen, old, offsets, pad_id=pad_id)
                         loop.after_step(it, b + 1)
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
     loop.total_steps = loop.step

@@ -485,9 +485,14 @@ def row_offsets(items: Sequence[GRPOItem]) -> list[int]:
 
 
 def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
-              rows: Sequence[Row], adv: torch.Tensor, old_lp: Sequence[torch.Tensor], *, pad_id: int) -> None:
-    """One clipped GRPO optimizer step on ``rows`` (advantages ``adv``, behaviour log-probs ``old_lp``),
-    under exclusive ownership (shared by :func:`run_grpo` and :mod:`kiln.training.grpo_rollouts`)."""
+              items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[torch.Tensor], offsets: Sequence[int],
+              *, pad_id: int) -> None:
+    """One clipped GRPO optimizer step on the rows of ``items[g]`` for ``g`` in ``chosen``, under exclusive
+    ownership. ``old`` holds the behaviour policy's log-probs per row (:func:`policy_logprobs`), indexed by
+    ``offsets`` (:func:`row_offsets`). Shared by :func:`run_grpo` and :mod:`kiln.training.grpo_rollouts`."""
+    rows = [r for g in chosen for r in items[g].rows]
+    adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
+    old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
     batch = collate(rows, pad_id, loop.device)
     mask = batch["loss_mask"][:, 1:]
     with loop.step_ownership():
@@ -539,9 +544,6 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
                     break
                 loop.check_cancel()
                 chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                rows = [r for g in chosen for r in items[g].rows]
-                adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
-                old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-                grpo_step(peft_model, loop, loss_fn, settings, split, rows, adv, old_lp, pad_id=pad_id)
+                grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id)
                 loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
     return loop.report()
