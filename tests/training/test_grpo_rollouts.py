@@ -2,7 +2,8 @@
 trains, scores them (an eval scorer, a sandboxed reward file, a loopback HTTP endpoint), and updates.
 
 The learning check is a verifiable toy task on the built-in model: reward 1 when the completion
-contains the word "answer" (the model starts at roughly one completion in six). Seeds are fixed,
+contains the word "spider" (the model starts at roughly one completion in six; "answer", which the
+other tests use as a reference, is about 1 in 256, too rare to learn from on every CPU path). Seeds are fixed,
 but no exact text is asserted (sampling differs across CPU code paths); the assertion is a rise of
 the mean reward by a clear margin between the first and the last iterations.
 """
@@ -25,6 +26,9 @@ QUESTIONS = ["What color is the sky?", "What is two plus two?", "How many legs d
              "Name a fruit."]
 PROMPTS = [{"messages": [{"role": "user", "content": q}], "reference": "answer"} for q in QUESTIONS]
 CONTAINS = {"type": "scorer", "scorer": {"type": "contains"}}
+# The base model's 4-token samples at temperature 1 contain "spider" about one time in six (46 and 35 of 256 on
+# the AVX-512 and default ATen paths), so every iteration starts with groups that have reward variance.
+LEARN_WORD = "spider"
 FAST = {"group_size": 4, "iterations": 1, "max_tokens": 4, "batch_size": 4}
 
 REWARD_FILE = '''
@@ -56,7 +60,8 @@ def _run(c: httpx.Client, body: dict) -> dict:
 
 
 def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
-    body = {"adapter": "says-answer", "prompts": PROMPTS, "reward": CONTAINS, "group_size": 8, "iterations": 8,
+    prompts = [{"messages": p["messages"], "reference": LEARN_WORD} for p in PROMPTS]
+    body = {"adapter": "says-spider", "prompts": prompts, "reward": CONTAINS, "group_size": 8, "iterations": 8,
             "max_tokens": 4, "temperature": 1.0, "learning_rate": 2e-2, "batch_size": 4, "seed": 3}
     job = _run(srv, body)
     report = job["result"]["report"]
@@ -72,10 +77,10 @@ def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
     # continuing from the published adapter records it as the behaviour policy
     print("reward per iteration:", rewards, "zero-variance fractions:",
           report["zero_variance_fraction_per_iteration"], "train_seconds:", report["train_seconds"])
-    again = _run(srv, {"adapter": "says-answer-2", "base_adapter": "says-answer", "prompts": PROMPTS,
+    again = _run(srv, {"adapter": "says-spider-2", "base_adapter": "says-spider", "prompts": PROMPTS,
                        "reward": {"type": "http", "url": f"{reward_server}/score"}, **FAST})
     bp = again["result"]["report"]["behaviour_policy"]
-    assert bp["adapter"] == "says-answer" and bp["revision"] == job["result"]["revision"]
+    assert bp["adapter"] == "says-spider" and bp["revision"] == job["result"]["revision"]
 
 
 @pytest.mark.parametrize("patch,code", [
