@@ -34,13 +34,15 @@ the batched sampler's own cost per step.
 ``--shape`` builds a model offline (the built-in tokenizer, a ``Qwen3Config`` of that
 shape, random weights, safetensors) into ``$KILN_HOME/bench-models/<shape>``; ``--model``
 takes any local model directory. vLLM gets ``--max-model-len`` from the model's own
-``max_position_embeddings`` (capped at 2048), as it refuses a longer one.
+``max_position_embeddings`` (it refuses a longer one); Kiln caps its own limit there too.
+``bench/vllm_serve_client.py`` runs vLLM's own benchmark client against both servers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -97,14 +99,52 @@ def build_shape_model(shape: str, home: Path) -> Path:
     return out
 
 
-def model_max_len(model_dir: Path, cap: int = 2048) -> int:
-    """``min(cap, max_position_embeddings)`` from the model's config.json (vLLM refuses a longer --max-model-len)."""
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return cap
-    cfg = cfg.get("text_config", cfg)
-    return min(cap, int(cfg.get("max_position_embeddings") or cap))
+def model_max_len(model_dir: Path) -> int:
+    """The model's ``max_position_embeddings`` from its config.json: vLLM refuses a longer
+    ``--max-model-len``, and Kiln caps ``limits.max_model_len`` at it."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["max_position_embeddings"])
+
+
+def resolve_model(model: str | None, shape: str | None) -> Path:
+    """``--model`` as given, else ``--shape`` built offline, else the built-in model (built if missing)."""
+    from kiln.config import kiln_home
+
+    if model:
+        return Path(model).resolve()
+    if shape:
+        return build_shape_model(shape, kiln_home())
+    from kiln.runtime.builtin import ensure_builtin_model
+
+    return ensure_builtin_model(kiln_home())
+
+
+def kiln_command(model_dir: Path, threads: int) -> list[str]:
+    """``kiln serve`` with its defaults (``threads`` > 0 overrides ``model.threads``)."""
+    cmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
+           "--no-training", "--log-level", "warning"]
+    return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def kiln_env(workdir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env["KILN_HOME"] = str(workdir / "home")
+    return env
+
+
+def vllm_command(vpy: Path, model_dir: Path) -> list[str]:
+    """vLLM's OpenAI server in fp32 (its bf16 default is emulated slowly on these CPUs), with the
+    model's own length limit."""
+    return [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", model_dir.name, "--dtype", "float32", "--host", "127.0.0.1",
+            "--port", "{port}", "--max-model-len", str(model_max_len(model_dir))]
+
+
+def vllm_env(threads: int) -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 def prefix_runs(model_dir: Path, system_tokens: int = 1000, repeats: int = 5) -> list[dict]:
@@ -116,7 +156,7 @@ def prefix_runs(model_dir: Path, system_tokens: int = 1000, repeats: int = 5) ->
     from kiln.runtime.sampling import SamplingParams
 
     loaded = load_model(model_dir)
-    max_len = model_max_len(model_dir)
+    max_len = min(EngineConfig.max_model_len, model_max_len(model_dir))
     system_tokens = min(system_tokens, max_len - 100)  # room for the template, question and output
     engine = Engine(loaded, EngineConfig(max_model_len=max_len)).start()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -248,8 +288,8 @@ def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int, compiled: bo
     from kiln.runtime.loader import load_model
     from kiln.runtime.sampling import SamplingParams
 
-    engine = Engine(load_model(model_dir), EngineConfig(max_model_len=model_max_len(model_dir),
-                                                        compile_decode=compiled)).start()
+    max_len = min(EngineConfig.max_model_len, model_max_len(model_dir))  # as `kiln serve` caps it
+    engine = Engine(load_model(model_dir), EngineConfig(max_model_len=max_len, compile_decode=compiled)).start()
     name = "engine-compiled" if compiled else "engine"
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out = []
@@ -399,8 +439,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str, texts_by_c: dict,
-                max_tokens: int, workdir: Path, startup_s: float) -> list[dict]:
+@contextlib.contextmanager
+def running_server(name: str, cmd: list[str], env: dict, workdir: Path, startup_s: float):
+    """Start ``cmd`` (``{port}`` replaced by a free port), wait for ``/health``, yield
+    ``(base URL, process)``; the process (and only it, by PID) is stopped on exit."""
     port = free_port()
     cmd = [a.replace("{port}", str(port)) for a in cmd]
     log = workdir / f"{name}.log"
@@ -408,7 +450,15 @@ def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=workdir)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, base + health, startup_s, log)
+        wait_healthy(proc, base + "/health", startup_s, log)
+        yield base, proc
+    finally:
+        stop(proc)
+
+
+def server_runs(name: str, cmd: list[str], env: dict, model_id: str, texts_by_c: dict,
+                max_tokens: int, workdir: Path, startup_s: float) -> list[dict]:
+    with running_server(name, cmd, env, workdir, startup_s) as (base, proc):
         out = []
         for c, texts in texts_by_c.items():
             s0, c0 = tree_cpu_s(proc.pid), time.process_time()
@@ -418,8 +468,6 @@ def server_runs(name: str, cmd: list[str], env: dict, health: str, model_id: str
             out.append({"system": f"{name}-c{c}", **r})
             print(f"  {name} c={c}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
         return out
-    finally:
-        stop(proc)
 
 
 # -- structured output ----------------------------------------------------------------------------
@@ -539,17 +587,7 @@ def main() -> None:
     args = ap.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
-    if args.model:
-        model_dir = Path(args.model).resolve()
-    elif args.shape:
-        from kiln.config import kiln_home
-
-        model_dir = build_shape_model(args.shape, kiln_home())
-    else:
-        from kiln.config import kiln_home
-        from kiln.runtime.builtin import ensure_builtin_model
-
-        model_dir = ensure_builtin_model(kiln_home())
+    model_dir = resolve_model(args.model, args.shape)
     if args.threads:
         import torch
 
@@ -561,10 +599,8 @@ def main() -> None:
     print(f"model {model_dir}, {args.max_tokens} tokens per request, threads {args.threads or 'default'}",
           file=sys.stderr)
     if args.structured_only:
-        senv = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        senv["KILN_HOME"] = str(workdir / "home")
-        scmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
-                "--no-training", "--log-level", "warning"] + (["--threads", str(args.threads)] if args.threads else [])
+        senv = kiln_env(workdir)
+        scmd = kiln_command(model_dir, args.threads)
         cost = mask_cost(model_dir)
         run = structured_runs(model_dir, workdir, senv, scmd, args.structured_concurrency, args.max_tokens)
         print(f"mask cost: {cost['mask_us_per_token']:.1f} us/token ({cost['mask_live_tokens']} live tokens, vocab "
@@ -590,25 +626,14 @@ def main() -> None:
         if args.compiled:
             rows += engine_runs(model_dir, texts_by_c, args.max_tokens, compiled=True)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env["KILN_HOME"] = str(workdir / "home")
-    kiln = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
-            "--no-training", "--log-level", "warning"]
-    if args.threads:
-        kiln += ["--threads", str(args.threads)]
-    rows += server_runs("kiln", kiln, env, "/health", model_dir.name, texts_by_c, args.max_tokens, workdir, 300)
+    rows += server_runs("kiln", kiln_command(model_dir, args.threads), kiln_env(workdir), model_dir.name,
+                        texts_by_c, args.max_tokens, workdir, 300)
 
     vpy = Path(args.vllm_venv) / "bin" / "python"
     if vpy.exists() and not args.no_vllm:
-        venv = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-        if args.threads:
-            venv["OMP_NUM_THREADS"] = str(args.threads)
-        vcmd = [str(vpy), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--served-model-name", model_dir.name, "--dtype", "float32", "--host", "127.0.0.1",
-                "--port", "{port}", "--max-model-len", str(model_max_len(model_dir))]
         try:
-            rows += server_runs("vllm", vcmd, venv, "/health", model_dir.name, texts_by_c, args.max_tokens,
-                                workdir, 600)
+            rows += server_runs("vllm", vllm_command(vpy, model_dir), vllm_env(args.threads), model_dir.name,
+                                texts_by_c, args.max_tokens, workdir, 600)
         except RuntimeError as exc:
             print(f"vLLM run failed: {exc}", file=sys.stderr)
 
