@@ -135,3 +135,49 @@ def test_student_rollout_shards_are_consume_once(tmp_path, tiny_pair):
         train_sparse_kd(tmp_path / "run", student, tmp_path / "train", epochs=2)
     result = train_sparse_kd(tmp_path / "run", student, tmp_path / "train")
     assert [s["action"] for s in result["shards"]] == ["trained"]
+
+
+def test_cli_train_killed_after_checkpoint_reconciles_then_replays_only_when_asked(tmp_path, tiny_pair):
+    """`kiln distill train` dies (os._exit, like kill -9) between the durable checkpoint and the ledger commit.
+    Rerunning it appends exactly one commit naming that checkpoint (no retraining); rerunning again trains
+    nothing; only ``--epochs 2`` trains the consumed shard again, as a chained replay (replay_of = hash of
+    the commit event)."""
+    import os
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from kiln.canonical import sha256_hex
+    from kiln.distill.cli import app
+    from kiln.distill.faults import FAULT_ENV, FAULT_EXIT_CODE
+
+    teacher, student = tiny_pair
+    plan_path, plan, data = make_plan(tmp_path, teacher, student, synthetic_examples(2, 32), top_k=4)
+    capture_in_process(tmp_path, teacher, plan_path, data, tmp_path / "run")
+    out = tmp_path / "train"
+    args = ["train", str(tmp_path / "run"), "--student", str(student), "--out", str(out), "--batch-size", "1"]
+    kiln = Path(sys.executable).with_name("kiln")
+    proc = subprocess.run([str(kiln), "distill", *args], check=False, env=os.environ | {FAULT_ENV: "train_after_checkpoint"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == FAULT_EXIT_CODE, proc.stdout + proc.stderr
+    (shard_dir, head), = available_shards(tmp_path / "run")[1]
+    ledger_path = out / "ledgers" / f"{head.transaction_id}.jsonl"
+    assert [e.action for e in Ledger(ledger_path, shard_dir, plan).events] == ["reserve"]
+    ckpt = out / "checkpoints" / "ckpt-00001"
+    ckpt_sha = sha256_hex((ckpt / "CHECKPOINT.json").read_bytes())
+
+    def cli(*extra):
+        res = CliRunner().invoke(app, [*args, *extra])
+        assert res.exit_code == 0, res.stdout
+        return json.loads(res.stdout)
+
+    resumed = cli()
+    assert [s["action"] for s in resumed["shards"]] == ["reconciled"] and resumed["checkpoint_sha256"] == ckpt_sha
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00001"]  # nothing retrained
+    assert [s["action"] for s in cli()["shards"]] == ["already-committed"]
+    replayed = cli("--epochs", "2")
+    assert [s["action"] for s in replayed["shards"]] == ["replayed"] and replayed["steps"] == 2 * resumed["steps"]
+    events = Ledger(ledger_path, shard_dir, plan).events
+    assert [e.action for e in events] == ["reserve", "commit", "replay", "commit"]
+    assert events[1].checkpoint_sha256 == ckpt_sha and events[2].replay_of == events[1].digest()

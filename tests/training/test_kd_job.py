@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import httpx
 import pytest
@@ -45,6 +46,10 @@ def env(builtin_model_dir, tmp_path_factory):
     # the same data captured under a plan whose student is the teacher: not the served model
     f_path, _f, f_data = make_plan(tmp / "f", teacher, teacher, examples[:2], top_k=8)
     capture_in_process(tmp / "f", teacher, f_path, f_data, runs / "foreign")
+    # a student-rollout capture: consume-once, so replay is refused for it
+    r_path, _r, r_data = make_plan(tmp / "r", teacher, builtin_model_dir, examples[:2], top_k=8,
+                                   trajectory="student-rollout")
+    capture_in_process(tmp / "r", teacher, r_path, r_data, runs / "rollout")
     srv = start_server(builtin_model_dir, home, extra_args=[], env_extra={}, config=None)
     c = httpx.Client(base_url=srv.base_url, timeout=120)
     yield {"c": c, "srv": srv, "home": home, "plan": plan, "examples": examples}
@@ -127,3 +132,101 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     r = c.post("/v1/train/kd", json=body)
     assert r.status_code == 409 and r.json()["error"]["code"] == "capture_consumed", r.text
     assert [p.read_bytes() for p in ledgers] == snapshot
+
+
+def _events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_kd_replay_trains_a_consumed_shard_again_only_when_asked(env):
+    """After the job above committed both shards: replay=true makes one chained replay per shard, each
+    reservation's replay_of being the hash of the shard's last commit event (spec: consumption ledger)."""
+    from kiln.distill.contract import ConsumptionEvent
+
+    c, home, plan = env["c"], env["home"], env["plan"]
+    body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
+            "seed": 1, "auto_load": True}
+    ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))
+    assert [[e["next_state"] for e in _events(p)] for p in ledgers] == [["reserved", "committed"]] * 2
+    r = c.post("/v1/train/kd", json=body | {"replay": True})
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=120)
+    assert job["state"] == "succeeded", job.get("error")
+    rep = job["result"]["report"]
+    assert [s["action"] for s in rep["shards"]] == ["replayed", "replayed"] and rep["steps"] == 8
+    for path in ledgers:
+        events = _events(path)
+        assert [(e["prior_state"], e["next_state"]) for e in events] == [
+            ("available", "reserved"), ("reserved", "committed"), ("committed", "reserved"), ("reserved", "committed")]
+        assert events[0]["replay_of"] is None
+        assert events[2]["replay_of"] == ConsumptionEvent.parse(events[1]).digest()
+        assert events[2]["run_id"] == events[3]["run_id"] == job["id"]
+    # without replay the capture stays consumed; a student-rollout capture refuses replay before queueing
+    r = c.post("/v1/train/kd", json=body)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "capture_consumed", r.text
+    r = c.post("/v1/train/kd", json={"adapter": "kd-rollout", "run": "runs/rollout", "replay": True})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "replay_forbidden", r.text
+    assert not (home / "training" / "kd" / "rollout").exists()
+
+
+@pytest.mark.parametrize("after_reserve_first", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_kd_job_killed_after_its_checkpoint_reconciles_on_resume_without_retraining(env, tmp_path,
+                                                                                    after_reserve_first):
+    """`kiln serve` dies (os._exit, like kill -9) right after the durable checkpoint of the first shard and
+    before its ledger commit. A fresh job is then refused (the checkpoint holds that training) and resuming
+    the job appends exactly one commit naming that checkpoint, then trains only the second shard. The slow
+    variant first dies right after a reservation: the next job releases it (no checkpoint holds it)."""
+    from kiln.distill.faults import FAULT_ENV, FAULT_EXIT_CODE
+    from kiln.training.checkpoints import list_checkpoints
+    from kiln.training.kd_job import checkpoint_digest
+
+    home, plan, model_dir = tmp_path / "home", env["plan"], env["srv"].model_dir
+    shutil.copytree(env["home"] / "data" / "runs" / "cap", home / "data" / "runs" / "cap")
+    body = {"adapter": "kd-crash", "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
+            "seed": 1}
+    ledger_dir = home / "training" / "kd" / plan.digest() / "kd-crash"
+
+    def crash_at(point: str) -> str:
+        srv = start_server(model_dir, home, extra_args=[], env_extra={FAULT_ENV: point}, config=None)
+        try:
+            with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+                r = c.post("/v1/train/kd", json=body)
+                assert r.status_code == 202, r.text
+            assert srv.proc.wait(120) == FAULT_EXIT_CODE, srv.log()[-3000:]
+        finally:
+            if srv.proc.poll() is None:
+                stop_server(srv)
+        return r.json()["id"]
+
+    before = []
+    if after_reserve_first:
+        first = crash_at("kd_job_after_reserve")
+        assert [e["next_state"] for e in _events(ledger_dir / "shard-00000.t000.jsonl")] == ["reserved"]
+        before = [("reserved", first), ("available", first)]
+    second = crash_at("kd_job_after_checkpoint")
+    shard0 = _events(ledger_dir / "shard-00000.t000.jsonl")
+    assert [(e["next_state"], e["run_id"]) for e in shard0] == before + [("reserved", second)]
+    assert not (ledger_dir / "shard-00001.t000.jsonl").exists()
+    ckpt, = list_checkpoints(home / "training" / "jobs" / second / "checkpoints")
+
+    srv = start_server(model_dir, home, extra_args=[], env_extra={}, config=None)
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            assert c.get(f"/v1/train/jobs/{second}").json()["state"] == "failed"
+            r = c.post("/v1/train/kd", json=body)  # a fresh job would retrain what the checkpoint holds
+            assert r.status_code == 409 and r.json()["error"]["code"] == "capture_reserved", r.text
+            assert second in r.json()["error"]["hint"]
+            r = c.post("/v1/train/kd", json=body | {"resume_from_job": second})
+            assert r.status_code == 202, r.text
+            job = wait_job(c, r.json()["id"], timeout=120)
+    finally:
+        stop_server(srv)
+    assert job["state"] == "succeeded", job.get("error")
+    res = job["result"]
+    assert res["resumed_from_step"] == 4 and res["report"]["steps"] == 8
+    assert [s["action"] for s in res["report"]["shards"]] == ["reconciled", "trained"]
+    shard0 = _events(ledger_dir / "shard-00000.t000.jsonl")
+    assert [(e["next_state"], e["run_id"]) for e in shard0[len(before) + 1:]] == [("committed", second)]
+    assert shard0[-1]["checkpoint_sha256"] == checkpoint_digest(ckpt)
+    shard1 = _events(ledger_dir / "shard-00001.t000.jsonl")
+    assert [(e["next_state"], e["run_id"]) for e in shard1] == [("reserved", job["id"]), ("committed", job["id"])]

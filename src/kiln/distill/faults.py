@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FAULT_ENV", "FAULT_EXIT_CODE", "CAPTURE_FAULT_POINTS", "TRAIN_FAULT_POINTS", "fault"]
+__all__ = ["CAPTURE_FAULT_POINTS", "FAULT_ENV", "FAULT_EXIT_CODE", "KD_JOB_FAULT_POINTS", "TRAIN_FAULT_POINTS", "fault"]
 
 FAULT_ENV = "KILN_DISTILL_FAULT"
 FAULT_EXIT_CODE = 137
@@ -32,6 +32,8 @@ TRAIN_FAULT_POINTS = (
     "train_after_commit",
     "train_after_release",
 )
+# The server's KD job (kiln.training.kd_job.run_kd): the whole `kiln serve` process dies there.
+KD_JOB_FAULT_POINTS = ("kd_job_after_reserve", "kd_job_after_checkpoint")
 
 
 def fault(point: str) -> None:

@@ -197,6 +197,7 @@ def prepare_kd(service: Any, request: KDRequest) -> Any:
 def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str) -> Any:
     """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
     per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256."""
+    from kiln.distill.faults import fault
     from kiln.distill.train import _batch_tensors, _windows, load_shard_examples
     from kiln.training.checkpoints import save_checkpoint
     from kiln.training.kd_loss import SparseKDLoss
@@ -235,6 +236,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
                 else:
                     ledger.reserve(job_id, rid)
                     actions[shard.transaction_id] = "trained"
+                fault("kd_job_after_reserve")
                 checkpointed = False
                 try:
                     examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
@@ -267,6 +269,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
                     if not checkpointed and ledger.view.state == "reserved":
                         ledger.release()  # no durable checkpoint holds this pass: give the shard back
                     raise
+                fault("kd_job_after_checkpoint")  # crash tests: durable checkpoint, no commit yet
                 digest = checkpoint_digest(path)
                 ledger.commit(digest)
                 entry["checkpoint_sha256"] = digest
