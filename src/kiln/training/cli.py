@@ -85,10 +85,27 @@ def sft(
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(True, "--auto-load/--no-auto-load", help="serve the adapter once trained"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="follow the job with a progress bar"),
+    distributed: Optional[int] = typer.Option(
+        None, "--distributed", min=1, help="train here, without a server, in N torchrun processes (docs/scale.md)"),
+    checkpoint_interval: Optional[int] = typer.Option(None, "--checkpoint-interval", min=0,
+                                                      help="with --distributed: steps between checkpoints"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="with --distributed: continue this failed job"),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1,
+                                                   help="with --distributed: rows per forward on each process"),
+    home: Optional[str] = typer.Option(None, "--home", help="with --distributed: the Kiln home"),
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     body["examples"] = _read_rows(file)
+    if distributed is not None:
+        from kiln.training.run import launch
+
+        body.pop("auto_load")  # nothing is served here: `kiln adapters load` serves the published adapter
+        if checkpoint_interval is not None:
+            body["checkpoint_interval"] = checkpoint_interval
+        raise typer.Exit(launch(body, nproc=distributed, home=home, resume=resume, micro_batch_size=micro_batch_size))
+    if checkpoint_interval is not None or resume or micro_batch_size is not None or home:
+        fail("--checkpoint-interval, --resume, --micro-batch-size and --home apply with --distributed only")
     _submit("sft", url.rstrip("/"), body, wait)
 
 

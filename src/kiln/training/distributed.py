@@ -1,0 +1,353 @@
+"""torch.distributed for LoRA jobs under torchrun: the process group, DDP over the adapter, rank-0 I/O.
+
+Kiln does not run its own distributed runtime: torchrun starts the processes
+and sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``;
+:func:`init_world` joins that process group (gloo on CPU, NCCL on CUDA) and
+:func:`run_sft_distributed` trains the job's private LoRA adapter with
+``DistributedDataParallel`` over the adapter's parameters only (the base
+weights are frozen and left out of DDP's broadcasts and buckets).
+
+Arithmetic (the same as :func:`kiln.training.trainer.run_sft` in one process):
+every rank walks the same ``epoch_order(seed, epoch)``; global batch ``b`` is
+the plan's ``batch_size`` rows at positions ``b*B .. b*B+B-1`` of that order;
+rank ``r`` takes rows ``r, r+W, r+2W, ...`` of it and runs them in micro-batches
+of ``micro_batch_size`` (gradient accumulation, ``no_sync`` until the last
+one). Each micro-batch contributes ``W * sum(token CE) / N`` where ``N`` is the
+global batch's target-token count (every rank knows all rows), so DDP's mean
+over ranks is the one-process token mean ``sum(token CE) / N``. A rank whose
+share of a short last batch is empty still joins the all-reduce (one forward
+with its loss scaled by zero).
+
+Checkpoints and publication are rank 0's; the others wait at a barrier. A
+checkpoint records the world size, and a resume with another world size is
+refused (:class:`WorldSizeMismatch`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+
+from kiln.errors import InvalidRequest
+from kiln.training.checkpoints import Checkpoint
+from kiln.training.chunked_loss import linear_cross_entropy_sum, split_causal_lm
+from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
+from kiln.training.losses import sft_loss
+from kiln.training.trainer import (
+    Hooks,
+    Plan,
+    Report,
+    TrainingFailed,
+    _Loop,
+    greedy_margin,
+)
+
+# A collective that waits longer than this (a rank hung, not dead) fails the job instead of hanging it.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+WORLD_SIZE_KEY = "world_size"
+
+
+class DistributedError(InvalidRequest):
+    """The distributed set-up cannot run this job (a caller's choice, never a crash)."""
+
+    code = "distributed_unsupported"
+
+
+class WorldSizeMismatch(DistributedError):
+    code = "world_size_mismatch"
+
+
+class RanksDisagree(DistributedError):
+    code = "ranks_disagree"
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the torchrun world (``world_size == 1``: no process group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None  # "gloo", "nccl", or None without a process group
+    device: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def init_world(device: str = "auto", *, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> World:
+    """Join torchrun's process group: NCCL with one CUDA device per local rank, else gloo on CPU.
+
+    Without torchrun's environment (no ``WORLD_SIZE``), a single-process world on ``device``.
+    """
+    import torch.distributed as dist
+
+    from kiln.runtime.loader import resolve_device
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device)
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return World(0, 1, 0, None, dev)
+    if dev.startswith("cuda"):
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise DistributedError(
+                f"local rank {local_rank} has no CUDA device (this host has {count})",
+                hint="start at most one process per GPU: --nproc_per_node <= the number of GPUs")
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, backend, dev)
+
+
+def close_world(world: World) -> None:
+    import torch.distributed as dist
+
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def broadcast_object(world: World, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled; for small state such as IDs, results, LoRA checkpoints)."""
+    if not world.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if world.is_main else None]
+    dist.broadcast_object_list(box, src=0, device=torch.device(world.device) if world.backend == "nccl" else None)
+    return box[0]
+
+
+def check_same(world: World, what: str, value: Any) -> None:
+    """Refuse to go on unless every rank holds the same ``value`` (data, model and plan identity)."""
+    if not world.distributed:
+        return
+    import torch.distributed as dist
+
+    values: list[Any] = [None] * world.world_size
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values):
+        diff = ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
+        raise RanksDisagree(f"the ranks disagree on {what} ({diff})",
+                            hint="every node needs the same model files, data and request")
+
+
+def all_min(world: World, value: float) -> float:
+    if not world.distributed:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def checkpoint_world_size(ckpt: Checkpoint) -> int:
+    """The world size a checkpoint was written by (checkpoints from one process carry none: 1)."""
+    return int((ckpt.stats.get("extra") or {}).get(WORLD_SIZE_KEY, 1))
+
+
+def check_resume_world(ckpt: Checkpoint | None, world: World) -> None:
+    if ckpt is None:
+        return
+    have = checkpoint_world_size(ckpt)
+    if have != world.world_size:
+        raise WorldSizeMismatch(
+            f"checkpoint {ckpt.path.name} was written by {have} process(es); this run has {world.world_size}",
+            hint=f"resume with the same world size (--nproc_per_node x --nnodes = {have}); a resume with another "
+                 "world size would change the per-rank data split and is refused")
+
+
+# --------------------------------------------------------------------- DDP model
+
+
+class SFTLossSum(torch.nn.Module):
+    """The module DDP wraps: ``(input_ids [B,T], loss_mask [B,T]) -> sum of target-token CE`` (scalar, fp32).
+
+    It holds the ``PeftModel`` so that DDP sees the adapter's parameters; the
+    head runs chunk by chunk (:func:`kiln.training.chunked_loss.split_causal_lm`)
+    where the model allows it, else through the full logits.
+    """
+
+    def __init__(self, peft_model: Any):
+        super().__init__()
+        self.peft_model = peft_model
+        self._split = split_causal_lm(peft_model)
+
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        split = self._split
+        if split is None:
+            logits = self.peft_model(input_ids=input_ids, use_cache=False).logits
+            count = int(loss_mask[:, 1:].sum())
+            return sft_loss(logits, input_ids, loss_mask) * count
+        hidden = split.hidden(input_ids)
+        rows, cols = loss_mask[:, 1:].bool().nonzero(as_tuple=True)
+        return linear_cross_entropy_sum(hidden[rows, cols], split.head.weight, input_ids[rows, cols + 1])
+
+
+def wrap_ddp(peft_model: Any, params: Sequence[torch.nn.Parameter], world: World) -> Any:
+    """``DistributedDataParallel`` over the adapter's ``params`` only.
+
+    Every other parameter and every buffer (the frozen base, other adapters) is
+    registered as ignored, so DDP neither broadcasts the base weights at start
+    nor buckets them; the ranks' base identity is checked by digest instead.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module = SFTLossSum(peft_model)
+    trainable = {id(p) for p in params}
+    extra = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in trainable]
+    if extra:
+        raise TrainingFailed(f"parameters outside the job's adapter are trainable: {extra[:3]}")
+    ignored = [n for n, p in module.named_parameters() if id(p) not in trainable]
+    ignored += [n for n, _ in module.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
+    device_ids = [torch.device(world.device).index] if world.backend == "nccl" else None
+    return DDP(module, device_ids=device_ids, find_unused_parameters=False)
+
+
+# ------------------------------------------------------------------------- SFT
+
+
+def rank_share(batch_rows: Sequence[int], world: World) -> list[int]:
+    """This rank's rows of a global batch: positions ``rank, rank + W, ...``."""
+    return list(batch_rows[world.rank::world.world_size])
+
+
+def target_tokens(rows: Sequence[Row]) -> int:
+    return sum(sum(r.loss_mask[1:]) for r in rows)
+
+
+def _distributed_margin(peft_model: Any, rows: Sequence[Row], world: World, *, pad_id: int,
+                        batch_size: int) -> float:
+    """The smallest greedy margin over all rows (each rank checks its share, then a MIN all-reduce)."""
+    mine = list(rows[world.rank::world.world_size])
+    local = greedy_margin(peft_model, mine, pad_id=pad_id, batch_size=batch_size) if mine else math.inf
+    return all_min(world, local)
+
+
+def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, world: World, *,
+                        pad_id: int, micro_batch_size: int | None = None, hooks: Hooks | None = None,
+                        resume: Checkpoint | None = None) -> Report:
+    """:func:`kiln.training.trainer.run_sft` across the ranks of ``world`` (see the module docstring).
+
+    ``hooks.checkpoint_root`` must be set on rank 0 only. Returns the same report on every rank.
+    """
+    hooks = hooks or Hooks()
+    unsupported = [k for k in ("packing", "gradient_checkpointing", "compile") if getattr(plan, k, False)]
+    if unsupported:
+        raise DistributedError(f"{', '.join(unsupported)} not supported yet in distributed jobs",
+                               hint="leave them off, or run the job on the server")
+    check_resume_world(resume, world)
+    per_epoch = batches_per_epoch(len(rows), plan.batch_size)
+    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    loop.stats[WORLD_SIZE_KEY] = world.world_size
+    check = plan.until_learned
+    with loop.step_ownership():
+        ddp = wrap_ddp(peft_model, loop.params, world)
+
+    def learned() -> bool:
+        with loop.step_ownership():
+            margin = _distributed_margin(peft_model, rows, world, pad_id=pad_id, batch_size=plan.batch_size)
+        loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin  # type: ignore[union-attr]
+
+    def step(global_rows: list[Row]) -> None:
+        mine = rank_share(global_rows, world)
+        n_targets = target_tokens(global_rows)
+        scale = world.world_size / n_targets
+        micro = micro_batch_size or max(1, len(mine))
+        width = max(len(r.input_ids) for r in global_rows)  # the one-process batch's shape
+        chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)] or [global_rows[:1]]
+        weight = scale if mine else 0.0  # an empty share still joins the all-reduce, with zero gradients
+        with loop.step_ownership():
+            t0 = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float64)
+            for i, chunk in enumerate(chunks):
+                batch = _pad_to(collate(chunk, pad_id, loop.device), width, pad_id)
+                sync = i == len(chunks) - 1
+                ctx = ddp.no_sync() if not sync else nullcontext()
+                with ctx:
+                    loss_sum = ddp(batch["input_ids"], batch["loss_mask"])
+                    if not torch.isfinite(loss_sum):
+                        raise TrainingFailed(f"loss became {loss_sum.item()} at step {loop.step + 1}; "
+                                             "lower the learning rate")
+                    (loss_sum * weight).backward()
+                total += float(loss_sum.detach()) * (1.0 if mine else 0.0)
+            loss = _global_loss(world, total, n_targets)
+            loop.opt.step()
+            loop.opt.zero_grad(set_to_none=True)
+            loop.loss = loss
+            loop.step += 1
+            loop.tokens += sum(len(r.input_ids) for r in global_rows)
+            loop.train_s += time.perf_counter() - t0
+
+    stopped = "epochs"
+    with loop.running():
+        for epoch in range(loop.epoch, plan.epochs):
+            order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
+            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+                if loop.done():
+                    break
+                loop.check_cancel()
+                step([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]])
+                if check is not None and loop.step % check.every == 0 and learned():
+                    stopped = "learned"
+                    loop.stats["learned_at_step"] = loop.step
+                    loop.total_steps = loop.step
+                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
+            if stopped == "learned" or loop.done():
+                break
+        if check is not None and stopped != "learned":
+            if learned():
+                stopped, loop.stats["learned_at_step"] = "learned", loop.step
+            else:
+                stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
+    if check is not None:
+        loop.stats["learned"] = stopped == "learned"
+    loop.stats["stopped"] = stopped
+    return loop.report()
+
+
+def _pad_to(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a collated micro-batch to ``width`` columns (the global batch's), so every row runs in
+    the shape it has in one process."""
+    extra = width - batch["input_ids"].shape[1]
+    if extra <= 0:
+        return batch
+    pad = torch.nn.functional.pad
+    return {k: pad(v, (0, extra), value=pad_id if k == "input_ids" else 0) for k, v in batch.items()}
+
+
+def _global_loss(world: World, local_sum: torch.Tensor, n_targets: int) -> float:
+    """The step's token-mean loss over the global batch (one small all-reduce, for the report only)."""
+    if world.distributed:
+        import torch.distributed as dist
+
+        t = local_sum.to(world.device)
+        dist.all_reduce(t)
+        local_sum = t.cpu()
+    return float(local_sum) / n_targets
