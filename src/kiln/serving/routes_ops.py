@@ -44,7 +44,8 @@ async def health(request: Request) -> JSONResponse:
         "status": "ok" if ok else "unavailable",
         "model": state.model_id,
         "base_model_sha256": state.model.base_model_sha256,
-        "backend": "hf",
+        "backend": getattr(engine, "backend", "hf"),  # hf (built-in engine) | vllm
+        **({"vllm": engine.describe()} if hasattr(engine, "describe") else {}),
         "device": state.model.device,
         "dtype": state.model.dtype,
         "uptime_s": round(time.time() - state.started_at, 3),

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
+    from kiln.runtime.vllm_engine import VllmEngine
     from kiln.runtime.ownership import AcceleratorOwnership
     from kiln.teachers.service import TeacherService
     from kiln.training.service import TrainingService
@@ -41,7 +42,7 @@ class KilnState:
 
     loaded_settings: LoadedSettings
     model: LoadedModel
-    engine: Engine
+    engine: Engine | VllmEngine  # serving.engine: builtin | vllm
     store: AdapterStore
     trainer: TrainingService | None  # None when training.enabled is false
     metrics: Metrics
@@ -84,17 +85,33 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     model = loaded_model if loaded_model is not None else load_configured_model(settings)
     engine_box: list[Engine] = []
     metrics = Metrics(lambda: engine_box[0].stats())
-    engine = Engine(model, EngineConfig.from_settings(settings, model.max_model_len), observer=metrics)
+    fingerprint = settings.server.system_fingerprint or default_fingerprint(model.base_model_sha256)
+    engine_config = EngineConfig.from_settings(settings, model.max_model_len)
+    if settings.serving.engine == "vllm":  # a supervised vLLM subprocess behind the same facade (docs/scale.md)
+        engine = build_vllm_engine(settings, model, engine_config, metrics, fingerprint)
+    else:
+        engine = Engine(model, engine_config, observer=metrics)
     engine_box.append(engine)
     store = AdapterStore(settings.adapters_path)
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
-    fingerprint = settings.server.system_fingerprint or default_fingerprint(model.base_model_sha256)
     from kiln.teachers.service import build_teachers
 
     teachers = build_teachers(settings, model, engine, store)
     if trainer is not None and hasattr(trainer, "set_teachers"):
         trainer.set_teachers(teachers)
     return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers)
+
+
+def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):
+    """``serving.engine = "vllm"``: the facade over a vLLM child serving this model's snapshot; the model
+    loaded here stays for tokenization and training (the trainer's copy). ConfigError names a bad [vllm] key."""
+    from kiln.runtime.vllm_engine import VllmEngine
+    from kiln.runtime.vllm_process import plan_from_settings
+
+    plan = plan_from_settings(settings, model_dir=model.path, served_model_id=model.model_id,
+                              max_model_len=engine_config.max_model_len, loaded_dtype=model.dtype,
+                              fingerprint=fingerprint)
+    return VllmEngine(model, engine_config, plan, observer=metrics)
 
 
 def build_training(settings: Settings, engine: Engine, store: AdapterStore, model: LoadedModel) -> TrainingService:
