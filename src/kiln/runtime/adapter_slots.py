@@ -106,6 +106,15 @@ class AdapterSlots:
             self._refs[key] = self._refs.get(key, 0) + 1
             return key, revision
 
+    def acquire_private(self, key: str, count: int) -> list[str]:
+        """``count`` references on a trainer's private adapter ``key`` (a PEFT key no served name maps to);
+        :meth:`release` drops them, and never deletes the key (only :meth:`delete_private` does)."""
+        with self._lock:
+            if self._peft is None or key not in self._peft.peft_config:
+                raise UnknownAdapter(f"no private adapter {key!r} on the served model")
+            self._refs[key] = self._refs.get(key, 0) + count
+            return [key] * count
+
     def release(self, key: str) -> None:
         with self._lock:
             self._refs[key] -= 1

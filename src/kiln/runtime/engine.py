@@ -103,7 +103,8 @@ class Engine:
                        cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
-                          max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len))
+                          max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
+                          model=self.model, lean=cfg.lean_forward)
         self._scheduler = Scheduler(cfg, kv, batches,
                                     self.adapters, self.ownership, self.observer, self.device)
 
@@ -227,12 +228,17 @@ class Engine:
         adapter: str | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         incremental: bool = True,
+        private_revision: str | None = None,
     ) -> Submission:
         """Queue one row per entry of ``params`` (the ``n`` choices) for ``prompt_ids``.
 
         ``incremental=False`` suits callers that only want the finished text (non-streaming
         responses, :meth:`generate`): output still accumulates per token, but the consumer
         is woken once per row, at its end, instead of after every step.
+
+        With ``private_revision`` set, ``adapter`` is a trainer's private PEFT key (never served by
+        name) whose weights change between calls: its prefix-cache entries are keyed by
+        ``adapter#private_revision``, so a new revision never reuses blocks computed with old weights.
         """
         self._check_running()
         if not prompt_ids:
@@ -245,13 +251,17 @@ class Engine:
                 "or lower max_tokens"
             )
         self._check_fits(len(prompt_ids) + max(p.max_tokens for p in params))
-        keys, revision = self._acquire(adapter, len(params))
+        if private_revision is not None and adapter is not None:
+            keys, revision = self.adapters.acquire_private(adapter, len(params)), private_revision
+        else:
+            keys, revision = self._acquire(adapter, len(params))
+        cache_key = None if private_revision is None else f"{adapter}#{private_revision}"
         shared_event = asyncio.Event() if loop is not None else None
         streams = [RowStream(i, loop, shared_event, incremental) for i in range(len(params))]
         tok = self.tokens
         rows = [
             Row(s, list(prompt_ids), p, make_generator(p.seed, self.device), k, TextStream(tok.tokenizer, p.stop),
-                tok.eos_ids)
+                tok.eos_ids, cache_key)
             for s, p, k in zip(streams, params, keys)
         ]
         for s in streams:

@@ -70,6 +70,7 @@ class EngineConfig:
     kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
     prefix_cache: bool = True
     compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
+    lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -88,6 +89,7 @@ class EngineConfig:
             kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
             prefix_cache=bool(getattr(b, "prefix_cache", True)),
             compile_decode=bool(getattr(b, "compile_decode", False)),
+            lean_forward=bool(getattr(b, "lean_forward", True)),
         )
 
 
@@ -98,16 +100,18 @@ class Row:
     __slots__ = (
         "stream", "prompt", "params", "gen", "adapter_key", "prefilled", "pos", "generated",
         "text", "cancelled", "t_submit", "t_last", "eos_ids", "tokens", "blocks", "seq", "t_wait",
-        "cache_uid", "registered",
+        "cache_uid", "registered", "cache_key",
     )
 
     def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
-                 adapter_key: str, text: TextStream, eos_ids: frozenset[int]):
+                 adapter_key: str, text: TextStream, eos_ids: frozenset[int], cache_key: str | None = None):
         self.stream = stream
         self.prompt = prompt
         self.params = params
         self.gen = gen
         self.adapter_key = adapter_key
+        # prefix-cache namespace: the adapter key, or key#revision for a trainer's private adapter
+        self.cache_key = cache_key or adapter_key
         self.tokens = prompt  # what prefill feeds: the prompt, plus the output so far after a preemption
         self.blocks: list[int] = []  # block table
         self.seq = 0  # admission order (kept across preemptions): younger rows are preempted first
@@ -383,7 +387,7 @@ class Scheduler:
         """Start ``row`` (cached prefix blocks attached) if the pool can hold its prompt; else ``False``."""
         kv = self.kv
         if not row.scoring:  # scoring keeps every position's logits: it must compute them all
-            row.blocks, row.cache_uid = kv.match(row.adapter_key, row.tokens, len(row.tokens) - 1)
+            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, len(row.tokens) - 1)
             row.registered = len(row.blocks)
         need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
         if need > kv.available() and self._running():
@@ -446,7 +450,7 @@ class Scheduler:
         bs = self.kv.block_size
         while row.registered < row.prefilled // bs:
             i = row.registered
-            row.cache_uid = self.kv.register(row.adapter_key, row.cache_uid, tuple(row.tokens[i * bs:(i + 1) * bs]),
+            row.cache_uid = self.kv.register(row.cache_key, row.cache_uid, tuple(row.tokens[i * bs:(i + 1) * bs]),
                                              row.blocks[i])
             row.registered += 1
 

@@ -61,8 +61,13 @@ class TailReverseKL(nn.Module):
 
     def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
                 cand_mask: torch.Tensor) -> torch.Tensor:
-        logq_all = torch.log_softmax(student_logits.float(), dim=-1)
-        logq = logq_all.gather(-1, cand_ids.clamp(min=0))
+        logq = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, cand_ids.clamp(min=0))
+        return self.from_logq(logq, cand_logp, cand_mask)
+
+    @staticmethod
+    def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
+        """The same loss from ``logq`` ``[N, C]``: the student's full-vocabulary log-probabilities of the
+        candidates (:func:`kiln.training.opd_head.linear_candidate_logprobs`)."""
         q = logq.exp() * cand_mask
         p = cand_logp.exp() * cand_mask
         inside = (_xlogy_ratio(q, logq, cand_logp) * cand_mask).sum(-1)
@@ -82,8 +87,13 @@ class RenormalizedReverseKL(nn.Module):
 
     def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
                 cand_mask: torch.Tensor) -> torch.Tensor:
-        neg = torch.finfo(torch.float32).min
         logq = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, cand_ids.clamp(min=0))
+        return self.from_logq(logq, cand_logp, cand_mask)
+
+    @staticmethod
+    def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
+        """The same loss from the student's candidate log-probabilities ``[N, C]`` (any normalisation)."""
+        neg = torch.finfo(torch.float32).min
         logq = torch.log_softmax(logq.masked_fill(~cand_mask, neg), dim=-1)
         logp = torch.log_softmax(cand_logp.masked_fill(~cand_mask, neg), dim=-1)
         q = logq.exp() * cand_mask
@@ -125,14 +135,13 @@ def candidates(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: 
         if include_sampled and tok in row and all(t != tok for t, _ in best):
             best.append((tok, row[tok]))
         picked.append(best)
-    width = max(1, max(len(p) for p in picked))
-    ids = torch.zeros((len(picked), width), dtype=torch.long)
-    logp = torch.zeros((len(picked), width), dtype=torch.float32)
-    mask = torch.zeros((len(picked), width), dtype=torch.bool)
-    for i, p in enumerate(picked):
-        for j, (t, lp) in enumerate(p):
-            ids[i, j], logp[i, j], mask[i, j] = t, lp, True
-    return ids.to(device), logp.to(device), mask.to(device)
+    width = max(1, max((len(p) for p in picked), default=0))
+    ids = [[t for t, _ in p] + [0] * (width - len(p)) for p in picked]
+    logp = [[lp for _, lp in p] + [0.0] * (width - len(p)) for p in picked]
+    mask = [[True] * len(p) + [False] * (width - len(p)) for p in picked]
+    return (torch.tensor(ids, dtype=torch.long, device=device).view(-1, width),
+            torch.tensor(logp, dtype=torch.float32, device=device).view(-1, width),
+            torch.tensor(mask, dtype=torch.bool, device=device).view(-1, width))
 
 
 def teacher_token_logp(rows: Sequence[dict[int, float]], sampled: Sequence[int]) -> torch.Tensor:
@@ -268,24 +277,67 @@ def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_toke
     return comps
 
 
+def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[list[int]], n: int, max_tokens: int,
+                     temperature: float, top_p: float, *, seeds: Sequence[Sequence[int]],
+                     end_ids: Sequence[int]) -> list[list[int]]:
+    """``n`` completions per prompt from the engine's continuous batching with the trainer's private adapter
+    ``key`` (token IDs, through the first end-of-turn token), prompt-major like :func:`sample_batch`.
+
+    ``revision`` names the adapter's current weights: the engine keys the private adapter's prefix-cache
+    blocks by ``key#revision``, so blocks computed before an optimizer step are never reused after it. Every
+    row has its own seed (``seeds[prompt][sample]``), so a resumed job samples what the uninterrupted one did.
+    All rows are queued under exclusive ownership: the engine's first cycle sees all of them (the same
+    batches every time the same step runs), and serving requests interleave with them after that.
+    """
+    from kiln.runtime.sampling import SamplingParams
+
+    subs = []
+    try:
+        with engine.ownership.exclusive():
+            for p, row_seeds in zip(prompts, seeds):
+                params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sd,
+                                         stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:n]]
+                subs.append(engine.submit(list(p), params, adapter=key, incremental=False,
+                                          private_revision=revision))
+        out: list[list[int]] = []
+        for sub in subs:
+            for stream in sub.streams:
+                toks: list[int] = []
+                while True:
+                    chunk = stream.next_chunk_sync(None)
+                    toks.extend(c.token_id for c in chunk.tokens)
+                    if chunk.finish_reason is not None:
+                        break
+                if chunk.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"student sampling ended with {chunk.finish_reason!r}")
+                out.append(toks)
+        return out
+    finally:
+        for sub in subs:
+            sub.cancel()
+
+
 def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + prompt * 101 + sample) % (2**31 - 1)
 
 
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
-            model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int]) -> Any:
+            model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
+            engine: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
-    Sampling and the step run under exclusive ownership; the teacher is asked outside it (a local teacher
-    scores on the serving engine)."""
+    With ``engine`` the student samples on the serving engine's continuous batching (the private adapter
+    by key, prefix cache keyed by step: :func:`sample_on_engine`), interleaved with serving; without it, one
+    batched ``generate`` under exclusive ownership (:func:`sample_batch`). The teacher is asked outside
+    exclusive ownership (a local teacher scores on the serving engine); the step runs under it."""
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
+    from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.trainer import _Loop
 
     identity = _identity_of(data.teacher["identity"])
-    loss_fn: nn.Module = {"tail": TailReverseKL(), "renormalized": RenormalizedReverseKL(),
-                          "sampled_token": SampledTokenLoss()}[data.loss]
     loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    split = split_causal_lm(peft_model)  # logits only at completion positions, a chunk at a time
     n = len(data.items)
     for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
         loop.stats.setdefault(key, 0.0)
@@ -295,13 +347,21 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.check_cancel()
             step = loop.step
             chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
-            # 1. student samples: one batched generate over every prompt x sample, on the private adapter
+            # 1. student samples every prompt x sample with the private adapter's current weights
             t0 = time.perf_counter()
-            with loop.step_ownership(), torch.no_grad():
-                comps = sample_batch(peft_model, [list(data.items[i].student_ids) for i in chosen],
-                                     data.samples_per_prompt, data.max_tokens, data.temperature, data.top_p,
-                                     seed=sample_seed(plan.seed, step, 0, 0), pad_id=pad_id, end_ids=end_ids,
-                                     device=loop.device)
+            prompts = [list(data.items[i].student_ids) for i in chosen]
+            with torch.no_grad():
+                if engine is not None:
+                    seeds = [[sample_seed(plan.seed, step, k, j) for j in range(data.samples_per_prompt)]
+                             for k in range(len(chosen))]
+                    comps = sample_on_engine(engine, name, f"step-{step}", prompts, data.samples_per_prompt,
+                                             data.max_tokens, data.temperature, data.top_p, seeds=seeds,
+                                             end_ids=end_ids)
+                else:
+                    with loop.step_ownership():
+                        comps = sample_batch(peft_model, prompts, data.samples_per_prompt, data.max_tokens,
+                                             data.temperature, data.top_p, seed=sample_seed(plan.seed, step, 0, 0),
+                                             pad_id=pad_id, end_ids=end_ids, device=loop.device)
             samples = [(idx, c) for k, idx in enumerate(chosen)
                        for c in comps[k * data.samples_per_prompt:(k + 1) * data.samples_per_prompt] if c]
             student_s = time.perf_counter() - t0
@@ -324,23 +384,13 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                     rows.append(sc.rows[start + j] or {})
                     sampled.append(tok)
             # 3. the step, under exclusive ownership
+            pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
+            gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
+                if data.ce_weight > 0 else []
             with loop.step_ownership():
                 t2 = time.perf_counter()
-                logits = _completion_logits(peft_model, [(list(data.items[i].student_ids), comp) for i, comp in samples],
-                                            loop.device)
-                if data.loss == "sampled_token":
-                    logq = torch.log_softmax(logits.float(), -1).gather(
-                        -1, torch.tensor(sampled, device=loop.device)[:, None])[:, 0]
-                    loss = loss_fn(logq, teacher_token_logp(rows, sampled).to(loop.device))
-                else:
-                    ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail",
-                                               device=loop.device)
-                    loss = loss_fn(logits, ids, lp, mask)
-                if data.ce_weight > 0:
-                    gold = [(list(data.items[i].student_ids), list(data.items[i].gold_ids or ())) for i in chosen]
-                    glogits = _completion_logits(peft_model, gold, loop.device)
-                    target = torch.tensor([t for _, g in gold for t in g], device=loop.device)
-                    loss = loss + data.ce_weight * nn.functional.cross_entropy(glogits.float(), target)
+                loss = opd_loss(peft_model, split, data, pairs, rows, sampled, gold, pad_id=pad_id,
+                                device=loop.device)
                 loop.optimizer_step(loss, len(sampled), t2)
                 step_s = time.perf_counter() - t2
             loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
@@ -351,14 +401,58 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     return loop.report()
 
 
-def _completion_logits(peft_model: Any, pairs: Sequence[tuple[list[int], list[int]]],
+def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+             rows: Sequence[dict[int, float]], sampled: Sequence[int],
+             gold: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_id: int, device: Any) -> torch.Tensor:
+    """One step's loss (with gradient) over the completion tokens of ``pairs`` ((student prompt, completion)),
+    whose teacher rows are ``rows`` (one per completion token, in order), plus ``ce_weight`` x CE on ``gold``.
+
+    With ``split`` (:func:`kiln.training.chunked_loss.split_causal_lm`) one trunk forward serves both, and
+    the head runs only at completion positions and keeps only the candidate columns
+    (:mod:`kiln.training.opd_head`); otherwise the model's full logits are used."""
+    from kiln.training.chunked_loss import linear_cross_entropy_sum, linear_token_logprobs
+    from kiln.training.opd_head import completion_hidden, linear_candidate_logprobs
+
+    n_tok = len(sampled)
+    targets = torch.tensor(list(sampled), dtype=torch.long, device=device)
+    gold = [g for g in gold if g[1]]
+    if split is not None:
+        h_all = completion_hidden(split, list(pairs) + list(gold), pad_id, device)
+        h, weight = h_all[:n_tok], split.head.weight
+        if data.loss == "sampled_token":
+            loss = SampledTokenLoss()(linear_token_logprobs(h, weight, targets),
+                                      teacher_token_logp(rows, sampled).to(device))
+        else:
+            ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail", device=device)
+            loss_cls = TailReverseKL if data.loss == "tail" else RenormalizedReverseKL
+            loss = loss_cls.from_logq(linear_candidate_logprobs(h, weight, ids), lp, mask)
+        if gold:
+            gold_targets = torch.tensor([t for _, g in gold for t in g], dtype=torch.long, device=device)
+            ce = linear_cross_entropy_sum(h_all[n_tok:], weight, gold_targets) / gold_targets.numel()
+            loss = loss + data.ce_weight * ce
+        return loss
+    logits = _completion_logits(peft_model, pairs, device)
+    if data.loss == "sampled_token":
+        logq = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
+        loss = SampledTokenLoss()(logq, teacher_token_logp(rows, sampled).to(device))
+    else:
+        ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail", device=device)
+        loss = (TailReverseKL() if data.loss == "tail" else RenormalizedReverseKL())(logits, ids, lp, mask)
+    if gold:
+        glogits = _completion_logits(peft_model, gold, device)
+        gold_targets = torch.tensor([t for _, g in gold for t in g], device=device)
+        loss = loss + data.ce_weight * nn.functional.cross_entropy(glogits.float(), gold_targets)
+    return loss
+
+
+def _completion_logits(peft_model: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
                        device: torch.device) -> torch.Tensor:
     """``[N, V]`` student logits predicting each completion token (N = all completion tokens, in order)."""
     width = max(len(p) + len(c) for p, c in pairs)
     ids = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
     attn = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
     for r, (p, c) in enumerate(pairs):
-        seq = p + c
+        seq = list(p) + list(c)
         ids[r, : len(seq)] = torch.tensor(seq, device=device)
         attn[r, : len(seq)] = 1
     logits = peft_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
@@ -392,7 +486,7 @@ def make_opd_recipe(plan: Any, ctx: Any, *, job_id: str, teachers: Any) -> Any:
             report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
                              pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
                              vocab_size=teachers.identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                             pad_id=pad_id, end_ids=end_ids)
+                             pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine)
             self._phase("train")
             return report
 
