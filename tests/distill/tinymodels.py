@@ -70,7 +70,8 @@ def synthetic_examples(n: int, vocab: int, *, prompt: int = 4, target: int = 5, 
 
 def make_plan(tmp: Path, teacher: Path, student: Path, examples: list[dict], *, top_k: int,
               trajectory: str = "teacher-expert", max_len: int = 64, widths=(4, 4, 4, 4),
-              temperature: float = 1.0) -> tuple[Path, Plan, Path]:
+              temperature: float = 1.0, backend: str = "transformers",
+              backend_version: str | None = None) -> tuple[Path, Plan, Path]:
     """Write dataset + plan.json under ``tmp``; return (plan path, plan, dataset root)."""
     import transformers
 
@@ -86,7 +87,8 @@ def make_plan(tmp: Path, teacher: Path, student: Path, examples: list[dict], *, 
         "student": model_fingerprint(student, "tiny/student").to_obj(),
         "tokenizer": tokenizer_fingerprint(teacher, vocab_size=vocab, renderer_version=transformers.__version__).to_obj(),
         "dataset": ds.fingerprint.to_obj(),
-        "capture": {"backend": "transformers", "backend_version": transformers.__version__, "dtype": "float32",
+        "capture": {"backend": backend, "backend_version": backend_version or transformers.__version__,
+                    "dtype": "float32",
                     "quantization": "none", "max_sequence_length": max_len, "truncation": "left",
                     "planned_tokens": ds.target_tokens, "max_forced_ids": 1},
         "probability": {"top_k": top_k, "temperature": temperature, "renormalize_selected": False,

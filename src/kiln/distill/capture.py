@@ -34,6 +34,7 @@ from kiln.distill.dataset import MAX_DATASET_FILE_BYTES, check_dataset
 from kiln.distill.errors import ContractError, DistillError, ShardError
 from kiln.distill.faults import fault
 from kiln.distill.paths import read_bytes_nofollow
+from kiln.errors import KilnError
 
 __all__ = [
     "REQUEST_SCHEMA",
@@ -63,10 +64,10 @@ _MAX_SCORE_ELEMENTS = 1 << 24  # rows x vocab handled at once in float64
 class TeacherScorer(Protocol):
     """Scores whole example trajectories; one implementation per teacher kind.
 
-    ``LocalTeacherScorer`` runs a local transformers checkpoint in this process. A
-    remote registered teacher (prompt_logprobs over the wire) is a future
-    implementation of this same protocol; it must return exact log-probabilities
-    of every top-k and forced ID, the full entropy, and its identity receipt.
+    ``LocalTeacherScorer`` runs a local transformers checkpoint in this process;
+    ``kiln.distill.remote.RemoteTeacherScorer`` scores through a registered remote
+    teacher's ``prompt_logprobs``. Both return exact log-probabilities of every
+    top-k and forced ID, the tail, the full entropy, and their identity receipt.
     """
 
     vocab_size: int
@@ -269,6 +270,9 @@ class CaptureRequest:
     batch_size: int = 8
     layout: str = "packed"  # or "jsonl"
     progress: bool = False
+    # A registered remote teacher pinned by the controller (kiln.distill.remote.pinned_teacher_spec);
+    # ``teacher`` is then only its label and ``tokenizer`` the plan's tokenizer files.
+    teacher_remote: dict[str, Any] | None = None
 
     def to_obj(self) -> dict[str, Any]:
         return {"schema": REQUEST_SCHEMA, **self.__dict__}
@@ -405,7 +409,12 @@ def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
     check_tokenizer_dir(plan.tokenizer, req.tokenizer, "teacher")
     root = Path(req.out)
     root.mkdir(parents=True, exist_ok=True)
-    scorer = LocalTeacherScorer(plan, req.teacher, device=req.device, batch_size=req.batch_size)
+    if req.teacher_remote is not None:
+        from kiln.distill.remote import RemoteTeacherScorer
+
+        scorer: TeacherScorer = RemoteTeacherScorer(plan, req.teacher_remote, req.tokenizer)
+    else:
+        scorer = LocalTeacherScorer(plan, req.teacher, device=req.device, batch_size=req.batch_size)
     e = max(1, req.examples_per_shard)
     groups = [examples[i : i + e] for i in range(0, len(examples), e)]
     total = sum(len(x.target_token_ids) for x in examples)
@@ -516,6 +525,9 @@ def _main(argv: Sequence[str]) -> int:
         req = CaptureRequest.from_obj(strict_json_loads(Path(argv[0]).read_bytes()))
         receipt = run_capture_child(req)
     except DistillError as exc:
+        print(json.dumps({"error": {"code": exc.code, "message": str(exc)}}))
+        return 2
+    except KilnError as exc:  # a remote teacher's refusal (fingerprint changed, unreachable, too large)
         print(json.dumps({"error": {"code": exc.code, "message": str(exc)}}))
         return 2
     except Exception as exc:  # noqa: BLE001 - one JSON line for the controller

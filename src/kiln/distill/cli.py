@@ -292,10 +292,29 @@ def _positive(name: str, raw: Optional[str], default: int) -> int:
     return value
 
 
+def _remote_teacher(alias: str) -> dict[str, Any]:
+    """The pinned spec of a registered remote teacher, read from the registry kiln.toml names."""
+    import json
+
+    from kiln.config import load_settings
+    from kiln.distill.remote import pinned_teacher_spec
+
+    settings = load_settings().settings
+    path = settings.teachers_registry_path
+    if not path.is_file():
+        raise _Refusal("teacher_not_found", f"no teacher registry at {path}; register the teacher first")
+    entry = json.loads(path.read_text("utf-8")).get("teachers", {}).get(alias)
+    if not isinstance(entry, dict):
+        raise _Refusal("teacher_not_found", f"no teacher {alias!r} in {path}")
+    return pinned_teacher_spec(entry, dict(settings.teachers.credentials))
+
+
 @app.command(cls=_Command)
 def capture(
     plan_file: Path = typer.Argument(..., help="the run's plan.json"),
     teacher: Optional[Path] = typer.Option(None, "--teacher", help="local teacher checkpoint directory"),
+    teacher_alias: Optional[str] = typer.Option(
+        None, "--teacher-alias", help="a registered remote teacher (kiln.toml's registry; needs --tokenizer)"),
     dataset_root: Optional[Path] = typer.Option(None, "--dataset-root", help="directory holding the plan's dataset files"),
     out: Optional[Path] = typer.Option(None, "--out", help="publication root of this run's shards"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer-only root (default: --teacher)"),
@@ -312,14 +331,18 @@ def capture(
         from kiln.distill.capture import CaptureRequest
         from kiln.distill.capture import capture as run_capture
 
-        if teacher is None or dataset_root is None or out is None:
-            raise _Refusal("missing_option", "--teacher DIR, --dataset-root DIR and --out DIR are required")
+        if (teacher is None) == (teacher_alias is None) or dataset_root is None or out is None:
+            raise _Refusal("missing_option", "one of --teacher DIR or --teacher-alias ALIAS, --dataset-root DIR "
+                                             "and --out DIR are required")
+        if teacher_alias is not None and tokenizer is None:
+            raise _Refusal("missing_option", "--teacher-alias needs --tokenizer DIR (the plan's tokenizer files)")
         if layout not in ("packed", "jsonl"):
             raise _Refusal("invalid_option", f"--layout must be packed or jsonl, got {layout!r}")
+        remote = None if teacher_alias is None else _remote_teacher(teacher_alias)
         req = CaptureRequest(
             plan=str(plan_file.resolve()),
-            teacher=str(teacher.resolve()),
-            tokenizer=str((tokenizer or teacher).resolve()),
+            teacher=f"remote:{teacher_alias}" if teacher is None else str(teacher.resolve()),
+            tokenizer=str((tokenizer or teacher).resolve()),  # type: ignore[union-attr]
             dataset_root=str(dataset_root.resolve()),
             out=str(out.resolve()),
             device=device,
@@ -328,6 +351,7 @@ def capture(
             batch_size=_positive("batch-size", batch_size, 8),
             layout=layout,
             progress=progress,
+            teacher_remote=remote,
         )
         return run_capture(req)
 
