@@ -70,7 +70,6 @@ class EngineConfig:
     kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
     prefix_cache: bool = True
     compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
-    lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -89,7 +88,6 @@ class EngineConfig:
             kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
             prefix_cache=bool(getattr(b, "prefix_cache", True)),
             compile_decode=bool(getattr(b, "compile_decode", False)),
-            lean_forward=bool(getattr(b, "lean_forward", True)),
         )
 
 
