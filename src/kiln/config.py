@@ -93,6 +93,7 @@ class TrainingSettings(_Section):
     queue_max: int = Field(16, ge=1, le=10_000)
     data_dir: str | None = None  # default: $KILN_HOME/data
     max_examples: int = Field(10_000, ge=1, le=10_000_000)
+    compile: bool = False  # torch.compile each SFT job's trunk (docs/training.md: pays only on long jobs)
 
 
 class AdapterSettings(_Section):

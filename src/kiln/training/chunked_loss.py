@@ -41,8 +41,11 @@ class SplitLM:
     trunk: nn.Module
     head: nn.Linear
 
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` that restart at 0 mark packed rows (see :func:`kiln.training.data.collate_packed`)."""
+        return self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
 
 
 def split_causal_lm(peft_model: Any) -> SplitLM | None:

@@ -275,3 +275,62 @@ def default_epochs(n_items: int, batch_size: int, *, min_steps: int, max_epochs:
     """Enough epochs to reach ``min_steps`` optimizer steps, at most ``max_epochs``."""
     return max(1, min(max_epochs, math.ceil(min_steps / batches_per_epoch(n_items, batch_size))))
 
+
+
+# --------------------------------------------------------------------- packing
+
+
+def pack_bins(lengths: Sequence[int]) -> list[list[int]]:
+    """Group row indices into bins no wider than the longest row (first-fit decreasing, deterministic).
+
+    A batch's rows are never split and never leave their batch, so a step trains on
+    exactly the rows it would train on unpacked; only the padding goes away.
+    """
+    width = max(lengths)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(width - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def collate_packed(rows: Sequence[Row], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Rows packed into fewer sequences when that removes padding, else :func:`collate`.
+
+    Packed, the batch also has ``position_ids`` (``[N, W]``) that restart at 0 for each
+    row: transformers reads a restart as a sequence boundary and builds a block-diagonal
+    causal mask (``masking_utils.find_packed_sequence_indices``), and the rotary embedding
+    sees each row at its own positions, so every row's logits are those of the unpacked
+    row. Each row's first position carries no loss (it has no predecessor in its row),
+    as unpacked. Padding at the end of a bin continues the last row's positions, so it
+    is part of that row's block and, being after it, cannot change it.
+    ``rows_per_sequence`` records how many rows each packed sequence holds.
+    """
+    bins = pack_bins([len(r.input_ids) for r in rows])
+    if len(bins) == len(rows):
+        return collate(rows, pad_id, device)
+    width = max(len(r.input_ids) for r in rows)
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), width), dtype=torch.long)
+    attn = torch.zeros((len(bins), width), dtype=torch.long)
+    loss = torch.zeros((len(bins), width), dtype=torch.long)
+    for b, members in enumerate(bins):
+        at = 0
+        for i in members:
+            r = rows[i]
+            n = len(r.input_ids)
+            ids[b, at:at + n] = torch.tensor(r.input_ids)
+            pos[b, at:at + n] = torch.arange(n)
+            attn[b, at:at + n] = 1
+            loss[b, at + 1:at + n] = torch.tensor(r.loss_mask[1:])
+            at += n
+        pos[b, at:] = torch.arange(pos[b, at - 1] + 1, pos[b, at - 1] + 1 + width - at)
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": loss.to(device),
+            "position_ids": pos.to(device), "rows_per_sequence": torch.tensor([len(b) for b in bins])}

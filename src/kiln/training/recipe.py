@@ -9,7 +9,7 @@ recipes: each phase is one method, called in order by :meth:`TrainingRecipe.run`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -87,6 +87,7 @@ class RecipeContext:
     resume_checkpoints: Path | None  # the resumed job's checkpoint root
     # post-train gate: (published record, request's post_eval) -> verdict dict (kiln.evals); None: no evals
     gate: Callable[[AdapterRecord, dict[str, Any]], dict[str, Any]] | None = None
+    compile: bool = False  # `training.compile`: torch.compile the trunk (docs/training.md, "Speed and memory")
 
 
 class TrainingRecipe:
@@ -141,7 +142,7 @@ class TrainingRecipe:
     def train(self, resume: Checkpoint | None) -> Report:
         peft_model = self.peft_model
         pad_id = self.ctx.model.tokenizer.pad_token_id
-        rows, loop, hooks = self.plan.rows, self.plan.loop, self.ctx.hooks
+        rows, loop, hooks = self.plan.rows, step_plan(self.plan, compile=self.ctx.compile), self.ctx.hooks
         if isinstance(rows, GRPOData):
             report = run_grpo(peft_model, self.private, rows.items, loop, rows.settings, pad_id=pad_id,
                               skipped_groups=rows.skipped, hooks=hooks, resume=resume)
@@ -196,6 +197,15 @@ class TrainingRecipe:
             **({"post_eval": self.post_eval} if self.post_eval is not None else {}),
             "timings_s": self.timings | {"total": round(sum(self.timings.values()), 4)},
         }
+
+
+def step_plan(plan: JobPlan, *, compile: bool = False) -> Plan:
+    """The loop plan with the request's step options: ``packing`` and ``gradient_checkpointing`` (request
+    fields, so in the plan digest) and ``compile`` (the server's ``training.compile``). A request without
+    them (GRPO, OPD, KD, or one stored before they existed) computes its steps as before."""
+    req = plan.request
+    return replace(plan.loop, packing=bool(req.get("packing", False)),
+                   gradient_checkpointing=bool(req.get("gradient_checkpointing", False)), compile=compile)
 
 
 def seal_plan(kind: str, eff: dict[str, Any], inputs: Any, base_model_sha256: str) -> tuple[str, str]:

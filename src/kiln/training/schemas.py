@@ -147,6 +147,10 @@ class SFTRequest(_TrainCommon):
     learned_check_every: int = Field(DEFAULT_LEARNED_EVERY, ge=1, le=10_000)
     learned_margin: float = Field(DEFAULT_LEARNED_MARGIN, ge=0, le=100, allow_inf_nan=False,
                                   description="logit margin by which each target token must be the greedy choice")
+    packing: bool = Field(True, description="pack each batch's examples into fewer sequences (position_ids restart "
+                                            "per example) so padding is not computed; same loss up to float rounding")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer in backward instead of "
+                                                            "keeping its activations (less memory, slower steps)")
 
     @model_validator(mode="after")
     def _one_source(self) -> SFTRequest:

@@ -224,7 +224,7 @@ class TrainingService:
              "base_model_sha256": self.loaded.base_model_sha256}))
         eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
         if request.resume_from_job is not None:
-            self._check_resumable(request.resume_from_job, plan_sha)
+            self._check_resumable(request.resume_from_job, plan_sha, eff)
         check = None
         if until_learned:
             check = LearnedCheck(every=request.learned_check_every, margin=request.learned_margin)  # type: ignore[union-attr]
@@ -262,12 +262,13 @@ class TrainingService:
             raise InvalidRequest(f"the model has no linear modules named {missing}", code="unknown_target_modules", hint=f"choose among {sorted(self._linear_names)}")
         return LoraShape(rank, alpha, tuple(targets))
 
-    def _check_resumable(self, job_id: str, plan_sha: str) -> None:
+    def _check_resumable(self, job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None:
         old = self.jobs.get(job_id)
         if old.state not in (jobstates.FAILED, jobstates.CANCELLED):
             raise Conflict(f"job {job_id} is {old.state}; only failed or cancelled jobs can be resumed", code="job_not_resumable")
         if old.request.get("plan_sha256") != plan_sha:
-            raise Conflict(f"this request differs from job {job_id}'s request", code="resume_plan_mismatch", hint="resubmit the identical request (data, model and hyperparameters)")
+            what = _changed_fields(old.request, eff) if eff is not None else ""
+            raise Conflict(f"this request differs from job {job_id}'s request{what}", code="resume_plan_mismatch", hint="resubmit the identical request (data, model and hyperparameters)")
         from kiln.training.checkpoints import list_checkpoints
 
         if not list_checkpoints(self._checkpoint_root(job_id)):
@@ -414,7 +415,8 @@ class TrainingService:
             plan_sha256=plan.plan_sha256,
         )
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
-                            None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job))
+                            None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job),
+                            compile=self.settings.training.compile)
         if plan.kind == "opd":
             from kiln.training.opd import make_opd_recipe
 
@@ -428,6 +430,17 @@ class TrainingService:
 
             return make_rollout_recipe(plan, ctx, job_id=job.id).run()
         return TrainingRecipe(plan, ctx, job_id=job.id).run()
+
+
+def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """`` (name: old -> new, ...)`` for the plan fields two effective requests disagree on (scalars shown)."""
+    skip = set(RUN_ONLY_FIELDS) | {"inputs_sha256", "plan_sha256"}
+    names = sorted(k for k in set(old) | set(new) if k not in skip and old.get(k) != new.get(k))
+
+    def show(v: Any) -> str:
+        return repr(v) if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) < 80) else "..."
+
+    return f" ({', '.join(f'{k}: {show(old.get(k))} -> {show(new.get(k))}' for k in names[:8])})" if names else ""
 
 
 def _linear_module_suffixes(model: Any) -> set[str]:

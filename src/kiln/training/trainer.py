@@ -30,8 +30,9 @@ import torch
 from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, save_checkpoint
 from kiln.training.chunked_loss import SplitLM, chunk_rows, linear_token_logprobs, sft_loss_from_hidden, split_causal_lm
-from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
+from kiln.training.data import Row, batches_per_epoch, collate, collate_packed, epoch_order
 from kiln.training.losses import GRPOLoss, group_advantages, sft_loss, shifted_token_logprobs
+from kiln.training.step import TrunkRunner
 
 PROGRESS_EVERY_S = 0.25
 
@@ -59,6 +60,16 @@ class Plan:
     checkpoint_interval: int = 0
     max_steps: int | None = None  # cap on optimizer steps (None: epochs x batches)
     until_learned: "LearnedCheck | None" = None  # SFT: stop once the targets are the greedy answer
+    # How each step is computed (see :class:`StepOptions`); recorded in checkpoints, and a resume with
+    # other values is refused. Default off: callers that predate them compute exactly what they did.
+    packing: bool = False  # SFT: pack a batch's rows into fewer sequences when that removes padding
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping activations
+    compile: bool = False  # torch.compile the trunk (static shapes per length bucket)
+
+    def step_options(self) -> dict[str, bool]:
+        """The settings that change a step's float arithmetic but not what it computes."""
+        return {"packing": self.packing, "gradient_checkpointing": self.gradient_checkpointing,
+                "compile": self.compile}
 
 
 @dataclass(frozen=True)
@@ -230,6 +241,14 @@ class _Loop:
     def _restore(self, ckpt: Checkpoint) -> None:
         from peft import set_peft_model_state_dict
 
+        # Checkpoints written before these options existed computed every step with all of them off.
+        saved = {k: False for k in self.plan.step_options()} | dict(ckpt.stats.get("step_options") or {})
+        changed = [f"{k}={saved[k]} -> {v}" for k, v in self.plan.step_options().items() if saved.get(k) != v]
+        if changed:
+            raise TrainingFailed(
+                f"checkpoint {ckpt.path.name} was written with other step settings ({', '.join(changed)}); "
+                "exact resume needs the settings it was written with: resubmit with them"
+            )
         set_peft_model_state_dict(self.peft_model, ckpt.adapter_state, adapter_name=self.name)
         self.opt.load_state_dict(ckpt.optimizer_state)
         torch.set_rng_state(ckpt.rng_state)
@@ -286,7 +305,8 @@ class _Loop:
                 self.hooks.checkpoint_root, step=self.step, epoch=next_epoch, batch=next_batch,
                 plan_sha256=self.hooks.plan_sha256, adapter_state=adapter_state(self.peft_model, self.name),
                 optimizer_state=self.opt.state_dict(), tensors=tensors,
-                stats={"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss, "extra": self.stats},
+                stats={"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss, "extra": self.stats,
+                       "step_options": self.plan.step_options()},
             )
             self.checkpoint_step = self.step
         now = time.perf_counter()
@@ -314,21 +334,23 @@ class _Loop:
 # -------------------------------------------------------------------------- SFT
 
 
-def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_size: int) -> float:
+def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_size: int,
+                  packing: bool = False) -> float:
     """The smallest ``logit(target) - max(logit(other))`` over all loss-masked tokens of ``rows``.
 
     Positive means greedy decoding reproduces every target (see :class:`LearnedCheck`).
+    With ``packing`` (and a split head) each batch's rows are packed as in training.
     """
     device = next(peft_model.parameters()).device
     worst = math.inf
     split = split_causal_lm(peft_model)
     with torch.no_grad():
         for i in range(0, len(rows), batch_size):
-            batch = collate(rows[i:i + batch_size], pad_id, device)
             if split is not None:  # logits only at the target positions, a chunk at a time
+                batch = (collate_packed if packing else collate)(rows[i:i + batch_size], pad_id, device)
                 ids = batch["input_ids"]
                 r, c = batch["loss_mask"][:, 1:].bool().nonzero(as_tuple=True)
-                hidden = split.hidden(ids)[r, c]
+                hidden = split.hidden(ids, position_ids=batch.get("position_ids"))[r, c]
                 targets = ids[r, c + 1].unsqueeze(-1)
                 step = chunk_rows(split.head.weight.shape[0])
                 for s in range(0, max(1, hidden.shape[0]), step):
@@ -337,6 +359,7 @@ def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_si
                     margin = logits.gather(-1, t).squeeze(-1) - logits.scatter(-1, t, float("-inf")).amax(-1)
                     worst = min(worst, float(margin.min()))
                 continue
+            batch = collate(rows[i:i + batch_size], pad_id, device)
             logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1, :].float()
             targets = batch["input_ids"][:, 1:].unsqueeze(-1)
             mask = batch["loss_mask"][:, 1:].bool()
@@ -359,10 +382,15 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
     check = plan.until_learned
     split = split_causal_lm(peft_model)  # logits only at the target positions, a chunk at a time
+    packing = plan.packing and split is not None  # packed rows need the trunk's position_ids
+    runner = TrunkRunner(peft_model, split, gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile)
+    if packing:  # kept across a resume, like every stat
+        loop.stats.setdefault("packed_sequences", 0)
+        loop.stats.setdefault("padded_positions_saved", 0)
 
     def learned() -> bool:
         with loop.step_ownership():
-            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
+            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size, packing=packing)
         loop.stats["greedy_margin"] = round(margin, 4)
         return margin >= check.margin  # type: ignore[union-attr]
 
@@ -375,11 +403,16 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
                     break
                 loop.check_cancel()
                 chosen = [rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]]
-                batch = collate(chosen, pad_id, loop.device)
-                with loop.step_ownership():
+                batch = (collate_packed if packing else collate)(chosen, pad_id, loop.device)
+                if "rows_per_sequence" in batch:
+                    n, width = batch["input_ids"].shape
+                    loop.stats["packed_sequences"] += n
+                    loop.stats["padded_positions_saved"] += (len(chosen) - n) * width
+                batch = runner.prepare(batch, pad_id)
+                with loop.step_ownership(), runner.training():
                     t0 = time.perf_counter()
                     if split is not None:
-                        hidden = split.hidden(batch["input_ids"])
+                        hidden = runner.hidden(split, batch)
                         loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
                     else:
                         logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
