@@ -55,8 +55,8 @@ def _line(rank, world, tp, pp=0, proc="Worker", pid=15058, ip=None):
 
 
 def _plan(**kw) -> VllmPlan:
-    base = dict(python="/venv/bin/python", model_dir=Path("/m"), served_model_id="kiln-builtin-v1",
-                max_model_len=512, max_logprobs=20, dtype="float32")
+    base = {"python": "/venv/bin/python", "model_dir": Path("/m"), "served_model_id": "kiln-builtin-v1",
+            "max_model_len": 512, "max_logprobs": 20, "dtype": "float32"}
     return VllmPlan(**(base | kw))
 
 
@@ -193,7 +193,7 @@ def test_the_rank_law_decides_the_world_vllm_workers_report():
         "not started": (_plan(), [], {"participant_count_mismatch"}),
     }
     for what, (plan, lines, kinds) in cases.items():
-        obs, decision = decide_world(plan, lines, "inc", complete=True, local_host="h1")
+        _obs, decision = decide_world(plan, lines, "inc", complete=True, local_host="h1")
         assert not decision.coherent and kinds <= set(decision.kinds), (what, decision.kinds)
     ray = parse_rank_reports([_line(1, 2, 1, proc="RayWorkerWrapper", pid=5, ip="10.0.0.9")], "h1")
     assert (ray[0].host, ray[0].pid, ray[0].tensor_parallel_rank) == ("10.0.0.9", 5, 1)

@@ -35,7 +35,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -621,13 +620,3 @@ class VllmEngine:
                 self._done(row)
 
         return self._on_loop(run())
-
-    def run_job(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` now under shared ownership of the trainer's copy (no engine thread to wait for)."""
-        fut: Future = Future()
-        try:
-            with self.ownership.shared():
-                fut.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001
-            fut.set_exception(exc)
-        return fut

@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
-    from kiln.runtime.vllm_engine import VllmEngine
     from kiln.runtime.ownership import AcceleratorOwnership
+    from kiln.runtime.vllm_engine import VllmEngine
     from kiln.teachers.service import TeacherService
     from kiln.training.service import TrainingService
 
