@@ -50,6 +50,9 @@ VOCAB = 4096
 # Which tokens carry the loss: "all", or "half" (the first SEQ // 2 tokens are the prompt, as in chat SFT
 # where only the assistant turn is supervised). Set from --loss-on; the child processes get it on argv.
 LOSS_ON = {"value": "all"}
+# Row lengths: "full" (every row SEQ tokens: no padding anywhere) or "mixed" (each row 1/8 to all of SEQ
+# tokens, uniform, as in chat data: batches are padded to their longest row). Set from --lengths.
+LENGTHS = {"value": "full"}
 SHAPES = {"4.5m": (4096, 256, 896, 4, 4, 2), "31m": (32000, 512, 704, 8, 8, 4)}
 SEED = 1234
 CHAT_REQUESTS = 50
@@ -84,7 +87,18 @@ def bench_data(steps: int, vocab: int = VOCAB) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(SEED)
-    return torch.randint(2, vocab, (steps * BATCH, SEQ), generator=gen).tolist()
+    rows = torch.randint(2, vocab, (steps * BATCH, SEQ), generator=gen).tolist()
+    if LENGTHS["value"] == "mixed":
+        cut = torch.randint(SEQ // 8, SEQ + 1, (len(rows),), generator=gen).tolist()
+        rows = [r[:n] for r, n in zip(rows, cut)]
+    return rows
+
+
+def loss_mask(n: int) -> list[int]:
+    """Which of a row's ``n`` tokens carry loss (``--loss-on``); position 0 never does (no predecessor)."""
+    mask = [0] * (n // 2) + [1] * (n - n // 2) if LOSS_ON["value"] == "half" else [1] * n
+    mask[0] = 0
+    return mask
 
 
 def _vocab(model_dir: Path) -> int:
@@ -110,6 +124,12 @@ def _load(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -129,19 +149,22 @@ def peer_plain(model_dir: Path, steps: int) -> dict[str, Any]:
                                             lora_dropout=0.0))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    warm, timed = (torch.tensor(p) for p in _phases(model_dir, steps))
+    warm, timed = _phases(model_dir, steps)
     t0 = c0 = 0.0
     loss_value = float("nan")
     for phase, data in enumerate((warm, timed)):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
         if phase == 1:
             t0, c0 = time.perf_counter(), time.process_time()
-        for i in range(data.shape[0] // BATCH):
-            batch = data[i * BATCH:(i + 1) * BATCH]
-            labels = batch.clone()
-            if LOSS_ON["value"] == "half":
-                labels[:, :SEQ // 2] = -100
-            loss = model(input_ids=batch, labels=labels).loss
+        for i in range(len(data) // BATCH):
+            rows = data[i * BATCH:(i + 1) * BATCH]
+            width = max(len(r) for r in rows)  # right-padded to the batch's longest row, as a plain loop does
+            batch = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+            attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            labels = torch.tensor([[t if m else -100 for t, m in zip(r, loss_mask(len(r)))]
+                                   + [-100] * (width - len(r)) for r in rows])
+            full = bool(attn.all())  # no padding: no mask (the plain causal kernel), as before
+            loss = model(input_ids=batch, attention_mask=None if full else attn, labels=labels).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -168,20 +191,27 @@ def peer_kiln(model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
         trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
     elif variant == "foreach_adamw":  # the optimizer before: AdamW's default (foreach) implementation
         trainer_mod._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # type: ignore[assignment]
+    # Step options as a job gets them: packing on (the SFT request default), the others off.
+    options = {"packing": variant != "no_packing", "gradient_checkpointing": variant == "grad_ckpt",
+               "compile": variant == "compile"}
     ownership = AcceleratorOwnership()
     base = _load(model_dir)
     base.eval()  # as served
     peft_model = AdapterSlots(base, ownership).peft_model()  # the engine's own wrapping
     with ownership.exclusive():
         add_private_adapter(peft_model, "kiln-bench", lora_config(RANK, 2 * RANK, TARGETS), seed=SEED)
-    mask = [0] * (SEQ // 2) + [1] * (SEQ - SEQ // 2) if LOSS_ON["value"] == "half" else [1] * SEQ
-    rows = [Row(ids, mask) for ids in bench_data(WARMUP + steps, _vocab(model_dir))]
+    rows = [Row(ids, loss_mask(len(ids))) for ids in bench_data(WARMUP + steps, _vocab(model_dir))]
     hooks = Hooks(exclusive=ownership.exclusive)
-    run_sft(peft_model, "kiln-bench", rows[:WARMUP * BATCH], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
+    w0 = time.perf_counter()  # the warm-up steps include compiling, with `compile`
+    run_sft(peft_model, "kiln-bench", rows[:WARMUP * BATCH], Plan(LR, 1, BATCH, SEED, **options), pad_id=0,
+            hooks=hooks)
+    warmup_s = time.perf_counter() - w0
     t0, c0 = time.perf_counter(), time.process_time()
-    rep = run_sft(peft_model, "kiln-bench", rows[WARMUP * BATCH:], Plan(LR, 1, BATCH, SEED), pad_id=0, hooks=hooks)
+    rep = run_sft(peft_model, "kiln-bench", rows[WARMUP * BATCH:], Plan(LR, 1, BATCH, SEED, **options), pad_id=0,
+                  hooks=hooks)
     return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-            "loss_after_n": rep.final_loss}
+            "loss_after_n": rep.final_loss, "warmup_s": warmup_s,
+            "padded_positions_saved": rep.extra.get("padded_positions_saved", 0)}
 
 
 def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
@@ -210,7 +240,7 @@ def peer_trl(model_dir: Path, steps: int, *, matched: bool) -> dict[str, Any]:
                          lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, warmup_steps=0)
     else:
         args = SFTConfig(**common)
-    ds = Dataset.from_dict({"input_ids": bench_data(WARMUP + steps, _vocab(model_dir))})
+    ds = Dataset.from_dict({"input_ids": bench_data(WARMUP + steps, _vocab(model_dir))})  # loss on every token
     trainer = SFTTrainer(model=_load(model_dir), args=args, train_dataset=ds,
                          processing_class=AutoTokenizer.from_pretrained(model_dir),
                          peft_config=LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, lora_dropout=0.0),
@@ -225,6 +255,9 @@ PEERS = {
     "kiln": lambda d, s: peer_kiln(d, s),
     "kiln_full_logits": lambda d, s: peer_kiln(d, s, "full_logits"),
     "kiln_foreach_adamw": lambda d, s: peer_kiln(d, s, "foreach_adamw"),
+    "kiln_no_packing": lambda d, s: peer_kiln(d, s, "no_packing"),
+    "kiln_grad_ckpt": lambda d, s: peer_kiln(d, s, "grad_ckpt"),
+    "kiln_compile": lambda d, s: peer_kiln(d, s, "compile"),
     "trl_matched": lambda d, s: peer_trl(d, s, matched=True),
     "trl_default": lambda d, s: peer_trl(d, s, matched=False),
 }
@@ -233,7 +266,7 @@ PEERS = {
 def run_peer(name: str, model_dir: Path, steps: int) -> dict[str, Any]:
     """Run one peer in a fresh interpreter; returns its JSON result."""
     cmd = [sys.executable, __file__, "--peer", name, "--model-dir", str(model_dir), "--steps", str(steps),
-           "--loss-on", LOSS_ON["value"]]
+           "--loss-on", LOSS_ON["value"], "--lengths", LENGTHS["value"]]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
@@ -367,7 +400,8 @@ def bench_server(home: Path) -> dict[str, Any]:
 def bench_sft(model_dir: Path, shape: str, peers: list[str], args: Any) -> dict[str, Any]:
     n_params = sum(p.numel() for p in _load(model_dir).parameters())
     print(f"SFT: {shape} shape, {n_params / 1e6:.2f}M-param Qwen3 (vocab {_vocab(model_dir)}), LoRA r={RANK} "
-          f"{'/'.join(TARGETS)}, batch {BATCH}x{SEQ}, {args.steps} timed steps")
+          f"{'/'.join(TARGETS)}, batch {BATCH}x{SEQ} ({args.lengths} rows, loss on {args.loss_on}), "
+          f"{args.steps} timed steps, {torch_threads()} torch threads")
     sft: dict[str, Any] = {}
     # Interleave repeats and keep each peer's best run: on a shared machine the
     # load of other processes moves single runs by 2x or more.
@@ -422,15 +456,18 @@ def main() -> None:
     ap.add_argument("--loss-on", choices=["all", "half"], default="all",
                     help="SFT loss on every token, or on the second half only (a prompt/answer split); "
                          "TRL peers always train on every token")
+    ap.add_argument("--lengths", choices=["full", "mixed"], default="full",
+                    help="every row SEQ tokens, or each row 1/8 to all of SEQ (chat-like; batches get padding)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     LOSS_ON["value"] = args.loss_on
+    LENGTHS["value"] = args.lengths
 
     if args.peer:  # child process: one SFT peer
         result = PEERS[args.peer](args.model_dir, args.steps)
-        tokens = BATCH * SEQ * args.steps
+        tokens = sum(len(r) for r in bench_data(WARMUP + args.steps, _vocab(args.model_dir))[WARMUP * BATCH:])
         result.update(tokens_per_s=tokens / result["seconds"], cpu_ms_per_1k_tokens=1e6 * result["cpu_seconds"] / tokens,
                       peak_rss_mib=_peak_mib())
         print(json.dumps(result))
@@ -439,7 +476,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
-    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "steps": args.steps, "loss_on": args.loss_on,
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "steps": args.steps, "loss_on": args.loss_on, "lengths": args.lengths,
                                "batch": BATCH, "seq": SEQ, "rank": RANK}
     results["load_average_start"] = list(os.getloadavg())
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
