@@ -50,7 +50,7 @@ def _env(builtin_model_dir: Path) -> dict[str, str]:
 def _torchrun(nproc: int, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "kiln.training.run", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S, check=False)
 
 
 def _weights(result: dict) -> dict:
@@ -144,7 +144,8 @@ def _kiln(args: list[str], env: dict[str, str], **kw) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_fails_the_job_cleanly_and_a_resume_finishes_it(tmp_path, builtin_model_dir):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_killed_rank_fails_the_job_cleanly_and_a_resume_finishes_it(tmp_path, builtin_model_dir, sharding):
     from kiln.adapters.store import AdapterStore
 
     examples = tmp_path / "examples.jsonl"
@@ -153,6 +154,8 @@ def test_a_killed_rank_fails_the_job_cleanly_and_a_resume_finishes_it(tmp_path, 
     home = tmp_path / "home"
     args = ["-f", str(examples), "-a", "colours", "--epochs", "30", "--batch-size", "4", "--seed", "3",
             "--rank", "4", "--lr", "0.01", "--checkpoint-interval", "2", "--home", str(home)]
+    if sharding == "fsdp":
+        args.append("--fsdp")
 
     # 60 steps; SIGKILL rank 1 once a checkpoint at step 4 or later exists.
     proc = _kiln([*args, "--distributed", "2"], env)
@@ -167,7 +170,7 @@ def test_a_killed_rank_fails_the_job_cleanly_and_a_resume_finishes_it(tmp_path, 
                 os.kill(killed, signal.SIGKILL)
                 break
         time.sleep(0.02)
-    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert killed is not None, f"the job ended before rank 1 could be killed: {err[-2000:]}"
     assert proc.returncode != 0
     (job_dir,) = list(jobs.glob("job-*"))
@@ -200,6 +203,27 @@ def test_a_killed_rank_fails_the_job_cleanly_and_a_resume_finishes_it(tmp_path, 
     assert whole.returncode == 0, err3[-3000:]
     uninterrupted = json.loads(out3.strip().splitlines()[-1])
     diff = _max_abs_diff(_weights(resumed), _weights(uninterrupted))
-    print(f"max abs diff, resumed vs uninterrupted (2 processes, 60 steps): {diff:.3g}")
+    print(f"max abs diff, resumed vs uninterrupted ({sharding}, 2 processes, 60 steps): {diff:.3g}")
     assert diff <= TOLERANCE
     assert resumed["report"]["final_loss"] == pytest.approx(uninterrupted["report"]["final_loss"], abs=1e-5)
+
+
+def test_other_kinds_refuse_distributed_clearly():
+    from typer.testing import CliRunner
+
+    from kiln.training.cli import app
+
+    for kind, extra in (("grpo", ["-f", "x.jsonl"]), ("opd", ["-f", "x.jsonl", "-t", "teacher"]),
+                        ("kd", ["--run", "runs/x"])):
+        res = CliRunner().invoke(app, [kind, *extra, "-a", "a", "--distributed", "2"])
+        assert res.exit_code != 0
+        assert f"kiln train {kind} --distributed is not supported yet" in res.output
+
+
+def test_run_refuses_bad_arguments_before_starting():
+    from kiln.training.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--request", "r.json", "--resume", "not-a-job"])
+    with pytest.raises(SystemExit):
+        parse_args(["--request", "r.json", "--micro-batch-size", "0"])

@@ -70,3 +70,33 @@ def test_sft_and_grpo_train_on_cuda(builtin_model_dir, dtype):
     report = run_grpo(peft_model, "grpo", items, Plan(1e-3, 3, 8, 0), GRPOSettings(kl_coef=0.1), pad_id=tok.pad_token_id,
                       skipped_groups=skipped)
     assert report.steps == 3 and report.final_loss == report.final_loss  # finite, not NaN
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_nccl_processes_train_the_adapter_one_process_trains(tmp_path, builtin_model_dir, sharding):
+    """torchrun with 2 processes on 2 GPUs (NCCL), DDP or FSDP, against one process on one GPU.
+
+    float32 so that the comparison measures the distribution, not bf16 rounding; CUDA reductions are
+    not bitwise deterministic, so the bound is 1e-4 here (1e-5 on CPU, tests/training/test_distributed.py).
+    """
+    import json
+    import subprocess
+    import sys
+
+    from tests.training.test_distributed import REQUEST, RUN_TIMEOUT_S, _env, _max_abs_diff, _torchrun, _weights
+
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(REQUEST | {"epochs": 8, "max_steps": 16}))
+    env = _env(builtin_model_dir) | {"KILN_MODEL_DEVICE": "auto", "KILN_MODEL_DTYPE": "float32"}
+    one = subprocess.run([sys.executable, "-m", "kiln.training.run", "--home", str(tmp_path / "one"),
+                          "--request", str(request)], capture_output=True, text=True, env=env,
+                         timeout=RUN_TIMEOUT_S, check=False)
+    assert one.returncode == 0, one.stderr[-3000:]
+    extra = ["--fsdp"] if sharding == "fsdp" else []
+    two = _torchrun(2, ["--home", str(tmp_path / "two"), "--request", str(request), *extra], env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (one, two))
+    assert b["world_size"] == 2 and a["report"]["steps"] == b["report"]["steps"] == 16
+    assert _max_abs_diff(_weights(a), _weights(b)) <= 1e-4

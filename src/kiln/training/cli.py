@@ -72,6 +72,14 @@ def _common(adapter: str, epochs: Optional[int], lr: Optional[float], rank: Opti
     return body
 
 
+def _not_distributed(kind: str, distributed: Optional[int]) -> None:
+    if distributed is not None:
+        fail(f"kiln train {kind} --distributed is not supported yet; only sft runs under torchrun (docs/scale.md)")
+
+
+DistributedNotYet = typer.Option(None, "--distributed", help="not supported yet (sft only, docs/scale.md)")
+
+
 @app.command()
 def sft(
     file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\": [...]} examples"),
@@ -93,6 +101,7 @@ def sft(
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", min=1,
                                                    help="with --distributed: rows per forward on each process"),
     home: Optional[str] = typer.Option(None, "--home", help="with --distributed: the Kiln home"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="with --distributed: shard the base model across the processes"),
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
@@ -103,9 +112,10 @@ def sft(
         body.pop("auto_load")  # nothing is served here: `kiln adapters load` serves the published adapter
         if checkpoint_interval is not None:
             body["checkpoint_interval"] = checkpoint_interval
-        raise typer.Exit(launch(body, nproc=distributed, home=home, resume=resume, micro_batch_size=micro_batch_size))
-    if checkpoint_interval is not None or resume or micro_batch_size is not None or home:
-        fail("--checkpoint-interval, --resume, --micro-batch-size and --home apply with --distributed only")
+        raise typer.Exit(launch(body, nproc=distributed, home=home, resume=resume, micro_batch_size=micro_batch_size,
+                                fsdp=fsdp))
+    if checkpoint_interval is not None or resume or micro_batch_size is not None or home or fsdp:
+        fail("--checkpoint-interval, --resume, --micro-batch-size, --home and --fsdp apply with --distributed only")
     _submit("sft", url.rstrip("/"), body, wait)
 
 
@@ -124,8 +134,10 @@ def grpo(
     kl_estimator: str = typer.Option("k3", "--kl-estimator", help="k1 or k3"),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
     wait: bool = typer.Option(True, "--wait/--no-wait"),
+    distributed: Optional[int] = DistributedNotYet,
 ) -> None:
     """Train a LoRA adapter with GRPO on scored completion groups."""
+    _not_distributed("grpo", distributed)
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     body.update(groups=_read_rows(file), kl_coef=kl_coef, kl_estimator=kl_estimator)
     _submit("grpo", url.rstrip("/"), body, wait)
@@ -182,8 +194,10 @@ def opd(
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
     wait: bool = typer.Option(True, "--wait/--no-wait"),
+    distributed: Optional[int] = DistributedNotYet,
 ) -> None:
     """On-policy distillation: the adapter samples, the teacher scores, the adapter moves toward the teacher."""
+    _not_distributed("opd", distributed)
     body = _common(adapter, None, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     body.update(teacher=teacher, prompts=_read_rows(file), samples_per_prompt=samples_per_prompt,
                 max_tokens=max_tokens, temperature=temperature, top_k=top_k, loss=loss, ce_weight=ce_weight)
@@ -210,8 +224,10 @@ def kd(
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
     wait: bool = typer.Option(True, "--wait/--no-wait"),
+    distributed: Optional[int] = DistributedNotYet,
 ) -> None:
     """Sparse KD from an offline capture: train the served model's adapter, each shard consumed once."""
+    _not_distributed("kd", distributed)
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     body.update(run=run, ce_weight=ce_weight, kd_weight=kd_weight, replay=replay)
     _submit("kd", url.rstrip("/"), body, wait)

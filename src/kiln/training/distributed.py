@@ -29,15 +29,15 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 
 from kiln.errors import InvalidRequest
-from kiln.training.checkpoints import Checkpoint
-from kiln.training.chunked_loss import linear_cross_entropy_sum, split_causal_lm
+from kiln.training.checkpoints import Checkpoint, save_checkpoint
+from kiln.training.chunked_loss import chunk_rows, linear_cross_entropy_sum, split_causal_lm
 from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
 from kiln.training.losses import sft_loss
 from kiln.training.trainer import (
@@ -45,8 +45,10 @@ from kiln.training.trainer import (
     Plan,
     Report,
     TrainingFailed,
+    _adamw,
     _Loop,
-    greedy_margin,
+    adapter_state,
+    private_parameters,
 )
 
 # A collective that waits longer than this (a rank hung, not dead) fails the job instead of hanging it.
@@ -181,15 +183,18 @@ def check_resume_world(ckpt: Checkpoint | None, world: World) -> None:
                  "world size would change the per-rank data split and is refused")
 
 
-# --------------------------------------------------------------------- DDP model
+# ------------------------------------------------------------------ the wrapped model
 
 
 class SFTLossSum(torch.nn.Module):
-    """The module DDP wraps: ``(input_ids [B,T], loss_mask [B,T]) -> sum of target-token CE`` (scalar, fp32).
+    """The module DDP or FSDP wraps: ``(input_ids [B,T], loss_mask [B,T]) -> sum of target-token CE`` (fp32).
 
-    It holds the ``PeftModel`` so that DDP sees the adapter's parameters; the
+    It holds the ``PeftModel`` so that DDP/FSDP see the adapter's parameters; the
     head runs chunk by chunk (:func:`kiln.training.chunked_loss.split_causal_lm`)
-    where the model allows it, else through the full logits.
+    where the model allows it, else through the full logits. With ``margin`` it
+    returns instead the smallest ``logit(target) - max(logit(other))`` over the
+    targets (:class:`kiln.training.trainer.LearnedCheck`), so that under FSDP the
+    check runs inside the sharded module's forward like a step does.
     """
 
     def __init__(self, peft_model: Any):
@@ -197,15 +202,32 @@ class SFTLossSum(torch.nn.Module):
         self.peft_model = peft_model
         self._split = split_causal_lm(peft_model)
 
-    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, margin: bool = False) -> torch.Tensor:
         split = self._split
+        rows, cols = loss_mask[:, 1:].bool().nonzero(as_tuple=True)
+        targets = input_ids[rows, cols + 1]
         if split is None:
             logits = self.peft_model(input_ids=input_ids, use_cache=False).logits
-            count = int(loss_mask[:, 1:].sum())
-            return sft_loss(logits, input_ids, loss_mask) * count
-        hidden = split.hidden(input_ids)
-        rows, cols = loss_mask[:, 1:].bool().nonzero(as_tuple=True)
-        return linear_cross_entropy_sum(hidden[rows, cols], split.head.weight, input_ids[rows, cols + 1])
+            if margin:
+                return _min_margin(logits[rows, cols].float(), targets)
+            return sft_loss(logits, input_ids, loss_mask) * int(rows.numel())
+        hidden = split.hidden(input_ids)[rows, cols]
+        weight = split.head.weight
+        if not margin:
+            return linear_cross_entropy_sum(hidden, weight, targets)
+        worst = torch.full((), math.inf, device=hidden.device)
+        step = chunk_rows(weight.shape[0])
+        for s in range(0, hidden.shape[0], step):
+            worst = torch.minimum(worst, _min_margin((hidden[s:s + step] @ weight.t()).float(), targets[s:s + step]))
+        return worst
+
+
+def _min_margin(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``min_n logits[n, y_n] - max_{v != y_n} logits[n, v]`` (``[N, V]``, ``[N]``; inf when N is 0)."""
+    if logits.shape[0] == 0:
+        return torch.full((), math.inf, device=logits.device)
+    t = targets.unsqueeze(-1)
+    return (logits.gather(-1, t).squeeze(-1) - logits.scatter(-1, t, float("-inf")).amax(-1)).min()
 
 
 def wrap_ddp(peft_model: Any, params: Sequence[torch.nn.Parameter], world: World) -> Any:
@@ -218,15 +240,77 @@ def wrap_ddp(peft_model: Any, params: Sequence[torch.nn.Parameter], world: World
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     module = SFTLossSum(peft_model)
+    _only_adapter_trainable(module, params)
     trainable = {id(p) for p in params}
-    extra = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in trainable]
-    if extra:
-        raise TrainingFailed(f"parameters outside the job's adapter are trainable: {extra[:3]}")
     ignored = [n for n, p in module.named_parameters() if id(p) not in trainable]
     ignored += [n for n, _ in module.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
     device_ids = [torch.device(world.device).index] if world.backend == "nccl" else None
     return DDP(module, device_ids=device_ids, find_unused_parameters=False)
+
+
+def _only_adapter_trainable(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> None:
+    trainable = {id(p) for p in params}
+    extra = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in trainable]
+    if extra:
+        raise TrainingFailed(f"parameters outside the job's adapter are trainable: {extra[:3]}")
+
+
+def wrap_fsdp(peft_model: Any, loop: _Loop, world: World) -> Any:
+    """FSDP2 (``fully_shard``): each decoder layer, then the rest, sharded across the ranks.
+
+    The base weights are sharded too, so each rank holds about ``1/W`` of them
+    between layers (plus one layer gathered at a time). ``loop``'s optimizer is
+    rebuilt over the sharded adapter parameters, with any restored state
+    (a resumed checkpoint holds full tensors) sharded the same way.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module = SFTLossSum(peft_model)
+    _only_adapter_trainable(module, loop.params)
+    mesh = init_device_mesh(torch.device(world.device).type, (world.world_size,))
+    stacks = [m for n, m in peft_model.named_modules() if isinstance(m, torch.nn.ModuleList) and n.endswith(".layers")]
+    if not stacks:
+        raise DistributedError("--fsdp needs a model with a `layers` list of decoder layers")
+    for layer in stacks[0]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    old_params, old_opt = loop.params, loop.opt
+    loop.params = private_parameters(peft_model, loop.name)
+    loop.device = torch.device(world.device)
+    loop.opt = _adamw(loop.params, loop.plan.learning_rate)
+    for old, new in zip(old_params, loop.params):
+        state = old_opt.state.get(old)
+        if state:
+            loop.opt.state[new] = {k: distribute_tensor(v.to(loop.device), mesh, [Shard(0)]) if v.dim() else v
+                                   for k, v in state.items()}
+    return module
+
+
+def _full(value: Any) -> Any:
+    """A DTensor gathered into a plain tensor (a collective: every rank calls it in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state(peft_model: Any, loop: _Loop) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The adapter's weights and the optimizer's state as plain full tensors (call on every rank)."""
+    weights = {k: _full(v) for k, v in adapter_state(peft_model, loop.name).items()}
+    opt = loop.opt.state_dict()
+    opt["state"] = {i: {k: _full(v) for k, v in st.items()} for i, st in sorted(opt["state"].items())}
+    return weights, opt
+
+
+def unshard_adapter(peft_model: Any, name: str) -> None:
+    """Replace the adapter's shards with its gathered full weights (after the last FSDP step; every rank),
+    so that the recipe saves and publishes them as it does after any job."""
+    for mod_name, module in peft_model.named_modules():
+        for leaf, param in list(module.named_parameters(recurse=False)):
+            if f".{name}." in f".{mod_name}.{leaf}":
+                module._parameters[leaf] = torch.nn.Parameter(_full(param).detach().clone(), requires_grad=False)
 
 
 # ------------------------------------------------------------------------- SFT
@@ -241,20 +325,29 @@ def target_tokens(rows: Sequence[Row]) -> int:
     return sum(sum(r.loss_mask[1:]) for r in rows)
 
 
-def _distributed_margin(peft_model: Any, rows: Sequence[Row], world: World, *, pad_id: int,
-                        batch_size: int) -> float:
-    """The smallest greedy margin over all rows (each rank checks its share, then a MIN all-reduce)."""
+def _distributed_margin(model: Any, rows: Sequence[Row], world: World, *, pad_id: int, batch_size: int,
+                        device: torch.device) -> float:
+    """The smallest greedy margin over all rows: each rank checks its share in the same number of forwards
+    (FSDP gathers weights in each one), then a MIN all-reduce."""
     mine = list(rows[world.rank::world.world_size])
-    local = greedy_margin(peft_model, mine, pad_id=pad_id, batch_size=batch_size) if mine else math.inf
-    return all_min(world, local)
+    calls = math.ceil(math.ceil(len(rows) / world.world_size) / batch_size)
+    worst = math.inf
+    with torch.no_grad():
+        for i in range(calls):
+            chunk = mine[i * batch_size:(i + 1) * batch_size]
+            batch = collate(chunk or rows[:1], pad_id, device)
+            value = float(model(batch["input_ids"], batch["loss_mask"], margin=True))
+            worst = min(worst, value) if chunk else worst
+    return all_min(world, worst)
 
 
 def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, world: World, *,
                         pad_id: int, micro_batch_size: int | None = None, hooks: Hooks | None = None,
-                        resume: Checkpoint | None = None) -> Report:
+                        resume: Checkpoint | None = None, fsdp: bool = False) -> Report:
     """:func:`kiln.training.trainer.run_sft` across the ranks of ``world`` (see the module docstring).
 
-    ``hooks.checkpoint_root`` must be set on rank 0 only. Returns the same report on every rank.
+    ``hooks.checkpoint_root`` is where rank 0 writes checkpoints (other ranks only join the gathers
+    FSDP needs). Returns the same report on every rank.
     """
     hooks = hooks or Hooks()
     unsupported = [k for k in ("packing", "gradient_checkpointing", "compile") if getattr(plan, k, False)]
@@ -262,41 +355,54 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
         raise DistributedError(f"{', '.join(unsupported)} not supported yet in distributed jobs",
                                hint="leave them off, or run the job on the server")
     check_resume_world(resume, world)
+    if resume is not None and bool((resume.stats.get("extra") or {}).get("fsdp")) != fsdp:
+        raise DistributedError("the checkpoint was written " + ("with" if not fsdp else "without") + " --fsdp",
+                               code="resume_setting_mismatch",
+                               hint="resume with the same --fsdp setting (exact resume needs the same arithmetic)")
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
-    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    loop = _Loop(peft_model, name, plan, replace(hooks, checkpoint_root=None), plan.epochs * per_epoch, resume)
     loop.stats[WORLD_SIZE_KEY] = world.world_size
+    if fsdp:
+        loop.stats["fsdp"] = True
     check = plan.until_learned
     with loop.step_ownership():
-        ddp = wrap_ddp(peft_model, loop.params, world)
+        model = wrap_fsdp(peft_model, loop, world) if fsdp else wrap_ddp(peft_model, loop.params, world)
+
+    def no_sync() -> Any:
+        if not fsdp:
+            return model.no_sync()
+        model.set_requires_gradient_sync(False)
+        return nullcontext()
 
     def learned() -> bool:
         with loop.step_ownership():
-            margin = _distributed_margin(peft_model, rows, world, pad_id=pad_id, batch_size=plan.batch_size)
+            margin = _distributed_margin(model, rows, world, pad_id=pad_id, batch_size=plan.batch_size,
+                                         device=loop.device)
         loop.stats["greedy_margin"] = round(margin, 4)
         return margin >= check.margin  # type: ignore[union-attr]
 
     def step(global_rows: list[Row]) -> None:
         mine = rank_share(global_rows, world)
         n_targets = target_tokens(global_rows)
-        scale = world.world_size / n_targets
         micro = micro_batch_size or max(1, len(mine))
         width = max(len(r.input_ids) for r in global_rows)  # the one-process batch's shape
         chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)] or [global_rows[:1]]
-        weight = scale if mine else 0.0  # an empty share still joins the all-reduce, with zero gradients
+        weight = world.world_size / n_targets if mine else 0.0  # an empty share joins with zero gradients
         with loop.step_ownership():
             t0 = time.perf_counter()
             total = torch.zeros((), dtype=torch.float64)
             for i, chunk in enumerate(chunks):
                 batch = _pad_to(collate(chunk, pad_id, loop.device), width, pad_id)
-                sync = i == len(chunks) - 1
-                ctx = ddp.no_sync() if not sync else nullcontext()
-                with ctx:
-                    loss_sum = ddp(batch["input_ids"], batch["loss_mask"])
+                last = i == len(chunks) - 1
+                if fsdp and last:
+                    model.set_requires_gradient_sync(True)
+                with nullcontext() if last else no_sync():
+                    loss_sum = model(batch["input_ids"], batch["loss_mask"])
                     if not torch.isfinite(loss_sum):
                         raise TrainingFailed(f"loss became {loss_sum.item()} at step {loop.step + 1}; "
                                              "lower the learning rate")
                     (loss_sum * weight).backward()
-                total += float(loss_sum.detach()) * (1.0 if mine else 0.0)
+                total += float(loss_sum.detach()) if mine else 0.0
             loss = _global_loss(world, total, n_targets)
             loop.opt.step()
             loop.opt.zero_grad(set_to_none=True)
@@ -304,6 +410,24 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
             loop.step += 1
             loop.tokens += sum(len(r.input_ids) for r in global_rows)
             loop.train_s += time.perf_counter() - t0
+
+    def checkpoint(next_epoch: int, next_batch: int) -> None:
+        """Rank 0 writes the same checkpoint :class:`_Loop` writes, plus the world size; under FSDP every
+        rank first joins the gathers."""
+        if not (plan.checkpoint_interval and hooks.checkpoint_root is not None
+                and loop.step % plan.checkpoint_interval == 0 and loop.step < loop.total_steps):
+            return
+        weights, opt = full_state(peft_model, loop) if fsdp else (None, None)
+        if world.is_main:
+            save_checkpoint(
+                hooks.checkpoint_root, step=loop.step, epoch=next_epoch, batch=next_batch,
+                plan_sha256=hooks.plan_sha256,
+                adapter_state=weights if weights is not None else adapter_state(peft_model, name),
+                optimizer_state=opt if opt is not None else loop.opt.state_dict(),
+                stats={"tokens": loop.tokens, "train_s": loop.train_s, "loss": loop.loss, "extra": loop.stats,
+                       **({"step_options": plan.step_options()} if hasattr(plan, "step_options") else {})},
+            )
+        loop.checkpoint_step = loop.step
 
     stopped = "epochs"
     with loop.running():
@@ -318,7 +442,9 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
                     stopped = "learned"
                     loop.stats["learned_at_step"] = loop.step
                     loop.total_steps = loop.step
-                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
+                cursor = (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)
+                checkpoint(*cursor)
+                loop.after_step(*cursor)
             if stopped == "learned" or loop.done():
                 break
         if check is not None and stopped != "learned":
@@ -326,6 +452,8 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
                 stopped, loop.stats["learned_at_step"] = "learned", loop.step
             else:
                 stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
+        if fsdp:
+            unshard_adapter(peft_model, name)
     if check is not None:
         loop.stats["learned"] = stopped == "learned"
     loop.stats["stopped"] = stopped

@@ -123,7 +123,7 @@ class _Planner(TrainingService):
         self._linear_names = _linear_module_suffixes(model.model)
         self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
 
-    def _check_resumable(self, job_id: str, plan_sha: str) -> None:
+    def _check_resumable(self, job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None:
         if not self.world.is_main:  # rank 0 checks the job directory and sends the checkpoint
             return
         path = job_dir(self.settings, job_id)
@@ -163,9 +163,9 @@ class DistributedRecipe(TrainingRecipe):
     """:class:`TrainingRecipe` across a torchrun world: rank 0 resumes, saves and publishes."""
 
     def __init__(self, plan: JobPlan, ctx: RecipeContext, *, job_id: str, world: World,
-                 micro_batch_size: int | None = None):
+                 micro_batch_size: int | None = None, fsdp: bool = False):
         super().__init__(plan, ctx, job_id=job_id)
-        self.world, self.micro_batch_size = world, micro_batch_size
+        self.world, self.micro_batch_size, self.fsdp = world, micro_batch_size, fsdp
 
     def load_resume(self) -> Checkpoint | None:
         ckpt = on_main(self.world, super().load_resume)
@@ -178,7 +178,7 @@ class DistributedRecipe(TrainingRecipe):
         report = run_sft_distributed(
             self.peft_model, self.private, self.plan.rows, self.plan.loop, self.world,  # type: ignore[arg-type]
             pad_id=self.ctx.model.tokenizer.pad_token_id, micro_batch_size=self.micro_batch_size,
-            hooks=self.ctx.hooks, resume=resume)
+            hooks=self.ctx.hooks, resume=resume, fsdp=self.fsdp)
         self._phase("train")
         return report
 
@@ -231,12 +231,11 @@ def run_job(args: argparse.Namespace, world: World, settings: Settings) -> dict[
     """Plan, train and publish one job on this rank; rank 0 returns the job's result."""
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.builtin import builtin_model_dir
-    from kiln.runtime.loader import ModelLoadError, load_model
+    from kiln.runtime.loader import ModelLoadError, load_model, resolve_dtype
 
-    if args.fsdp:
-        raise DistributedError(
-            "--fsdp is not supported yet: the adapter is trained with DDP, so every rank holds the whole base model",
-            hint="leave out --fsdp; see docs/scale.md for the memory each rank needs")
+    if args.fsdp and not world.distributed:
+        raise DistributedError("--fsdp needs torchrun (more than one process)",
+                               hint="start it with torchrun --nproc_per_node N, or leave out --fsdp")
     job_id = on_main(world, lambda: args.job_id or new_job_id())
     path = job_dir(settings, job_id)
     body = on_main(world, lambda: _read_request(Path(args.request)))
@@ -245,7 +244,9 @@ def run_job(args: argparse.Namespace, world: World, settings: Settings) -> dict[
     model_path = settings.model.path or builtin_model_dir(settings.home_path)
     if not Path(model_path).is_dir():
         raise ModelLoadError(f"no model at {model_path}", hint="build the built-in model with `kiln model init`")
-    loaded = load_model(model_path, device=world.device, dtype=settings.model.dtype)
+    # With FSDP the base is loaded into host memory, then sharded and moved to the device rank by rank.
+    loaded = load_model(model_path, device="cpu" if args.fsdp else world.device,
+                        dtype=resolve_dtype(settings.model.dtype, world.device))
     check_same(world, "the base model (sha256)", loaded.base_model_sha256)
     store = AdapterStore(settings.adapters_path)
     planner = _Planner(store=store, settings=settings, model=loaded, world=world)
@@ -264,14 +265,14 @@ def run_job(args: argparse.Namespace, world: World, settings: Settings) -> dict[
         bar = _progress_bar(world, plan)
         hooks = Hooks(
             on_progress=(lambda p: _on_progress(path, bar, p)) if world.is_main else (lambda p: None),
-            checkpoint_root=path / "checkpoints" if world.is_main else None,
+            checkpoint_root=path / "checkpoints",  # written by rank 0 only
             plan_sha256=plan.plan_sha256,
         )
         resume_root = None if args.resume is None else job_dir(settings, args.resume) / "checkpoints"
         engine = _OfflineEngine(loaded)
         ctx = RecipeContext(engine, store, loaded, hooks, path / "checkpoints", resume_root)  # type: ignore[arg-type]
-        result = DistributedRecipe(plan, ctx, job_id=job_id, world=world,
-                                   micro_batch_size=args.micro_batch_size).run()
+        result = DistributedRecipe(plan, ctx, job_id=job_id, world=world, micro_batch_size=args.micro_batch_size,
+                                   fsdp=args.fsdp).run()
         if bar is not None:
             bar.close()
         if world.is_main:
@@ -358,7 +359,7 @@ def launch(body: dict[str, Any], *, nproc: int, kind: str = "sft", home: str | N
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"distributed job {job_id}: {nproc} processes (torchrun), logs below", file=sys.stderr)
     try:
-        code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
+        code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=False).returncode
     finally:
         os.unlink(request_file)
     status = read_status(path) or {}
@@ -368,15 +369,15 @@ def launch(body: dict[str, Any], *, nproc: int, kind: str = "sft", home: str | N
         print(f"published {result['adapter']} revision {result['revision'][:12]} from {nproc} processes; serve it "
               f"with `{result['serve_with']}`", file=sys.stderr)
         return 0
-    reason = status.get("error") or "a rank died (see the torchrun summary above)"
+    reason = status.get("error") or "a process died before rank 0 could record why"
     if status and status.get("state") != FAILED:  # rank 0 was killed before it could say so
         write_status(path, state=FAILED, error=f"torchrun exited with status {code}", finished_at=time.time())
-    step = ((status.get("progress") or {}).get("checkpoint_step")) or 0
-    print(f"distributed job {job_id} failed (torchrun exit status {code}): {reason}. Nothing was published.",
-          file=sys.stderr)
-    if step:
-        print(f"Its checkpoint at step {step} can be continued: run the same command with --resume {job_id}",
-              file=sys.stderr)
+    print(f"distributed job {job_id} failed (torchrun exit status {code}; the torchrun summary above names the "
+          f"rank that failed first). Rank 0 saw: {reason}\nNothing was published.", file=sys.stderr)
+    saved = list_checkpoints(path / "checkpoints")
+    if saved:
+        print(f"Its checkpoint at step {int(saved[-1].name.split('-')[1])} can be continued: run the same command "
+              f"with --resume {job_id} and the same number of processes", file=sys.stderr)
     return code or 1
 
 
@@ -392,7 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default=None, metavar="JOB_ID", help="continue this failed job from its checkpoint")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="rows per forward on each rank (gradient accumulation up to the global batch_size)")
-    p.add_argument("--fsdp", action="store_true", help="shard the base model (not supported yet)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the base model across the ranks (FSDP2 fully_shard) instead of a full copy per rank")
     args = p.parse_args(argv)
     for name in ("job_id", "resume"):
         value = getattr(args, name)
