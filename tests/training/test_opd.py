@@ -139,3 +139,33 @@ def test_opd_with_remote_kiln_teacher_batched_scoring(srv, tutor):
     job = wait_job(c, c.post("/v1/train/opd", json=body).json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
     assert job["result"]["report"]["teacher_s"] > 0
+
+
+def test_opd_post_eval_gate_decides_activation(tutor):
+    """post_eval on an OPD job: the published adapter is evaluated against the base model by the evals gate
+    (as for SFT), the verdict is in the job result, and the adapter is activated only on `promoted`."""
+    c = tutor
+    answer = c.post("/v1/chat/completions", json={"model": "tutor-adapter", "messages": MSGS, "temperature": 0,
+                                                  "max_tokens": 16}).json()["choices"][0]["message"]["content"]
+    suite = {"name": "opd-gate", "examples": [{"id": "q", "messages": MSGS, "reference": answer}],
+             "scorers": [{"type": "exact", "strip_punctuation": True}],
+             "generation": {"temperature": 0, "max_tokens": 16}}
+    assert c.post("/v1/evals/suites", json=suite).status_code == 201
+    body = {"adapter": "student-gated", "teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2,
+            "max_tokens": 8, "top_k": 4, "steps": 3, "batch_size": 1,
+            "post_eval": {"suite": "opd-gate", "min_pairs": 1, "min_accuracy": 0.0, "activate_on_pass": True}}
+    assert c.post("/v1/train/opd", json=body | {"auto_load": True}).status_code == 400  # post_eval owns activation
+    r = c.post("/v1/train/opd", json=body)
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job.get("error")
+    res = job["result"]
+    verdict = res["post_eval"]
+    assert verdict["verdict"] in ("promoted", "kept", "regression", "demoted", "inconclusive"), verdict
+    assert res["activated"] == (verdict["verdict"] == "promoted")
+    cand = c.get(f"/v1/evals/runs/{verdict['candidate_run']}").json()
+    assert cand["result"]["target"]["adapter"] == "student-gated"
+    assert cand["result"]["provenance"]["candidate"]["revision"] == res["revision"]
+    assert job["progress"]["post_eval"]["gate_run"] == verdict["gate_run"]
+    active = {m["id"] for m in c.get("/v1/models").json()["data"]}
+    assert ("student-gated" in active) == res["activated"]

@@ -57,6 +57,4 @@ class OPDRequest(_TrainCommon):
             raise ValueError("training_mode 'off_policy' is not supported yet; use 'on_policy'")
         if self.ce_weight > 0 and any(p.gold is None for p in self.prompts):
             raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt")
-        if self.post_eval is not None:
-            raise ValueError("post_eval is not supported for OPD jobs yet")
         return self

@@ -1,0 +1,259 @@
+"""OPD step time, side by side in one run: Kiln OPD vs a Kiln SFT step at equal tokens, and vs TRL's
+``GKDTrainer`` (``lmbda=1``: always on-policy, ``beta=1``: reverse KL) on the same model pair and batch.
+
+The student is the model with a fresh LoRA adapter; the teacher is the same base model with another
+(random, seeded) LoRA adapter, served by the engine (Kiln: a ``local`` teacher, scoring on the engine;
+TRL: the adapter merged into a second model copy, as GKDTrainer wants a model). Each method runs
+``--warmup`` steps, then ``--steps`` timed steps; the figures are medians per step.
+
+* OPD step = student sampling (engine, private adapter) + teacher scoring (engine) + update.
+* SFT step = one update on ``batch x samples`` sequences of the same prompts plus completions as long as
+  OPD's mean sampled completion (loss on the completion), i.e. the same tokens.
+* GKD step = ``GKDTrainer.training_step`` (its ``generate`` + teacher forward + student update),
+  ``per_device_train_batch_size = batch x samples``, ``max_new_tokens`` = OPD's ``max_tokens``.
+
+    .venv/bin/python bench/opd_speed.py                 # built-in model
+    .venv/bin/python bench/opd_speed.py --shape 4.5m    # hidden 256, 4 layers, 4k vocab (random weights)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def load(shape: str, work: Path) -> Any:
+    from kiln.runtime.loader import load_model
+
+    if shape == "builtin":
+        from tests.conftest import built_model_path
+
+        return load_model(str(built_model_path()), device="cpu", dtype="float32")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from training import build_bench_model
+
+    out = work / f"model-{shape}"
+    build_bench_model(out, shape)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    return load_model(str(out), device="cpu", dtype="float32")
+
+
+def teacher_adapter(loaded: Any, out: Path, rank: int) -> Path:
+    """A random, seeded LoRA adapter (non-zero B) saved as standard PEFT files: the teacher's weights."""
+    import torch
+    from peft import get_peft_model
+
+    from kiln.training.trainer import lora_config, save_adapter_files
+
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32)
+    torch.manual_seed(7)
+    pm = get_peft_model(base, lora_config(rank, 2 * rank, LORA_TARGETS), adapter_name="teacher")
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    out.mkdir(parents=True, exist_ok=True)
+    save_adapter_files(pm, "teacher", out, base_model_dir=str(loaded.path))
+    return out
+
+
+def prompts_for(loaded: Any, batch: int) -> list[list[dict[str, str]]]:
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+    return [[{"role": "user", "content": " ".join(words[(i + j) % len(words)] for j in range(6 + i % 3))}]
+            for i in range(batch)]
+
+
+def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any) -> dict[str, Any]:
+    from kiln.teachers.kiln_identity import KilnTeacherIdentity
+    from kiln.teachers.probe import LocalTeacher
+    from kiln.training.opd import OPDData, OPDItem, run_opd
+    from kiln.training.templates import end_of_turn_ids
+    from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config
+
+    engine.activate_adapter("teacher", adapter_dir, "r1")
+    ident = KilnTeacherIdentity(loaded, max_model_len=engine.config.max_model_len, max_top_k=args.top_k)
+    fp = ident.identity("teacher", ("teacher", "r1", adapter_dir)).fingerprint()
+    teacher = LocalTeacher(engine, "teacher", adapter="teacher", fingerprint=lambda: fp)
+    items = tuple(OPDItem(tuple(engine.encode_chat(c)), tuple(engine.encode_chat(c)), None) for c in chats)
+    total = args.warmup + args.steps
+    data = OPDData(items, {"identity": ident.identity("teacher", ("teacher", "r1", adapter_dir)).to_json(),
+                           "fingerprint": fp}, args.samples, 1.0, 1.0, args.max_tokens, args.top_k, "tail", 0.0,
+                   total)
+    pm = engine.peft_model()
+    with engine.ownership.exclusive():
+        add_private_adapter(pm, "opd-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
+    end_ids = sorted(end_of_turn_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None)))
+    walls: list[float] = []
+    per_step: list[dict[str, float]] = []
+    last: dict[str, float] = {"student_s": 0.0, "teacher_s": 0.0, "step_s": 0.0, "sampled_tokens": 0}
+    t_prev = [time.perf_counter()]
+
+    def progress(p: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        walls.append(now - t_prev[0])
+        t_prev[0] = now
+        per_step.append({k: p.get(k, 0.0) - last[k] for k in last})
+        last.update({k: p.get(k, 0.0) for k in last})
+
+    import kiln.training.trainer as trainer_mod
+
+    trainer_mod.PROGRESS_EVERY_S = 0.0  # a progress callback after every step: per-step times
+    plan = Plan(args.lr, 1, len(chats), 0, 0, max_steps=total)
+    import inspect
+
+    # run_opd before it sampled on the engine (no `engine` argument) can be measured with the same script
+    extra = {"engine": engine} if "engine" in inspect.signature(run_opd).parameters else {}
+    report = run_opd(pm, "opd-student", data, plan, teacher=teacher, pinned=fp, model_id="teacher",
+                     vocab_size=ident.vocab_size, hooks=Hooks(exclusive=engine.ownership.exclusive,
+                                                              on_progress=progress),
+                     resume=None, pad_id=loaded.tokenizer.pad_token_id or 0, end_ids=end_ids, **extra)
+    engine.delete_private_adapter("opd-student")
+    timed = per_step[args.warmup:]
+    return {"step_s": statistics.median(walls[args.warmup:]),
+            "student_s": statistics.median(s["student_s"] for s in timed),
+            "teacher_s": statistics.median(s["teacher_s"] for s in timed),
+            "update_s": statistics.median(s["step_s"] for s in timed),
+            "tokens": statistics.mean(s["sampled_tokens"] for s in timed), "loss": report.final_loss}
+
+
+def kiln_sft(loaded: Any, engine: Any, chats: list, completion_len: int, args: Any) -> dict[str, Any]:
+    import torch
+
+    from kiln.training.data import Row
+    from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config, run_sft
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = loaded.model.config.vocab_size
+    rows = []
+    for _ in range(args.samples):
+        for c in chats:
+            p = engine.encode_chat(c)
+            comp = torch.randint(3, vocab, (completion_len,), generator=gen).tolist()
+            rows.append(Row(p + comp, [0] * len(p) + [1] * completion_len))
+    total = args.warmup + args.steps
+    pm = engine.peft_model()
+    with engine.ownership.exclusive():
+        add_private_adapter(pm, "sft-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
+    walls: list[float] = []
+    t_prev = [time.perf_counter()]
+
+    def progress(p: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        walls.append(now - t_prev[0])
+        t_prev[0] = now
+
+    plan = Plan(args.lr, total, len(rows), 0, 0, max_steps=total)
+    run_sft(pm, "sft-student", rows, plan, pad_id=loaded.tokenizer.pad_token_id or 0,
+            hooks=Hooks(exclusive=engine.ownership.exclusive, on_progress=progress))
+    engine.delete_private_adapter("sft-student")
+    return {"step_s": statistics.median(walls[args.warmup:]), "tokens": completion_len * len(rows)}
+
+
+def trl_gkd(loaded: Any, adapter_dir: Path, chats: list, work: Path, args: Any) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from kiln.training.trainer import lora_config
+
+    path = str(loaded.path)
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    teacher = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                        str(adapter_dir)).merge_and_unload()
+    rows = [{"messages": c + [{"role": "assistant", "content": "x"}]} for c in chats for _ in range(args.samples)]
+    total = args.warmup + args.steps
+    cfg = GKDConfig(output_dir=str(work / "gkd"), lmbda=1.0, beta=1.0, temperature=1.0, max_new_tokens=args.max_tokens,
+                    per_device_train_batch_size=len(rows), max_steps=total, learning_rate=args.lr,
+                    bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True, report_to=[],
+                    save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                    seed=0, lr_scheduler_type="constant", weight_decay=0.0, max_length=512)
+    walls: list[float] = []
+
+    class Timer(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            Timer.t0 = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            walls.append(time.perf_counter() - Timer.t0)
+
+    tok = loaded.tokenizer
+    trainer = GKDTrainer(model=student, teacher_model=teacher, args=cfg, train_dataset=Dataset.from_list(rows * total),
+                         processing_class=tok, peft_config=lora_config(args.rank, 2 * args.rank, LORA_TARGETS),
+                         callbacks=[Timer()])
+    trainer.train()
+    return {"step_s": statistics.median(walls[args.warmup:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="builtin", choices=["builtin", "4.5m"])
+    ap.add_argument("--batch", type=int, default=4, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--no-trl", action="store_true")
+    args = ap.parse_args()
+
+    import os
+
+    import torch
+
+    from kiln.runtime.engine import Engine, EngineConfig
+
+    work = Path(tempfile.mkdtemp(prefix="kiln-opd-speed-"))
+    loaded = load(args.shape, work)
+    engine = Engine(loaded, EngineConfig(max_model_len=512)).start()
+    adapter_dir = teacher_adapter(loaded, work / "teacher", args.rank)
+    chats = prompts_for(loaded, args.batch)
+    print(f"model {args.shape} ({sum(p.numel() for p in loaded.model.parameters()) / 1e6:.2f}M params, vocab "
+          f"{loaded.model.config.vocab_size}), batch {args.batch} prompts x {args.samples} samples, max_tokens "
+          f"{args.max_tokens}, top_k {args.top_k}, LoRA r={args.rank}; torch threads {torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    try:
+        opd = kiln_opd(loaded, engine, adapter_dir, chats, args)
+        comp_len = max(1, round(opd["tokens"] / (args.batch * args.samples)))
+        sft = kiln_sft(loaded, engine, chats, comp_len, args)
+    finally:
+        engine.stop()
+    print(f"kiln OPD step  {opd['step_s'] * 1e3:8.1f} ms  (student sampling {opd['student_s'] * 1e3:.1f}, "
+          f"teacher {opd['teacher_s'] * 1e3:.1f}, update {opd['update_s'] * 1e3:.1f}; "
+          f"{opd['tokens']:.0f} sampled tokens)")
+    print(f"kiln SFT step  {sft['step_s'] * 1e3:8.1f} ms  ({sft['tokens']} completion tokens, same prompts)")
+    print(f"OPD / SFT at equal tokens: {opd['step_s'] / sft['step_s']:.2f}x whole step (target <= 2x); "
+          f"update only {opd['update_s'] / sft['step_s']:.2f}x")
+    if not args.no_trl:
+        gkd = trl_gkd(loaded, adapter_dir, chats, work, args)
+        print(f"TRL GKD step   {gkd['step_s'] * 1e3:8.1f} ms  (lmbda=1, beta=1)")
+        print(f"GKDTrainer / Kiln OPD: {gkd['step_s'] / opd['step_s']:.2f}x (target >= 2x)")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
