@@ -75,6 +75,8 @@ class BatchingSettings(_Section):
     kv_block_size: int = Field(16, ge=1, le=4096)  # tokens per KV block
     prefix_cache: bool = True  # share identical prompt-prefix blocks (same adapter revision)
     compile_decode: bool = False  # torch.compile the decode step (bucketed static shapes); docs/benchmarks.md
+    lean_forward: bool = True  # Llama-family forward without transformers' per-call Python (same math)
+    packed_weights: bool = True  # oneDNN-packed Linear weights in that forward (CPU, fp32; 2x their memory)
 
 
 class LimitsSettings(_Section):

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import torch
 
+from kiln.runtime.adapter_slots import BASE_KEY
+from kiln.runtime.lean_forward import lean_forward_for
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
 PACKED_MAX_SCORES = 1 << 21  # tokens x rows x kv_len above which a mixed cycle uses two forwards
@@ -36,9 +38,13 @@ def bucket(n: int, cap: int) -> int:
 
 class Batches:
     def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int, *, compile_decode: bool = False,
-                 max_rows: int = 1, max_blocks: int = 1):
+                 max_rows: int = 1, max_blocks: int = 1, model: Any = None, lean: bool = True,
+                 packed_weights: bool = False):
         self.kv = kv
         self.adapters = adapters
+        # the same math as the model's forward with far less Python per step (bitwise equal logits);
+        # used for batches whose rows all run without an adapter (kiln.runtime.lean_forward)
+        self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
         self.device = device
         self.pad_id = pad_id
         self.max_rows = max_rows
@@ -48,10 +54,14 @@ class Batches:
         self._compiled = torch.compile(self._decode_forward, dynamic=False) if compile_decode else None
         self.compiled_shapes: set[tuple[int, int]] = set()
 
-    def _adapter_kwargs(self, rows: Sequence[Any]) -> dict[str, Any]:
-        if not self.adapters.wrapped:
-            return {}
-        return {"adapter_names": [r.adapter_key for r in rows]}
+    def _forward(self, keys: Sequence[str], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any,
+                 keep: int | torch.Tensor) -> torch.Tensor:
+        """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``)."""
+        if self.lean is not None and all(k == BASE_KEY for k in keys):
+            return self.lean(ids, pos, mask, cache, keep)
+        extra = {"adapter_names": list(keys)} if self.adapters.wrapped else {}
+        return self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                                           use_cache=True, logits_to_keep=keep, **extra).logits
 
     def _where(self, table: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of cache position ``pos`` of table row ``row``."""
@@ -99,13 +109,9 @@ class Batches:
         key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
         mask = (key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None])
         cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True)
-        extra = {"adapter_names": [rows[0].adapter_key]} if self.adapters.wrapped else {}
-        out = self.adapters.forward_model(
-            input_ids=torch.tensor([ids], device=dev), position_ids=pos_t[None, :], attention_mask=mask[None, None],
-            past_key_values=cache, use_cache=True,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1, **extra,
-        )
-        logits = out.logits[0]
+        logits = self._forward([rows[0].adapter_key], torch.tensor([ids], device=dev), pos_t[None, :],
+                               mask[None, None], cache,
+                               torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1)[0]
         for r in decoding:
             r.pos += 1
         for r, c in chunks:
@@ -151,13 +157,10 @@ class Batches:
         wb, wo = self._where(table, torch.arange(n, device=dev), pos)
         mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
         cache = self.kv.step(table, wb[:, None], wo[:, None])
-        out = self.adapters.forward_model(
-            input_ids=ids, position_ids=pos[:, None], attention_mask=mask, past_key_values=cache,
-            use_cache=True, logits_to_keep=1, **self._adapter_kwargs(rows),
-        )
+        logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)
         for r in rows:
             r.pos += 1
-        return out.logits[:, -1]
+        return logits[:, -1]
 
     def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
         """Next prompt chunk of each row, right-padded into one forward.
@@ -185,10 +188,8 @@ class Batches:
             ids[i, :c] = torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev)
         mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
         cache = self.kv.step(table, wb, wo)
-        out = self.adapters.forward_model(
-            input_ids=ids, position_ids=qpos, attention_mask=mask, past_key_values=cache,
-            use_cache=True, logits_to_keep=0 if all_logits else (lens - 1)[:, None], **self._adapter_kwargs(rows),
-        )
+        logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache,
+                               0 if all_logits else (lens - 1)[:, None])
         completing_idx = []
         for i, (r, c) in enumerate(chunks):
             r.prefilled += c
@@ -196,8 +197,8 @@ class Batches:
             if r.prefilled == len(r.tokens):
                 completing_idx.append(i)
         if all_logits:
-            return out.logits, rows
+            return logits, rows
         if not completing_idx:
             return None, []
-        logits = out.logits[:, -1]
+        logits = logits[:, -1]
         return logits[torch.tensor(completing_idx, device=dev)], [rows[i] for i in completing_idx]

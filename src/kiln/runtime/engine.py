@@ -103,7 +103,8 @@ class Engine:
                        cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
-                          max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len))
+                          max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
+                          model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights)
         self._scheduler = Scheduler(cfg, kv, batches,
                                     self.adapters, self.ownership, self.observer, self.device)
 

@@ -70,6 +70,8 @@ class EngineConfig:
     kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
     prefix_cache: bool = True
     compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
+    lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
+    packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -88,6 +90,8 @@ class EngineConfig:
             kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
             prefix_cache=bool(getattr(b, "prefix_cache", True)),
             compile_decode=bool(getattr(b, "compile_decode", False)),
+            lean_forward=bool(getattr(b, "lean_forward", True)),
+            packed_weights=bool(getattr(b, "packed_weights", True)),
         )
 
 
