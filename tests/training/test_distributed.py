@@ -82,6 +82,10 @@ def test_two_processes_train_the_adapter_one_process_trains(tmp_path, builtin_mo
     assert main(["--home", str(one_home), "--model", str(builtin_model_dir), "--request", str(request),
                  "--job-id", "job-0000000000000001"]) == 0
     one = _result(one_home, "job-0000000000000001")
+    # A job ID names one job: running it again is refused and leaves the first job's record alone.
+    assert main(["--home", str(one_home), "--model", str(builtin_model_dir), "--request", str(request),
+                 "--job-id", "job-0000000000000001"]) == 2
+    assert _result(one_home, "job-0000000000000001") == one
 
     run = _torchrun(2, ["--home", str(two_home), "--request", str(request), "--job-id", "job-0000000000000002"],
                     env)

@@ -297,6 +297,10 @@ def _start_job(path: Path, job_id: str, body: dict[str, Any], plan: JobPlan, wor
     except BlockingIOError:
         os.close(fd)
         raise Conflict(f"job {job_id} is already running", code="job_running") from None
+    if (path / "status.json").exists():
+        os.close(fd)
+        raise Conflict(f"job ID {job_id} is already taken by an earlier job", code="job_exists",
+                       hint="leave out --job-id for a fresh one; continue a failed job with --resume")
     atomic_write_json(path / "request.json", body, mode=0o600)
     write_status(path, id=job_id, kind=plan.kind, adapter=plan.adapter, state=RUNNING, world_size=world.world_size,
                  plan_sha256=plan.plan_sha256, resume_from_job=plan.resume_from_job, started_at=time.time(),
