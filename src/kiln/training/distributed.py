@@ -37,7 +37,11 @@ import torch
 
 from kiln.errors import InvalidRequest
 from kiln.training.checkpoints import Checkpoint, save_checkpoint
-from kiln.training.chunked_loss import chunk_rows, linear_cross_entropy_sum, split_causal_lm
+from kiln.training.chunked_loss import (
+    chunk_rows,
+    linear_cross_entropy_sum,
+    split_causal_lm,
+)
 from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
 from kiln.training.losses import sft_loss
 from kiln.training.trainer import (
