@@ -19,8 +19,12 @@ MSGS = [{"role": "user", "content": QUESTION}]
 
 
 @pytest.fixture(scope="module")
-def srv(builtin_model_dir, tmp_path_factory):
-    home = tmp_path_factory.mktemp("opd-home")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("opd-home")
+
+
+@pytest.fixture(scope="module")
+def srv(builtin_model_dir, home):
     s = start_server(builtin_model_dir, home, extra_args=[], env_extra={}, config=None)
     yield s
     stop_server(s)
@@ -169,3 +173,73 @@ def test_opd_post_eval_gate_decides_activation(tutor):
     assert job["progress"]["post_eval"]["gate_run"] == verdict["gate_run"]
     active = {m["id"] for m in c.get("/v1/models").json()["data"]}
     assert ("student-gated" in active) == res["activated"]
+
+
+def _scored_row(c: httpx.Client, prompt_ids: list[int], completion: list[int], top_k: int) -> dict:
+    """One teacher JSONL row: the teacher (tutor-adapter) scores prompt + completion, as the manifest says."""
+    r = c.post("/v1/completions", json={"model": "tutor-adapter", "prompt": prompt_ids + completion, "max_tokens": 1,
+                                        "prompt_logprobs": top_k})
+    assert r.status_code == 200, r.text
+    rows = r.json()["choices"][0]["prompt_logprobs"]
+    return {"token_ids": prompt_ids + completion, "prompt_len": len(prompt_ids),
+            "prompt_logprobs": [None if row is None else {k: v["logprob"] for k, v in row.items()} for row in rows]}
+
+
+def test_opd_off_policy_from_identity_bound_teacher_jsonl(srv, tutor, home):
+    """A teacher JSONL built from the alias's off_policy_manifest trains the student toward the teacher without
+    sampling; a corpus bound to another fingerprint is 409 naming the field, malformed rows are 400."""
+    import json
+
+    c = tutor
+    manifest = c.get("/v1/teachers/tutor").json()["off_policy_manifest"]
+    prompt_ids = c.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": True}).json()["tokens"]
+    answer = c.post("/v1/chat/completions", json={"model": "tutor-adapter", "messages": MSGS, "temperature": 0,
+                                                  "max_tokens": 16}).json()["choices"][0]["message"]["content"]
+    answer_ids = c.post("/tokenize", json={"prompt": answer, "add_special_tokens": False}).json()["tokens"]
+    rows = [_scored_row(c, prompt_ids, answer_ids, 8)]
+    for seed in (1, 2):  # two sampled teacher answers as well
+        r = c.post("/v1/completions", json={"model": "tutor-adapter", "prompt": prompt_ids, "max_tokens": 12,
+                                            "temperature": 1.0, "seed": seed})
+        sample = c.post("/tokenize", json={"prompt": r.json()["choices"][0]["text"],
+                                           "add_special_tokens": False}).json()["tokens"]
+        if sample:
+            rows.append(_scored_row(c, prompt_ids, sample, 8))
+
+    def write(name: str, header_manifest: dict, body: list[dict], count: int | None = None) -> str:
+        path = home / "data" / "opd" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = {"schema": "kiln.opd-off-policy-teacher.v1", "manifest": header_manifest,
+                  "rows": len(body) if count is None else count}
+        path.write_text("\n".join(json.dumps(x) for x in [header, *body]) + "\n")
+        return f"opd/{name}"
+
+    base = {"adapter": "student-off", "teacher": "tutor", "training_mode": "off_policy", "top_k": 8,
+            "steps": 40, "learning_rate": 3e-3, "batch_size": 3, "auto_load": True}
+    # refusals, each before queueing
+    wrong = dict(manifest, teacher_fingerprint=manifest["teacher_fingerprint"][:-4] + "0000")
+    r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("wrong.jsonl", wrong, rows)})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "off_policy_binding_mismatch", r.text
+    assert r.json()["error"]["param"] == "teacher_jsonl.manifest.teacher_fingerprint"
+    r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("short.jsonl", manifest, rows, len(rows) + 1)})
+    assert r.status_code == 400 and "rows=" in r.json()["error"]["message"], r.text
+    bad = [dict(rows[0], token_ids=rows[0]["token_ids"][:-1] + [10**6])]
+    r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("bad.jsonl", manifest, bad)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "teacher_jsonl", r.text
+    assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "../escape.jsonl"}).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "opd/missing.jsonl"}).status_code == 404
+    assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "opd/x", "prompts": [{"messages": MSGS}]}
+                  ).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "opd/x", "loss": "sampled_token"}).status_code == 400
+
+    before = _answer_logprob(c, srv.model_id, prompt_ids, answer_ids)
+    teacher_lp = _answer_logprob(c, "tutor-adapter", prompt_ids, answer_ids)
+    r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("good.jsonl", manifest, rows)})
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job.get("error")
+    rep = job["result"]["report"]
+    assert rep["steps"] == 40 and rep["training_mode"] == "off_policy" and "teacher_s" not in rep
+    info = str(c.get("/v1/adapters/student-off").json())  # the manifest binds the corpus
+    assert "teacher_jsonl_sha256" in info and manifest["teacher_fingerprint"] in info
+    after = _answer_logprob(c, "student-off", prompt_ids, answer_ids)
+    assert after > before + 0.3 * (teacher_lp - before), (before, after, teacher_lp, rep)

@@ -177,14 +177,11 @@ class OPDData:
     loss: str
     ce_weight: float
     total_steps: int
+    corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
 
 
 def prepare_opd(service: Any, request: OPDRequest) -> Any:
     """Validate an OPD request against the model, the store and the teacher registry; return a JobPlan."""
-    from kiln.canonical import canonical_json_bytes, domain_digest
-    from kiln.training.recipe import RUN_ONLY_FIELDS, JobPlan
-    from kiln.training.trainer import Plan
-
     teachers = getattr(service, "teachers", None)
     if teachers is None:
         raise Conflict("teachers are not available in this process", code="teachers_unavailable")
@@ -200,8 +197,11 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     tok = service.loaded.tokenizer
     engine = service.engine
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
+    if request.training_mode == "off_policy":
+        return _prepare_off_policy(service, request, entry, lora, parent, limit)
     eos = tok.eos_token_id
     items = []
+    assert request.prompts is not None
     for i, p in enumerate(request.prompts):
         msgs = [m.model_dump() for m in p.messages]
         s_ids = engine.encode_chat(msgs)
@@ -214,15 +214,46 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
             raise InvalidRequest(f"prompt {i} plus max_tokens ({longest} tokens) exceeds the limit of {limit}",
                                  code="sequence_too_long", hint="shorten the prompt or lower max_tokens")
         items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
-    per_epoch = math.ceil(len(items) / request.batch_size)
-    total = request.steps or (request.epochs or 1) * per_epoch
-    if request.max_steps is not None:
-        total = min(total, request.max_steps)
-    eff = request.model_dump(mode="json")
-    eff.update(steps=total, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_target_modules=list(lora.target_modules),
-               base_adapter_revision=None if parent is None else parent.revision,
-               teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"])
     inputs = [p.model_dump(mode="json") for p in request.prompts]
+    data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
+                   request.max_tokens, request.top_k, request.loss, request.ce_weight,
+                   _total_steps(request, len(items)))
+    return _job_plan(service, request, entry, lora, parent, data, inputs, {})
+
+
+def _total_steps(request: OPDRequest, n_items: int) -> int:
+    total = request.steps or (request.epochs or 1) * math.ceil(n_items / request.batch_size)
+    return total if request.max_steps is None else min(total, request.max_steps)
+
+
+def _prepare_off_policy(service: Any, request: OPDRequest, entry: dict[str, Any], lora: Any, parent: Any,
+                        limit: int) -> Any:
+    """Off-policy: read and bind-check the teacher JSONL (:mod:`kiln.training.opd_offline`) before queueing."""
+    from kiln.training.opd_offline import load_teacher_jsonl
+
+    assert request.teacher_jsonl is not None
+    student_tok = service.teachers.identity.tokenizer()[0]
+    corpus = load_teacher_jsonl(service.settings.data_path, request.teacher_jsonl, entry,
+                                student_vocab=service.teachers.identity.vocab_size,
+                                student_tokenizer_sha256=student_tok, max_len=limit)
+    data = OPDData((), entry, 1, 0.0, 1.0, 0, request.top_k, request.loss, 0.0,
+                   _total_steps(request, len(corpus.rows)), corpus.rows)
+    return _job_plan(service, request, entry, lora, parent, data, {"teacher_jsonl_sha256": corpus.sha256},
+                     {"teacher_jsonl_sha256": corpus.sha256, "teacher_jsonl_rows": len(corpus.rows)})
+
+
+def _job_plan(service: Any, request: OPDRequest, entry: dict[str, Any], lora: Any, parent: Any, data: OPDData,
+              inputs: Any, extra: dict[str, Any]) -> Any:
+    """The effective request, its digests (resume checks the plan digest) and the JobPlan."""
+    from kiln.canonical import canonical_json_bytes, domain_digest
+    from kiln.training.recipe import RUN_ONLY_FIELDS, JobPlan
+    from kiln.training.trainer import Plan
+
+    eff = request.model_dump(mode="json")
+    eff.update(steps=data.total_steps, lora_rank=lora.rank, lora_alpha=lora.alpha,
+               lora_target_modules=list(lora.target_modules),
+               base_adapter_revision=None if parent is None else parent.revision,
+               teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"], **extra)
     inputs_sha = domain_digest(OPD_INPUTS_DOMAIN, b"opd", canonical_json_bytes(inputs))
     plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
     plan_sha = domain_digest(OPD_PLAN_DOMAIN, canonical_json_bytes(
@@ -231,10 +262,8 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
     if request.resume_from_job is not None:
         service._check_resumable(request.resume_from_job, plan_sha)
-    data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
-                   request.max_tokens, request.top_k, request.loss, request.ce_weight, total)
     loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=total)
+                max_steps=data.total_steps)
     return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,  # type: ignore[arg-type]
                    request.auto_load, request.resume_from_job)
 
@@ -470,10 +499,11 @@ def make_opd_recipe(plan: Any, ctx: Any, *, job_id: str, teachers: Any) -> Any:
 
     class OPDRecipe(TrainingRecipe):
         def run(self) -> dict[str, Any]:
-            entry = self.plan.rows.teacher
-            self.teacher = teachers.registry.client_for(entry)
-            teachers.registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
-            self._phase("probe")
+            if not self.plan.rows.corpus:  # off-policy never asks the teacher: the corpus carries its rows
+                entry = self.plan.rows.teacher
+                self.teacher = teachers.registry.client_for(entry)
+                teachers.registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
+                self._phase("probe")
             return super().run()
 
         def train(self, resume: Any) -> Any:
@@ -481,6 +511,14 @@ def make_opd_recipe(plan: Any, ctx: Any, *, job_id: str, teachers: Any) -> Any:
             from kiln.training.templates import end_of_turn_ids
 
             tok = self.ctx.model.tokenizer
+            if data.corpus:
+                from kiln.training.opd_offline import run_opd_offline
+
+                report = run_opd_offline(self.peft_model, self.private, data, data.corpus, self.plan.loop,
+                                         hooks=self.ctx.hooks, resume=resume,
+                                         pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+                self._phase("train")
+                return report
             end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
             report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,

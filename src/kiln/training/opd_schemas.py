@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kiln.training.schemas import MAX_MESSAGES_PER_EXAMPLE, ChatMessage, _TrainCommon, _Wire
+from kiln.training.schemas import MAX_MESSAGES_PER_EXAMPLE, MAX_PATH_CHARS, ChatMessage, _TrainCommon, _Wire
 
 MAX_OPD_PROMPTS = 1_000
 MAX_SAMPLES_PER_PROMPT = 64
@@ -38,7 +38,8 @@ class OPDPrompt(_Wire):
 
 class OPDRequest(_TrainCommon):
     teacher: str = Field(min_length=1, max_length=128, description="a registered teacher alias")
-    prompts: list[OPDPrompt] = Field(min_length=1, max_length=MAX_OPD_PROMPTS)
+    prompts: list[OPDPrompt] | None = Field(None, min_length=1, max_length=MAX_OPD_PROMPTS,
+                                            description="on_policy: the prompts the student answers")
     samples_per_prompt: int = Field(4, ge=1, le=MAX_SAMPLES_PER_PROMPT)
     temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -47,6 +48,9 @@ class OPDRequest(_TrainCommon):
     loss: OPDLoss = "tail"
     ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions (mixed recipe)")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
+    teacher_jsonl: str | None = Field(
+        None, max_length=MAX_PATH_CHARS,
+        description="off_policy: a teacher JSONL inside the data dir, built from the teacher's off_policy_manifest")
     steps: int | None = Field(None, ge=1, le=100_000, description="optimizer steps (default: one pass of prompts)")
     learning_rate: float = Field(5e-3, gt=0, le=1.0)
     batch_size: int = Field(4, ge=1, le=256, description="prompts per step (each sampled samples_per_prompt times)")
@@ -54,7 +58,15 @@ class OPDRequest(_TrainCommon):
     @model_validator(mode="after")
     def _checks(self) -> "OPDRequest":
         if self.training_mode == "off_policy":
-            raise ValueError("training_mode 'off_policy' is not supported yet; use 'on_policy'")
+            if self.teacher_jsonl is None or self.prompts is not None:
+                raise ValueError("training_mode 'off_policy' takes `teacher_jsonl` (the teacher's scored corpus) "
+                                 "and no `prompts`")
+            if self.loss == "sampled_token" or self.ce_weight > 0:
+                raise ValueError("off_policy trains with loss 'tail' or 'renormalized' and no ce_weight "
+                                 "(sampled_token is an on-policy estimator)")
+            return self
+        if self.prompts is None or self.teacher_jsonl is not None:
+            raise ValueError("training_mode 'on_policy' takes `prompts` and no `teacher_jsonl`")
         if self.ce_weight > 0 and any(p.gold is None for p in self.prompts):
             raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt")
         return self
