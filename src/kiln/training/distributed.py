@@ -354,10 +354,13 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
     FSDP needs). Returns the same report on every rank.
     """
     hooks = hooks or Hooks()
-    unsupported = [k for k in ("packing", "gradient_checkpointing", "compile") if getattr(plan, k, False)]
+    unsupported = [k for k in ("gradient_checkpointing", "compile") if getattr(plan, k, False)]
     if unsupported:
         raise DistributedError(f"{', '.join(unsupported)} not supported yet in distributed jobs",
                                hint="leave them off, or run the job on the server")
+    packing_skipped = bool(getattr(plan, "packing", False))
+    if packing_skipped:  # a speed option (same loss up to rounding) the distributed loop does not apply yet
+        plan = replace(plan, packing=False)
     check_resume_world(resume, world)
     if resume is not None and bool((resume.stats.get("extra") or {}).get("fsdp")) != fsdp:
         raise DistributedError("the checkpoint was written " + ("with" if not fsdp else "without") + " --fsdp",
@@ -366,6 +369,8 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
     loop = _Loop(peft_model, name, plan, replace(hooks, checkpoint_root=None), plan.epochs * per_epoch, resume)
     loop.stats[WORLD_SIZE_KEY] = world.world_size
+    if packing_skipped:
+        loop.stats["packing"] = "not applied in distributed jobs"
     if fsdp:
         loop.stats["fsdp"] = True
     check = plan.until_learned

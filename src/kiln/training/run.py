@@ -47,7 +47,7 @@ from kiln.training.distributed import (
     run_sft_distributed,
 )
 from kiln.training.jobs import new_job_id
-from kiln.training.recipe import JobPlan, RecipeContext, TrainingRecipe
+from kiln.training.recipe import JobPlan, RecipeContext, TrainingRecipe, step_plan
 from kiln.training.schemas import JOB_ID_RE, SFTRequest
 from kiln.training.service import TrainingService, _linear_module_suffixes
 from kiln.training.templates import end_of_turn_ids
@@ -176,7 +176,7 @@ class DistributedRecipe(TrainingRecipe):
         if not self.world.distributed:
             return super().train(resume)  # the server's own loop
         report = run_sft_distributed(
-            self.peft_model, self.private, self.plan.rows, self.plan.loop, self.world,  # type: ignore[arg-type]
+            self.peft_model, self.private, self.plan.rows, step_plan(self.plan), self.world,  # type: ignore[arg-type]
             pad_id=self.ctx.model.tokenizer.pad_token_id, micro_batch_size=self.micro_batch_size,
             hooks=self.ctx.hooks, resume=resume, fsdp=self.fsdp)
         self._phase("train")
@@ -220,6 +220,9 @@ def _check_request(body: dict[str, Any], kind: str, resume: str | None) -> SFTRe
     if body.get("post_eval") is not None:
         raise DistributedError("post_eval is not supported in distributed jobs",
                                hint="publish, then run the eval against the server (docs/evals.md)")
+    if body.get("gradient_checkpointing"):
+        raise DistributedError("gradient_checkpointing is not supported yet in distributed jobs",
+                               hint="leave it off; with --fsdp each rank holds only a share of the base")
     if resume is not None:
         if body.get("resume_from_job") not in (None, resume):
             raise InvalidRequest("the request's resume_from_job differs from --resume")
