@@ -10,13 +10,17 @@
    token data, batch order, LoRA init and number of timed steps for every peer:
    plain PyTorch + PEFT loop, Kiln's trainer (`kiln.training.trainer.run_sft` on
    the engine's PEFT wrapping, each step under exclusive ownership; chunked
-   head + loss, fused AdamW), Kiln with the full-logits loss
+   head + loss, fused AdamW, packing as an SFT job has it), Kiln without packing
+   (`kiln_no_packing`), with gradient checkpointing (`kiln_grad_ckpt`), with the
+   compiled trunk (`kiln_compile`; its compile time is in `warmup_s`), Kiln with the full-logits loss
    (`kiln_full_logits`, the previous step) and with AdamW's default foreach
    implementation (`kiln_foreach_adamw`), TRL
    `SFTTrainer` matched (fp32, no gradient checkpointing, constant LR, no
    clipping) and TRL with its default `SFTConfig`. Each peer runs in its own
    subprocess so its peak RSS is its own. The load average is printed before
-   and after: ratios from a loaded machine are noisy.
+   and after: ratios from a loaded machine are noisy. `--lengths mixed` gives
+   rows of 16 to 128 tokens (batches padded to their longest row; the plain
+   loop passes the padding mask); tokens/s always counts real tokens only.
 2. GRPO step time (Kiln, built-in model, 4 groups x 8 completions per step;
    also with the full-logits path, `kiln_full_logits_step_s`) and
    TRL `GRPOTrainer` on the same model, group size and batch (TRL generates its
@@ -411,17 +415,20 @@ def bench_sft(model_dir: Path, shape: str, peers: list[str], args: Any) -> dict[
                 continue  # ~30x slower; one run is enough to show it
             r = run_peer(name, model_dir, args.steps)
             r["runs"] = sft.get(name, {}).get("runs", 0) + 1
+            every = sft.get(name, {}).get("every_run", []) + [
+                {k: r.get(k) for k in ("tokens_per_s", "cpu_ms_per_1k_tokens", "peak_rss_mib", "loss_after_n")}]
             if name not in sft or "error" in sft[name] or r.get("tokens_per_s", 0) > sft[name]["tokens_per_s"]:
                 sft[name] = r
             else:
                 sft[name]["runs"] = r["runs"]
+            sft[name]["every_run"] = every  # the spread, reported next to the best run
     plain = sft.get("plain", {})
     for name in peers:
         r = sft[name]
         if "error" in r:
             print(f"  {name:<17} FAILED: {r['error'][-300:]}")
             continue
-        if "error" not in plain:
+        if plain and "error" not in plain:
             r["ratio_vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
             r["cpu_ratio_vs_plain"] = plain["cpu_ms_per_1k_tokens"] / r["cpu_ms_per_1k_tokens"]
             r["peak_rss_ratio_vs_plain"] = r["peak_rss_mib"] / plain["peak_rss_mib"]
@@ -450,7 +457,8 @@ def main() -> None:
     ap.add_argument("--skip-trl-default", action="store_true", help="skip TRL's default SFTConfig (slow on CPU)")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-grpo", action="store_true")
-    ap.add_argument("--peers", default="plain,kiln,kiln_full_logits,kiln_foreach_adamw,trl_matched,trl_default",
+    ap.add_argument("--skip-sft", action="store_true")
+    ap.add_argument("--peers", default="plain,kiln,kiln_full_logits,kiln_grad_ckpt,trl_matched,trl_default",
                     help="SFT peers to run (comma list)")
     ap.add_argument("--shapes", default="4.5m,31m", help=f"SFT model shapes (comma list of {', '.join(SHAPES)})")
     ap.add_argument("--loss-on", choices=["all", "half"], default="all",
@@ -483,10 +491,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         peers = [p for p in args.peers.split(",") if not (args.skip_trl_default and p == "trl_default")]
         results["sft_shapes"] = {}
-        for shape in args.shapes.split(","):
+        for shape in [] if args.skip_sft else args.shapes.split(","):
             model_dir = build_bench_model(Path(tmp) / f"qwen3-{shape}", shape)
             results["sft_shapes"][shape] = bench_sft(model_dir, shape, peers, args)
-        results["sft"] = results["sft_shapes"][args.shapes.split(",")[0]]["peers"]  # the first shape, as before
+        if results["sft_shapes"]:
+            results["sft"] = results["sft_shapes"][args.shapes.split(",")[0]]["peers"]  # the first shape, as before
 
         from kiln.runtime.builtin import BUILTIN_NAME, build_builtin_model
 
