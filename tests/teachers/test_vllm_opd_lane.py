@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -13,14 +14,24 @@ import httpx
 import pytest
 
 from tests.teachers.conftest import LAUNCHER_SCRIPT, private_dir
-from tests.teachers.test_vllm_lane import READY_TIMEOUT, _args, _env, _free_port, model_dir, vllm_python  # noqa: F401
+from tests.teachers.test_vllm_lane import (  # noqa: F401
+    LANE_TIMEOUT_SECONDS,
+    READY_TIMEOUT,
+    _args,
+    _env,
+    _free_port,
+    model_dir,
+    vllm_python,
+)
 
+STOP_TIMEOUT_S = 300
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(os.environ.get("KILN_VLLM") != "1", reason="real vLLM lane: set KILN_VLLM=1 (scripts/test_vllm.sh)"),
 ]
 
 
+@pytest.mark.timeout(LANE_TIMEOUT_SECONDS)
 def test_vllm_teacher_registered_and_used_for_opd(vllm_python, model_dir, tmp_path):  # noqa: F811
     from kiln.demo import wait_job
     from tests.serving.conftest import start_server, stop_server
@@ -62,5 +73,23 @@ def test_vllm_teacher_registered_and_used_for_opd(vllm_python, model_dir, tmp_pa
     finally:
         if kiln is not None:
             stop_server(kiln)
-        proc.terminate()
-        proc.wait(timeout=120)
+        _stop_launcher(proc)
+
+
+def _stop_launcher(proc: subprocess.Popen) -> None:
+    """SIGINT the launcher (it stops its vLLM process group and removes the snapshot and cache); if it has
+    not exited after STOP_TIMEOUT_S (a loaded machine mid start-up), kill its child's group, then it."""
+    if proc.poll() is not None:
+        return
+    children = subprocess.run(["ps", "-o", "pgid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pgid in {int(x) for x in children.stdout.split()} - {os.getpgid(0)}:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        proc.wait()

@@ -116,10 +116,10 @@ def test_missing_sampled_token_uses_tail_mass():
     assert math.isclose(float(teacher_token_logp(rows, [6])[0]), math.log(0.3), rel_tol=1e-6)
 
 
-def test_chunked_candidate_logprobs_match_full_logits_with_gradients():
-    """The OPD head path (completion positions only, candidate columns only, chunked and recomputed in
-    backward) gives the full-logits loss and the same gradients on the hidden states."""
-    from kiln.training.opd_head import linear_candidate_logprobs
+def test_chunked_candidate_loss_matches_full_logits_with_gradients():
+    """The OPD head path (completion positions only, candidate columns only, a chunk at a time, gradient
+    computed in forward) gives the full-logits loss and the same gradients on the hidden states."""
+    from kiln.training.opd_head import candidate_loss_mean
 
     g = torch.Generator().manual_seed(0)
     n, hdim, v, k = 37, 16, 300, 6
@@ -128,17 +128,15 @@ def test_chunked_candidate_logprobs_match_full_logits_with_gradients():
     teacher = torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64), -1)
     sampled = torch.randint(0, v, (n,), generator=g).tolist()
     ids, lp, mask = candidates(_rows(teacher, k, sampled), sampled, k, include_sampled=True)
-    logq_full = torch.log_softmax(h @ w.t(), -1).gather(-1, ids)  # float64, all V columns materialised
-    full = TailReverseKL.from_logq(logq_full, lp.double(), mask)
-    (g_full,) = torch.autograd.grad(full, h)
-    assert math.isclose(TailReverseKL()(h @ w.t(), ids, lp.double(), mask).item(), full.item(), rel_tol=1e-5)
-    # chunks of 5 rows: several chunks, the last one partial
-    logq = linear_candidate_logprobs(h, w, ids, chunk_elements=5 * v)
-    chunked = TailReverseKL.from_logq(logq, lp.double(), mask)
-    (g_chunked,) = torch.autograd.grad(chunked, h)
-    assert math.isclose(chunked.item(), full.item(), rel_tol=1e-9)
-    assert torch.allclose(g_chunked, g_full, rtol=1e-7, atol=1e-10)
-    renorm_full = RenormalizedReverseKL.from_logq(torch.log_softmax(h @ w.t(), -1).gather(-1, ids), lp.double(), mask)
-    renorm = RenormalizedReverseKL.from_logq(linear_candidate_logprobs(h, w, ids, chunk_elements=5 * v),
-                                             lp.double(), mask)
-    assert math.isclose(renorm.item(), renorm_full.item(), rel_tol=1e-9)
+    lp = lp.double()
+    for loss_cls in (TailReverseKL, RenormalizedReverseKL):
+        logq_full = torch.log_softmax(h @ w.t(), -1).gather(-1, ids)  # float64, all V columns materialised
+        full = loss_cls.from_logq(logq_full, lp, mask)
+        (g_full,) = torch.autograd.grad(full, h)
+        assert math.isclose(loss_cls()(h @ w.t(), ids, lp, mask).item(), full.item(), rel_tol=1e-5)
+        # chunks of 5 rows: several chunks, the last one partial
+        fused = candidate_loss_mean(h, w, ids, lambda lq, rows: loss_cls.from_logq(  # noqa: B023
+            lq, lp[rows], mask[rows]) * lq.shape[0], chunk_elements=5 * v)
+        (g_fused,) = torch.autograd.grad(fused, h)
+        assert math.isclose(fused.item(), full.item(), rel_tol=1e-9)
+        assert torch.allclose(g_fused, g_full, rtol=1e-7, atol=1e-10)

@@ -440,7 +440,7 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
     the head runs only at completion positions and keeps only the candidate columns
     (:mod:`kiln.training.opd_head`); otherwise the model's full logits are used."""
     from kiln.training.chunked_loss import linear_cross_entropy_sum, linear_token_logprobs
-    from kiln.training.opd_head import completion_hidden, linear_candidate_logprobs
+    from kiln.training.opd_head import candidate_loss_mean, completion_hidden
 
     n_tok = len(sampled)
     targets = torch.tensor(list(sampled), dtype=torch.long, device=device)
@@ -454,7 +454,8 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
         else:
             ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail", device=device)
             loss_cls = TailReverseKL if data.loss == "tail" else RenormalizedReverseKL
-            loss = loss_cls.from_logq(linear_candidate_logprobs(h, weight, ids), lp, mask)
+            loss = candidate_loss_mean(h, weight, ids, lambda logq, rows: loss_cls.from_logq(
+                logq, lp[rows], mask[rows]) * logq.shape[0])
         if gold:
             gold_targets = torch.tensor([t for _, g in gold for t in g], dtype=torch.long, device=device)
             ce = linear_cross_entropy_sum(h_all[n_tok:], weight, gold_targets) / gold_targets.numel()
