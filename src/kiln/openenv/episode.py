@@ -149,6 +149,15 @@ class Session:
             pass
 
 
+def as_completion(episode: Episode) -> dict[str, Any]:
+    """The episode as one GRPO completion: the first action as ``text``, every later action with the
+    observation before it as a ``turn``, the episode return as the reward (every action is trained)."""
+    out: dict[str, Any] = {"text": episode.actions[0] if episode.actions else "", "reward": episode.episode_return}
+    if len(episode.actions) > 1:
+        out["turns"] = [{"observation": o, "text": a} for o, a in zip(episode.observations, episode.actions[1:])]
+    return out
+
+
 @dataclass
 class Episode:
     seed: int
@@ -157,6 +166,7 @@ class Episode:
     episode_return: float = 0.0
     steps: int = 0
     actions: list[str] = field(default_factory=list)  # completion texts, in order
+    observations: list[str] = field(default_factory=list)  # the user turn after each action that did not end it
     exchanges: list[dict[str, Any]] = field(default_factory=list)  # {"action", "result"} per step sent
     error: dict[str, Any] | None = None
 
@@ -215,8 +225,10 @@ def extract_action(text: str) -> Any:
 
 def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, str]]], str],
          messages: list[dict[str, str]], *, validator: Any, max_steps: int, protocol_error_reward: float,
-         budget: Budget, render: Callable[[dict[str, Any]], str]) -> Episode:
-    """Run ``episode`` to termination on ``session`` (already reset); the session is closed at the end."""
+         budget: Budget, render: Callable[[dict[str, Any]], str],
+         cancelled: Callable[[], bool] = lambda: False) -> Episode:
+    """Run ``episode`` to termination on ``session`` (already reset); the session is closed at the end.
+    ``cancelled`` is checked before every action (raises :class:`Cancelled`)."""
     try:
         obs = episode.reset_observation
         if obs.get("done"):
@@ -226,6 +238,8 @@ def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, st
             if episode.steps >= max_steps:
                 episode.termination = MAX_STEPS
                 return episode
+            if cancelled():
+                raise Cancelled("the run was cancelled")
             text = policy(messages)
             budget.charge(len(text.encode("utf-8")))
             episode.actions.append(text)
@@ -252,7 +266,9 @@ def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, st
             if obs.get("done") is True:
                 episode.termination = DONE
                 return episode
-            messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": render(obs)}]
+            episode.observations.append(render(obs))
+            messages = messages + [{"role": "assistant", "content": text},
+                                   {"role": "user", "content": episode.observations[-1]}]
     finally:
         session.close()
 

@@ -50,6 +50,7 @@ RUNS_DIR = Path(".openenv") / "runs"
 RUN_FILE = "run.json"
 MAX_RUN_FILE_BYTES = 4 * 1024 * 1024
 JOB_POLL_S = 0.25
+CLOSE_JOIN_S = 30.0  # shutdown waits this long for a worker to leave its current exchange or generation
 JOB_TERMINAL = ("succeeded", "failed", "cancelled")
 PREFLIGHT_GROUP = {"messages": [{"role": "user", "content": "preflight"}],
                    "completions": [{"text": "a", "reward": 0.0}, {"text": "b", "reward": 1.0}]}
@@ -87,12 +88,25 @@ class OpenEnvService:
         for t in self._threads:
             t.start()
 
-    def close(self) -> None:
+    def close(self, join_s: float = CLOSE_JOIN_S) -> list[str]:
+        """Stop the workers: a run in flight stops at its next episode, step or job poll and is recorded
+        ``failed``/``interrupted`` (never ``cancelled``: nobody cancelled it); queued runs stay queued on
+        disk for the next start. Joins every worker; returns the names of any still alive after
+        ``join_s`` (logged)."""
         with self._lock:
             self._stop = True
-            for event in self._cancel.values():
-                event.set()
+            for run_id, event in self._cancel.items():
+                if run_id not in self._queue:
+                    event.set()
             self._lock.notify_all()
+        deadline = time.monotonic() + join_s
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            log.warning("OpenEnv workers still running after %.0f s: %s", join_s, alive)
+        return alive
 
     def _recover(self) -> None:
         if not self.root.is_dir():
@@ -178,7 +192,8 @@ class OpenEnvService:
                 "created_at": time.time(), "started_at": None, "finished_at": None,
                 "request": request.model_dump(mode="json"), "training_contract": contract,
                 "environment": None, "progress": {"groups_done": 0, "episodes_done": 0, "env_steps": 0,
-                                                  "capacity_retries": 0, "rollout_bytes": 0},
+                                                  "policy_actions": 0, "capacity_retries": 0,
+                                                  "rollout_bytes": 0},
                 "returns": None, "terminations": {k: 0 for k in ep.TERMINATIONS}, "artifacts": None,
                 "training_job": None,
                 "error": None,
@@ -258,7 +273,11 @@ class OpenEnvService:
                 self._execute(rec, self._requests[run_id], cancelled)
             except ep.Cancelled:
                 with self._lock:
-                    self._finish(rec, "cancelled")
+                    if self._stop:
+                        self._finish(rec, "failed", error=("interrupted", "the server shut down while this run "
+                                                           f"was {rec['state']}; episodes are not resumed"))
+                    else:
+                        self._finish(rec, "cancelled")
             except KilnError as exc:
                 with self._lock:
                     self._finish(rec, "failed", error=(exc.code, exc.message))
@@ -317,16 +336,16 @@ class OpenEnvService:
                             code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
                     episode = ep.play(session, ep.Episode(seed, data), policy, messages, validator=disc.validator,
                                       max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
-                                      budget=budget, render=ep.render_observation)
+                                      budget=budget, render=ep.render_observation, cancelled=cancelled)
                     played[-1][1].append(episode)
-                    completions.append({"text": episode.actions[0] if episode.actions else "",
-                                        "reward": episode.episode_return})
+                    completions.append(ep.as_completion(episode))
                     group_returns.append(episode.episode_return)
                     with self._lock:
                         rec["terminations"][episode.termination] += 1
                         p = rec["progress"]
                         p["episodes_done"] += 1
                         p["env_steps"] += episode.steps
+                        p["policy_actions"] += len(episode.actions)
                         p["capacity_retries"] = retries[0] - p["episodes_done"]
                         p["rollout_bytes"] = budget.used
                         if episode.error is not None:
@@ -347,7 +366,14 @@ class OpenEnvService:
         if cancelled():
             raise ep.Cancelled("the run was cancelled")
         assert self.trainer is not None
-        grpo = GRPORequest.model_validate({**req.training, "groups": groups})
+        try:
+            grpo = GRPORequest.model_validate({**req.training, "groups": groups})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise InvalidRequest(f"the collected episodes do not fit a GRPO request at "
+                                 f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+                                 code="episodes_not_trainable",
+                                 hint="lower max_steps or make the environment's observations shorter") from None
         self._update(rec, artifacts=self._publish(rec, disc, groups, played))
         job = self.trainer.submit(grpo)
         self._update(rec, state="training", training_job=_job_view(job))
@@ -384,6 +410,8 @@ class OpenEnvService:
                     self._persist(rec)
             if job["state"] in JOB_TERMINAL:
                 break
+            if self._stop:  # shutdown: the trainer's own close decides the job's fate; this run is interrupted
+                raise ep.Cancelled("the server is shutting down")
             if cancelled() and not forwarded:
                 forwarded = True
                 try:

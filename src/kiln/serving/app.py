@@ -52,6 +52,9 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     policy = SecurityPolicy.from_settings(settings.server)
     redact = PathRedactor.from_settings(settings, kiln_state.model.path)
     evals = build_evals(kiln_state)
+    from kiln.serving.routes_openenv import build_service as build_openenv
+
+    openenv = build_openenv(kiln_state)  # restart recovery of OpenEnv runs happens here, before any request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,9 +64,11 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
         evals.start()
         if kiln_state.trainer is not None:
             kiln_state.trainer.start()
+        openenv.start()
         try:
             yield
         finally:
+            await asyncio.to_thread(openenv.close)  # first: a run in flight becomes `interrupted`, workers joined
             await asyncio.to_thread(evals.close)  # first: a job waiting on a gate gets its `error` verdict
             if kiln_state.trainer is not None:
                 await asyncio.to_thread(kiln_state.trainer.close)
@@ -78,6 +83,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.state.kiln = kiln_state
     app.state.redact_paths = redact
     app.state.evals = evals
+    app.state.openenv = openenv
     install_error_handlers(app, redact.text)
     routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)

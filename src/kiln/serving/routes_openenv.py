@@ -1,37 +1,31 @@
 """HTTP routes for ``/v1/openenv/*``: start an OpenEnv run, follow it, cancel it.
 
-Thin layer over :class:`kiln.openenv.service.OpenEnvService`, built on first use over the
-app's engine, training service and settings (``app.state.openenv``) and started then.
+Thin layer over :class:`kiln.openenv.service.OpenEnvService`. The app builds the service when it
+is created (:func:`build_service`: restart recovery runs then, before any request), starts its
+workers in the lifespan after the trainer, and closes it first at shutdown.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from kiln.openenv.schemas import OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
-from kiln.serving.state import get_state
+from kiln.serving.state import KilnState
 
 router = APIRouter(tags=["openenv"])
-_BUILD_LOCK = threading.Lock()
+
+
+def build_service(state: KilnState) -> Any:
+    """The OpenEnv run service over the app's engine, trainer and settings (not started)."""
+    from kiln.openenv.service import OpenEnvService
+
+    return OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings)
 
 
 def _service(request: Request) -> Any:
-    app_state = request.app.state
-    service = getattr(app_state, "openenv", None)
-    if service is None:
-        with _BUILD_LOCK:
-            service = getattr(app_state, "openenv", None)
-            if service is None:
-                from kiln.openenv.service import OpenEnvService
-
-                state = get_state(request)
-                service = OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings)
-                service.start()
-                app_state.openenv = service
-    return service
+    return request.app.state.openenv
 
 
 def _public(request: Request, body: Any) -> Any:

@@ -225,22 +225,27 @@ def tokenize_sft(tokenizer: Any, examples: Sequence[SFTExample], *, max_seq_len:
     return rows
 
 
+def grpo_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template's prompt for ``messages`` with the generation prompt appended."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              return_dict=True)["input_ids"])
+
+
+def grpo_row(tokenizer: Any, prompt: list[int], text: str, *, max_seq_len: int) -> Row:
+    """``prompt + completion_ids + [eos]`` with the mask on the completion part."""
+    comp = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = prompt + comp
+    if len(ids) > max_seq_len:
+        raise TrainingDataError(
+            f"a completion makes a {len(ids)}-token sequence; max_seq_len is {max_seq_len}",
+            code="example_too_long", hint="shorten the completion or raise max_seq_len",
+        )
+    return Row(ids, [0] * len(prompt) + [1] * len(comp))
+
+
 def tokenize_grpo_group(tokenizer: Any, group: GRPOGroup, *, max_seq_len: int) -> list[Row]:
-    prompt = tokenizer.apply_chat_template(
-        [m.model_dump() for m in group.messages], tokenize=True, add_generation_prompt=True, return_dict=True
-    )["input_ids"]
-    prompt = list(prompt)
-    rows = []
-    for c in group.completions:
-        comp = tokenizer(c.text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = prompt + comp
-        if len(ids) > max_seq_len:
-            raise TrainingDataError(
-                f"a completion makes a {len(ids)}-token sequence; max_seq_len is {max_seq_len}",
-                code="example_too_long", hint="shorten the completion or raise max_seq_len",
-            )
-        rows.append(Row(ids, [0] * len(prompt) + [1] * len(comp)))
-    return rows
+    prompt = grpo_prompt_ids(tokenizer, [m.model_dump() for m in group.messages])
+    return [grpo_row(tokenizer, prompt, c.text, max_seq_len=max_seq_len) for c in group.completions]
 
 
 # -------------------------------------------------------------------- batching

@@ -30,7 +30,7 @@ from kiln.errors import InvalidRequest
 from kiln.training.data import Row, epoch_order
 from kiln.training.rewards import RewardError, RewardFn, build_reward
 from kiln.training.schemas import GRPORequest
-from kiln.training.trainer import GRPOSettings, TrainingFailed, grpo_items
+from kiln.training.trainer import GRPOItem, GRPOSettings, TrainingFailed, grpo_items
 
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_ITERATIONS = 1
@@ -180,6 +180,40 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                              f"rewards {rewards_hist}); nothing to learn from: sample more (group_size, "
                              "temperature) or use a reward that separates completions")
     return loop.report()
+
+
+def multi_turn_items(tokenizer: Any, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *,
+                     max_seq_len: int, scale_rewards: bool) -> tuple[list[Any], int]:
+    """GRPO items for pre-scored groups whose completions are multi-turn episodes (``Completion.turns``).
+
+    Every action of an episode becomes one row: its prompt is the conversation before it (the
+    group's messages, then each earlier action as an assistant turn and each observation as a user
+    turn, under the chat template with the generation prompt), exactly what the policy was given
+    when it acted. Advantages are normalised over the group's episode returns and every row of an
+    episode carries its episode's advantage, so each action token gets it. A completion without
+    ``turns`` is one row, as in :func:`~kiln.training.data.tokenize_grpo_group`.
+    """
+    from kiln.training.data import grpo_prompt_ids, grpo_row
+
+    per_group = []
+    for group in groups:
+        conversation = [m.model_dump() for m in group.messages]
+        first = grpo_prompt_ids(tokenizer, conversation)
+        episodes = []
+        for c in group.completions:
+            rows = [grpo_row(tokenizer, first, c.text, max_seq_len=max_seq_len)]
+            history, last = list(conversation), c.text
+            for turn in c.turns or ():
+                history += [{"role": "assistant", "content": last}, {"role": "user", "content": turn.observation}]
+                rows.append(grpo_row(tokenizer, grpo_prompt_ids(tokenizer, history), turn.text,
+                                     max_seq_len=max_seq_len))
+                last = turn.text
+            episodes.append(rows)
+        per_group.append(episodes)
+    items, skipped = grpo_items(per_group, rewards, scale_rewards=scale_rewards)  # one advantage per episode
+    return [GRPOItem([row for rows in it.rows for row in rows],
+                     it.advantages.repeat_interleave(torch.tensor([len(rows) for rows in it.rows])))
+            for it in items], skipped
 
 
 def make_rollout_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:

@@ -7,9 +7,16 @@ lengths, target modules, the adapter store) happen in :mod:`kiln.training.servic
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
@@ -72,9 +79,27 @@ class SFTExample(_Wire):
         return self
 
 
+class Turn(_Wire):
+    """One later step of a multi-turn completion: what the policy was told, then what it answered."""
+
+    observation: str = Field(max_length=MAX_COMPLETION_CHARS, description="the user message after the previous action")
+    text: str = Field(max_length=MAX_COMPLETION_CHARS, description="the policy's next action")
+
+
 class Completion(_Wire):
     text: str = Field(max_length=MAX_COMPLETION_CHARS)
     reward: float = Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)
+    turns: list[Turn] | None = Field(
+        None, min_length=1, max_length=MAX_MESSAGES_PER_EXAMPLE,
+        description="multi-turn episodes (OpenEnv): later steps after `text`; every action is trained with the "
+                    "conversation before it as its prompt and the completion's advantage (docs/openenv.md)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_turns(self, handler: Any) -> Any:
+        out = handler(self)  # a single-turn completion dumps as before (its digests do not change)
+        if isinstance(out, dict) and out.get("turns") is None:
+            out.pop("turns", None)
+        return out
 
 
 class GRPOGroup(_Wire):

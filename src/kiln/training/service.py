@@ -187,9 +187,15 @@ class TrainingService:
             assert request.groups is not None
             for key in ROLLOUT_FIELDS:  # a pre-scored job's plan is what it was before rollouts existed
                 eff.pop(key, None)
-            grouped = [tokenize_grpo_group(tok, g, max_seq_len=max_len) for g in request.groups]
             rewards = [[c.reward for c in g.completions] for g in request.groups]
-            items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
+            if any(c.turns for g in request.groups for c in g.completions):  # multi-turn episodes (OpenEnv)
+                from kiln.training.grpo_rollouts import multi_turn_items
+
+                items, skipped = multi_turn_items(tok, request.groups, rewards, max_seq_len=max_len,
+                                                  scale_rewards=request.scale_rewards)
+            else:
+                grouped = [tokenize_grpo_group(tok, g, max_seq_len=max_len) for g in request.groups]
+                items, skipped = grpo_items(grouped, rewards, scale_rewards=request.scale_rewards)
             if not items:
                 raise TrainingDataError(
                     f"all {skipped} groups have identical rewards within each group; GRPO has nothing to learn",
