@@ -70,7 +70,9 @@ def _result(home: Path, job_id: str) -> dict:
     return json.loads((home / "training" / "distributed" / job_id / "result.json").read_text())
 
 
-def test_two_processes_train_the_adapter_one_process_trains(tmp_path, builtin_model_dir, monkeypatch):
+@pytest.mark.parametrize("sharding", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_processes_train_the_adapter_one_process_trains(tmp_path, builtin_model_dir, monkeypatch, sharding):
+    """DDP with micro-batches of one row (gradient accumulation over the rank's share), or FSDP."""
     request = tmp_path / "request.json"
     request.write_text(json.dumps(REQUEST | {"epochs": 8, "max_steps": 16}))
     env = _env(builtin_model_dir)
@@ -89,8 +91,9 @@ def test_two_processes_train_the_adapter_one_process_trains(tmp_path, builtin_mo
                  "--job-id", "job-0000000000000001"]) == 2
     assert _result(one_home, "job-0000000000000001") == one
 
-    run = _torchrun(2, ["--home", str(two_home), "--request", str(request), "--job-id", "job-0000000000000002"],
-                    env)
+    extra = ["--micro-batch-size", "1"] if sharding == "ddp" else ["--fsdp"]
+    run = _torchrun(2, ["--home", str(two_home), "--request", str(request), "--job-id", "job-0000000000000002",
+                        *extra], env)
     assert run.returncode == 0, run.stderr[-3000:]
     two = json.loads(run.stdout.strip().splitlines()[-1])
     assert two == _result(two_home, "job-0000000000000002")
@@ -101,7 +104,7 @@ def test_two_processes_train_the_adapter_one_process_trains(tmp_path, builtin_mo
     assert two["report"]["greedy_margin"] == pytest.approx(one["report"]["greedy_margin"], abs=1e-3)
     assert two["report"]["final_loss"] == pytest.approx(one["report"]["final_loss"], abs=1e-4)
     diff = _max_abs_diff(_weights(one), _weights(two))
-    print(f"max abs diff, 2 processes vs 1, 16 steps: {diff:.3g}")
+    print(f"max abs diff, 2 processes ({sharding}) vs 1, 16 steps: {diff:.3g}")
     assert diff <= TOLERANCE
     # Same plan, and the same manifest identity apart from the job that made it.
     status = [json.loads((h / "training" / "distributed" / j / "status.json").read_text())
