@@ -5,7 +5,7 @@ and sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``;
 :func:`init_world` joins that process group (gloo on CPU, NCCL on CUDA) and
 :func:`run_sft_distributed` trains the job's private LoRA adapter with
 ``DistributedDataParallel`` over the adapter's parameters only (the base
-weights are frozen and left out of DDP's broadcasts and buckets).
+weights are frozen and left out of DDP's broadcasts and buckets), or with FSDP.
 
 Arithmetic (the same as :func:`kiln.training.trainer.run_sft` in one process):
 every rank walks the same ``epoch_order(seed, epoch)``; global batch ``b`` is
@@ -17,6 +17,10 @@ global batch's target-token count (every rank knows all rows), so DDP's mean
 over ranks is the one-process token mean ``sum(token CE) / N``. A rank whose
 share of a short last batch is empty still joins the all-reduce (one forward
 with its loss scaled by zero).
+
+With ``fsdp`` the base is sharded too (FSDP2 ``fully_shard`` per decoder layer,
+then the rest): the same arithmetic, with the adapter's optimizer state sharded
+and gathered to full tensors for checkpoints and publication.
 
 Checkpoints and publication are rank 0's; the others wait at a barrier. A
 checkpoint records the world size, and a resume with another world size is
