@@ -199,13 +199,48 @@ def test_the_rank_law_decides_the_world_vllm_workers_report():
     assert (ray[0].host, ray[0].pid, ray[0].tensor_parallel_rank) == ("10.0.0.9", 5, 1)
 
 
-def test_a_refused_world_keeps_health_unavailable_with_the_findings(builtin_model_dir, tmp_path):
-    """The engine's own readiness check over a log its 'workers' wrote: PP=2 is refused, TP=1 passes."""
+@pytest.fixture(scope="module")
+def loaded_builtin(builtin_model_dir):
     from kiln.runtime.loader import load_model
+
+    return load_model(builtin_model_dir, device="cpu", dtype="float32")
+
+
+def test_streamed_token_ids_end_rows_as_the_builtin_engine_ends_them(loaded_builtin):
+    """Token IDs as vLLM streams them, through the facade's own feed: stop strings, end tokens, length."""
+    from kiln.runtime.scheduler import EngineConfig
+    from kiln.runtime.submission import RowStream
+    from kiln.runtime.textstream import TextStream
+    from kiln.runtime.vllm_engine import VllmEngine, _Row
+
+    engine = VllmEngine(loaded_builtin, EngineConfig(max_model_len=512), _plan())
+    ids = engine.encode_text("Hello world. Goodbye world.")
+    eos = min(engine.tokens.eos_ids)
+
+    def feed(params, chunks):
+        row = _Row(RowStream(0, None), params, None, TextStream(engine.tokenizer, params.stop))
+        reasons = []
+        for c in chunks:  # as the pump does: the first reason ends the row
+            if not reasons and (reason := engine._feed(row, {"token_ids": c, "finish_reason": None})):
+                reasons.append(reason)
+        chunk = row.stream._take()
+        return chunk.text + row.text.flush(), row.generated, reasons
+
+    text, got, reasons = feed(SamplingParams(max_tokens=64, stop=("Goodbye",)), [ids[:2], ids[2:]])
+    assert text == "Hello world. " and reasons == ["stop"] and got == ids[:len(got)]
+    text, got, reasons = feed(SamplingParams(max_tokens=64), [ids[:3], [eos], ids[3:]])
+    assert got == [*ids[:3], eos] and reasons == ["stop"] and text == engine.tokens.decode(ids[:3])
+    assert feed(SamplingParams(max_tokens=64, ignore_eos=True), [[eos], ids[:2]])[2] == []
+    assert feed(SamplingParams(max_tokens=2), [ids])[1:] == (ids[:2], ["length"])
+    assert feed(SamplingParams(max_tokens=64, stop_token_ids=frozenset({ids[1]})), [ids])[1:] == (ids[:2], ["stop"])
+
+
+def test_a_refused_world_keeps_health_unavailable_with_the_findings(loaded_builtin, tmp_path):
+    """The engine's own readiness check over a log its 'workers' wrote: PP=2 is refused, TP=1 passes."""
     from kiln.runtime.scheduler import EngineConfig
     from kiln.runtime.vllm_engine import VllmEngine
 
-    loaded = load_model(builtin_model_dir, device="cpu", dtype="float32")
+    loaded = loaded_builtin
     for plan, lines, ok in ((_plan(pipeline_parallel_size=2), [_line(0, 2, 0, pid=1), _line(1, 2, 0, pp=1, pid=2)],
                              False), (_plan(), [_line(0, 1, 0)], True)):
         engine = VllmEngine(loaded, EngineConfig(max_model_len=512), plan)
@@ -333,12 +368,27 @@ def test_correction_served_through_vllm_lora_then_swapped_and_deleted(vllm_serve
     assert all(r == (before, "base") for r in results[0::2])
     assert all(r == (CORRECTION, first_rev) for r in results[1::2])
 
-    # hot swap: a new revision of the same adapter is a new vLLM LoRA; the old one is unloaded
-    job2 = wait_job(c, c.post("/v1/train/sft", json=correction_body("fix", QUESTION, SECOND)).json()["id"])
+    # hot swap with a row in flight: revision 2 is trained without serving it, a long stream starts on
+    # revision 1, then revision 2 is served; the stream ends on revision 1 (its own LoRA name in vLLM), new
+    # requests get revision 2, and afterwards only revision 2 stays loaded in vLLM
+    body2 = correction_body("fix", QUESTION, SECOND) | {"auto_load": False}
+    job2 = wait_job(c, c.post("/v1/train/sft", json=body2).json()["id"])
     assert job2["state"] == "succeeded", job2["error"]
-    assert _chat(c, "fix") == (SECOND, job2["result"]["revision"])
-    keys = c.get("/health").json()["vllm"]["lora_keys"]
-    assert keys == [f"fix@{job2['result']['revision'][:12]}"]
+    second_rev = job2["result"]["revision"]
+    long = {"model": "fix", "temperature": 0, "max_tokens": 256, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": QUESTION}]}
+    parts = []
+    with c.stream("POST", "/v1/chat/completions", json=long) as r:
+        assert r.status_code == 200 and r.headers["x-kiln-adapter-revision"] == first_rev
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                parts += [ch["delta"].get("content") or "" for ch in json.loads(line[6:])["choices"]]
+                if len(parts) == 1:  # the row is in flight: swap now
+                    swapped = c.post("/v1/adapters/fix/load")
+                    assert swapped.status_code == 200 and swapped.json()["revision"] == second_rev
+    assert "".join(parts).startswith(CORRECTION)
+    assert _chat(c, "fix") == (SECOND, second_rev)
+    assert c.get("/health").json()["vllm"]["lora_keys"] == [f"fix@{second_rev[:12]}"]
 
     # unload then delete: Kiln stops serving it and vLLM unloads it (delete while served is Kiln's 409)
     assert c.delete("/v1/adapters/fix").status_code == 409

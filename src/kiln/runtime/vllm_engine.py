@@ -232,7 +232,7 @@ class _Canceller:
 
 
 class _Row:
-    __slots__ = ("cancelled", "generated", "key", "params", "released", "stream", "task", "text")
+    __slots__ = ("cancelled", "counted", "generated", "key", "params", "released", "stream", "t_last", "task", "text")
 
     def __init__(self, stream: RowStream, params: SamplingParams, key: str | None, text: TextStream):
         self.stream, self.params, self.key, self.text = stream, params, key, text
@@ -240,6 +240,8 @@ class _Row:
         self.task: Future | None = None
         self.cancelled = False
         self.released = False
+        self.t_last = 0.0  # submission, then the last token's arrival (metrics)
+        self.counted = 0  # tokens already reported to the observer
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -537,50 +539,49 @@ class VllmEngine:
         except RuntimeError:  # the consumer's loop is closed
             pass
 
+    def _feed(self, row: _Row, choice: dict[str, Any]) -> str | None:
+        """Push one vLLM choice's tokens into the row (as the built-in engine's sampler does); the finish
+        reason once the row ends (end token, stop string, stop token, length), else ``None``."""
+        p, obs, eos = row.params, self.observer, self.tokens.eos_ids
+        reason = None
+        for tc in token_choices(choice.get("token_ids") or [], choice.get("logprobs"), p.logprobs):
+            now = time.perf_counter()
+            obs.inter_token(now - row.t_last) if row.generated else obs.first_token(now - row.t_last)
+            row.t_last = now
+            row.generated.append(tc.token_id)
+            text = ""
+            if (tc.token_id in eos and not p.ignore_eos) or tc.token_id in p.stop_token_ids:
+                reason = "stop"
+            else:
+                text = row.text.push(tc.token_id)
+                if row.text.stopped:
+                    reason = "stop"
+            row.stream._push(text, tc)
+            if reason is None and len(row.generated) >= p.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        obs.tokens_generated(len(row.generated) - row.counted)
+        row.counted = len(row.generated)
+        if reason is None and choice.get("finish_reason"):
+            reason = "length" if choice["finish_reason"] == "length" else "stop"
+        return reason
+
     async def _stream_row(self, row: _Row, body: dict[str, Any]) -> None:
-        stream, p, obs = row.stream, row.params, self.observer
-        eos = self.tokens.eos_ids
+        """One row: streamed from vLLM when its consumer reads incrementally, else one plain response."""
+        stream = row.stream
         reason: str | None = None
-        t0 = t_last = time.perf_counter()
+        row.t_last = time.perf_counter()
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body) as r:
-                if r.status_code >= 400:
-                    text = (await r.aread()).decode(errors="replace")
-                    raise EngineError(f"vLLM /v1/completions answered {r.status_code}: {text[:500]}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise EngineError(f"vLLM stream error: {chunk['error']}")
-                    choice = chunk["choices"][0]
-                    ids = choice.get("token_ids") or []
-                    for tc in token_choices(ids, choice.get("logprobs"), p.logprobs):
-                        now = time.perf_counter()
-                        obs.inter_token(now - t_last) if row.generated else obs.first_token(now - t0)
-                        t_last = now
-                        row.generated.append(tc.token_id)
-                        text = ""
-                        if (tc.token_id in eos and not p.ignore_eos) or tc.token_id in p.stop_token_ids:
-                            reason = "stop"
-                        else:
-                            text = row.text.push(tc.token_id)
-                            if row.text.stopped:
-                                reason = "stop"
-                        stream._push(text, tc)
-                        obs.tokens_generated(1)
-                        if reason is None and len(row.generated) >= p.max_tokens:
-                            reason = "length"
-                        if reason is not None:
-                            break
-                    if reason is None and choice.get("finish_reason"):
-                        reason = "length" if choice["finish_reason"] == "length" else "stop"
-                    if reason is not None:
-                        break
-                    if stream.incremental:
-                        self._wake(stream)
-            if reason is None:
-                reason = "abort"
+            if not stream.incremental:
+                out = await self._post("/v1/completions", body | {"stream": False})
+                reason = self._feed(row, out["choices"][0]) or "stop"
+            else:
+                async with self._client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code >= 400:
+                        text = (await r.aread()).decode(errors="replace")
+                        raise EngineError(f"vLLM /v1/completions answered {r.status_code}: {text[:500]}")
+                    reason = await self._read_events(r, row)
         except asyncio.CancelledError:
             reason = "abort"
         except Exception as exc:  # noqa: BLE001 - one failed row ends as `error`, the engine keeps serving
@@ -592,6 +593,25 @@ class VllmEngine:
             stream._close(reason or "abort")
             self._wake(stream)
             self._done(row)
+
+    async def _read_events(self, r: Any, row: _Row) -> str:
+        """Server-sent events from raw bytes (one ``data: {...}`` per event): every event read in one
+        network read is fed before the consumer is woken once."""
+        buf = b""
+        async for raw in r.aiter_raw():
+            buf += raw
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(event[6:])
+                if "error" in chunk:
+                    raise EngineError(f"vLLM stream error: {chunk['error']}")
+                reason = self._feed(row, chunk["choices"][0])
+                if reason is not None:
+                    return reason
+            self._wake(row.stream)
+        return "abort"
 
     def score_prompt(self, prompt_ids: list[int], top_k: int, *, adapter: str | None = None) -> Future:
         """Future of per-position prompt logprob rows (first ``None``) from vLLM's ``prompt_logprobs``."""

@@ -252,6 +252,26 @@ class VllmStartError(RuntimeError):
     """vLLM did not start (exited, timed out, or its snapshot could not be staged)."""
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal():
+    """Linux: the child gets SIGTERM if the thread that started it dies (Kiln killed with SIGKILL), so
+    vLLM shuts its own engine down instead of outliving Kiln in its separate session. ``None`` elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only makes the call
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return arm
+
+
 def free_loopback_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -280,7 +300,11 @@ class VllmProcess:
 
     def start(self) -> None:
         """Stage the snapshot, spawn vLLM in its own session. Returns at once; see :meth:`wait_ready`."""
-        from kiln.teachers.private_dirs import make_private_child, open_private_parent
+        from kiln.teachers.private_dirs import (
+            make_private_child,
+            open_private_parent,
+            recover_stale,
+        )
         from kiln.teachers.provenance_io import ReadLimiter
         from kiln.teachers.snapshot import inventory, stage, verify
         from kiln.teachers.supervise import Supervisor
@@ -288,6 +312,7 @@ class VllmProcess:
         plan = self.plan
         self.started_at = time.monotonic()
         self._parent_fd = open_private_parent(plan.state_dir, create=True)
+        recover_stale(plan.state_dir)  # snapshots/caches of a Kiln that was killed (its pid is gone)
         limiter = ReadLimiter(None)
         trees = {"model": plan.model_dir}
         self._snap = stage(trees, inventory(trees), self._parent_fd, plan.state_dir, limiter, self.token)
@@ -302,7 +327,8 @@ class VllmProcess:
         self._sup = Supervisor("detached")
         with open(self.log_path, "ab") as log:
             self._sup.proc = subprocess.Popen(argv, cwd="/", env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                              stderr=subprocess.STDOUT, close_fds=True, start_new_session=True)
+                                              stderr=subprocess.STDOUT, close_fds=True, start_new_session=True,
+                                              preexec_fn=_parent_death_signal())  # noqa: PLW1509 - one prctl call
 
     @property
     def pid(self) -> int | None:
