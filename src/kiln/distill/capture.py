@@ -127,6 +127,9 @@ class LocalTeacherScorer:
         if not set(self.observed_dtypes) <= allowed or declared not in self.observed_dtypes:
             raise ContractError(f"teacher parameters are {self.observed_dtypes}; undeclared dtype for {declared!r}")
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        import inspect
+
+        self._keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         if self.vocab_size != plan.tokenizer.vocab_size:
             raise ContractError(
                 f"teacher output width {self.vocab_size} differs from the plan's vocab_size {plan.tokenizer.vocab_size}"
@@ -173,26 +176,36 @@ class LocalTeacherScorer:
         k, temp, v = prob.top_k, prob.temperature, self.vocab_size
         windows = self._windows(items)
         host_parts: list[list] = []
-        all_where: list[tuple[int, int]] = []
+        where_parts: list = []
+        chunk = max(1, _MAX_SCORE_ELEMENTS // v)
         for start in range(0, len(windows), self.batch_size):
             batch = windows[start : start + self.batch_size]
+            # (row, window offset, example index, position, forced token) of every captured position
+            meta = np.array([(r, o, n, i, items[n][2][i]) for r, (n, _w, p) in enumerate(batch) for o, i in p],
+                            dtype=np.int64)
+            # The LM head runs only at captured offsets (the prompt's other positions, and all but the
+            # last position of a truncated window, are never scored).
+            keep, col = np.unique(meta[:, 1], return_inverse=True)
             ids, att = pad_windows(batch, self.device)
+            flat_np = meta[:, 0] * len(keep) + col
+            dense = len(flat_np) == len(batch) * len(keep) and bool((flat_np == np.arange(len(flat_np))).all())
+            flat = torch.from_numpy(flat_np).to(self.device)
+            forced = torch.from_numpy(meta[:, 4].copy()).to(self.device)
             with torch.inference_mode():
-                logits = self.model(input_ids=ids, attention_mask=att).logits
-                rows = torch.tensor([r for r, (_n, _w, p) in enumerate(batch) for _ in p], device=logits.device)
-                offs = torch.tensor([o for _n, _w, p in batch for o, _i in p], device=logits.device)
-                where = [(n, i) for n, _w, p in batch for _o, i in p]
-                all_where += where
-                forced = torch.tensor([items[n][2][i] for n, i in where], dtype=torch.long, device=logits.device)
-                picked = logits.view(-1, v).index_select(0, rows * logits.shape[1] + offs)  # [R, V]
+                kwargs = {"logits_to_keep": torch.from_numpy(keep).to(self.device)} if self._keep else {}
+                logits = self.model(input_ids=ids, attention_mask=att, **kwargs).logits
+                if not self._keep:  # a model without logits_to_keep: full logits, picked here
+                    logits = logits[:, torch.from_numpy(keep).to(self.device)]
+                picked = logits.reshape(-1, v)  # [R, V]: every kept logit row is a captured position ...
+                if not dense:
+                    picked = picked.index_select(0, flat)  # ... or only some (unequal prompts, padding)
                 del logits
-                chunk = max(1, _MAX_SCORE_ELEMENTS // v)
                 for c0 in range(0, picked.shape[0], chunk):
                     host_parts.append(self._select(picked[c0 : c0 + chunk], forced[c0 : c0 + chunk], k, temp, v))
+            where_parts.append(meta[:, 2:4])
         cols = [np.concatenate([h[j] for h in host_parts]) for j in range(5)]
-        ex = np.fromiter((n for n, _i in all_where), dtype=np.int64, count=len(all_where))
-        pos = np.fromiter((i for _n, i in all_where), dtype=np.int64, count=len(all_where))
-        order = np.lexsort((pos, ex))  # by example, then position
+        where = np.concatenate(where_parts)
+        order = np.lexsort((where[:, 1], where[:, 0]))  # by example, then position
         cols = [c[order] for c in cols]
         bounds = np.cumsum([0] + [len(forced) for _e, _c, forced in items])
         limit = self.plan.capture.max_sequence_length
@@ -222,12 +235,12 @@ class LocalTeacherScorer:
         # argmax (lse = z_max - log p_max, error ~1e-7), so stored log p, tail and
         # entropy meet the contract's 1e-6 tolerances without a float64 [rows, V] copy.
         p = torch.softmax(z, dim=-1)
-        top_z, top_ids = torch.topk(z, k, dim=-1)
+        top_z, top_ids = _topk(z, k)
         p_max = p.gather(-1, top_ids[:, :1])[:, 0].double()
         lse = top_z[:, 0].double() - p_max.log()
         f_z = z.gather(-1, forced[:, None])[:, 0]
         in_top = (top_ids == forced[:, None]).any(-1)
-        entropy = lse - torch.einsum("rv,rv->r", p, z).double()  # H = lse - sum(p z)
+        entropy = lse - torch.linalg.vecdot(p, z).double()  # H = lse - sum(p z); vs float64: 2e-5 (einsum 3.5e-5)
         top_lp32 = (top_z.double() - lse[:, None]).float().clamp(max=0.0)
         f_lp32 = (f_z.double() - lse).float().clamp(max=0.0)
         # Tail from the exact stored (float32) values, never renormalized.
@@ -237,6 +250,22 @@ class LocalTeacherScorer:
             tail = torch.zeros_like(tail)
         f_store = torch.where(in_top, torch.full_like(f_lp32, float("nan")), f_lp32)
         return [t.cpu().numpy() for t in (top_ids, top_lp32, f_store, tail, entropy)]
+
+
+def _topk(z, k: int):
+    """(values, IDs) of the ``k`` largest entries per row, largest first. On CPU numpy's introselect
+    (``argpartition``) then a sort of the ``k`` survivors: ~30% less time than ``torch.topk`` at
+    V = 4096, k = 32 (one thread), the largest host cost of capture."""
+    import numpy as np
+    import torch
+
+    if z.device.type != "cpu" or k >= z.shape[-1]:
+        return torch.topk(z, k, dim=-1)
+    zn = z.numpy()
+    part = np.argpartition(zn, -k, axis=-1)[:, -k:]
+    vals = np.take_along_axis(zn, part, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return torch.from_numpy(np.take_along_axis(vals, order, -1)), torch.from_numpy(np.take_along_axis(part, order, -1))
 
 
 # ------------------------------------------------------------------- dataset
