@@ -140,3 +140,45 @@ def test_chunked_candidate_loss_matches_full_logits_with_gradients():
         (g_fused,) = torch.autograd.grad(fused, h)
         assert math.isclose(fused.item(), full.item(), rel_tol=1e-9)
         assert torch.allclose(g_fused, g_full, rtol=1e-7, atol=1e-10)
+
+
+def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
+    """Student sampling on the engine with the private adapter: more rows than half the engine's queue go
+    in waves; every row's seed fixes its tokens (the same seeds give the same completions, whatever the
+    wave size); after a weight change, a new revision never reuses prefix-cache blocks of the old weights."""
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.loader import load_model
+    from kiln.training.opd import sample_on_engine
+    from kiln.training.trainer import add_private_adapter, lora_config
+
+    loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
+    engine = Engine(loaded, EngineConfig(max_model_len=256, max_queued_rows=8, max_running_rows=4)).start()
+    try:
+        pm = engine.peft_model()
+        with engine.ownership.exclusive():
+            add_private_adapter(pm, "priv", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+        prompts = [engine.encode_chat([{"role": "user", "content": w}]) for w in ("ant", "bee", "cat", "dog")]
+        seeds = [[100 * i + j for j in range(3)] for i in range(4)]
+        kw = dict(seeds=seeds, end_ids=[])
+        first = sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw)  # 12 rows, waves of 1 prompt
+        assert len(first) == 12 and all(1 <= len(c) <= 6 for c in first)
+        assert sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw) == first
+        # a prompt of several KV blocks: revision r1 caches its blocks; after the weights change, revision r2
+        # must not reuse them (greedy tokens equal a plain forward with the new weights)
+        long = [engine.encode_chat([{"role": "user", "content": " ".join(["ant bee cat"] * 20)}])]
+        assert len(long[0]) > 3 * engine.config.kv_block_size
+        greedy = dict(seeds=seeds[:1], end_ids=[])
+        sample_on_engine(engine, "priv", "r1", long, 1, 4, 0.0, 1.0, **greedy)
+        with engine.ownership.exclusive(), torch.no_grad():  # "an optimizer step": the adapter now changes logits
+            for name, p in pm.named_parameters():
+                if ".priv." in name and "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        after = sample_on_engine(engine, "priv", "r2", long, 1, 4, 0.0, 1.0, **greedy)[0]
+        with engine.ownership.exclusive(), torch.no_grad():
+            pm.base_model.set_adapter("priv")
+            seq = list(long[0])
+            for _ in range(4):
+                seq.append(int(pm(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        assert after == seq[len(long[0]):]
+    finally:
+        engine.stop()

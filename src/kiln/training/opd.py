@@ -199,6 +199,11 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
     if request.training_mode == "off_policy":
         return _prepare_off_policy(service, request, entry, lora, parent, limit)
+    queue = getattr(engine.config, "max_queued_rows", None)
+    if queue is not None and request.samples_per_prompt > queue:
+        raise InvalidRequest(f"samples_per_prompt={request.samples_per_prompt} exceeds the engine's queue "
+                             f"(batching.max_queued_rows={queue}): one prompt's samples are queued together",
+                             code="samples_exceed_queue", param="samples_per_prompt", hint=f"use at most {queue}")
     eos = tok.eos_token_id
     items = []
     assert request.prompts is not None
@@ -320,30 +325,58 @@ def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[lis
     """
     from kiln.runtime.sampling import SamplingParams
 
-    subs = []
-    try:
-        with engine.ownership.exclusive():
-            for p, row_seeds in zip(prompts, seeds):
-                params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sd,
-                                         stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:n]]
-                subs.append(engine.submit(list(p), params, adapter=key, incremental=False,
-                                          private_revision=revision))
-        out: list[list[int]] = []
-        for sub in subs:
-            for stream in sub.streams:
-                toks: list[int] = []
-                while True:
-                    chunk = stream.next_chunk_sync(None)
-                    toks.extend(c.token_id for c in chunk.tokens)
-                    if chunk.finish_reason is not None:
-                        break
-                if chunk.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"student sampling ended with {chunk.finish_reason!r}")
-                out.append(toks)
-        return out
-    finally:
-        for sub in subs:
-            sub.cancel()
+    # waves of whole prompts, at most half the engine's queue (serving keeps the other half)
+    per_wave = max(1, engine.config.max_queued_rows // 2 // max(1, n))
+    out: list[list[int]] = []
+    for w in range(0, len(prompts), per_wave):
+        subs: list[Any] = []
+        try:
+            _submit_all(engine, subs, [(list(p), [SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sd,
+                stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:n]])
+                for p, row_seeds in zip(prompts[w:w + per_wave], seeds[w:w + per_wave])], key, revision)
+            for sub in subs:
+                for stream in sub.streams:
+                    toks: list[int] = []
+                    while True:
+                        chunk = stream.next_chunk_sync(None)
+                        toks.extend(c.token_id for c in chunk.tokens)
+                        if chunk.finish_reason is not None:
+                            break
+                    if chunk.finish_reason not in ("stop", "length"):
+                        raise RuntimeError(f"student sampling ended with {chunk.finish_reason!r}")
+                    out.append(toks)
+        finally:
+            for sub in subs:
+                sub.cancel()
+    return out
+
+
+SUBMIT_RETRY_S = 0.05
+SUBMIT_PATIENCE_S = 300.0
+
+
+def _submit_all(engine: Any, subs: list[Any], rows: list[tuple[list[int], list[Any]]], key: str,
+                revision: str) -> None:
+    """Queue every (prompt, params) for the private adapter under exclusive ownership (appending each
+    submission to ``subs``). While serving fills the engine's queue, leave ownership so the engine can drain
+    it, wait and retry the rest (for at most ``SUBMIT_PATIENCE_S``)."""
+    from kiln.runtime.engine import EngineOverloaded
+
+    pending = list(rows)
+    deadline = time.monotonic() + SUBMIT_PATIENCE_S
+    while pending:
+        try:
+            with engine.ownership.exclusive():
+                while pending:
+                    prompt, params = pending[0]
+                    subs.append(engine.submit(prompt, params, adapter=key, incremental=False,
+                                              private_revision=revision))
+                    pending.pop(0)
+        except EngineOverloaded:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(SUBMIT_RETRY_S)
 
 
 def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
