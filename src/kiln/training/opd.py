@@ -1,7 +1,7 @@
 """On-policy distillation (OPD): losses and the job recipe.
 
-The student samples completions for each prompt (one batched ``generate``
-on the job's private adapter, under exclusive ownership),
+The student samples completions for each prompt (on the serving engine's
+continuous batching with the job's private adapter: :func:`sample_on_engine`),
 the teacher scores prompt + completion once per training batch (top-K prompt
 logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
 and the optimizer step pulls the student toward the teacher on the student's
