@@ -104,7 +104,8 @@ def test_the_child_command_line_and_environment():
     assert env["VLLM_API_KEY"] == "secret-key" and env["RAY_ADDRESS"] == "10.0.0.1:6379"
     assert env["VLLM_CACHE_ROOT"] == "/state/cache-1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "KILN_HOME" not in env and env["PATH"] == "/bin"
-    assert "--distributed-executor-backend=ray" not in vllm_argv(_plan(), Path("/m"), 1, "f")
+    plain = vllm_argv(_plan(max_loras=0), Path("/m"), 1, "f")  # LoRA off: no adapters, faster base serving
+    assert "--distributed-executor-backend=ray" not in plain and not any("lora" in a for a in plain)
 
 
 # ---------------------------------------------------------------------------- LoRA names

@@ -414,6 +414,9 @@ class VllmEngine:
         """Load ``path`` into vLLM as ``name@revision[:12]``, canary it, then serve ``name`` from it."""
         if not is_valid_name(name):
             raise AdapterError(f"invalid adapter name {name[:80]!r}: 1-{MAX_ADAPTER_NAME_CHARS} of A-Z a-z 0-9 . _ -")
+        if not self.plan.max_loras:
+            raise AdapterError(f"cannot serve adapter {name!r}: vLLM runs without LoRA ([vllm] max_loras = 0)",
+                               hint="set [vllm] max_loras to 1 or more and restart to serve adapters")
         key = adapter_key(name, revision)
         if self.loras.current(name) == key:
             return

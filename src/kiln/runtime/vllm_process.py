@@ -156,11 +156,12 @@ def vllm_argv(plan: VllmPlan, model_path: Path, port: int, fingerprint: str) -> 
         "--logprobs-mode=raw_logprobs",
         "--generation-config=vllm",  # sampling defaults come from the request (Kiln's), not generation_config.json
         "--load-format=safetensors",
-        "--enable-lora", f"--max-loras={plan.max_loras}", f"--max-lora-rank={plan.max_lora_rank}",
         f"--tensor-parallel-size={plan.tensor_parallel_size}",
         f"--pipeline-parallel-size={plan.pipeline_parallel_size}",
         "--fingerprint-mode=custom", f"--fingerprint-value={fingerprint}",
     ]
+    if plan.max_loras:  # LoRA on costs vLLM throughput even for base rows (docs/scale.md): 0 turns it off
+        argv += ["--enable-lora", f"--max-loras={plan.max_loras}", f"--max-lora-rank={plan.max_lora_rank}"]
     if plan.ray_address:
         argv.append("--distributed-executor-backend=ray")
     return argv + list(plan.extra_args)
