@@ -15,6 +15,9 @@ vocab 4096) and a 1.2M student (hidden 128, 2 layers) sharing one tokenizer.
    dense (V x B_logp); JSONL for comparison.
 3. Sparse-KD step (CE + coarse-tail KL, LoRA r=8) vs a CE-only step on the same
    tokens. Target: <= 1.15x.
+4. A KD step through full ``[B, T, V]`` logits vs the chunked LM head
+   (``kiln.training.kd_loss.linear_sparse_kd``): step time and peak RSS, one
+   process per variant (``--kd-vocab 32768 --kd-hidden 256``; ``--only-kd-memory``).
 
 The quality comparison on a synthetic task is shared with the OPD issue and is
 not run here.
@@ -43,6 +46,54 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def kd_step_child(variant: str, vocab: int, hidden: int, batch: int, seq: int, top_k: int, steps: int) -> dict:
+    """One process per variant (peak RSS is per process): LoRA KD steps on a random student, either through
+    full logits (``model(...).logits[rows, offs]`` + SparseKDLoss) or the chunked head (kd_step_loss)."""
+    import resource
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kiln.distill.train import kd_step_loss
+    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.kd_loss import SparseKDLoss
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=False)
+    model = get_peft_model(Qwen3ForCausalLM(cfg), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, vocab, (batch, seq))
+    att = torch.ones_like(ids)
+    rows = torch.arange(batch).repeat_interleave(seq - 1)
+    offs = torch.arange(seq - 1).repeat(batch)
+    n = rows.numel()
+    sel = torch.cat([torch.randint(0, vocab, (n, top_k)), ids[rows, offs + 1][:, None]], -1)
+    lp = torch.log_softmax(torch.randn(n, top_k + 1), -1).double() - 0.1
+    mask = torch.ones(n, top_k + 1, dtype=torch.bool)
+    mask[:, -1] = False
+    tail = 1 - lp.exp().sum(-1) + lp[:, -1].exp()
+    target = ids[rows, offs + 1]
+    loss_fn = SparseKDLoss()
+    split = split_causal_lm(model) if variant == "chunked" else None
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(round(float(loss), 6))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"variant": variant, "step_s_median": round(statistics.median(times[1:] or times), 4),
+            "peak_rss_mib": round(peak / 1024, 1), "peak_rss_over_setup_mib": round((peak - base_rss) / 1024, 1),
+            "losses": losses}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=16)
@@ -54,7 +105,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--teacher-hidden", type=int, default=256)
     ap.add_argument("--teacher-layers", type=int, default=4)
+    ap.add_argument("--kd-vocab", type=int, default=32768, help="KD step memory section: student vocabulary")
+    ap.add_argument("--kd-hidden", type=int, default=256)
+    ap.add_argument("--kd-steps", type=int, default=5)
+    ap.add_argument("--kd-step-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--only-kd-memory", action="store_true", help="run only section 4")
     args = ap.parse_args()
+    if args.kd_step_child:
+        print(json.dumps(kd_step_child(args.kd_step_child, args.kd_vocab, args.kd_hidden, args.batch, 128,
+                                       args.top_k, args.kd_steps)))
+        return
+    kd_memory = _kd_memory(args)
+    if args.only_kd_memory:
+        print(json.dumps(kd_memory, indent=2))
+        return
 
     import torch
 
@@ -183,8 +247,27 @@ def main() -> None:
         "jsonl_vs_sparse_upper": round(bpt["jsonl"]["observed"] / planned, 3),
         "kd_step_vs_ce_step": round(tk / tc, 3),
         "kd_step_tokens": int(rows.numel()),
+        "kd_step_memory": kd_memory,
     }
     print(json.dumps(result, indent=2))
+
+
+def _kd_memory(args) -> dict:
+    """4. KD step through full logits vs the chunked head, each variant in its own process (peak RSS)."""
+    import subprocess
+
+    out = {}
+    for variant in ("logits", "chunked"):
+        proc = subprocess.run([sys.executable, __file__, "--kd-step-child", variant, "--kd-vocab", str(args.kd_vocab),
+                               "--kd-hidden", str(args.kd_hidden), "--batch", str(args.batch), "--top-k",
+                               str(args.top_k), "--kd-steps", str(args.kd_steps)],
+                              capture_output=True, text=True, check=True)
+        out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["shape"] = {"vocab": args.kd_vocab, "hidden": args.kd_hidden, "batch": args.batch, "seq": 128,
+                    "top_k": args.top_k}
+    out["chunked_vs_logits_step_time"] = round(out["chunked"]["step_s_median"] / out["logits"]["step_s_median"], 3)
+    out["chunked_vs_logits_peak_rss"] = round(out["chunked"]["peak_rss_mib"] / out["logits"]["peak_rss_mib"], 3)
+    return out
 
 
 if __name__ == "__main__":

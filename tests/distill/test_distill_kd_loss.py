@@ -108,3 +108,37 @@ def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_wei
         out.append((loss.item(), parts["kd"].item(), x.grad))
     assert abs(out[0][0] - out[1][0]) < 1e-5 and abs(out[0][1] - out[1][1]) < 1e-5
     assert torch.max(torch.abs(out[0][2] - out[1][2])).item() < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("ce_weight,kd_weight", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0)])
+def test_linear_sparse_kd_from_hidden_states_equals_the_loss_on_full_logits(temperature, ce_weight, kd_weight):
+    """Chunked head (3 rows of logits at a time): same loss, d/dh and d/dW as SparseKDLoss on h @ W^T."""
+    from kiln.training.kd_loss import linear_sparse_kd
+
+    n, h_dim, v, k = 8, 5, 17, 3
+    g = torch.Generator().manual_seed(11)
+    t_lp = _teacher(n, v, 9)
+    ids = torch.cat([torch.topk(t_lp, k, -1).indices, torch.randint(0, v, (n, 1), generator=g)], -1)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    for r in range(n):
+        if ids[r, k] in ids[r, :k]:
+            mask[r, k] = False
+    sel = t_lp.gather(-1, ids).float()
+    tail = (1 - torch.where(mask, sel.double().exp(), 0.0).sum(-1)).float()
+    target = torch.randint(0, v, (n,), generator=g)
+    target[1] = -100
+    hidden, weight = torch.randn(n, h_dim, generator=g), torch.randn(v, h_dim, generator=g)
+    out = []
+    for chunked in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if chunked:
+            loss, parts = linear_sparse_kd(h, w, ids, sel, mask, tail, target, ce_weight=ce_weight,
+                                           kd_weight=kd_weight, temperature=temperature, chunk_rows=3)
+        else:
+            loss, parts = SparseKDLoss(ce_weight, kd_weight, temperature)(h @ w.t(), ids, sel, mask, tail, target)
+        loss.backward()
+        out.append((loss.item(), parts["ce"].item(), parts["kd"].item(), h.grad, w.grad))
+    a, b = out
+    assert abs(a[0] - b[0]) < 1e-5 and abs(a[1] - b[1]) < 1e-5 and abs(a[2] - b[2]) < 1e-5
+    assert torch.max(torch.abs(a[3] - b[3])).item() < 1e-5 and torch.max(torch.abs(a[4] - b[4])).item() < 1e-5

@@ -192,7 +192,7 @@ def test_kd_job_killed_after_its_checkpoint_reconciles_on_resume_without_retrain
             with httpx.Client(base_url=srv.base_url, timeout=60) as c:
                 r = c.post("/v1/train/kd", json=body)
                 assert r.status_code == 202, r.text
-            assert srv.proc.wait(120) == FAULT_EXIT_CODE, srv.log()[-3000:]
+            assert srv.proc.wait(300) == FAULT_EXIT_CODE, srv.log()[-3000:]
         finally:
             if srv.proc.poll() is None:
                 stop_server(srv)

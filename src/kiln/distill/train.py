@@ -175,6 +175,27 @@ def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
     )
 
 
+def kd_loss_split(model):
+    """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
+    (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
+    from kiln.training.chunked_loss import split_causal_lm
+
+    return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
+
+
+def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail, target):
+    """Sparse-KD loss of one batch: with ``split``, from hidden states at the captured positions and the
+    head applied a chunk of rows at a time (no ``[B, T, V]`` or ``[N, V]`` logits kept); else from logits."""
+    if split is None:
+        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[rows, offs]
+        return loss_fn(logits, sel, lp, mask, tail, target)
+    from kiln.training.kd_loss import linear_sparse_kd
+
+    h = split.hidden(ids, att)[rows, offs]
+    return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
+                            kd_weight=loss_fn.kd_weight, temperature=loss_fn.temperature)
+
+
 # ----------------------------------------------------------------- checkpoints
 
 
@@ -359,6 +380,7 @@ def train_sparse_kd(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
     use_ce = plan.consumption.trajectory == "teacher-expert"
+    split = kd_loss_split(model)
 
     ckpts = _checkpoint_dirs(out)
     state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
@@ -398,8 +420,8 @@ def train_sparse_kd(
                     ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
                         batch, examples, k, vocab, loaded.device, use_ce
                     )
-                    logits = model(input_ids=ids, attention_mask=att).logits[rows, offs]
-                    loss, _parts = loss_fn(logits, sel, lp, mask, tail, target)
+                    loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,
+                                                target)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()

@@ -198,7 +198,13 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
     per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256."""
     from kiln.distill.faults import fault
-    from kiln.distill.train import _batch_tensors, _windows, load_shard_examples
+    from kiln.distill.train import (
+        _batch_tensors,
+        _windows,
+        kd_loss_split,
+        kd_step_loss,
+        load_shard_examples,
+    )
     from kiln.training.checkpoints import save_checkpoint
     from kiln.training.kd_loss import SparseKDLoss
     from kiln.training.trainer import _Loop, adapter_state
@@ -210,6 +216,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     loss_fn = SparseKDLoss(ce_weight=data.ce_weight, kd_weight=data.kd_weight,
                            temperature=cplan.probability.temperature)
     use_ce = cplan.consumption.trajectory == "teacher-expert"
+    split = kd_loss_split(peft_model)
     k, limit, vocab = cplan.probability.top_k, cplan.capture.max_sequence_length, cplan.tokenizer.vocab_size
     data.ledger_root.mkdir(parents=True, exist_ok=True)
     resume_digest = None if resume is None else checkpoint_digest(resume.path)
@@ -247,8 +254,8 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
                             t0 = time.perf_counter()
                             ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
                                 windows[b0:b0 + plan.batch_size], examples, k, vocab, loop.device, use_ce)
-                            logits = peft_model(input_ids=ids, attention_mask=att, use_cache=False).logits[rows, offs]
-                            loss, _parts = loss_fn(logits, sel, lp, mask, tail, target)
+                            loss, _parts = kd_step_loss(peft_model, split, loss_fn, ids, att, rows, offs, sel, lp,
+                                                        mask, tail, target)
                             loop.optimizer_step(loss, int(rows.numel()), t0)
                         if loop.stats["first_loss"] is None:
                             loop.stats["first_loss"] = round(loop.loss, 6)

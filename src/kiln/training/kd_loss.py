@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["SparseKDLoss", "coarse_tail_kl"]
+__all__ = ["SparseKDLoss", "coarse_tail_kl", "linear_sparse_kd"]
 
 
 def coarse_tail_kl(
@@ -59,77 +59,170 @@ def coarse_tail_kl(
     return selected + tail_term
 
 
-class _FusedSparseKD(torch.autograd.Function):
-    """CE + coarse-tail KL with a hand-written backward: one softmax pass each way.
+def _kd_value_and_grad(z, ids0, teacher_lp, mask, tail, target, ce_w: float, kd_w: float, temp: float,
+                       n: int, n_valid: int, need_grad: bool):
+    """CE and coarse-tail KL sums over ``R`` rows of logits, and the gradient of the job's loss w.r.t. them.
 
-    d/dz of D_tail at temperature T is (1/T) * (q_j (1 - r) for j outside S, q_j - p_j
-    for j in S) with r = p_tail / q_tail; d/dz of CE is q^(1)_j - [j = target].
-    Autograd through the reference formulation needs ~6 passes over [N, V]; this
-    needs two forward (log-sum-exp) and two backward (exp, scale).
+    Args:
+        z: ``[R, V]`` logits (float32, or float64); may be overwritten.
+        ids0: ``[R, S]`` selected IDs with masked slots set to 0. ``teacher_lp``/``mask``: ``[R, S]``.
+        tail: ``[R]``. target: ``[R]`` (-100 = no CE).
+        n, n_valid: the whole batch's positions and CE positions (the means' denominators).
+
+    Returns:
+        ``(ce_sum [], kd_sum [] float64, grad [R, V] or None)`` where grad is
+        d(ce_w * CE_sum / n_valid + kd_w * KD_sum / n)/dz.
+
+    d/dz of D_tail at temperature T is (1/T) * (q_j (1 - r) for j outside S, q_j - p_j for j in S)
+    with r = p_tail / q_tail; d/dz of CE is q^(1)_j - [j = target]. Two log-sum-exp passes forward,
+    one exp-and-scale pass for the gradient.
+    """
+    valid = target != -100
+    zero = z.new_zeros(())
+    ce_sum, kd_sum = zero, zero.double()
+    lse1 = lse_t = q_sel = r = p = None
+    if ce_w and n_valid:
+        lse1 = torch.logsumexp(z, dim=-1)
+        picked = z.gather(-1, torch.where(valid, target, torch.zeros_like(target))[:, None])[:, 0]
+        ce_sum = torch.where(valid, lse1 - picked, torch.zeros_like(lse1)).sum()
+    if kd_w:
+        zt = z if temp == 1.0 else z / temp
+        lse_t = lse1 if (temp == 1.0 and lse1 is not None) else torch.logsumexp(zt, dim=-1)
+        lq_sel = zt.gather(-1, ids0) - lse_t[:, None]  # [R, S]
+        lp = torch.where(mask, teacher_lp.to(z.dtype), torch.zeros_like(lq_sel))
+        p = torch.where(mask, lp.exp(), torch.zeros_like(lp))
+        selected = (p * (lp - lq_sel)).sum(-1)
+        q_sel = torch.where(mask, lq_sel.double().exp(), torch.zeros_like(lq_sel, dtype=torch.float64))
+        q_tail = (1.0 - q_sel.sum(-1)).clamp(min=1e-30)  # float64 over [R, S] only
+        tail64 = tail.double()
+        has_tail = tail64 > 0
+        safe = torch.where(has_tail, tail64, torch.ones_like(tail64))
+        tail_term = torch.where(has_tail, tail64 * (safe.log() - q_tail.log()), torch.zeros_like(tail64))
+        kd_sum = (selected.double() + tail_term).sum()
+        r = torch.where(has_tail, tail64 / q_tail, torch.zeros_like(tail64)).to(z.dtype)
+        q_sel = q_sel.to(z.dtype)
+    if not need_grad:
+        return ce_sum, kd_sum, None
+    grad = None
+    w = ce_w / n_valid if (ce_w and n_valid) else 0.0
+    ce_pending = bool(w)
+    if kd_w:
+        zt = z if temp == 1.0 else z / temp
+        scale = (kd_w / (n * temp)) * (1.0 - r)  # [R]
+        if ce_pending and temp == 1.0:
+            # One softmax serves both terms: q * (kd scale + ce scale) in a single pass.
+            scale = scale + valid.to(z.dtype) * w
+            ce_pending = False
+        fix = torch.where(mask, q_sel * r[:, None] - p, torch.zeros_like(p)) * (kd_w / (n * temp))
+        # In place: when zt is z (T = 1), a CE term was folded into ``scale``, so z is not read again.
+        grad = zt.sub_(lse_t[:, None]).exp_().mul_(scale[:, None])
+        grad.scatter_add_(-1, ids0, fix)
+    if ce_pending:
+        q1 = (z - lse1[:, None]).exp_().mul_((valid.to(z.dtype) * w)[:, None])
+        grad = q1 if grad is None else grad.add_(q1)
+    if w:
+        rows = torch.nonzero(valid)[:, 0]
+        grad[rows, target[rows]] -= w
+    if grad is None:
+        grad = torch.zeros_like(z)
+    return ce_sum, kd_sum, grad
+
+
+def _means(ce_sum, kd_sum, dtype, ce_w: float, kd_w: float, n: int, n_valid: int):
+    ce = ce_sum / n_valid if (ce_w and n_valid) else ce_sum
+    kd = kd_sum.to(dtype) / n
+    return ce_w * ce + kd_w * kd, ce.detach(), kd.detach()
+
+
+class _FusedSparseKD(torch.autograd.Function):
+    """CE + coarse-tail KL over ``[N, V]`` logits, gradient computed in forward (see ``_kd_value_and_grad``).
+
+    Autograd through the reference formulation needs ~6 passes over [N, V]; this needs two forward
+    (log-sum-exp) and one gradient pass (exp, scale).
     """
 
     @staticmethod
     def forward(ctx, logits, ids, teacher_lp, mask, tail, target, ce_weight, kd_weight, temperature):
         z = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least
-        n = z.shape[0]
+        if z is logits:
+            z = z.clone()  # the gradient pass reuses z's storage
+        n, n_valid = z.shape[0], int((target != -100).sum())
         ids0 = torch.where(mask, ids, torch.zeros_like(ids))
-        valid = target != -100
-        n_valid = int(valid.sum())
-        zero = z.new_zeros(())
-        ce = kd = zero
-        lse1 = None
-        if ce_weight and n_valid:
-            lse1 = torch.logsumexp(z, dim=-1)
-            picked = z.gather(-1, torch.where(valid, target, torch.zeros_like(target))[:, None])[:, 0]
-            ce = torch.where(valid, lse1 - picked, torch.zeros_like(lse1)).sum() / n_valid
-        lse_t = q_sel = r = p = None
-        if kd_weight:
-            zt = z if temperature == 1.0 else z / temperature
-            lse_t = lse1 if (temperature == 1.0 and lse1 is not None) else torch.logsumexp(zt, dim=-1)
-            lq_sel = zt.gather(-1, ids0) - lse_t[:, None]  # [N, S]
-            lp = torch.where(mask, teacher_lp.to(z.dtype), torch.zeros_like(lq_sel))
-            p = torch.where(mask, lp.exp(), torch.zeros_like(lp))
-            selected = (p * (lp - lq_sel)).sum(-1)
-            q_sel = torch.where(mask, lq_sel.double().exp(), torch.zeros_like(lq_sel, dtype=torch.float64))
-            q_tail = (1.0 - q_sel.sum(-1)).clamp(min=1e-30)  # float64 over [N, S] only
-            tail64 = tail.double()
-            has_tail = tail64 > 0
-            safe = torch.where(has_tail, tail64, torch.ones_like(tail64))
-            tail_term = torch.where(has_tail, tail64 * (safe.log() - q_tail.log()), torch.zeros_like(tail64))
-            kd = (selected.double() + tail_term).sum().to(z.dtype) / n
-            r = torch.where(has_tail, tail64 / q_tail, torch.zeros_like(tail64)).to(z.dtype)
-            q_sel = q_sel.to(z.dtype)
-        ctx.save_for_backward(z, ids0, mask, target, p, q_sel, r, lse1, lse_t)
-        ctx.args = (float(ce_weight), float(kd_weight), float(temperature), n, n_valid, logits.dtype)
-        return ce_weight * ce + kd_weight * kd, ce.detach(), kd.detach()
+        ce_sum, kd_sum, grad = _kd_value_and_grad(z, ids0, teacher_lp, mask, tail, target, float(ce_weight),
+                                                  float(kd_weight), float(temperature), n, n_valid,
+                                                  ctx.needs_input_grad[0])
+        ctx.save_for_backward(*(() if grad is None else (grad,)))
+        ctx.dtype = logits.dtype
+        return _means(ce_sum, kd_sum, z.dtype, float(ce_weight), float(kd_weight), n, n_valid)
 
     @staticmethod
     def backward(ctx, g, _g_ce, _g_kd):
-        z, ids0, mask, target, p, q_sel, r, lse1, lse_t = ctx.saved_tensors
-        ce_w, kd_w, temp, n, n_valid, dtype = ctx.args
-        grad = None
-        valid = target != -100
-        w = ce_w / n_valid if (ce_w and n_valid) else 0.0
-        ce_pending = bool(w)
-        if kd_w:
-            zt = z if temp == 1.0 else z / temp
-            scale = (kd_w / (n * temp)) * (1.0 - r)  # [N]
-            if ce_pending and temp == 1.0:
-                # One softmax serves both terms: q * (kd scale + ce scale) in a single pass.
-                scale = scale + valid.to(z.dtype) * w
-                ce_pending = False
-            grad = (zt - lse_t[:, None]).exp_().mul_(scale[:, None])
-            fix = torch.where(mask, q_sel * r[:, None] - p, torch.zeros_like(p)) * (kd_w / (n * temp))
-            grad.scatter_add_(-1, ids0, fix)
-        if ce_pending:
-            q1 = (z - lse1[:, None]).exp_().mul_((valid.to(z.dtype) * w)[:, None])
-            grad = q1 if grad is None else grad.add_(q1)
-        if w:
-            rows = torch.nonzero(valid)[:, 0]
-            grad[rows, target[rows]] -= w
-        if grad is None:
-            grad = torch.zeros_like(z)
-        return (grad * g).to(dtype), None, None, None, None, None, None, None, None
+        (grad,) = ctx.saved_tensors
+        return (grad * g).to(ctx.dtype), None, None, None, None, None, None, None, None
+
+
+class _LinearSparseKD(torch.autograd.Function):
+    """CE + coarse-tail KL from hidden states ``[N, H]`` and the LM head ``[V, H]``: logits one chunk of rows
+    at a time, each chunk's gradient computed and folded into d/dh and d/dW during forward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, ids, teacher_lp, mask, tail, target, ce_weight, kd_weight, temperature, rows):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        n, n_valid = h.shape[0], int((target != -100).sum())
+        ids0 = torch.where(mask, ids, torch.zeros_like(ids))
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        ce_sum = torch.zeros((), dtype=acc, device=h.device)
+        kd_sum = torch.zeros((), dtype=torch.float64, device=h.device)
+        for s in range(0, n, rows):
+            hc, sl = h[s:s + rows], slice(s, s + rows)
+            z = (hc @ weight.t()).to(acc)
+            c, k, gz = _kd_value_and_grad(z, ids0[sl], teacher_lp[sl], mask[sl], tail[sl], target[sl],
+                                          float(ce_weight), float(kd_weight), float(temperature), n, n_valid,
+                                          need_h or need_w)
+            ce_sum += c
+            kd_sum += k
+            if gz is not None:
+                gz = gz.to(h.dtype)
+                if grad_h is not None:
+                    torch.mm(gz, weight, out=grad_h[sl])
+                if grad_w is not None:
+                    grad_w.addmm_(gz.t(), hc)
+        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
+        ctx.has = (need_h, need_w)
+        return _means(ce_sum, kd_sum, acc, float(ce_weight), float(kd_weight), n, n_valid)
+
+    @staticmethod
+    def backward(ctx, g, _g_ce, _g_kd):
+        saved = list(ctx.saved_tensors)
+        gh = gw = None
+        if ctx.has[0]:
+            gh = saved.pop(0)
+            gh = gh * g.to(gh.dtype)
+        if ctx.has[1]:
+            gw = saved.pop(0)
+            gw = gw * g.to(gw.dtype)
+        return gh, gw, None, None, None, None, None, None, None, None, None
+
+
+def linear_sparse_kd(h, weight, ids, teacher_logprobs, mask, tail, target, *, ce_weight: float = 1.0,
+                     kd_weight: float = 1.0, temperature: float = 1.0, chunk_rows: int | None = None):
+    """:class:`SparseKDLoss` from hidden states: ``(loss [], {"ce", "kd"})`` without ``[N, V]`` logits.
+
+    Args:
+        h: ``[N, H]`` final-norm hidden states at the captured positions.
+        weight: ``[V, H]`` the LM head's weight (a plain, bias-free head; see
+            :func:`kiln.training.chunked_loss.split_causal_lm`).
+        ids, teacher_logprobs, mask, tail, target: as for :class:`SparseKDLoss`.
+        chunk_rows: rows of logits alive at once (default: ``chunked_loss.CHUNK_ELEMENTS // V``).
+    """
+    from kiln.training.chunked_loss import chunk_rows as default_rows
+
+    rows = chunk_rows or default_rows(weight.shape[0])
+    loss, ce, kd = _LinearSparseKD.apply(h, weight, ids, teacher_logprobs, mask, tail, target, ce_weight, kd_weight,
+                                         temperature, rows)
+    return loss, {"ce": ce, "kd": kd}
 
 
 class SparseKDLoss(nn.Module):
