@@ -58,6 +58,7 @@ def test_vllm_teacher_registered_and_used_for_opd(vllm_python, model_dir, tmp_pa
                 pass
             assert time.monotonic() < deadline, "vLLM did not become ready"
             time.sleep(2)
+        (tmp_path / "kiln-home").mkdir()
         kiln = start_server(model_dir, tmp_path / "kiln-home", extra_args=[], env_extra={}, config=None)
         c = httpx.Client(base_url=kiln.base_url, timeout=300)
         r = c.post("/v1/teachers", json={"alias": "vllm-teacher", "kind": "remote", "provider": "vllm",
