@@ -55,12 +55,21 @@ def test_64_streams_on_a_small_kv_budget_end_clean(builtin_model_dir, tmp_path):
                     except Exception:  # counted, not raised: the test reports them all
                         errors += 1
 
+            async def watch_queue() -> None:  # /health while rows wait: positions and waits
+                async with httpx.AsyncClient(base_url=srv.base_url, timeout=30) as http:
+                    while time.monotonic() < end and not waiting:
+                        h = (await http.get("/health")).json()
+                        if h["queue"]:
+                            waiting.append(h)
+                        await asyncio.sleep(0.05)
+
             try:
-                await asyncio.gather(*(stream_loop(i) for i in range(STREAMS)))
+                await asyncio.gather(watch_queue(), *(stream_loop(i) for i in range(STREAMS)))
             finally:
                 await client.close()
             return finishes, errors
 
+        waiting: list[dict] = []
         finishes, errors = asyncio.run(main())
         assert errors == 0
         assert len(finishes) >= STREAMS and set(finishes) == {"length"}
@@ -76,5 +85,15 @@ def test_64_streams_on_a_small_kv_budget_end_clean(builtin_model_dir, tmp_path):
         assert h["kv_blocks"]["preemptions"] > 0  # the budget really was too small for everyone at once
         metrics = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
         assert "kiln_kv_blocks_used 0.0" in metrics and "kiln_queue_oldest_wait_seconds" in metrics
+        # rows waited, each listed with its queue position, wait and prompt size, and what blocked the queue
+        assert waiting, "no /health poll saw a waiting row"
+        queue = waiting[0]["queue"]
+        assert [q["position"] for q in queue] == list(range(1, len(queue) + 1))
+        assert all(q["wait_s"] >= 0 and q["prompt_tokens"] > 0 and q["kind"] == "generate" for q in queue)
+        assert waiting[0]["queue_blocked_on"] in ("kv_budget", "running_rows", "token_budget", None)
+        assert h["queue"] == [] and h["queue_blocked_on"] is None
+        count = next(line for line in metrics.splitlines() if line.startswith("kiln_queue_wait_seconds_count"))
+        assert float(count.split()[-1]) >= len(finishes)  # every admission observed its wait
+        assert 'kiln_queued_rows_blocked{waiting_for="kv_budget"}' in metrics
     finally:
         assert stop_server(srv) == 0

@@ -19,6 +19,7 @@ when full) and the same per-cycle token budget.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
@@ -48,6 +50,7 @@ from kiln.runtime.tokenization import Tokenization
 
 CANARY_TOKENS = 4
 CANARY_MESSAGE = "Hello"
+MAX_KV_BUDGET_FRACTION = 0.9  # of RAM or device memory: the weights and activations need the rest
 
 __all__ = [
     "AdapterError",
@@ -67,14 +70,42 @@ __all__ = [
 ]
 
 
-def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype) -> int:
-    """Blocks in the KV pool (the scratch block included): ``kv_budget_bytes`` worth, or by default
-    enough for ``max_running_rows`` rows of ``max_model_len`` (on CPU only touched blocks take memory)."""
-    if cfg.kv_budget_bytes:
-        usable = cfg.kv_budget_bytes // block_bytes(shape, cfg.kv_block_size, dtype)
+def memory_total_bytes(device: Any) -> int:
+    """Memory a ``kv_budget_fraction`` is a fraction of: the CUDA device's, else RAM (within a cgroup limit)."""
+    if str(device).startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
+
+
+def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any = "cpu") -> int:
+    """Blocks in the KV pool (the scratch block included): ``kv_budget_bytes`` worth, or
+    ``kv_budget_fraction`` of the memory (RAM, or the CUDA device's), or by default enough for
+    ``max_running_rows`` rows of ``max_model_len`` (on CPU only touched blocks take memory).
+    A budget too small for one block is a :class:`ConfigError` naming its key."""
+    per_block = block_bytes(shape, cfg.kv_block_size, dtype)
+    if cfg.kv_budget_bytes and cfg.kv_budget_fraction:
+        raise ConfigError("set batching.kv_budget_bytes or batching.kv_budget_fraction, not both")
+    if cfg.kv_budget_fraction:
+        if not 0.0 < cfg.kv_budget_fraction <= MAX_KV_BUDGET_FRACTION:
+            raise ConfigError(f"batching.kv_budget_fraction must be in (0, {MAX_KV_BUDGET_FRACTION}], "
+                              f"got {cfg.kv_budget_fraction}")
+        budget, key = int(cfg.kv_budget_fraction * memory_total_bytes(device)), "batching.kv_budget_fraction"
+    elif cfg.kv_budget_bytes:
+        budget, key = cfg.kv_budget_bytes, "batching.kv_budget_bytes"
     else:
-        usable = cfg.max_running_rows * -(-cfg.max_model_len // cfg.kv_block_size)
-    return max(1, usable) + 1
+        return cfg.max_running_rows * -(-cfg.max_model_len // cfg.kv_block_size) + 1
+    if budget < per_block:
+        raise ConfigError(f"{key} gives a KV budget of {budget} bytes, less than one KV block of "
+                          f"{cfg.kv_block_size} tokens ({per_block} bytes for this model); raise it")
+    return budget // per_block + 1
 
 
 class Engine:
@@ -99,7 +130,8 @@ class Engine:
         self.device = loaded.device
         dtype = next(self.model.parameters()).dtype
         cfg = self.config
-        kv = BlockPool(cache_shape(self.model.config), kv_pool_blocks(cfg, cache_shape(self.model.config), dtype),
+        kv = BlockPool(cache_shape(self.model.config),
+                       kv_pool_blocks(cfg, cache_shape(self.model.config), dtype, self.device),
                        cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
@@ -217,7 +249,7 @@ class Engine:
             raise PromptTooLong(
                 f"prompt plus max_tokens ({tokens} tokens) needs {kv.blocks_for(tokens)} KV blocks of "
                 f"{kv.block_size} tokens, more than the whole KV budget of {kv.capacity} blocks "
-                "(batching.kv_budget_bytes); shorten the prompt or lower max_tokens"
+                "(batching.kv_budget_bytes or kv_budget_fraction); shorten the prompt or lower max_tokens"
             )
 
     def submit(

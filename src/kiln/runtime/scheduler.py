@@ -56,6 +56,7 @@ log = logging.getLogger("kiln.engine")
 
 JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
 STALL_TIMEOUT_S = 60.0  # one scheduler iteration running longer than this reports the engine stuck
+QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ class EngineConfig:
     stall_timeout_s: float = STALL_TIMEOUT_S
     kv_block_size: int = 16
     kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
+    kv_budget_fraction: float = 0.0  # instead of bytes: this fraction of RAM (CUDA: of the device's memory)
     prefix_cache: bool = True
     compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
+    burst_gap_s: float = 0.001  # waking from idle: gather rows arriving at most this far apart (0: off)
+    burst_max_s: float = 0.010  # ... for at most this long in all
     lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
     packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
 
@@ -88,8 +92,10 @@ class EngineConfig:
             stall_timeout_s=float(getattr(b, "stall_timeout_s", STALL_TIMEOUT_S)),
             kv_block_size=int(getattr(b, "kv_block_size", 16)),
             kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
+            kv_budget_fraction=float(getattr(b, "kv_budget_fraction", 0.0)),
             prefix_cache=bool(getattr(b, "prefix_cache", True)),
             compile_decode=bool(getattr(b, "compile_decode", False)),
+            burst_gap_s=float(getattr(b, "burst_gap_s", cls.burst_gap_s)),
             lean_forward=bool(getattr(b, "lean_forward", True)),
             packed_weights=bool(getattr(b, "packed_weights", True)),
         )
@@ -192,6 +198,9 @@ class Scheduler:
         self._seq = 0
         self.preemptions = 0
         self._oldest_wait: float | None = None  # perf_counter the oldest waiting row entered the queue
+        # published by the engine thread after each plan (one assignment, read by any thread):
+        # (what the head of the queue waits for, [(t_wait, prompt tokens, scoring)] of the first rows)
+        self._queue_view: tuple[str | None, list[tuple[float, int, bool]]] = (None, [])
         self._active = 0
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -252,7 +261,14 @@ class Scheduler:
             starts = [r.t_wait for r in self._inbox]
             if self._oldest_wait is not None:
                 starts.append(self._oldest_wait)
+            incoming = [(r.t_wait, len(r.tokens), r.scoring) for r in self._inbox]
+            blocked_on, waiting = self._queue_view
+            queue = [{"position": i + 1, "wait_s": round(now - t, 3), "prompt_tokens": n,
+                      "kind": "score" if scoring else "generate"}
+                     for i, (t, n, scoring) in enumerate((waiting + incoming)[:QUEUE_DETAIL_MAX])]
             return {
+                "queue": queue,
+                "queue_blocked_on": blocked_on if self._queued else None,
                 "queued_rows": self._queued,
                 "active_rows": self._active,
                 "max_running_rows": self.config.max_running_rows,
@@ -311,6 +327,7 @@ class Scheduler:
                         self._cv.wait()
                     if self._stopping:
                         break
+                    self._gather_burst()
                     self._busy_since = time.monotonic()
                     incoming = list(self._inbox)
                     self._inbox.clear()
@@ -331,6 +348,22 @@ class Scheduler:
         finally:
             self._abort_all("abort" if self._failed is None else "error")
             self._busy_since = None
+
+    def _gather_burst(self) -> None:
+        """Waking from idle to new rows, wait (holding no GIL) while more keep arriving, at most
+        ``burst_gap_s`` apart and ``burst_max_s`` in all, so a burst of requests shares its first
+        prefill instead of each waiting a cycle behind the one before (the caller holds ``_cv``)."""
+        cfg = self.config
+        if cfg.burst_gap_s <= 0 or not self._inbox or self._decoding or self._prefilling or self._waiting:
+            return
+        deadline = time.monotonic() + cfg.burst_max_s
+        seen = -1
+        while len(self._inbox) != seen and not self._stopping:
+            seen = len(self._inbox)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(min(cfg.burst_gap_s, left))
 
     def _has_work(self) -> bool:
         return bool(self._inbox or self._jobs or self._cancel_pending or self._waiting or self._prefilling
@@ -399,6 +432,7 @@ class Scheduler:
         if not row.seq:
             self._seq += 1
             row.seq = self._seq
+        self.observer.queue_wait(time.perf_counter() - row.t_wait)
         row.prefilled = row.pos = len(row.blocks) * kv.block_size
         self._prefilling.append(row)
         with self._cv:
@@ -526,10 +560,21 @@ class Scheduler:
                 planned.add(id(row))
                 budget[0] -= c
 
+        blocked: list[str | None] = [None]
+
         def admit(pick: Callable[[Row | ScoreRow], bool]) -> None:
-            while budget[0] > 0 and self._running() < cfg.max_running_rows:
+            while True:
                 row = next((r for r in self._waiting if pick(r)), None)
-                if row is None or not self._admit(row):
+                if row is None:
+                    return
+                if budget[0] <= 0:
+                    blocked[0] = blocked[0] or "token_budget"
+                    return
+                if self._running() >= cfg.max_running_rows:
+                    blocked[0] = blocked[0] or "running_rows"
+                    return
+                if not self._admit(row):
+                    blocked[0] = blocked[0] or "kv_budget"
                     return
                 self._waiting.remove(row)
                 take(row)
@@ -544,6 +589,9 @@ class Scheduler:
                 take(row)
         admit(lambda r: r.scoring and sum(1 for p in self._prefilling if p.scoring) < self.scoring_slots)
         self._oldest_wait = min((r.t_wait for r in self._waiting), default=None)
+        if self._waiting or self._queue_view[1]:
+            self._queue_view = (blocked[0], [(r.t_wait, len(r.tokens), r.scoring)
+                                             for r in list(self._waiting)[:QUEUE_DETAIL_MAX]])
         return chunks
 
     @property

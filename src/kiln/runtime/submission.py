@@ -59,6 +59,9 @@ class Observer:
 
     def tokens_generated(self, count: int) -> None: ...
 
+    def queue_wait(self, wait_s: float) -> None:
+        """A row was admitted after waiting ``wait_s`` in the queue (for a running-row slot or KV memory)."""
+
 
 @dataclass
 class StreamChunk:

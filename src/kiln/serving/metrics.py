@@ -27,6 +27,9 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kiln_inter_token_latency_seconds", "Time between consecutive tokens of a row",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait_s = Histogram("kiln_queue_wait_seconds", "Time a row waited in the queue before admission "
+                                      "(for a running-row slot, token budget or KV memory)",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("kiln_request_duration_seconds", "HTTP request duration by endpoint",
                                   ["endpoint"], buckets=DURATION_BUCKETS, registry=r)
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -43,6 +46,15 @@ class Metrics:
         }
         for key, (name, doc) in engine_gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda key=key: row_stats().get(key, 0))
+        blocked = Gauge("kiln_queued_rows_blocked", "Rows waiting, by what the head of the queue waits for "
+                        "(kv_budget: KV memory; running_rows: batching.max_running_rows; token_budget)",
+                        ["waiting_for"], registry=r)
+        def waiting_for(reason: str) -> int:
+            st = row_stats()
+            return st["queued_rows"] if st.get("queue_blocked_on") == reason else 0
+
+        for reason in ("kv_budget", "running_rows", "token_budget"):
+            blocked.labels(waiting_for=reason).set_function(lambda reason=reason: waiting_for(reason))
 
     # engine observer hooks (engine thread)
     def first_token(self, ttft_s: float) -> None:
@@ -53,6 +65,9 @@ class Metrics:
 
     def tokens_generated(self, count: int) -> None:
         self.tokens.inc(count)
+
+    def queue_wait(self, wait_s: float) -> None:
+        self.queue_wait_s.observe(wait_s)
 
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
         # ``labels()`` costs a lock and a tuple build per call: keep the children (endpoints are

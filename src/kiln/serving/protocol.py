@@ -528,6 +528,8 @@ class HealthResponse(_Response):
     active_rows: int
     max_running_rows: int
     queue_oldest_wait_s: float = 0.0  # how long the oldest waiting row has waited (admission by memory)
+    queue: list[dict[str, Any]] = []  # waiting rows in admission order: position, wait_s, prompt_tokens, kind
+    queue_blocked_on: str | None = None  # what the head of the queue waits for: kv_budget, running_rows, token_budget
     kv_blocks: dict[str, int] = {}  # paged KV: total, used, cached, free, block_size, preemptions, prefix_hit_blocks
     engine_error: str | None
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step

@@ -53,6 +53,9 @@ async def health(request: Request) -> JSONResponse:
         "active_rows": stats["active_rows"],
         "max_running_rows": stats["max_running_rows"],
         "queue_oldest_wait_s": stats.get("queue_oldest_wait_s", 0.0),
+        # each waiting row (first QUEUE_DETAIL_MAX): position, seconds waited, prompt tokens, kind
+        "queue": stats.get("queue", []),
+        "queue_blocked_on": stats.get("queue_blocked_on"),  # kv_budget | running_rows | token_budget | None
         "kv_blocks": {k[len("kv_blocks_"):]: stats[k] for k in ("kv_blocks_total", "kv_blocks_used",
                                                                 "kv_blocks_cached", "kv_blocks_free") if k in stats}
         | {"block_size": stats.get("kv_block_size", 0), "preemptions": stats.get("preemptions", 0),
