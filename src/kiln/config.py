@@ -73,11 +73,9 @@ class BatchingSettings(_Section):
     prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)
     kv_budget_bytes: int = Field(0, ge=0)  # paged KV pool size; 0: max_running_rows x max_model_len worth
     kv_budget_fraction: float = Field(0.0, ge=0.0, le=0.9)  # or this fraction of RAM (CUDA: device memory)
-    kv_budget_fraction: float = Field(0.0, ge=0.0, le=0.9)  # or this fraction of RAM (CUDA: device memory)
     kv_block_size: int = Field(16, ge=1, le=4096)  # tokens per KV block
     prefix_cache: bool = True  # share identical prompt-prefix blocks (same adapter revision)
     compile_decode: bool = False  # torch.compile the decode step (bucketed static shapes); docs/benchmarks.md
-    burst_gap_s: float = Field(0.001, ge=0.0, le=0.1)  # waking idle: gather requests this far apart (docs/serving.md)
     burst_gap_s: float = Field(0.001, ge=0.0, le=0.1)  # waking idle: gather requests this far apart (docs/serving.md)
     lean_forward: bool = True  # Llama-family forward without transformers' per-call Python (same math)
     packed_weights: bool = True  # oneDNN-packed Linear weights in that forward (CPU, fp32; 2x their memory)
@@ -224,8 +222,6 @@ class Settings(_Section):
             raise ValueError("limits.default_max_tokens must not exceed limits.max_tokens_cap")
         if self.limits.max_tokens_cap > self.limits.max_model_len:
             raise ValueError("limits.max_tokens_cap must not exceed limits.max_model_len")
-        if self.batching.kv_budget_bytes and self.batching.kv_budget_fraction:
-            raise ValueError("set batching.kv_budget_bytes or batching.kv_budget_fraction, not both")
         if self.batching.kv_budget_bytes and self.batching.kv_budget_fraction:
             raise ValueError("set batching.kv_budget_bytes or batching.kv_budget_fraction, not both")
         return self
