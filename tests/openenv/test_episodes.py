@@ -16,7 +16,6 @@ from kiln.openenv.discovery import (
     discover,
     discovery_digest,
 )
-
 from tests.openenv.guess_env import TARGET
 
 CAP = 4 * 1024 * 1024

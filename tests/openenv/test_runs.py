@@ -119,10 +119,28 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
         assert [c["text"]] + [t["text"] for t in c.get("turns", [])] == e["actions"] and c["reward"] == e["return"]
         if e["termination"] == "max_steps":
             assert len(e["actions"]) == STEPS and e["return"] == sum(x["result"]["reward"] for x in e["exchanges"])
-    # the trained adapter as the behaviour policy on the same seeds
-    again = _body(env_servers["counter"], "oe-guess-2", groups=4, group_size=8, max_steps=STEPS,
-                  policy_adapter="oe-guess", training={"adapter": "oe-guess-2", "epochs": 1})
-    after = _wait(base, httpx.post(f"{base}/v1/openenv/runs", json=again, timeout=60).json()["id"], timeout=300)
+    # the training receipt binds the published adapter revision, the GRPO config and the corpus
+    receipt = json.loads((rundir / "train_receipt.json").read_text())
+    result = run["training_job"]["result"]
+    assert receipt["schema"] == "kiln.openenv-train-receipt.v1" and receipt["run_id"] == run["id"]
+    assert receipt["adapter"]["revision"] == result["revision"] and receipt["adapter"]["name"] == "oe-guess"
+    adapter_dir = Path(result["path"].replace("$KILN_ADAPTERS", str(home / "adapters")))  # paths are redacted
+    manifest = (adapter_dir / "kiln-manifest.json").read_bytes()
+    assert receipt["adapter"]["manifest_sha256"] == hashlib.sha256(manifest).hexdigest()
+    assert receipt["artifacts"] == {k: run["artifacts"][k]["sha256"] for k in ("replay.json", "rollouts.jsonl")}
+    assert receipt["discovery_sha256"] == run["environment"]["discovery_sha256"]
+    assert len(receipt["training_contract_sha256"]) == 64
+    # the trained adapter as the behaviour policy on the same seeds, through `kiln openenv train`
+    (home / "again.json").write_text(json.dumps({"epochs": 1}))
+    cli = subprocess.run([str(KILN), "openenv", "train", env_servers["counter"], "--adapter", "oe-guess-2",
+                          "--instructions", "Guess the secret digit.", "--groups", "4", "--group-size", "8",
+                          "--max-steps", str(STEPS), "--policy-adapter", "oe-guess", "--training",
+                          str(home / "again.json"), "--url", base],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "GRPO config" in cli.stdout and "published oe-guess-2 revision" in cli.stdout, cli.stdout
+    after = httpx.get(f"{base}/v1/openenv/runs", timeout=10).json()["data"][-1]
+    assert after["request"]["policy_adapter"] == "oe-guess" and after["state"] == "succeeded"
     print("OPENENV_RETURNS before", run["returns"]["mean"], "after", after["returns"]["mean"])
     assert after["progress"]["episodes_done"] == 32
     assert after["returns"]["mean"] > run["returns"]["mean"] + RISE_MARGIN, (run["returns"], after["returns"])
@@ -130,6 +148,59 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     out = subprocess.run([str(KILN), "openenv", "status", "--url", base], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0 and run["id"] in out.stdout
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    assert _metric(metrics, 'kiln_openenv_episodes_total{termination="max_steps"}') >= 32
+    assert _metric(metrics, "kiln_openenv_episode_return_count") >= 64
+    assert _metric(metrics, 'kiln_openenv_runs_finished_total{state="succeeded"}') >= 2
+    assert _metric(metrics, "kiln_openenv_policy_actions_total") >= 64
+    # artifact download: verified against the manifest while staging, published atomically
+    for name in run["artifacts"]:
+        dest = home / f"dl-{name}"
+        got = subprocess.run([str(KILN), "openenv", "artifact", run["id"], name, "--out", str(dest), "--url", base],
+                             capture_output=True, text=True, timeout=60)
+        assert got.returncode == 0, got.stderr
+        assert dest.read_bytes() == (rundir / name).read_bytes()
+    missing = httpx.get(f"{base}/v1/openenv/runs/{run['id']}/artifacts/run.json", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
+    # disk drift after publication: the route refuses (409) and the CLI leaves nothing at --out
+    replay_path = rundir / "replay.json"
+    replay_path.write_bytes(replay_path.read_bytes().replace(b'"schema"', b'"schemX"'))
+    drift = httpx.get(f"{base}/v1/openenv/runs/{run['id']}/artifacts/replay.json", timeout=10)
+    assert drift.status_code == 409 and drift.json()["error"]["code"] == "artifact_integrity_failed"
+    bad = subprocess.run([str(KILN), "openenv", "artifact", run["id"], "replay.json", "--out",
+                          str(home / "drift.json"), "--url", base], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "artifact_integrity_failed" in bad.stderr
+    assert not (home / "drift.json").exists() and not list(home.glob(".drift.json.*"))
+
+
+def _metric(text, name):
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert values, f"{name} not in /metrics"
+    return values[0]
+
+
+def test_preflight_inspects_and_persists_nothing(kiln, env_servers):
+    server, home = kiln
+    base = server.base_url
+    before = sorted(_runs_dir(home).glob("*")) if _runs_dir(home).exists() else []
+    body = _body(env_servers["guess"], "oe-pre", groups=5)
+    r = httpx.post(f"{base}/v1/openenv/preflight", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    pre = r.json()
+    assert pre["training_contract"]["adapter"] == "oe-pre" and pre["training_contract"]["epochs"] == 4
+    assert "groups" not in pre["training_contract"] and len(pre["training_contract_sha256"]) == 64
+    assert pre["environment"]["action_schema"]["required"] == ["guess"]
+    assert pre["capacity"]["capacity_reserved"] is False
+    again = httpx.post(f"{base}/v1/openenv/preflight", json=body, timeout=60).json()
+    assert again["environment"]["discovery_sha256"] == pre["environment"]["discovery_sha256"]
+    assert again["training_contract_sha256"] == pre["training_contract_sha256"]
+    typo = httpx.post(f"{base}/v1/openenv/preflight", json=_body(env_servers["guess"], "x", training={
+        "adapter": "x", "learning_rat": 1}), timeout=60)
+    assert typo.status_code == 400 and typo.json()["error"]["code"] == "invalid_training_config"
+    down = httpx.post(f"{base}/v1/openenv/preflight", json=_body("http://127.0.0.1:9", "x"), timeout=60)
+    assert down.status_code == 503 and down.json()["error"]["code"] == "environment_unavailable"
+    after = sorted(_runs_dir(home).glob("*")) if _runs_dir(home).exists() else []
+    assert after == before
 
 
 def test_hostile_oversized_observation_fails_without_artifacts(kiln, env_servers):

@@ -230,6 +230,12 @@ def test_openenv_runs(client):
     assert run_id in {x["id"] for x in client.get("/v1/openenv/runs").json()["data"]}
     assert client.post(f"/v1/openenv/runs/{run_id}/cancel").status_code == 409
     assert client.get("/v1/openenv/runs/oerun-0000000000000000").status_code == 404
+    # preflight: a typo (400) and an environment nobody serves (503); a failed run has no artifacts (404)
+    body["training"] = {"adapter": "schema-oe", "learning_rat": 0.1}
+    assert client.post("/v1/openenv/preflight", json=body).status_code == 400
+    body["training"] = {"adapter": "schema-oe"}
+    assert client.post("/v1/openenv/preflight", json=body).json()["error"]["code"] == "environment_unavailable"
+    assert client.get(f"/v1/openenv/runs/{run_id}/artifacts/replay.json").status_code == 404
 
 
 def test_every_operation_was_exercised(checker):

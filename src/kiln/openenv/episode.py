@@ -24,7 +24,13 @@ from typing import Any, Callable
 
 from kiln.canonical import canonical_json, strict_json_loads
 from kiln.errors import KilnError, PayloadTooLarge
-from kiln.openenv.discovery import EnvironmentProtocolError, EnvironmentUnavailable, action_errors, check_health, ws_url
+from kiln.openenv.discovery import (
+    EnvironmentProtocolError,
+    EnvironmentUnavailable,
+    action_errors,
+    check_health,
+    ws_url,
+)
 
 DONE = "done"
 MAX_STEPS = "max_steps"
@@ -89,7 +95,7 @@ class Session:
             self._ws = connect(ws_url(base_url), max_size=max_frame_bytes, compression=None, proxy=None,
                                open_timeout=timeout_s, close_timeout=CLOSE_TIMEOUT_S,
                                ping_interval=None).__enter__()
-        except Exception as exc:  # noqa: BLE001  (refused, handshake failure, timeout)
+        except Exception as exc:
             raise EnvironmentUnavailable(f"cannot open {ws_url(base_url)}: {exc}") from None
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -145,7 +151,7 @@ class Session:
             if polite and self.poisoned is None:
                 self._ws.send(json.dumps({"type": "close"}))
             self._ws.close()
-        except Exception:  # noqa: BLE001  (already gone)
+        except Exception:
             pass
 
 

@@ -21,6 +21,7 @@ ROLLOUT_OWNED = ("groups",)  # GRPO fields the run fills in; a request that sets
 RUN_ID_RE = re.compile(r"^oerun-[0-9a-f]{16}$")
 RUN_STATES = ("queued", "discovering", "collecting", "revalidating", "training", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+ARTIFACT_SHA256_HEADER = "x-kiln-artifact-sha256"
 
 
 class _Wire(BaseModel):
@@ -54,7 +55,7 @@ class OpenEnvRunRequest(_Wire):
         return check_env_url(v)
 
     @model_validator(mode="after")
-    def _bounded(self) -> "OpenEnvRunRequest":
+    def _bounded(self) -> OpenEnvRunRequest:
         if len(canonical_json_bytes(self.reset)) > MAX_RESET_BYTES:
             raise ValueError(f"reset is over {MAX_RESET_BYTES} bytes")
         if len(canonical_json_bytes(self.training)) > MAX_TRAINING_BYTES:
@@ -100,3 +101,13 @@ class OpenEnvRunList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[OpenEnvRun]
+
+
+class OpenEnvPreflight(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    object: Literal["openenv.preflight"] = "openenv.preflight"
+    training_contract: dict[str, Any] = Field(description="the effective GRPO config a run with this request trains with")
+    training_contract_sha256: str = Field(description="its digest (domain kiln.openenv-training-contract.v1)")
+    environment: dict[str, Any] = Field(description="url, name, discovery_sha256, documents, action_schema")
+    capacity: dict[str, Any] = Field(description="a point-in-time snapshot; capacity_reserved is always false")

@@ -16,8 +16,11 @@ its admission order; a run that was past admission becomes ``failed`` with
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import secrets
+import stat
 import threading
 import time
 from collections import deque
@@ -31,12 +34,21 @@ from kiln.canonical import (
     atomic_write_json,
     canonical_json,
     canonical_json_bytes,
+    domain_digest,
     sha256_hex,
     strict_json_loads,
 )
-from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, RateLimited, Unavailable
+from kiln.errors import (
+    Conflict,
+    InvalidRequest,
+    KilnError,
+    NotFound,
+    RateLimited,
+    Unavailable,
+)
 from kiln.openenv import episode as ep
 from kiln.openenv.discovery import Discovery, discover
+from kiln.openenv.metrics import OpenEnvMetrics
 from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 
 if TYPE_CHECKING:
@@ -56,7 +68,15 @@ PREFLIGHT_GROUP = {"messages": [{"role": "user", "content": "preflight"}],
                    "completions": [{"text": "a", "reward": 0.0}, {"text": "b", "reward": 1.0}]}
 CONTRACT_DROPPED = ("groups", "inputs_sha256", "plan_sha256")
 REPLAY_SCHEMA = "kiln.openenv-replay.v1"
+RECEIPT_FILE = "train_receipt.json"
+RECEIPT_SCHEMA = "kiln.openenv-train-receipt.v1"
+CONTRACT_DOMAIN = "kiln.openenv-training-contract.v1"
 ACTION_PROMPT = "\n\nReply with exactly one JSON object (the action) that matches this JSON schema:\n"
+
+
+class ArtifactIntegrityError(Conflict):
+    code = "artifact_integrity_failed"
+    default_hint = "the file changed on disk after publication; nothing was sent"
 
 
 class EnvironmentIdentityChanged(Conflict):
@@ -67,8 +87,9 @@ class EnvironmentIdentityChanged(Conflict):
 class OpenEnvService:
     """Runs under ``<adapters>/.openenv/runs``; ``start()`` starts the workers, ``close()`` stops them."""
 
-    def __init__(self, *, engine: Engine, trainer: TrainingService | None, settings: Settings):
+    def __init__(self, *, engine: Engine, trainer: TrainingService | None, settings: Settings, registry: Any = None):
         self.engine, self.trainer, self.settings = engine, trainer, settings
+        self.metrics = OpenEnvMetrics(registry)
         self.cfg = settings.openenv
         self.root = settings.adapters_path / RUNS_DIR
         self._lock = threading.Condition()
@@ -128,8 +149,8 @@ class OpenEnvService:
             if rec["state"] == "queued":
                 queued.append(rec)
             elif rec["state"] not in TERMINAL:
-                self._finish(rec, "failed", error=("interrupted", "the server stopped while this run was "
-                                                   f"{rec['state']}; episodes are not resumed"))
+                self._finish(rec, "failed", error=("interrupted", ("the server stopped while this run was "
+                                                   f"{rec['state']}; episodes are not resumed")))
         for rec in sorted(queued, key=lambda r: r["admission_seq"]):
             self._cancel[rec["id"]] = threading.Event()
             self._queue.append(rec["id"])
@@ -142,8 +163,8 @@ class OpenEnvService:
         if self.trainer is None:
             raise Unavailable("training is not enabled on this server", code="training_disabled",
                               hint="start the server with training.enabled = true")
-        try:
-            grpo = GRPORequest.model_validate({**request.training, "groups": [PREFLIGHT_GROUP]})
+        try:  # one placeholder per group the run will collect: a default `epochs` is materialised for that count
+            grpo = GRPORequest.model_validate({**request.training, "groups": [PREFLIGHT_GROUP] * request.groups})
         except ValidationError as exc:
             first = exc.errors()[0]
             loc = ".".join(str(p) for p in first["loc"])
@@ -153,8 +174,23 @@ class OpenEnvService:
         if request.policy_adapter is not None and request.policy_adapter not in self.engine.active_adapters():
             raise NotFound(f"policy_adapter {request.policy_adapter!r} is not loaded", code="adapter_not_loaded",
                            param="policy_adapter", hint="load it with POST /v1/adapters/{name}/load (or train with auto_load)")
-        plan = self.trainer.prepare(grpo)
-        return {k: v for k, v in plan.request.items() if k not in CONTRACT_DROPPED}
+        return _contract(self.trainer.prepare(grpo))
+
+    def inspect(self, request: OpenEnvRunRequest) -> dict[str, Any]:
+        """``POST /v1/openenv/preflight``: the effective GRPO config and the environment's identity and action
+        schema (discovery GETs only: no episode, nothing persisted, no capacity reserved)."""
+        contract = self.preflight(request)
+        disc = self._discover(request.env_url)
+        with self._lock:
+            active = sum(1 for r in self._runs.values() if r["state"] not in TERMINAL and r["state"] != "queued")
+            queued = len(self._queue)
+        return {"object": "openenv.preflight", "training_contract": contract,
+                "training_contract_sha256": contract_digest(contract),
+                "environment": {"url": disc.base_url, "name": disc.name, "discovery_sha256": disc.digest,
+                                "documents": sorted(disc.documents), "action_schema": disc.action_schema},
+                "capacity": {"active_runs": active, "queued_runs": queued,
+                             "max_active_runs": self.cfg.max_active_runs,
+                             "max_tracked_runs": self.cfg.max_tracked_runs, "capacity_reserved": False}}
 
     def _same_key(self, request: OpenEnvRunRequest) -> dict[str, Any] | None:
         """The retained run submitted under ``request.idempotency_key``: its status, or 409 if the request differs."""
@@ -204,6 +240,7 @@ class OpenEnvService:
             self._cancel[run_id] = threading.Event()
             self._queue.append(run_id)
             self._lock.notify_all()
+            self.metrics.runs_submitted.inc()
             return self._public(rec)
 
     def get(self, run_id: str) -> dict[str, Any]:
@@ -255,6 +292,7 @@ class OpenEnvService:
         rec.update(state=state, finished_at=time.time(),
                    error=None if error is None else {"code": error[0], "message": error[1][:2000]})
         self._persist(rec)
+        self.metrics.runs_finished.labels(state=state).inc()
 
     # ------------------------------------------------------------- execution
     def _worker(self) -> None:
@@ -274,14 +312,14 @@ class OpenEnvService:
             except ep.Cancelled:
                 with self._lock:
                     if self._stop:
-                        self._finish(rec, "failed", error=("interrupted", "the server shut down while this run "
-                                                           f"was {rec['state']}; episodes are not resumed"))
+                        self._finish(rec, "failed", error=("interrupted", ("the server shut down while this run "
+                                                           f"was {rec['state']}; episodes are not resumed")))
                     else:
                         self._finish(rec, "cancelled")
             except KilnError as exc:
                 with self._lock:
                     self._finish(rec, "failed", error=(exc.code, exc.message))
-            except Exception as exc:  # noqa: BLE001  (a bug must not kill the worker)
+            except Exception as exc:
                 log.exception("OpenEnv run %s crashed", run_id)
                 with self._lock:
                     self._finish(rec, "failed", error=("internal_error", f"{type(exc).__name__}: {exc}"))
@@ -340,12 +378,15 @@ class OpenEnvService:
                     played[-1][1].append(episode)
                     completions.append(ep.as_completion(episode))
                     group_returns.append(episode.episode_return)
+                    self.metrics.episode(episode.termination, episode.episode_return, episode.steps,
+                                         len(episode.actions))
                     with self._lock:
                         rec["terminations"][episode.termination] += 1
                         p = rec["progress"]
                         p["episodes_done"] += 1
                         p["env_steps"] += episode.steps
                         p["policy_actions"] += len(episode.actions)
+                        self.metrics.capacity_retries.inc(retries[0] - p["episodes_done"] - p["capacity_retries"])
                         p["capacity_retries"] = retries[0] - p["episodes_done"]
                         p["rollout_bytes"] = budget.used
                         if episode.error is not None:
@@ -366,8 +407,9 @@ class OpenEnvService:
         if cancelled():
             raise ep.Cancelled("the run was cancelled")
         assert self.trainer is not None
-        try:
-            grpo = GRPORequest.model_validate({**req.training, "groups": groups})
+        contract = rec["training_contract"]
+        try:  # the contract's materialised epochs, not a default recomputed from the usable groups
+            grpo = GRPORequest.model_validate({**req.training, "epochs": contract["epochs"], "groups": groups})
         except ValidationError as exc:
             first = exc.errors()[0]
             raise InvalidRequest(f"the collected episodes do not fit a GRPO request at "
@@ -375,6 +417,11 @@ class OpenEnvService:
                                  code="episodes_not_trainable",
                                  hint="lower max_steps or make the environment's observations shorter") from None
         self._update(rec, artifacts=self._publish(rec, disc, groups, played))
+        actual = _contract(self.trainer.prepare(grpo))  # the exact config the job will train with...
+        if actual != contract:  # ...must be the one admitted at preflight (e.g. base_adapter republished since)
+            changed = sorted(k for k in set(actual) | set(contract) if actual.get(k) != contract.get(k))
+            raise Conflict(f"the effective GRPO config changed since preflight: {changed}",
+                           code="training_contract_changed", hint="start a new run")
         job = self.trainer.submit(grpo)
         self._update(rec, state="training", training_job=_job_view(job))
         self._follow(rec, job["id"], cancelled)
@@ -419,8 +466,11 @@ class OpenEnvService:
                 except KilnError:
                     pass
             time.sleep(JOB_POLL_S)
+        if job["state"] == "succeeded":
+            receipt = self._receipt(rec, job)  # outside the lock: hashes the adapter manifest
         with self._lock:
             if job["state"] == "succeeded":
+                rec["artifacts"] = {**(rec["artifacts"] or {}), RECEIPT_FILE: receipt}
                 self._finish(rec, "succeeded")
             elif job["state"] == "cancelled":
                 self._finish(rec, "cancelled")
@@ -428,6 +478,54 @@ class OpenEnvService:
                 err = job.get("error") or {}
                 msg = err.get("message") if isinstance(err, dict) else str(err)
                 self._finish(rec, "failed", error=("training_failed", f"GRPO job {job_id} failed: {msg}"))
+
+    def _receipt(self, rec: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+        """Write ``train_receipt.json``: the adapter revision the job published (and its manifest's SHA-256,
+        which binds the corpus it was trained on), the GRPO config digest, the rollout and replay digests."""
+        from kiln.adapters.manifest import MANIFEST_FILE, Manifest
+
+        result = job.get("result") or {}
+        manifest_bytes = (Path(result["path"]) / MANIFEST_FILE).read_bytes()
+        manifest = Manifest.from_bytes(manifest_bytes)
+        receipt = canonical_json_bytes({
+            "schema": RECEIPT_SCHEMA, "run_id": rec["id"], "training_job": job["id"],
+            "adapter": {"name": result["adapter"], "revision": result["revision"],
+                        "manifest_sha256": sha256_hex(manifest_bytes), "inputs_sha256": manifest.inputs_sha256,
+                        "activated": result.get("activated")},
+            "training_contract_sha256": contract_digest(rec["training_contract"]),
+            "discovery_sha256": rec["environment"]["discovery_sha256"],
+            "base_model_sha256": manifest.base_model_sha256,
+            "artifacts": {name: entry["sha256"] for name, entry in sorted((rec["artifacts"] or {}).items())},
+        })
+        if len(receipt) > MAX_RUN_FILE_BYTES:
+            raise ep.RolloutBudgetExceeded(f"{RECEIPT_FILE} would be {len(receipt)} bytes")
+        atomic_write_bytes(self.root / rec["id"] / RECEIPT_FILE, receipt, mode=0o600)
+        return {"sha256": sha256_hex(receipt), "bytes": len(receipt)}
+
+    def open_artifact(self, run_id: str, name: str) -> tuple[int, int, str]:
+        """``(fd, bytes, sha256)`` of a published artifact, verified on that descriptor: only a name in the run's
+        persisted manifest, a regular file (no symlink) of the recorded length and digest. The caller streams
+        from ``fd`` (rewound) and closes it."""
+        with self._lock:
+            entry = (self._record(run_id).get("artifacts") or {}).get(name)
+        if entry is None:
+            raise NotFound(f"run {run_id} has no published artifact {name!r}", code="artifact_not_found",
+                           hint="the run's `artifacts` lists what can be downloaded")
+        fd = os.open(self.root / run_id / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            digest = hashlib.sha256()
+            if stat.S_ISREG(st.st_mode) and st.st_size == entry["bytes"]:
+                while chunk := os.read(fd, 1 << 20):
+                    digest.update(chunk)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+                raise ArtifactIntegrityError(f"artifact {name} of run {run_id} no longer matches its recorded "
+                                             "length and SHA-256")
+            os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, entry["bytes"], entry["sha256"]
 
     def _policy(self, req: OpenEnvRunRequest, disc: Discovery) -> Callable[[list[dict[str, str]]], str]:
         from kiln.runtime.sampling import SamplingParams
@@ -479,6 +577,14 @@ def generation_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def _contract(plan: Any) -> dict[str, Any]:
+    return {k: v for k, v in plan.request.items() if k not in CONTRACT_DROPPED}
+
+
+def contract_digest(contract: dict[str, Any]) -> str:
+    return domain_digest(CONTRACT_DOMAIN, canonical_json_bytes(contract))
+
+
 def _job_view(job: dict[str, Any]) -> dict[str, Any]:
     keep = ("id", "state", "adapter", "created_at", "finished_at", "error", "result", "progress")
     return {k: job[k] for k in keep if k in job}
@@ -494,4 +600,4 @@ def runs_root(settings: Settings) -> Path:
     return settings.adapters_path / RUNS_DIR
 
 
-__all__ = ["OpenEnvService", "EnvironmentIdentityChanged", "runs_root"]
+__all__ = ["EnvironmentIdentityChanged", "OpenEnvService", "runs_root"]

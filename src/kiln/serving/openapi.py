@@ -67,7 +67,7 @@ def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
         ("delete", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
     }
 def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
-    from kiln.openenv.schemas import OpenEnvRun, OpenEnvRunList
+    from kiln.openenv.schemas import OpenEnvPreflight, OpenEnvRun, OpenEnvRunList
 
     return {
         # 400: invalid request or training field (preflight; nothing persisted); 404: base_adapter unknown;
@@ -77,6 +77,11 @@ def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
         ("get", "/v1/openenv/runs/{run_id}"): RouteDoc(OpenEnvRun, (404,)),
         # 409: the run is already succeeded, failed or cancelled.
         ("post", "/v1/openenv/runs/{run_id}/cancel"): RouteDoc(OpenEnvRun, (404, 409)),
+        # 400/404/409/503 as for starting a run; 502: the environment breaks the OpenEnv contract; 503: it is down.
+        ("post", "/v1/openenv/preflight"): RouteDoc(OpenEnvPreflight, (400, 404, 409, 502, 503)),
+        # 404: unknown run or a name not in its artifact manifest; 409: the file no longer matches its digest.
+        ("get", "/v1/openenv/runs/{run_id}/artifacts/{name}"): RouteDoc(None, (404, 409),
+                                                                       media="application/octet-stream"),
     }
 
 

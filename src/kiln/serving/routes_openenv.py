@@ -1,4 +1,4 @@
-"""HTTP routes for ``/v1/openenv/*``: start an OpenEnv run, follow it, cancel it.
+"""HTTP routes for ``/v1/openenv/*``: preflight, start an OpenEnv run, follow it, cancel it, download its artifacts.
 
 Thin layer over :class:`kiln.openenv.service.OpenEnvService`. The app builds the service when it
 is created (:func:`build_service`: restart recovery runs then, before any request), starts its
@@ -7,21 +7,25 @@ workers in the lifespan after the trainer, and closes it first at shutdown.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
-from kiln.openenv.schemas import OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
+from kiln.openenv.schemas import ARTIFACT_SHA256_HEADER, OpenEnvPreflight, OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
 from kiln.serving.state import KilnState
 
 router = APIRouter(tags=["openenv"])
+ARTIFACT_CHUNK = 1 << 16
 
 
 def build_service(state: KilnState) -> Any:
     """The OpenEnv run service over the app's engine, trainer and settings (not started)."""
     from kiln.openenv.service import OpenEnvService
 
-    return OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings)
+    return OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings,
+                          registry=state.metrics.registry)
 
 
 def _service(request: Request) -> Any:
@@ -54,3 +58,30 @@ def get_run(run_id: str, request: Request) -> dict[str, Any]:
 def cancel_run(run_id: str, request: Request) -> dict[str, Any]:
     """Cancel a queued or running run (a training job it started is cancelled too)."""
     return _public(request, _service(request).cancel(run_id))
+
+
+@router.post("/v1/openenv/preflight", response_model=OpenEnvPreflight)
+def preflight(body: OpenEnvRunRequest, request: Request) -> dict[str, Any]:
+    """Materialise and validate the run's effective GRPO config and inspect the environment (discovery only):
+    no episode is played, nothing is persisted, no capacity is reserved."""
+    return _public(request, _service(request).inspect(body))
+
+
+@router.get("/v1/openenv/runs/{run_id}/artifacts/{name}", response_class=StreamingResponse,
+            responses={200: {"content": {"application/octet-stream": {}},
+                             "description": "the artifact's exact bytes"}})
+def download_artifact(run_id: str, name: str, request: Request) -> StreamingResponse:
+    """Stream a published run artifact (``rollouts.jsonl``, ``replay.json``, ``train_receipt.json``), verified
+    against the run's recorded length and SHA-256 on the descriptor it is streamed from; the headers carry both."""
+    fd, size, digest = _service(request).open_artifact(run_id, name)
+
+    def chunks():
+        try:
+            while chunk := os.read(fd, ARTIFACT_CHUNK):
+                yield chunk
+        finally:
+            os.close(fd)
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={"content-length": str(size), ARTIFACT_SHA256_HEADER: digest,
+                                      "content-disposition": f'attachment; filename="{name}"'})
