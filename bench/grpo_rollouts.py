@@ -1,12 +1,16 @@
-"""GRPO with rollouts on a verifiable toy task: reward per iteration, held-out reward, wall time.
+"""GRPO with rollouts on a verifiable toy task, Kiln vs TRL ``GRPOTrainer`` side by side.
 
     .venv/bin/python bench/grpo_rollouts.py [--iterations 8] [--group-size 8] [--seed 3]
 
-The task: make the built-in model's short answers contain the word "answer" (reward = the
-`contains` eval scorer against the reference "answer"), trained on four questions and checked on
-four held-out ones (sampled from the served adapter vs the base model, same sampling settings).
-Runs the training service in process on the real engine and adapter store (as tests/training
-do), in a temporary KILN_HOME. TRL's ``GRPOTrainer`` is compared only when ``trl`` is installed.
+The task: make the built-in model's short answers contain the word "spider" (reward = the
+`contains` eval scorer against the reference "spider": verifiable, 1 or 0). The base model hits it
+about one sample in six at the start (4-token samples at temperature 1), so groups have reward
+variance from the first iteration. Trained on four questions, checked on four held-out ones
+(8 samples each from the trained adapter, same sampling settings; "accuracy" is the share that
+contains the word). Kiln runs its training service in process on the real engine and adapter store
+(as tests/training do), in a temporary KILN_HOME; TRL runs ``GRPOTrainer`` on the same model,
+prompts, group size, optimizer steps, LoRA shape, constant learning rate and reward (when ``trl``
+is installed). Prints both and the ratios.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 TRAIN = ["What color is the sky?", "What is two plus two?", "How many legs does an ant have?", "Name a fruit."]
 HELD_OUT = ["What is the capital of France?", "Name an animal.", "What day comes after Monday?",
             "What is water made of?"]
-WORD = "answer"
+WORD = "spider"
 
 
 def held_out_reward(engine, adapter, *, samples: int, max_tokens: int, seed: int) -> float:
@@ -97,10 +101,15 @@ def main() -> None:
     except ImportError:
         print("TRL GRPOTrainer comparison: skipped, `trl` is not installed (pip install trl)")
         return
-    trl_grpo(built_model_path(), args)
+    trl_wall, trl_acc, trl_steps = trl_grpo(built_model_path(), args)
+    _load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    print(f"\n{'':24}{'Kiln':>10}{'TRL':>10}{'Kiln/TRL':>10}   (load average {_load})")
+    print(f"{'wall time (s)':24}{wall:>10.2f}{trl_wall:>10.2f}{wall / trl_wall:>10.2f}")
+    print(f"{'held-out accuracy':24}{after:>10.3f}{trl_acc:>10.3f}{'':>10}   (base model {before:.3f})")
+    print(f"{'optimizer steps':24}{report['steps']:>10}{trl_steps:>10}")
 
 
-def trl_grpo(model_dir: Path, args: argparse.Namespace) -> None:
+def trl_grpo(model_dir: Path, args: argparse.Namespace) -> tuple[float, float, int]:
     """TRL ``GRPOTrainer`` on the same model, prompts, group size, steps, LoRA shape, LR and reward."""
     import torch
     import trl
@@ -146,7 +155,8 @@ def trl_grpo(model_dir: Path, args: argparse.Namespace) -> None:
                 total += 1
     print(f"TRL {trl.__version__} GRPOTrainer: reward per step "
           + ", ".join(f"{r:.3f}" for r in rewards)
-          + f"; held-out reward {hits / total:.3f}; wall time {wall:.2f} s ({args.iterations} steps)")
+          + f"; held-out reward {hits / total:.3f}; wall time {wall:.2f} s ({trainer.state.global_step} steps)")
+    return wall, hits / total, trainer.state.global_step
 
 
 if __name__ == "__main__":

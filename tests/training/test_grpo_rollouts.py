@@ -86,7 +86,7 @@ def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
 @pytest.mark.parametrize("patch,code", [
     ({"reward": {"type": "scorer", "scorer": {"type": "levenshtein"}}}, None),  # unknown scorer
     ({"prompts": [{"messages": [{"role": "user", "content": "hi"}]}]}, "missing_reference"),
-    ({"reward": {"type": "scorer", "scorer": {"type": "judge"}}}, "unsupported_reward_scorer"),
+    ({"reward": {"type": "scorer", "scorer": {"type": "judge", "judge": {"adapter": "nope"}}}}, "judge_not_loaded"),
     ({"reward": {"type": "scorer", "scorer": {"type": "regex", "pattern": "(a"}}}, "invalid_regex"),
     ({"reward": {"type": "http", "url": "http://10.0.0.1:9/r"}}, "reward_url_not_loopback"),
     ({"reward": {"type": "http", "url": "http://localhost:9/r"}}, "reward_url_not_loopback"),
@@ -96,7 +96,6 @@ def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
     ({"reward": None}, None),  # prompts without a reward
     ({"groups": [{"messages": [{"role": "user", "content": "q"}],
                   "completions": [{"text": "a", "reward": 1}, {"text": "b", "reward": 0}]}]}, None),  # both sources
-    ({"checkpoint_interval": 5}, "rollouts_not_resumable"),
     ({"max_tokens": 1024, "max_seq_len": 64}, "sequence_too_long"),
 ])
 def test_refusals_before_queueing(srv, patch, code):
@@ -185,3 +184,85 @@ def test_sandboxed_reward_file(srv):
     # the file's digest is bound to the published adapter's config
     manifest = srv.get("/v1/adapters/file-reward").json()
     assert "reward_source" in json.dumps(manifest)
+
+
+def test_resume_equals_uninterrupted(srv, reward_server):
+    """A rollout job cancelled after a checkpoint inside an iteration and resumed ends with the weights of the
+    uninterrupted job (the checkpoint carries the iteration's groups; later iterations are seeded)."""
+    import time
+
+    body = {"prompts": PROMPTS, "reward": {"type": "http", "url": f"{reward_server}/score"}, "group_size": 4,
+            "iterations": 6, "max_tokens": 4, "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
+            "checkpoint_interval": 3, "auto_load": True}  # 4 steps per iteration: checkpoints fall inside them
+    whole = _run(srv, body | {"adapter": "ro-whole"})
+    assert whole["result"]["report"]["steps"] == 24
+    job = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted"}).json()
+    while True:
+        j = srv.get(f"/v1/train/jobs/{job['id']}").json()
+        if (j["progress"] or {}).get("checkpoint_step", 0) >= 3 or j["state"] not in ("queued", "running"):
+            break
+        time.sleep(0.01)
+    srv.delete(f"/v1/train/queue/{job['id']}")
+    first = wait_job(srv, job["id"], timeout=120)
+    if first["state"] == "succeeded":
+        pytest.skip("the job finished before it could be cancelled")
+    assert first["state"] == "cancelled"
+    resumed = _run(srv, body | {"adapter": "ro-parted", "resume_from_job": job["id"]})
+    assert resumed["result"]["resumed_from_step"] >= 3 and resumed["result"]["report"]["steps"] == 24
+    report = resumed["result"]["report"]
+    assert report["reward_per_iteration"] == whole["result"]["report"]["reward_per_iteration"]
+    from tests.training.test_opd import _adapter_scores
+
+    a, b = _adapter_scores(srv, "ro-whole"), _adapter_scores(srv, "ro-parted")
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    # a different request cannot resume it
+    r = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted", "seed": 9, "resume_from_job": job["id"]})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "resume_plan_mismatch"
+
+
+def test_judge_reward(srv):
+    """The eval judge as a reward: a judge adapter taught to answer PASS to the rubric scores the samples
+    higher than the base model as judge (which does not write PASS)."""
+    from kiln.evals.schemas import JudgeScorer
+    from kiln.evals.scorers import judge_prompt
+
+    rubric = JudgeScorer(type="judge")
+    examples = [{"messages": [{"role": "user", "content": judge_prompt(rubric, q, "answer", a)},
+                              {"role": "assistant", "content": "PASS"}]}
+                for q in QUESTIONS for a in ("blue", "four", "six legs", "an apple", "answer", "spider")]
+    _run_sft = srv.post("/v1/train/sft", json={"adapter": "judge-pass", "examples": examples, "auto_load": True})
+    assert _run_sft.status_code == 202, _run_sft.text
+    assert wait_job(srv, _run_sft.json()["id"], timeout=300)["state"] == "succeeded"
+    means = {}
+    for judge in (None, {"adapter": "judge-pass"}):
+        scorer = {"type": "judge", **({"judge": judge} if judge else {})}
+        r = srv.post("/v1/train/grpo", json={"adapter": f"judged-{bool(judge)}", "prompts": PROMPTS, **FAST,
+                                             "reward": {"type": "scorer", "scorer": scorer}})
+        assert r.status_code == 202, r.text
+        job = wait_job(srv, r.json()["id"], timeout=120)
+        # every sample judged PASS (or none) is a zero-variance job: it fails, its rewards are still reported
+        assert job["state"] in ("succeeded", "failed"), job
+        means[bool(judge)] = job["progress"]["reward_per_iteration"][0]
+    assert means[True] > means[False] + 0.5, means
+
+
+def test_cli_prompts_and_reward(srv, reward_server, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in PROMPTS))
+    kiln = Path(sys.executable).with_name("kiln")
+    base = str(srv.base_url).rstrip("/")
+    reward = json.dumps({"type": "http", "url": f"{reward_server}/score"})
+    out = subprocess.run([str(kiln), "train", "grpo", "--prompts", str(f), "--reward", reward, "--group-size", "4",
+                          "--iterations", "2", "--max-tokens", "4", "--batch-size", "4", "--adapter", "cli-grpo",
+                          "--url", base], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "published cli-grpo" in out.stdout
+    job = next(j for j in srv.get("/v1/train/status").json()["recent"] if j["adapter"] == "cli-grpo")
+    assert len(job["progress"]["reward_per_iteration"]) == 2
+    both = subprocess.run([str(kiln), "train", "grpo", "--prompts", str(f), "--file", str(f), "--adapter", "x",
+                           "--url", base], capture_output=True, text=True, timeout=60)
+    assert both.returncode != 0 and "exactly one of --file" in both.stderr

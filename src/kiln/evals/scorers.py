@@ -200,3 +200,24 @@ class Scorers:
                                   memory_mb=spec.memory_mb)
             return Score(result.passed, result.detail)
         raise TypeError(f"{type(spec).__name__} is not a deterministic scorer")
+
+
+# ------------------------------------------------------------------------------------ judge
+# The judge itself is a model (the engine's base model or an adapter) and runs where an engine is:
+# evals (kiln.evals.service) and GRPO rewards (kiln.training.rewards) build its prompt and read its
+# verdict with these two functions.
+JUDGE_PLACEHOLDER = re.compile(r"\{(question|reference|answer)\}")
+JUDGE_VERDICT_WORD = re.compile(r"\b(PASS|FAIL)\b", re.IGNORECASE)
+
+
+def judge_prompt(spec: s.JudgeScorer, question: str, reference: str, answer: str) -> str:
+    """The rubric with ``{question}``, ``{reference}`` and ``{answer}`` filled in one pass (no re-expansion)."""
+    fields = {"question": question, "reference": reference, "answer": answer}
+    return JUDGE_PLACEHOLDER.sub(lambda m: fields[m.group(1)], spec.rubric)
+
+
+def judge_verdict(reply: str) -> Score:
+    """The first ``PASS``/``FAIL`` word of the judge's reply; neither: fail, reported as unparsed."""
+    m = JUDGE_VERDICT_WORD.search(reply)
+    return Score(bool(m) and m.group(1).upper() == "PASS", reply if m else f"unparsed verdict: {reply}")
+

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import platform
 import queue
-import re
 import secrets
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, Unavailable
 from kiln.evals import gate as gates
 from kiln.evals import schemas as s
-from kiln.evals.scorers import Scorers, validate_suite
+from kiln.evals.scorers import Scorers, judge_prompt, judge_verdict, validate_suite
 from kiln.evals.store import (
     CANCELLED,
     FAILED,
@@ -64,8 +63,6 @@ ROW_TIMEOUT_S = 600.0  # one generated row; an engine that stalls longer fails t
 GATE_TIMEOUT_S = 3_600.0
 MAX_JSONL_BYTES = 32 * 1024 * 1024
 PRIVATE_PREFIX = "kiln-eval-"
-_PLACEHOLDER = re.compile(r"\{(question|reference|answer)\}")
-_VERDICT_WORD = re.compile(r"\b(PASS|FAIL)\b", re.IGNORECASE)
 
 
 class RunCancelled(Exception):
@@ -690,8 +687,7 @@ class EvalService:
         for i, ex in enumerate(suite.examples):
             question = next((m.content for m in reversed(ex.messages) if m.role == "user"), "")
             for comp in completions[i]:
-                fields = {"question": question, "reference": ex.reference, "answer": comp["text"]}
-                rubric = _PLACEHOLDER.sub(lambda m: fields[m.group(1)], sc.rubric)  # one pass: no re-expansion
+                rubric = judge_prompt(sc, question, ex.reference, comp["text"])
                 prompts.append(self.engine.encode_chat([{"role": "user", "content": rubric}]))
                 seeds.append([0])
             shape.append(len(completions[i]))
@@ -701,9 +697,8 @@ class EvalService:
         for n in shape:
             row = []
             for _ in range(n):
-                reply = flat[pos][0]["text"]
-                m = _VERDICT_WORD.search(reply)
-                row.append((bool(m) and m.group(1).upper() == "PASS", reply if m else f"unparsed verdict: {reply}"))
+                verdict = judge_verdict(flat[pos][0]["text"])
+                row.append((verdict.passed, verdict.detail or ""))
                 pos += 1
             out.append(row)
         return out

@@ -121,7 +121,18 @@ def sft(
 
 @app.command()
 def grpo(
-    file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\", \"completions\": [{text, reward}]}"),
+    file: Optional[Path] = typer.Option(None, "--file", "-f",
+                                        help="JSONL of {\"messages\", \"completions\": [{text, reward}]} (pre-scored)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {\"messages\", \"reference\"}: Kiln "
+                                           "samples and scores the groups itself (needs --reward)"),
+    reward: Optional[str] = typer.Option(None, "--reward", help="with --prompts: a reward as JSON, or @FILE, e.g. "
+                                         "'{\"type\": \"scorer\", \"scorer\": {\"type\": \"exact\"}}'"),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="with --prompts: completions per prompt"),
+    iterations: Optional[int] = typer.Option(None, "--iterations", help="with --prompts: sample-score-update rounds"),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="with --prompts: per completion"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="with --prompts: sampling temperature"),
+    checkpoint_interval: int = typer.Option(0, "--checkpoint-interval", help="steps between checkpoints; 0: none"),
+    resume: Optional[str] = typer.Option(None, "--resume", help="continue an interrupted job (its ID)"),
     adapter: str = typer.Option(..., "--adapter", "-a"),
     url: str = UrlOpt,
     epochs: Optional[int] = typer.Option(None),
@@ -136,11 +147,47 @@ def grpo(
     wait: bool = typer.Option(True, "--wait/--no-wait"),
     distributed: Optional[int] = DistributedNotYet,
 ) -> None:
-    """Train a LoRA adapter with GRPO on scored completion groups."""
+    """Train a LoRA adapter with GRPO: on scored completion groups (--file), or on groups Kiln samples for
+    --prompts and scores with --reward (docs/training.md, "GRPO with rollouts")."""
     _not_distributed("grpo", distributed)
+    if (file is None) == (prompts is None):
+        fail("give exactly one of --file (pre-scored groups) or --prompts with --reward")
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
-    body.update(groups=_read_rows(file), kl_coef=kl_coef, kl_estimator=kl_estimator)
+    body.update(kl_coef=kl_coef, kl_estimator=kl_estimator)
+    if checkpoint_interval:
+        body["checkpoint_interval"] = checkpoint_interval
+    if resume is not None:
+        body["resume_from_job"] = resume
+    rollout = {"group_size": group_size, "iterations": iterations, "max_tokens": max_tokens,
+               "temperature": temperature}
+    if file is not None:
+        if reward is not None or any(v is not None for v in rollout.values()):
+            fail("--reward, --group-size, --iterations, --max-tokens and --temperature apply with --prompts only")
+        body["groups"] = _read_rows(file)
+    else:
+        assert prompts is not None
+        if reward is None:
+            fail("--prompts needs --reward")
+        body.update(prompts=_read_rows(prompts), reward=_reward_spec(reward),
+                    **{k: v for k, v in rollout.items() if v is not None})
     _submit("grpo", url.rstrip("/"), body, wait)
+
+
+def _reward_spec(text: str) -> dict[str, Any]:
+    """``--reward``: inline JSON, or ``@path`` to a JSON file."""
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text("utf-8")
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc}")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"--reward is not JSON: {exc}")
+    if not isinstance(spec, dict):
+        fail("--reward must be a JSON object such as {\"type\": \"scorer\", \"scorer\": {\"type\": \"exact\"}}")
+    return spec
 
 
 @app.command()

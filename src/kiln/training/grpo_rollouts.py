@@ -12,8 +12,9 @@ Later rounds sample from the private adapter as updated so far. Sampling goes th
 serving engine: the engine serves published revisions and keys its prefix cache by adapter key, while
 the private adapter changes every round under one key, so the engine cannot serve it mid-training.
 
-Rollout jobs do not checkpoint (a round's samples would have to be stored too): ``resume_from_job``
-and ``checkpoint_interval`` are refused for them.
+Checkpoints (``checkpoint_interval``) and ``resume_from_job`` work as for pre-scored jobs: a checkpoint
+written inside an iteration stores that iteration's groups and behaviour log-probs with it, and
+sampling is seeded per iteration, so a resumed job ends with the uninterrupted job's weights.
 """
 
 from __future__ import annotations
@@ -61,13 +62,9 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
     assert request.prompts is not None and request.reward is not None
     if request.adapter == service.loaded.model_id:
         raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
-    if request.resume_from_job is not None or request.checkpoint_interval:
-        raise InvalidRequest("GRPO with rollouts does not checkpoint; resume_from_job and checkpoint_interval "
-                             "apply to pre-scored groups only", code="rollouts_not_resumable",
-                             hint="drop resume_from_job and checkpoint_interval")
     settings = service.settings
     reward = build_reward(request.reward, request.prompts, data_dir=settings.data_path,
-                          allow_code_execution=settings.eval.allow_code_execution)
+                          allow_code_execution=settings.eval.allow_code_execution, engine=service.engine)
     parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
     lora = service._lora_shape(request, parent)
     group_size = request.group_size or DEFAULT_GROUP_SIZE
@@ -96,19 +93,29 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
                base_adapter_revision=None if parent is None else parent.revision, reward_source=reward.describe)
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, service.loaded.base_model_sha256)
+    if request.resume_from_job is not None:
+        service._check_resumable(request.resume_from_job, plan_sha)
     behaviour = {"adapter": None if parent is None else parent.name,
                  "revision": None if parent is None else parent.revision, "sampler": SAMPLER}
     data = RolloutData(tuple(prompt_ids), reward, group_size, iterations, max_tokens, temperature, top_p,
                        GRPOSettings(request.clip_epsilon, request.scale_rewards, request.kl_coef,
                                     request.kl_estimator), behaviour)
-    loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, 0, max_steps=request.max_steps)
+    loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
+                max_steps=request.max_steps)
     return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,  # type: ignore[arg-type]
-                   parent, request.auto_load, None)
+                   parent, request.auto_load, request.resume_from_job)
 
 
 def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
-                 pad_id: int, end_ids: Sequence[int]) -> Any:
-    """The loop described in the module docstring; returns the trainer's Report (stats per iteration)."""
+                 pad_id: int, end_ids: Sequence[int], resume: Any = None) -> Any:
+    """The loop described in the module docstring; returns the trainer's Report (stats per iteration).
+
+    Checkpoints (``checkpoint_interval`` steps) carry the adapter, the optimizer and the position
+    ``(epoch, batch)`` where ``epoch`` counts ``iteration * epochs + pass``; a checkpoint inside an
+    iteration also carries that iteration's groups (token IDs, masks, advantages) and behaviour
+    log-probs, so a resumed job continues the same updates instead of sampling again. Sampling is
+    seeded per iteration, so later iterations sample what the uninterrupted job sampled.
+    """
     from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.losses import GRPOLoss
     from kiln.training.opd import sample_batch, sample_seed
@@ -118,60 +125,46 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     loss_fn = GRPOLoss(s.clip_epsilon, s.kl_coef, s.kl_estimator)  # type: ignore[arg-type]
     n = len(data.prompt_ids)
     per_round = plan.epochs * math.ceil(n / plan.batch_size)
-    loop = _Loop(peft_model, name, plan, hooks, data.iterations * per_round, None)
+    loop = _Loop(peft_model, name, plan, hooks, data.iterations * per_round, resume)
     cap = loop.total_steps
     split = split_causal_lm(peft_model)  # the trainer's chunked head: logits at completion tokens only
-    rewards_hist: list[float] = []
-    zero_hist: list[float] = []
-    loop.stats.update({"iterations": data.iterations, "iteration": 0, "behaviour_policy": data.behaviour,
-                       "reward_per_iteration": rewards_hist, "zero_variance_fraction_per_iteration": zero_hist,
-                       "sample_s": 0.0, "reward_s": 0.0})
+    rewards_hist: list[float] = list(loop.stats.get("reward_per_iteration", []))  # restored on resume
+    zero_hist: list[float] = list(loop.stats.get("zero_variance_fraction_per_iteration", []))
+    loop.stats.update({"iterations": data.iterations, "iteration": loop.stats.get("iteration", 0),
+                       "behaviour_policy": data.behaviour, "reward_per_iteration": rewards_hist,
+                       "zero_variance_fraction_per_iteration": zero_hist,
+                       "sample_s": loop.stats.get("sample_s", 0.0), "reward_s": loop.stats.get("reward_s", 0.0)})
+    first_it, first_pass = divmod(loop.epoch, plan.epochs)
+    saved = _saved_iteration(resume) if resume is not None and (first_pass or loop.batch) else None
     with loop.running():
-        for it in range(data.iterations):
+        for it in range(first_it, data.iterations):
             if loop.step >= cap:
                 break
             loop.check_cancel()
-            # 1. sample: one batched generate, group_size completions per prompt, current policy
-            t0 = time.perf_counter()
-            with loop.step_ownership(), torch.no_grad():
-                comps = sample_batch(peft_model, [list(p) for p in data.prompt_ids], data.group_size,
-                                     data.max_tokens, data.temperature, data.top_p,
-                                     seed=sample_seed(plan.seed, it, 0, 0), pad_id=pad_id, end_ids=end_ids,
-                                     device=loop.device)
-            t1 = time.perf_counter()
-            # 2. score (outside exclusive ownership: serving goes on meanwhile)
-            texts = [decode(c) for c in comps]
-            try:
-                flat = data.reward([(k // data.group_size, t) for k, t in enumerate(texts)])
-            except RewardError as exc:
-                raise TrainingFailed(f"iteration {it + 1}: {exc}") from None
-            t2 = time.perf_counter()
-            grouped_rows, grouped_rewards = [], []
-            for i, prompt in enumerate(data.prompt_ids):
-                sl = slice(i * data.group_size, (i + 1) * data.group_size)
-                grouped_rows.append([Row(list(prompt) + c, [0] * len(prompt) + [1] * len(c)) for c in comps[sl]])
-                grouped_rewards.append(flat[sl])
-            items, skipped = grpo_items(grouped_rows, grouped_rewards, scale_rewards=s.scale_rewards)
-            rewards_hist.append(round(sum(flat) / len(flat), 6))
-            zero_hist.append(round(skipped / n, 6))
-            loop.stats.update({"iteration": it + 1, "mean_reward": rewards_hist[-1],
-                               "zero_variance_fraction": zero_hist[-1],
-                               "sample_s": round(loop.stats["sample_s"] + t1 - t0, 4),
-                               "reward_s": round(loop.stats["reward_s"] + t2 - t1, 4)})
+            if saved is not None:  # resumed inside this iteration: its groups and behaviour log-probs
+                (items, old), saved = saved, None
+            else:
+                items = _sample_and_score(peft_model, data, plan, loop, it, rewards_hist, zero_hist, decode=decode,
+                                          pad_id=pad_id, end_ids=end_ids, sample_batch=sample_batch,
+                                          sample_seed=sample_seed)
+                first_pass = 0
+                old = policy_logprobs(peft_model, items, pad_id, loop, split) if items else []
             # 3. update: epochs passes over the round's groups; the sampling policy is the ratio's denominator
             if items:
-                old = policy_logprobs(peft_model, items, pad_id, loop, split)
                 offsets = row_offsets(items)
                 batches = math.ceil(len(items) / plan.batch_size)
-                for epoch in range(plan.epochs):
-                    order = epoch_order(len(items), seed=plan.seed, epoch=it * plan.epochs + epoch)
-                    for b in range(batches):
+                tensors = _iteration_tensors(items, old) if plan.checkpoint_interval else None
+                for epoch in range(first_pass, plan.epochs):
+                    ge = it * plan.epochs + epoch
+                    order = epoch_order(len(items), seed=plan.seed, epoch=ge)
+                    for b in range(loop.batch if (epoch == first_pass and loop.epoch == ge) else 0, batches):
                         if loop.step >= cap:
                             break
                         loop.check_cancel()
                         chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
                         grpo_step(peft_model, loop, loss_fn, s, split, items, chosen, old, offsets, pad_id=pad_id)
-                        loop.after_step(it, b + 1)
+                        loop.after_step(*((ge, b + 1) if b + 1 < batches else (ge + 1, 0)), tensors=tensors)
+            loop.epoch, loop.batch, first_pass = (it + 1) * plan.epochs, 0, 0
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
     loop.total_steps = loop.step
     hooks.on_progress(loop.progress())
@@ -180,6 +173,67 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                              f"rewards {rewards_hist}); nothing to learn from: sample more (group_size, "
                              "temperature) or use a reward that separates completions")
     return loop.report()
+
+
+def _sample_and_score(peft_model: Any, data: RolloutData, plan: Any, loop: Any, it: int, rewards_hist: list[float],
+                      zero_hist: list[float], *, decode: Any, pad_id: int, end_ids: Sequence[int], sample_batch: Any,
+                      sample_seed: Any) -> list[GRPOItem]:
+    """One iteration's groups: sample (one batched generate, the current policy), score, advantages."""
+    n = len(data.prompt_ids)
+    t0 = time.perf_counter()
+    with loop.step_ownership(), torch.no_grad():
+        comps = sample_batch(peft_model, [list(p) for p in data.prompt_ids], data.group_size, data.max_tokens,
+                             data.temperature, data.top_p, seed=sample_seed(plan.seed, it, 0, 0), pad_id=pad_id,
+                             end_ids=end_ids, device=loop.device)
+    t1 = time.perf_counter()
+    # score outside exclusive ownership: serving goes on meanwhile
+    texts = [decode(c) for c in comps]
+    try:
+        flat = data.reward([(k // data.group_size, t) for k, t in enumerate(texts)])
+    except RewardError as exc:
+        raise TrainingFailed(f"iteration {it + 1}: {exc}") from None
+    t2 = time.perf_counter()
+    grouped_rows, grouped_rewards = [], []
+    for i, prompt in enumerate(data.prompt_ids):
+        sl = slice(i * data.group_size, (i + 1) * data.group_size)
+        grouped_rows.append([Row(list(prompt) + c, [0] * len(prompt) + [1] * len(c)) for c in comps[sl]])
+        grouped_rewards.append(flat[sl])
+    items, skipped = grpo_items(grouped_rows, grouped_rewards, scale_rewards=data.settings.scale_rewards)
+    rewards_hist.append(round(sum(flat) / len(flat), 6))
+    zero_hist.append(round(skipped / n, 6))
+    loop.stats.update({"iteration": it + 1, "mean_reward": rewards_hist[-1], "zero_variance_fraction": zero_hist[-1],
+                       "sample_s": round(loop.stats["sample_s"] + t1 - t0, 4),
+                       "reward_s": round(loop.stats["reward_s"] + t2 - t1, 4)})
+    return items
+
+
+def _iteration_tensors(items: Sequence[GRPOItem], old: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An iteration's groups and behaviour log-probs as checkpoint tensors (see :func:`_saved_iteration`)."""
+    out: dict[str, torch.Tensor] = {"it.group_rows": torch.tensor([len(x.rows) for x in items], dtype=torch.long)}
+    k = 0
+    for g, item in enumerate(items):
+        out[f"it.adv.{g}"] = item.advantages
+        for row in item.rows:
+            out[f"it.ids.{k}"] = torch.tensor(row.input_ids, dtype=torch.long)
+            out[f"it.mask.{k}"] = torch.tensor(row.loss_mask, dtype=torch.long)
+            out[f"it.old.{k}"] = old[k]
+            k += 1
+    return out
+
+
+def _saved_iteration(ckpt: Any) -> tuple[list[GRPOItem], list[torch.Tensor]]:
+    t = ckpt.tensors
+    if "it.group_rows" not in t:
+        raise TrainingFailed(f"checkpoint {ckpt.path.name} has no saved iteration to resume inside of")
+    items, old, k = [], [], 0
+    for g, count in enumerate(t["it.group_rows"].tolist()):
+        rows = []
+        for _ in range(count):
+            rows.append(Row(t[f"it.ids.{k}"].tolist(), t[f"it.mask.{k}"].tolist()))
+            old.append(t[f"it.old.{k}"])
+            k += 1
+        items.append(GRPOItem(rows, t[f"it.adv.{g}"]))
+    return items, old
 
 
 def multi_turn_items(tokenizer: Any, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *,
@@ -228,7 +282,7 @@ def make_rollout_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
             report = run_rollouts(self.peft_model, self.private, self.plan.rows, self.plan.loop,
                                   decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids)
+                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume)
             self._phase("train")
             return report
 

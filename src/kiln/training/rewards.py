@@ -5,7 +5,10 @@
 rollout loop calls once per iteration with every ``(prompt index, completion text)`` of that iteration.
 
 * ``scorer``: an eval scorer (:mod:`kiln.evals.scorers`) against the prompt's ``reference``;
-  reward 1.0 when it passes, else 0.0. The judge scorer is refused (it would need the engine mid-job).
+  reward 1.0 when it passes, else 0.0. The ``judge`` scorer asks a model served by this engine (the
+  base model, or a loaded adapter pinned at its current revision) with the scorer's rubric, greedy,
+  exactly as evals do (:func:`kiln.evals.scorers.judge_prompt` / ``judge_verdict``); it runs between
+  the job's optimizer steps, while the engine serves.
 * ``python``: a file under the data dir (opened like ``dataset_path``: no ``..``, no symlinks)
   defining ``reward(messages, completion, reference) -> float``; it runs in the evals sandbox
   (:mod:`kiln.evals.sandbox`: Landlock, no network, rlimits, wall-clock kill), one process per
@@ -38,6 +41,8 @@ from kiln.training.schemas import (
 )
 
 MAX_REWARD_FILE_BYTES = 1024 * 1024
+JUDGE_TIMEOUT_S = 120.0  # one judge verdict
+JUDGE_CONCURRENCY = 16  # judge rows in flight at once (the engine batches them)
 PYTHON_BATCH = 512  # items per sandbox process (its stdout is capped at 64 KiB)
 _MARKER = "KILN_REWARDS "
 # Scorers that compare against the reference (regex only when its pattern uses {reference}).
@@ -87,8 +92,12 @@ class RewardFn:
 
 
 def build_reward(spec: ScorerReward | PythonReward | HTTPReward, prompts: Sequence[RolloutPrompt], *,
-                 data_dir: Any, allow_code_execution: bool) -> RewardFn:
+                 data_dir: Any, allow_code_execution: bool, engine: Any = None) -> RewardFn:
     if isinstance(spec, ScorerReward):
+        from kiln.evals.schemas import JudgeScorer
+
+        if isinstance(spec.scorer, JudgeScorer):
+            return _judge_reward(spec.scorer, prompts, engine)
         return _scorer_reward(spec, prompts, allow_code_execution=allow_code_execution)
     if isinstance(spec, PythonReward):
         return _python_reward(spec, prompts, data_dir=data_dir, allow_code_execution=allow_code_execution)
@@ -104,10 +113,6 @@ def _scorer_reward(spec: ScorerReward, prompts: Sequence[RolloutPrompt], *, allo
     from kiln.evals.scorers import Scorers, validate_suite
 
     scorer = spec.scorer
-    if isinstance(scorer, es.JudgeScorer):
-        raise _refuse("the judge scorer is not available as a GRPO reward", "unsupported_reward_scorer",
-                      "use exact, contains, regex, numeric, json_valid, json_schema or choice, or an http reward "
-                      "that calls a judge")
     needs = scorer.type in _NEEDS_REFERENCE or (isinstance(scorer, es.RegexScorer) and "{reference}" in scorer.pattern)
     if needs:
         missing = [i for i, p in enumerate(prompts) if p.reference is None]
@@ -124,6 +129,57 @@ def _scorer_reward(spec: ScorerReward, prompts: Sequence[RolloutPrompt], *, allo
         return [1.0 if scorers.score(0, scorer, text, examples[i]).passed else 0.0 for i, text in items]
 
     return RewardFn("scorer", score, {"type": "scorer", "scorer": scorer.type})
+
+
+# ------------------------------------------------------------------------------------ judge
+
+
+def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> RewardFn:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.evals.scorers import judge_prompt, judge_verdict
+    from kiln.runtime.sampling import SamplingParams
+
+    if engine is None:
+        raise _refuse("the judge reward needs the serving engine", "unsupported_reward_scorer")
+    adapter = revision = None
+    if spec.judge is not None:
+        adapter = spec.judge.adapter
+        revision = engine.active_adapters().get(adapter)
+        if revision is None:
+            raise InvalidRequest(f"judge adapter {adapter!r} is not loaded", code="judge_not_loaded",
+                                 param="reward.scorer.judge", hint="load it with POST /v1/adapters/{name}/load")
+        if spec.judge.revision is not None and spec.judge.revision != revision:
+            raise InvalidRequest(f"judge adapter {adapter!r} is loaded at revision {revision[:12]}, not "
+                                 f"{spec.judge.revision[:12]}", code="judge_revision_mismatch",
+                                 param="reward.scorer.judge.revision")
+    if "{reference}" in spec.rubric:
+        missing = [i for i, p in enumerate(prompts) if p.reference is None]
+        if missing:
+            raise _refuse(f"the judge's rubric uses {{reference}}; prompt(s) {missing[:10]} have none",
+                          "missing_reference", "give every prompt a `reference` or a rubric without {reference}")
+    questions = [next((m.content for m in reversed(p.messages) if m.role == "user"), "") for p in prompts]
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0)
+
+    def one(item: tuple[int, str]) -> float:
+        i, text = item
+        ids = engine.encode_chat([{"role": "user", "content": judge_prompt(spec, questions[i],
+                                                                         prompts[i].reference or "", text)}])
+        try:
+            out = engine.generate(ids, params, adapter=adapter, timeout=JUDGE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001  (engine stopped, timeout, adapter unloaded: the job fails)
+            raise RewardError(f"the judge failed: {type(exc).__name__}: {exc}") from None
+        return 1.0 if judge_verdict(out[0].text).passed else 0.0
+
+    def score(items: Sequence[tuple[int, str]]) -> list[float]:
+        if adapter is not None and engine.active_adapters().get(adapter) != revision:
+            raise RewardError(f"judge adapter {adapter!r} changed or was unloaded during the job")
+        with ThreadPoolExecutor(JUDGE_CONCURRENCY) as pool:  # concurrent rows: the engine batches them
+            return list(pool.map(one, items))
+
+    return RewardFn("scorer", score, {"type": "scorer", "scorer": "judge", "judge": adapter,
+                                      "judge_revision": revision, "max_tokens": spec.max_tokens,
+                                      "rubric_sha256": hashlib.sha256(spec.rubric.encode()).hexdigest()})
 
 
 # ------------------------------------------------------------------------------------ python file
