@@ -225,6 +225,14 @@ def test_opd_off_policy_from_identity_bound_teacher_jsonl(srv, tutor, home):
     bad = [dict(rows[0], token_ids=rows[0]["token_ids"][:-1] + [10**6])]
     r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("bad.jsonl", manifest, bad)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "teacher_jsonl", r.text
+    import subprocess
+
+    from tests.serving.conftest import KILN
+
+    cli = subprocess.run([str(KILN), "train", "opd", "--url", srv.base_url, "-a", "student-off",
+                          "-t", "tutor", "--teacher-jsonl", "opd/wrong.jsonl"], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode != 0 and "409 off_policy_binding_mismatch" in cli.stdout + cli.stderr, cli
     assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "../escape.jsonl"}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "opd/missing.jsonl"}).status_code == 404
     assert c.post("/v1/train/opd", json=base | {"teacher_jsonl": "opd/x", "prompts": [{"messages": MSGS}]}

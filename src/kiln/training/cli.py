@@ -222,8 +222,11 @@ def cancel(job_id: str, url: str = UrlOpt) -> None:
 
 @app.command()
 def opd(
-    file: Path = typer.Option(..., "--file", "-f", help="JSONL of {\"messages\": [...]} prompts (optional "
-                              "\"teacher_messages\", \"gold\")"),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="JSONL of {\"messages\": [...]} prompts "
+                                        "(optional \"teacher_messages\", \"gold\")"),
+    teacher_jsonl: Optional[str] = typer.Option(None, "--teacher-jsonl", help="off-policy instead: a teacher JSONL "
+                                                "(built from the alias's off_policy_manifest), relative to the "
+                                                "server's data dir"),
     adapter: str = typer.Option(..., "--adapter", "-a"),
     teacher: str = typer.Option(..., "--teacher", "-t", help="a registered teacher alias (`kiln teachers list`)"),
     url: str = UrlOpt,
@@ -246,8 +249,15 @@ def opd(
     """On-policy distillation: the adapter samples, the teacher scores, the adapter moves toward the teacher."""
     _not_distributed("opd", distributed)
     body = _common(adapter, None, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
-    body.update(teacher=teacher, prompts=_read_rows(file), samples_per_prompt=samples_per_prompt,
-                max_tokens=max_tokens, temperature=temperature, top_k=top_k, loss=loss, ce_weight=ce_weight)
+    if (file is None) == (teacher_jsonl is None):
+        raise typer.BadParameter("give --file (on-policy prompts) or --teacher-jsonl (off-policy corpus)")
+    body.update(teacher=teacher, top_k=top_k, loss=loss)
+    if teacher_jsonl is not None:
+        body.update(training_mode="off_policy", teacher_jsonl=teacher_jsonl)
+    else:
+        assert file is not None
+        body.update(prompts=_read_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens,
+                    temperature=temperature, ce_weight=ce_weight)
     if steps is not None:
         body["steps"] = steps
     _submit("opd", url.rstrip("/"), body, wait)
