@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("KILN_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGES = ("status", "chat", "training", "adapters", "evals", "teachers")
+PAGES = ("status", "chat", "training", "adapters", "evals", "teachers", "openenv")
 WAIT_MS = 60_000
 
 try:
@@ -111,7 +111,7 @@ def test_every_page_loads_without_console_errors(page, server, artifacts):
     assert c.get("/ui/app.css").headers["content-type"].startswith("text/css")
     assert c.get("/ui/..%2fcli.py").status_code == 404 and c.get("/ui/nope.js").status_code == 404
 
-    optional = {"evals": "/v1/evals/runs", "teachers": "/v1/teachers"}
+    optional = {"evals": "/v1/evals/runs", "teachers": "/v1/teachers", "openenv": "/v1/openenv/runs"}
     page.console.expected_failures |= {path for path in optional.values() if c.get(path).status_code == 404}
 
     page.goto("/")  # redirected to the dashboard, status page by default
@@ -454,3 +454,25 @@ def test_dashboard_assets_ship_in_the_package():
     assert "http://" not in html and "https://" not in html  # nothing from elsewhere (works offline)
     js = (ui / "app.js").read_text()
     assert "innerHTML" not in js and "http://" not in js and "https://" not in js
+
+
+def test_openenv_runs_listed(page, server, artifacts):
+    """An OpenEnv run (against a loopback port nobody serves: it fails at discovery) shows with its state,
+    episode count and error code; a queued-then-finished run is picked up by the page's polling."""
+    from tests.serving.conftest import free_port
+
+    c = server.client
+    _open(page, "openenv")
+    page.wait_for_selector("#openenv-body[data-available='true']")
+    body = {"env_url": f"http://127.0.0.1:{free_port()}", "groups": 1, "group_size": 2,
+            "training": {"adapter": "ui-openenv"}}
+    r = c.post("/v1/openenv/runs", json=body)
+    assert r.status_code == 202, r.text
+    run_id = r.json()["id"]
+    row = f"#openenv-runs tr[data-run-id='{run_id}']"
+    page.wait_for_selector(f"{row}[data-state='failed']")
+    assert page.text_content(f"{row} .error-code") == "environment_unavailable"
+    assert page.text_content(f"{row} .episodes") == "0/2"
+    assert c.get(f"/v1/openenv/runs/{run_id}").json()["error"]["code"] == "environment_unavailable"
+    page.screenshot(path=artifacts / "openenv.png", full_page=True)
+

@@ -1228,6 +1228,53 @@
     else if (list.some((t) => t.usable)) select.value = list[0].alias;
   }
 
+  // ------------------------------------------------------------------ OpenEnv page
+
+  function openenvRow(run) {
+    const req = run.request || {};
+    const p = run.progress || {};
+    const r = run.returns;
+    const terms = Object.entries(run.terminations || {}).filter(([, n]) => n).map(([k, n]) => `${k} ${n}`).join(', ');
+    const job = run.training_job || {};
+    const published = (job.result && job.result.revision) ? ` → ${job.result.adapter}@${short(job.result.revision)}` : '';
+    const state = run.queue_position ? `${run.state} #${run.queue_position}` : run.state;
+    return h('tr', { dataset: { runId: run.id, state: run.state } },
+      h('td', {}, h('code', { text: run.id })),
+      h('td', {}, h('span', { class: `badge ${run.state}`, text: state })),
+      h('td', { text: (run.environment && (run.environment.name || run.environment.url)) || req.env_url || '' }),
+      h('td', { class: 'episodes', text: `${p.episodes_done || 0}/${(req.groups || 0) * (req.group_size || 0)}` }),
+      h('td', { class: 'returns', text: r ? `${fmtNum(r.mean)} (${fmtNum(r.min)} – ${fmtNum(r.max)})` : '–' }),
+      h('td', { class: 'terminations', text: terms || '–' }),
+      h('td', { class: 'job', text: job.id ? `${job.state}${published}` : '–' }),
+      h('td', { class: 'artifacts', text: Object.keys(run.artifacts || {}).join(', ') || '–' }),
+      h('td', { class: 'error-code', text: run.error ? run.error.code : '', title: run.error ? run.error.message : '' }),
+      h('td', { text: fmtTime(run.created_at) }));
+  }
+
+  async function pollOpenenv() {
+    const box = $('#openenv-body');
+    let runs;
+    try {
+      runs = (await api('GET', '/v1/openenv/runs')).data.data || [];
+    } catch (err) {
+      box.replaceChildren(err.status === 404 || err.status === 503
+        ? h('p', { class: 'unavailable', text: `OpenEnv runs are not available on this server: GET /v1/openenv/runs answered ${err.status}.` })
+        : h('p', { class: 'error', text: formatError(err) }));
+      box.dataset.available = err.status === 404 || err.status === 503 ? 'false' : 'error';
+      throw err;
+    }
+    box.replaceChildren(h('table', { class: 'grid', id: 'openenv-runs' },
+      h('thead', {}, h('tr', {}, ['run', 'state', 'environment', 'episodes', 'mean return (min – max)', 'terminations',
+        'training', 'artifacts', 'error', 'created'].map((c) => h('th', { text: c })))),
+      h('tbody', {}, runs.length ? runs.slice().reverse().map(openenvRow)
+        : h('tr', {}, h('td', { colspan: '10', class: 'muted', text: 'No runs yet.' })))));
+    box.dataset.available = 'true';
+    box.dataset.count = String(runs.length);
+    return runs.some((r) => !TERMINAL.includes(r.state)) ? 1000 : 5000;
+  }
+
+  const openenvPoller = new Poller(pollOpenenv, 5000, 30000);
+
   // ------------------------------------------------------------------ routing
 
   const PAGES = {
@@ -1240,6 +1287,7 @@
     adapters: { start: () => adaptersPoller.start(), stop: () => adaptersPoller.stop() },
     evals: { start: startEvals, stop: () => evalsPoller.stop() },
     teachers: { start: () => loadTeachers().catch(() => {}) },
+    openenv: { start: () => { openenvPoller.start(); openenvPoller.now(); }, stop: () => openenvPoller.stop() },
   };
   let currentPage = null;
 
