@@ -62,7 +62,7 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 def engine_run(engine: str, model_dir: Path, workdir: Path, concurrency: list[int], requests_per_c: int,
-               max_tokens: int, startup_s: float) -> dict:
+               max_tokens: int, startup_s: float, correction: bool = True) -> dict:
     import httpx
 
     from kiln.demo import run_correction
@@ -83,6 +83,8 @@ def engine_run(engine: str, model_dir: Path, workdir: Path, concurrency: list[in
             out["loads"].append(r)
             print(f"  {engine} c={c}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
         out["rss_bytes"] = tree_rss_bytes(proc.pid)
+        if not correction:
+            return out
         with httpx.Client(base_url=base, timeout=600) as client:
             timings = run_correction(client, question=QUESTION, correction=CORRECTION, adapter="fix",
                                      echo=lambda *_: None)
@@ -118,6 +120,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--startup-s", type=float, default=900.0)
     ap.add_argument("--direct", action="store_true", help="also vLLM's own server, no Kiln in front")
+    ap.add_argument("--no-correction", action="store_true", help="skip correction-to-served (random-weight shapes)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the concurrency levels (a loaded machine is noisy)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -131,7 +134,7 @@ def main() -> None:
             model_dir = ensure_builtin_model(workdir / "home")
         levels = args.concurrency * args.rounds
         runs = [engine_run(e, model_dir, workdir, levels, args.requests_per_c, args.max_tokens,
-                           args.startup_s) for e in ("builtin", "vllm")]
+                           args.startup_s, not args.no_correction) for e in ("builtin", "vllm")]
         direct = (direct_run(model_dir, workdir, levels, args.requests_per_c, args.max_tokens,
                              args.startup_s) if args.direct else None)
     report(runs, direct)
@@ -153,11 +156,15 @@ def report(runs: list[dict], direct: dict | None = None) -> None:
         print(f"vllm-direct c={rd['concurrency']}: {rd['tok_s']:.1f} tok/s, TTFT p50 {rd['ttft_p50_ms']:.1f} ms; "
               f"kiln --engine vllm / vllm-direct: tokens/s {rv['tok_s'] / rd['tok_s']:.2f}x")
     for run in runs:
+        print(f"{run['engine']}: start-up {run['startup_s']:.1f} s, server tree RSS {run['rss_bytes'] / 2**20:.0f} MiB")
+    print(f"vllm/builtin: RSS {v['rss_bytes'] / b['rss_bytes']:.2f}x")
+    if "correction" not in b:
+        return
+    for run in runs:
         c = run["correction"]
-        print(f"{run['engine']}: start-up {run['startup_s']:.1f} s, server tree RSS {run['rss_bytes'] / 2**20:.0f} MiB, "
-              f"correction-to-served {c[SERVED]:.2f} s ({json.dumps({k: round(x, 3) for k, x in c.items()})})")
-    print(f"vllm/builtin: RSS {v['rss_bytes'] / b['rss_bytes']:.2f}x, correction-to-served "
-          f"{v['correction'][SERVED] / b['correction'][SERVED]:.2f}x")
+        print(f"{run['engine']}: correction-to-served {c[SERVED]:.2f} s "
+              f"({json.dumps({k: round(x, 3) for k, x in c.items()})})")
+    print(f"vllm/builtin: correction-to-served {v['correction'][SERVED] / b['correction'][SERVED]:.2f}x")
 
 
 if __name__ == "__main__":
