@@ -195,14 +195,9 @@ class _LinearSparseKD(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, _g_ce, _g_kd):
-        saved = list(ctx.saved_tensors)
-        gh = gw = None
-        if ctx.has[0]:
-            gh = saved.pop(0)
-            gh = gh * g.to(gh.dtype)
-        if ctx.has[1]:
-            gw = saved.pop(0)
-            gw = gw * g.to(gw.dtype)
+        from kiln.training.chunked_loss import LinearCrossEntropy
+
+        gh, gw = LinearCrossEntropy.backward(ctx, g)[:2]  # same saved layout: (grad_h?, grad_w?) scaled by g
         return gh, gw, None, None, None, None, None, None, None, None, None
 
 
