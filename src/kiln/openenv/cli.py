@@ -124,7 +124,7 @@ def artifact(
         fail(f"run {run_id} has no artifact {name!r} (it has: {sorted(run.get('artifacts') or {})})")
     try:
         download_verified(f"{base}/v1/openenv/runs/{run_id}/artifacts/{name}", out, entry["bytes"], entry["sha256"])
-    except ArtifactCheckFailed as exc:
+    except (ArtifactCheckFailed, OSError) as exc:
         fail(str(exc))
     typer.echo(f"{out}: {entry['bytes']} bytes, sha256 {entry['sha256']}")
 
