@@ -112,3 +112,32 @@ def test_bad_grammars_are_invalid_requests(compiler):
     assert exc.value.param == "response_format"
     with pytest.raises(InvalidRequest):
         comp.regex("[", "guided_regex")
+
+
+def test_prefetched_masks_follow_the_rows_real_history(compiler):
+    """The sampler tells a constraint the token it picked and the next mask is prepared off
+    thread; when the row keeps another token (or none), the mask still follows the history."""
+    tok, comp = compiler
+    grammar = comp.regex(r"(ab|ac|bc)+", "guided_regex")
+    vocab = len(tok)
+    allowed = {t for t in range(vocab) if tok.decode([t]) in ("a", "b", "c")}
+    p = SamplingParams(max_tokens=10, temperature=0, constraint=comp.matcher(grammar))
+    row = Row(tok.eos_token_id)
+
+    def masked_row() -> torch.Tensor:
+        logits = torch.zeros(1, vocab)
+        p.constraint.mask_rows(logits, [(0, p.constraint, row.generated)])
+        return torch.isfinite(logits[0])
+
+    a, b, c = (tok.convert_tokens_to_ids(ch) for ch in "abc")
+    for picked, kept in ((a, a), (b, c), (a, None), (b, b)):
+        logits = torch.full((1, vocab), -10.0)
+        logits[0, picked] = 10.0  # the grammar allows it at this point
+        assert select_tokens(logits, [p], [None], None, [row])[0].token_id == picked
+        if kept is not None:
+            row.generated.append(kept)
+        fresh = comp.matcher(grammar)
+        logits = torch.zeros(1, vocab)
+        fresh.mask_rows(logits, [(0, fresh, row.generated)])
+        assert torch.equal(masked_row(), torch.isfinite(logits[0]))
+    assert {t for t in torch.nonzero(masked_row()).flatten().tolist()} <= allowed | {tok.eos_token_id}

@@ -14,7 +14,9 @@ tokens) as masks, ``logit_bias`` added, then the repetition penalty (prompt and
 output tokens, as transformers' ``RepetitionPenaltyLogitsProcessor``), the
 frequency and presence penalties (output tokens only, as OpenAI defines them);
 ``min_p`` filters sampled rows after temperature (as ``MinPLogitsWarper``); last, a
-row's grammar constraint (structured output) masks every token it forbids. Rows
+row's grammar constraint (structured output) masks every token it forbids, and
+once the tokens are picked it is told them (:mod:`kiln.runtime.constrained`
+computes the next masks while the next forward runs). Rows
 that ask for none of these cost nothing extra, and a row's adjustments never
 touch its batch-mates. The per-row history comes from ``rows`` (objects with
 ``prompt``, ``generated`` and ``eos_ids``: the scheduler's rows).
@@ -241,6 +243,9 @@ def select_tokens(
             k = params[i].logprobs or 0
             if k:
                 out[i].top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
+    advance = [(p.constraint, ids[i]) for i, p in enumerate(params) if p.constraint is not None]
+    if advance:  # grammar rows: consume the picked tokens and prepare the next masks off this thread
+        type(advance[0][0]).advance_rows(advance)
     return out
 
 
