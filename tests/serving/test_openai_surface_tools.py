@@ -107,14 +107,19 @@ def test_streamed_tool_calls_match_the_whole_answer(client, tools_server):
     for ev in client.chat.completions.create(stream=True, **kw):
         for ch in ev.choices:
             for tc in ch.delta.tool_calls or ():
-                entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                if tc.index not in calls:  # the first piece names the call
+                    assert tc.id and tc.type == "function" and tc.function.name
+                entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": "", "pieces": 0})
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
+                entry["pieces"] += 1
             reason = ch.finish_reason or reason
     assert reason == whole.finish_reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
     assert all(c["id"].startswith("call_") for c in calls.values())
+    for c in calls.values():  # the arguments arrived in fragments as they were generated, and add up to JSON
+        assert c["pieces"] > 2 and isinstance(json.loads(c["arguments"]), dict)
 
 
 def test_parallel_calls_each_valid(client, tools_server):
@@ -206,14 +211,28 @@ def test_hermes_parser_stream_matches_whole(text):
     content, calls = parser.parse(text)
     for size in (1, 3, 7, len(text)):
         st = parser.stream()
-        got_text, got_calls = "", []
-        for k in range(0, len(text), size):
-            t, c = st.feed(text[k:k + size])
-            got_text, got_calls = got_text + t, got_calls + c
-        t, c = st.finish()
-        got_text, got_calls = got_text + t, got_calls + c
-        assert [(c.name, c.arguments) for c in got_calls] == [(c.name, c.arguments) for c in calls]
+        got_text, got_calls = "", {}
+        pieces = [text[k:k + size] for k in range(0, len(text), size)]
+        for t, deltas in [st.feed(p) for p in pieces] + [st.finish()]:
+            got_text += t
+            for d in deltas:  # accumulated as a client does: name and id once, then argument fragments
+                if d.id is not None:
+                    assert d.index not in got_calls and d.name
+                    got_calls[d.index] = [d.name, ""]
+                got_calls[d.index][1] += d.arguments
+        assert [tuple(v) for _, v in sorted(got_calls.items())] == [(c.name, c.arguments) for c in calls]
         assert (got_text.strip() or None) == (content.strip() if content else None)
+
+
+def test_hermes_parser_streams_arguments_in_fragments():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+    st = get_tool_parser("hermes").stream()
+    deltas = [d for ch in text for d in st.feed(ch)[1]] + st.finish()[1]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "") and first.id.startswith("call_")
+    assert len(rest) > 10 and all(d.id is None and d.index == 0 for d in rest)
+    assert "".join(d.arguments for d in rest) == '{"city": "Paris", "unit": "c"}' == HermesParser().parse(text)[1][0].arguments
+    assert st.calls == 1
 
 
 def test_hermes_parser_results():

@@ -669,29 +669,37 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
 def _tool_chunks(parser: ToolParser, base: dict, logprobs: int | None, tt: Callable[[int], str],
                  n: int) -> Callable[[int, Any, str | None], bytes]:
     """Stream chunks for choices whose text is parsed for tool calls: content deltas as the text
-    arrives (a possible ``<tool_call>`` opening held back), one ``delta.tool_calls`` event per
-    complete call, ``finish_reason: "tool_calls"`` when the choice called a tool."""
+    arrives (a possible ``<tool_call>`` opening held back), ``delta.tool_calls`` as OpenAI sends
+    them (a call's first piece with index, id, type and name, then its arguments in fragments as
+    they are generated; one event per call per engine step), ``finish_reason: "tool_calls"`` when
+    the choice called a tool."""
     states = [parser.stream() for _ in range(n)]
-    calls_sent = [0] * n
 
     def event(i: int, delta: dict, lp: dict | None = None, reason: str | None = None) -> bytes:
         return _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
     def chunk(i: int, c, reason: str | None) -> bytes:
-        text, calls = states[i].feed(c.text)
+        text, deltas = states[i].feed(c.text)
         if reason is not None:
             tail, more = states[i].finish()
-            text, calls = text + tail, calls + more
+            text, deltas = text + tail, deltas + more
         lp = _chat_logprobs(c.tokens, tt) if logprobs is not None else None
         frames = []
         if text or lp is not None:
             frames.append(event(i, {"content": text} if text else {}, lp))
-        for call in calls:
-            frames.append(event(i, {"tool_calls": [{"index": calls_sent[i], "id": call.id, "type": "function",
-                                                    "function": {"name": call.name, "arguments": call.arguments}}]}))
-            calls_sent[i] += 1
+        merged: list[dict] = []
+        for d in deltas:  # a call's pieces from one step go out as one event
+            if merged and merged[-1]["index"] == d.index and d.id is None:
+                merged[-1]["function"]["arguments"] += d.arguments
+                continue
+            wire: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+            if d.id is not None:
+                wire = {"index": d.index, "id": d.id, "type": "function",
+                        "function": {"name": d.name, "arguments": d.arguments}}
+            merged.append(wire)
+        frames.extend(event(i, {"tool_calls": [w]}) for w in merged)
         if reason is not None:
-            frames.append(event(i, {}, None, "tool_calls" if calls_sent[i] and reason == "stop" else reason))
+            frames.append(event(i, {}, None, "tool_calls" if states[i].calls and reason == "stop" else reason))
         return b"".join(frames)
 
     return chunk

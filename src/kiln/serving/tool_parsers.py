@@ -2,13 +2,19 @@
 
 As vLLM's ``--tool-call-parser``: each parser knows how one family of chat templates
 asks the model to write a call, turns finished text into ``(content, calls)``, follows a
-stream incrementally (content passes through as it comes; a call is sent once its block
-is complete), and writes the grammar that forces a call when ``tool_choice`` is
+stream incrementally (content passes through as it comes; a call's name and id go out as
+soon as they are written, then its arguments in fragments as they are generated, as
+OpenAI streams ``delta.tool_calls``), and writes the grammar that forces a call when ``tool_choice`` is
 ``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it).
 
 ``hermes`` (Hermes, Qwen2.5/Qwen3 templates): each call is a
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block. A block whose body is not
-such JSON stays in the content, as vLLM leaves it.
+such JSON stays in the content, as vLLM leaves it. ``arguments`` is the arguments object's
+JSON text exactly as the model wrote it, whole or streamed (the fragments concatenate to
+it); a body that does not start ``{"name": "...", "arguments": {`` is sent whole when its
+block closes. Streaming cannot take back what was sent: a block whose arguments began to
+stream but that does not end as valid JSON stays a call with the text sent so far (with
+``required`` or a named ``tool_choice`` the grammar rules that out).
 """
 
 from __future__ import annotations
@@ -27,13 +33,28 @@ class ParsedCall:
     id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
 
 
-class StreamState:
-    """One choice's incremental parse: :meth:`feed` each text delta, :meth:`finish` at the end."""
+@dataclass(frozen=True)
+class CallDelta:
+    """One piece of a streamed call: its first piece carries ``id`` and ``name``; the ``arguments``
+    fragments of all its pieces concatenate to the call's arguments."""
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+    index: int  # the call's position among this choice's calls
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+class StreamState:
+    """One choice's incremental parse: :meth:`feed` each text delta, :meth:`finish` at the end.
+    Both return the content to pass on and the call pieces completed so far; ``calls`` counts
+    the calls begun."""
+
+    calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         raise NotImplementedError
 
 
@@ -56,9 +77,11 @@ class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    # a body's start up to its arguments object: what a stream waits for before sending the call's name
+    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 
-    @staticmethod
-    def call_from_body(body: str) -> ParsedCall | None:
+    @classmethod
+    def call_from_body(cls, body: str) -> ParsedCall | None:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -66,7 +89,16 @@ class HermesParser(ToolParser):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        if isinstance(args, str):
+            return ParsedCall(obj["name"], args)
+        head = cls.HEAD.match(body)
+        if head is not None:  # the arguments as written, so a stream's fragments add up to the same text
+            scan = _JsonValueScan()
+            end = scan.feed(body, head.end())
+            raw = body[head.end():end]
+            if scan.done and json.loads(raw) == args and json.loads(head.group(1)) == obj["name"]:
+                return ParsedCall(obj["name"], raw)
+        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         calls: list[ParsedCall] = []
@@ -100,21 +132,91 @@ class HermesParser(ToolParser):
                 f"body: %json {json.dumps(schema)}\n")
 
 
+class _JsonValueScan:
+    """Finds where one JSON object or array ends, fed text a piece at a time (strings and escapes aware)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = self.done = False
+
+    def feed(self, text: str, start: int = 0) -> int:
+        """Scan ``text[start:]``; the index just past the value's end once :attr:`done`, else ``len(text)``."""
+        for k in range(start, len(text)):
+            ch = text[k]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return k + 1
+        return len(text)
+
+
 class _HermesStream(StreamState):
     def __init__(self, parser: HermesParser):
         self._p = parser
-        self._buf = ""
+        self._buf = ""  # text not yet placed (a possible tag held back)
         self._in_call = False
         self._called = False
+        self._body = ""  # the open block's text so far
+        self._id: str | None = None  # the open block's call id, once its name went out
+        self._args_at = 0  # where its arguments start in _body
+        self._sent = 0  # how far into _body its arguments went out
+        self._scan: _JsonValueScan | None = None
 
     def _content(self, text: str) -> str:
         # whitespace between or after calls is layout, not content
         return "" if self._called and not text.strip() else text
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def _progress(self, out: list[CallDelta]) -> None:
+        """The open block grew: send its name once it is written, then its arguments so far."""
+        if self._id is None:
+            head = self._p.HEAD.match(self._body)
+            if head is None:
+                return
+            self._id = ParsedCall("", "").id
+            self._args_at = self._sent = head.end()
+            self._scan = _JsonValueScan()
+            out.append(CallDelta(self.calls, "", self._id, json.loads(head.group(1))))
+            self.calls += 1
+            self._called = True
+        if not self._scan.done:
+            end = self._scan.feed(self._body, self._sent)
+            if end > self._sent:
+                out.append(CallDelta(self.calls - 1, self._body[self._sent:end]))
+                self._sent = end
+
+    def _close(self, closed: bool, text: list[str], out: list[CallDelta]) -> None:
+        """The open block ended (``closed``: by its tag, else by the end of the answer)."""
+        self._progress(out)
+        body, self._body, self._in_call = self._body, "", False
+        call = self._p.call_from_body(body.strip())
+        if self._id is not None:  # already streaming: send what the arguments still lack
+            sent = body[self._args_at:self._sent]
+            if call is not None and call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+                out.append(CallDelta(self.calls - 1, call.arguments[len(sent):]))
+            self._id = self._scan = None
+        elif call is not None:
+            out.append(CallDelta(self.calls, call.arguments, call.id, call.name))
+            self.calls += 1
+            self._called = True
+        else:
+            text.append(self._p.OPEN + body + (self._p.CLOSE if closed else ""))
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buf += text
         out: list[str] = []
-        calls: list[ParsedCall] = []
+        deltas: list[CallDelta] = []
         while True:
             if not self._in_call:
                 i = self._buf.find(self._p.OPEN)
@@ -128,27 +230,25 @@ class _HermesStream(StreamState):
                 self._in_call = True
             j = self._buf.find(self._p.CLOSE)
             if j < 0:
+                hold = _partial_suffix(self._buf, self._p.CLOSE)
+                self._body += self._buf[: len(self._buf) - hold]
+                self._buf = self._buf[len(self._buf) - hold:]
+                self._progress(deltas)
                 break
-            body, self._buf = self._buf[:j], self._buf[j + len(self._p.CLOSE):]
-            self._in_call = False
-            call = self._p.call_from_body(body.strip())
-            if call is None:
-                out.append(self._p.OPEN + body + self._p.CLOSE)
-            else:
-                calls.append(call)
-                self._called = True
-        return "".join(out), calls
+            self._body += self._buf[:j]
+            self._buf = self._buf[j + len(self._p.CLOSE):]
+            self._close(True, out, deltas)
+        return "".join(out), deltas
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        out: list[str] = []
+        deltas: list[CallDelta] = []
         rest, self._buf = self._buf, ""
         if self._in_call:  # a block the model did not close (e.g. the end token came first)
-            self._in_call = False
-            call = self._p.call_from_body(rest.strip())
-            if call is not None:
-                self._called = True
-                return "", [call]
-            return self._p.OPEN + rest, []
-        return self._content(rest), []
+            self._body += rest
+            self._close(False, out, deltas)
+            return "".join(out), deltas
+        return self._content(rest), deltas
 
 
 def _partial_suffix(text: str, tag: str) -> int:
