@@ -71,10 +71,18 @@ SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed doe
 }
 
 
+SHAPE_MARKER = "kiln-bench-shape-v2"  # models built before it streamed mostly textless tokens: rebuilt
+
+
 def build_shape_model(shape: str, home: Path) -> Path:
-    """A Qwen3 model of ``SHAPES[shape]`` with the built-in tokenizer and random weights (cached)."""
+    """A Qwen3 model of ``SHAPES[shape]`` with the built-in tokenizer and random weights (cached).
+
+    The shape's vocabulary is larger than the built-in tokenizer's; the embedding rows (tied to
+    the LM head) of the IDs the tokenizer lacks are zero, so greedy decoding picks tokens that
+    have text and both servers stream content every step (TTFT and ITL are measured on content
+    chunks; a model that mostly emits textless IDs streams nothing until its end)."""
     out = home / "bench-models" / shape
-    if (out / "model.safetensors").exists():
+    if (out / SHAPE_MARKER).exists():
         return out
     import shutil
 
@@ -91,9 +99,12 @@ def build_shape_model(shape: str, home: Path) -> Path:
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[len(tok):] = 0.0
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / SHAPE_MARKER).write_text("textless vocabulary rows zeroed\n")
     tok.model_max_length = dims["max_position_embeddings"]
     tok.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
