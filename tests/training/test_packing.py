@@ -196,3 +196,15 @@ def test_packed_training_follows_the_padded_trajectory(model_and_rows):
 def test_rows_without_savings_are_not_packed():
     rows = [Row([1, 2, 3], [0, 1, 1]), Row([4, 5, 6], [0, 0, 1])]
     assert "position_ids" not in collate_packed(rows, 0)
+
+
+@pytest.mark.slow
+def test_compiled_trunk_follows_the_eager_trajectory(model_and_rows):
+    """``training.compile``: the compiled trunk (bucket-padded batches) trains like the eager one."""
+    peft_model, rows, pad = model_and_rows
+    eager = _train(peft_model, rows, pad, "eager", Plan(5e-3, 2, 5, 0, packing=True))
+    compiled = _train(peft_model, rows, pad, "compiled", Plan(5e-3, 2, 5, 0, packing=True, compile=True))
+    assert compiled.final_loss == pytest.approx(eager.final_loss, rel=1e-4)
+    a, b = adapter_state(peft_model, "eager"), adapter_state(peft_model, "compiled")
+    for k, v in a.items():
+        torch.testing.assert_close(b[k], v, rtol=1e-3, atol=1e-5)

@@ -205,7 +205,8 @@ def step_plan(plan: JobPlan, *, compile: bool = False) -> Plan:
     them (GRPO, OPD, KD, or one stored before they existed) computes its steps as before."""
     req = plan.request
     return replace(plan.loop, packing=bool(req.get("packing", False)),
-                   gradient_checkpointing=bool(req.get("gradient_checkpointing", False)), compile=compile)
+                   gradient_checkpointing=bool(req.get("gradient_checkpointing", False)),
+                   compile=compile and plan.kind == "sft")  # only run_sft compiles its trunk
 
 
 def seal_plan(kind: str, eff: dict[str, Any], inputs: Any, base_model_sha256: str) -> tuple[str, str]:
