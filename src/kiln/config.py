@@ -127,6 +127,9 @@ class ServingSettings(_Section):
     """``[serving]``: which engine runs the model (docs/scale.md, "Serving with vLLM")."""
 
     engine: Literal["builtin", "vllm"] = "builtin"  # vllm: a supervised vLLM subprocess ([vllm])
+    # how tool calls are read from the model's text (as vLLM's --tool-call-parser): "auto" picks by the
+    # chat template's family; a name picks that parser (kiln.serving.tool_parsers; checked at start-up)
+    tool_call_parser: str = Field("auto", min_length=1, max_length=64)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

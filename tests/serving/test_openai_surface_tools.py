@@ -61,7 +61,7 @@ def tools_server(builtin_model_dir, tmp_path_factory):
     shutil.copytree(builtin_model_dir, model)
     (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
     home = tmp_path_factory.mktemp("tools-home")
-    srv = start_server(model, home, extra_args=["--no-training"], env_extra={},
+    srv = start_server(model, home, extra_args=["--no-training", "--tool-call-parser", "hermes"], env_extra={},
                        config=None)
     yield srv
     stop_server(srv)
@@ -233,6 +233,33 @@ def test_hermes_parser_streams_arguments_in_fragments():
     assert len(rest) > 10 and all(d.id is None and d.index == 0 for d in rest)
     assert "".join(d.arguments for d in rest) == '{"city": "Paris", "unit": "c"}' == HermesParser().parse(text)[1][0].arguments
     assert st.calls == 1
+
+
+def test_parser_setting_auto_by_template_and_named():
+    from kiln.config import ConfigError
+    from kiln.serving.tool_parsers import tool_parser_for
+
+    assert tool_parser_for("auto", TOOLS_TEMPLATE).name == "hermes"  # the template writes <tool_call> blocks
+    assert tool_parser_for("auto", None).name == tool_parser_for("hermes", "{{ messages }}").name == "hermes"
+    with pytest.raises(ConfigError) as exc:
+        tool_parser_for("llama9", TOOLS_TEMPLATE)
+    assert "serving.tool_call_parser" in str(exc.value) and "'hermes'" in str(exc.value) and "'auto'" in str(exc.value)
+
+
+def test_unknown_parser_setting_fails_at_start_up(builtin_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kiln = Path(sys.executable).with_name("kiln")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env["KILN_HOME"] = str(tmp_path)
+    env["KILN_SERVING_TOOL_CALL_PARSER"] = "llama9"
+    r = subprocess.run([str(kiln), "serve", "--model", str(builtin_model_dir), "--port", "0", "--no-training"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "serving.tool_call_parser = 'llama9'" in r.stderr and "'hermes'" in r.stderr
 
 
 def test_hermes_parser_results():

@@ -44,6 +44,8 @@ def serve(
     training: Optional[bool] = typer.Option(None, "--training/--no-training", help="[training.enabled]"),
     home: Optional[str] = typer.Option(None, help="Kiln home directory [home] (default $KILN_HOME, ~/.cache/kiln)"),
     engine: Optional[str] = typer.Option(None, "--engine", help="builtin | vllm (a vLLM subprocess) [serving.engine]"),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, "--tool-call-parser", help="auto (by chat template) | hermes [serving.tool_call_parser]"),
 ) -> None:
     """Start the OpenAI-compatible server (built-in model unless --model is given)."""
     from kiln.config import ConfigError, load_settings
@@ -66,6 +68,7 @@ def serve(
         "limits.max_model_len": max_model_len,
         "training.enabled": training,
         "serving.engine": engine,
+        "serving.tool_call_parser": tool_call_parser,
     }
     try:
         loaded = load_settings(cli=cli, config_path=config)

@@ -50,7 +50,7 @@ from kiln.serving.protocol import (
     TokenizeResponse,
 )
 from kiln.serving.state import KilnState, get_state
-from kiln.serving.tool_parsers import DEFAULT_TOOL_PARSER, ToolParser, get_tool_parser
+from kiln.serving.tool_parsers import ToolParser, tool_parser_for
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -202,10 +202,12 @@ def _grammar(state, req) -> str | None:
 
 
 def _tool_parser(state) -> ToolParser:
-    """The tool-call parser for the served model's template family (``hermes``: Hermes/Qwen)."""
+    """The tool-call parser ``serving.tool_call_parser`` selects (``auto``: by the chat template's family)."""
     parser = state.extras.get("tool_parser")
     if parser is None:
-        parser = state.extras["tool_parser"] = get_tool_parser(DEFAULT_TOOL_PARSER)
+        template = getattr(state.engine.tokens.tokenizer, "chat_template", None)
+        parser = state.extras["tool_parser"] = tool_parser_for(state.settings.serving.tool_call_parser,
+                                                               template if isinstance(template, str) else None)
     return parser
 
 

@@ -1,6 +1,7 @@
 """Tool-call parsers: a model's raw text -> OpenAI ``tool_calls``, chosen by name per template family.
 
-As vLLM's ``--tool-call-parser``: each parser knows how one family of chat templates
+As vLLM's ``--tool-call-parser``, ``serving.tool_call_parser`` picks one by name (``auto``:
+by the chat template's family, :data:`TEMPLATE_FAMILIES`); each parser knows how one family of chat templates
 asks the model to write a call, turns finished text into ``(content, calls)``, follows a
 stream incrementally (content passes through as it comes; a call's name and id go out as
 soon as they are written, then its arguments in fragments as they are generated, as
@@ -261,6 +262,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
 DEFAULT_TOOL_PARSER = HermesParser.name
+AUTO = "auto"
+SETTING = "serving.tool_call_parser"
+# template families for ``auto``: a marker the chat template writes -> the parser that reads it, first
+# match wins; a template with none of them (or no tools section) gets DEFAULT_TOOL_PARSER
+TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),)
 
 
 def get_tool_parser(name: str = DEFAULT_TOOL_PARSER) -> ToolParser:
@@ -268,3 +274,23 @@ def get_tool_parser(name: str = DEFAULT_TOOL_PARSER) -> ToolParser:
         return TOOL_PARSERS[name]()
     except KeyError:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
+
+
+def check_tool_parser_setting(name: str) -> None:
+    """Start-up check of ``serving.tool_call_parser``: ConfigError naming the key and the known parsers."""
+    if name != AUTO and name not in TOOL_PARSERS:
+        from kiln.config import ConfigError
+
+        raise ConfigError(f"{SETTING} = {name!r} is not a known tool-call parser; use one of "
+                          f"{[AUTO, *sorted(TOOL_PARSERS)]}")
+
+
+def tool_parser_for(setting: str, chat_template: str | None) -> ToolParser:
+    """The parser ``serving.tool_call_parser`` names, or with ``auto`` the one for the template's family."""
+    check_tool_parser_setting(setting)
+    if setting != AUTO:
+        return get_tool_parser(setting)
+    for marker, name in TEMPLATE_FAMILIES:
+        if chat_template and marker in chat_template:
+            return get_tool_parser(name)
+    return get_tool_parser(DEFAULT_TOOL_PARSER)
