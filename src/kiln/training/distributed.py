@@ -46,7 +46,7 @@ from kiln.training.chunked_loss import (
     linear_cross_entropy_sum,
     split_causal_lm,
 )
-from kiln.training.data import Row, batches_per_epoch, collate, epoch_order
+from kiln.training.data import Row, batches_per_epoch, collate
 from kiln.training.losses import sft_loss
 from kiln.training.trainer import (
     Hooks,
@@ -56,6 +56,7 @@ from kiln.training.trainer import (
     _adamw,
     _Loop,
     adapter_state,
+    drive_sft_epochs,
     private_parameters,
 )
 
@@ -442,34 +443,10 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
             )
         loop.checkpoint_step = loop.step
 
-    stopped = "epochs"
     with loop.running():
-        for epoch in range(loop.epoch, plan.epochs):
-            order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
-            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-                if loop.done():
-                    break
-                loop.check_cancel()
-                step([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]])
-                if check is not None and loop.step % check.every == 0 and learned():
-                    stopped = "learned"
-                    loop.stats["learned_at_step"] = loop.step
-                    loop.total_steps = loop.step
-                cursor = (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)
-                checkpoint(*cursor)
-                loop.after_step(*cursor)
-            if stopped == "learned" or loop.done():
-                break
-        if check is not None and stopped != "learned":
-            if learned():
-                stopped, loop.stats["learned_at_step"] = "learned", loop.step
-            else:
-                stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
+        drive_sft_epochs(loop, rows, plan, per_epoch, step, learned, before_cursor=checkpoint)
         if fsdp:
             unshard_adapter(peft_model, name)
-    if check is not None:
-        loop.stats["learned"] = stopped == "learned"
-    loop.stats["stopped"] = stopped
     return loop.report()
 
 

@@ -369,6 +369,41 @@ def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_si
     return worst
 
 
+def drive_sft_epochs(loop: _Loop, rows: Sequence[Row], plan: Plan, per_epoch: int,
+                     train_batch: Callable[[list[Row]], None], learned: Callable[[], bool], *,
+                     before_cursor: Callable[[int, int], None] | None = None) -> None:
+    """The SFT epoch loop, shared by one process (:func:`run_sft`) and torchrun
+    (:mod:`kiln.training.distributed`): seeded batch order, cancel, the learned check every
+    ``until_learned.every`` steps, the checkpoint cursor; records ``stopped``/``learned`` in the stats."""
+    check = plan.until_learned
+    stopped = "epochs"
+    for epoch in range(loop.epoch, plan.epochs):
+        order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
+        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+            if loop.done():
+                break
+            loop.check_cancel()
+            train_batch([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]])
+            if check is not None and loop.step % check.every == 0 and learned():
+                stopped = "learned"
+                loop.stats["learned_at_step"] = loop.step
+                loop.total_steps = loop.step
+            cursor = (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)
+            if before_cursor is not None:
+                before_cursor(*cursor)
+            loop.after_step(*cursor)
+        if stopped == "learned" or loop.done():
+            break
+    if check is not None and stopped != "learned":
+        if learned():
+            stopped, loop.stats["learned_at_step"] = "learned", loop.step
+        else:
+            stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
+    if check is not None:
+        loop.stats["learned"] = stopped == "learned"
+    loop.stats["stopped"] = stopped
+
+
 def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
             hooks: Hooks | None = None, resume: Checkpoint | None = None) -> Report:
     """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens).
@@ -394,45 +429,25 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
         loop.stats["greedy_margin"] = round(margin, 4)
         return margin >= check.margin  # type: ignore[union-attr]
 
-    stopped = "epochs"
-    with loop.running():
-        for epoch in range(loop.epoch, plan.epochs):
-            order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
-            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-                if loop.done():
-                    break
-                loop.check_cancel()
-                chosen = [rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]]
-                batch = (collate_packed if packing else collate)(chosen, pad_id, loop.device)
-                if "rows_per_sequence" in batch:
-                    n, width = batch["input_ids"].shape
-                    loop.stats["packed_sequences"] += n
-                    loop.stats["padded_positions_saved"] += (len(chosen) - n) * width
-                batch = runner.prepare(batch, pad_id)
-                with loop.step_ownership(), runner.training():
-                    t0 = time.perf_counter()
-                    if split is not None:
-                        hidden = runner.hidden(split, batch)
-                        loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
-                    else:
-                        logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-                        loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
-                    loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
-                if check is not None and loop.step % check.every == 0 and learned():
-                    stopped = "learned"
-                    loop.stats["learned_at_step"] = loop.step
-                    loop.total_steps = loop.step
-                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)))
-            if stopped == "learned" or loop.done():
-                break
-        if check is not None and stopped != "learned":
-            if learned():
-                stopped, loop.stats["learned_at_step"] = "learned", loop.step
+    def train_batch(chosen: list[Row]) -> None:
+        batch = (collate_packed if packing else collate)(chosen, pad_id, loop.device)
+        if "rows_per_sequence" in batch:
+            n, width = batch["input_ids"].shape
+            loop.stats["packed_sequences"] += n
+            loop.stats["padded_positions_saved"] += (len(chosen) - n) * width
+        batch = runner.prepare(batch, pad_id)
+        with loop.step_ownership(), runner.training():
+            t0 = time.perf_counter()
+            if split is not None:
+                hidden = runner.hidden(split, batch)
+                loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
             else:
-                stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
-    if check is not None:
-        loop.stats["learned"] = stopped == "learned"
-    loop.stats["stopped"] = stopped
+                logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+                loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+            loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+
+    with loop.running():
+        drive_sft_epochs(loop, rows, plan, per_epoch, train_batch, learned)
     return loop.report()
 
 
