@@ -324,6 +324,8 @@ def kd_capture(teacher: nn.Module, prompts: torch.Tensor, answers: torch.Tensor,
     """Teacher-only pass over gold trajectories: per answer position exactly the columns Kiln's local
     capture stores (``LocalTeacherScorer._select``: top-K IDs and log p, the gold ID's log p when outside
     the top-K, the tail mass, the entropy). ``[N * ANSWER_LEN]`` rows, example-major."""
+    import numpy as np
+
     from kiln.distill.capture import LocalTeacherScorer
 
     parts = []
@@ -332,7 +334,7 @@ def kd_capture(teacher: nn.Module, prompts: torch.Tensor, answers: torch.Tensor,
             logits = kd_logits(teacher, prompts[s:s + 256], answers[s:s + 256]).float()
             flat = logits.reshape(-1, logits.shape[-1])
             parts.append(LocalTeacherScorer._select(flat, answers[s:s + 256].reshape(-1), top_k, 1.0, flat.shape[-1]))
-    top_ids, top_lp, forced_lp, tail, _ent = (torch.from_numpy(__import__("numpy").concatenate(c)) for c in zip(*parts))
+    top_ids, top_lp, forced_lp, tail, _ent = (torch.from_numpy(np.concatenate(c)) for c in zip(*parts))
     has = ~torch.isnan(forced_lp)
     gold = answers.reshape(-1)
     return {"ids": torch.cat([top_ids, gold[:, None]], 1),
@@ -403,8 +405,8 @@ def kd_main(args, train, held) -> None:
     table = {}
     for name, shape in students.items():
         student = make_model(*shape, 0, vocab)
-        s_em, s_steps = train_until(student, train, held, args.student_start, lr=3e-3, batch=64, max_steps=20_000,
-                                    every=25, seed=1, step_fn=kd_sft_step, eval_fn=kd_exact_match)
+        s_em, _steps = train_until(student, train, held, args.student_start, lr=3e-3, batch=64, max_steps=20_000,
+                                   every=25, seed=1, step_fn=kd_sft_step, eval_fn=kd_exact_match)
         warm = {k: v.clone() for k, v in student.state_dict().items()}
         n_params = sum(p.numel() for p in student.parameters()) / 1e6
         methods = ("sft", "sparse_kd", "dense_kd") if name == "A" else ("sft", "sparse_kd")
