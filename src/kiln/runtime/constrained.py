@@ -117,7 +117,8 @@ class RowConstraint:
     hands the matchers to one background thread (:class:`_MaskWorker`) that consumes each
     row's token and computes its next bitmask while the model runs the next forward
     (llguidance releases the GIL), so at the next step ``mask_rows`` usually finds every mask
-    ready and only unpacks them (one numpy call) and masks the logits (one in-place fill when
+    ready (a job the worker has not started by then is cancelled and done in line: on a busy
+    machine a thread's wake-up can take longer than the forward) and only unpacks them (one numpy call) and masks the logits (one in-place fill when
     every row is constrained). A row whose history is not what was consumed (a token picked
     but not kept) is replayed from the grammar's initial state, so the result never depends
     on the prefetch; without ``advance_rows`` the masks are computed on the caller's thread.
@@ -130,6 +131,7 @@ class RowConstraint:
         self._words = (vocab_size + 31) // 32  # bitmask width (int32 words) of the grammar's vocabulary
         self._seen = 0  # tokens of the row's history consumed (or being consumed) by the matcher
         self._last: int | None = None  # the last of them: checked against the history
+        self._prev_last: int | None = None  # the one before the token handed to the worker
         self._ready: np.ndarray | None = None  # the bitmask after ``_seen`` tokens, when prefetched
         self._job: Future | None = None  # the worker's job that consumes the last token and fills _ready
         self._done_words: np.ndarray | None = None  # the end-tokens-only bitmask, built once
@@ -139,11 +141,14 @@ class RowConstraint:
         """Wait for this row's prefetch, then make the matcher's history equal ``generated``."""
         job, self._job = self._job, None
         if job is not None:
-            try:
-                job.result()
-            except Exception:  # a failed prefetch costs a replay, nothing else
-                log.exception("grammar prefetch failed; replaying the row's tokens")
-                self._seen, self._last = -1, None
+            if job.cancel():  # the worker has not started it (a busy machine): the token is consumed here
+                self._seen, self._last = self._seen - 1, self._prev_last
+            else:
+                try:
+                    job.result()
+                except Exception:  # a failed prefetch costs a replay, nothing else
+                    log.exception("grammar prefetch failed; replaying the row's tokens")
+                    self._seen, self._last = -1, None
         n = len(generated)
         diverged = self._seen > 0 and (n < self._seen or generated[self._seen - 1] != self._last)
         if diverged or self._seen < 0:
@@ -204,7 +209,7 @@ class RowConstraint:
             if c._job is not None:  # not masked since its last advance: no prefetch to build on
                 continue
             c._seen += 1
-            c._last = tok
+            c._prev_last, c._last = c._last, tok
             c._ready = None
             batch.append((c, tok))
         if not batch:
