@@ -443,9 +443,9 @@ class _SSEResponse(StreamingResponse):
         parts: list[bytes] = []
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            if self._first is not None:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": b"".join(_sse(self._first(s.index)) for s in sub.streams)})
+            if self._first is not None:  # the role chunk goes out with the first tokens, as vLLM sends it, so a
+                # client's time to first chunk is the time to the first token
+                parts.extend(_sse(self._first(s.index)) for s in sub.streams)
             try:
                 async with asyncio.timeout(self._timeout):
                     while True:
