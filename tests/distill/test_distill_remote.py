@@ -55,7 +55,6 @@ def remote(builtin_model_dir, tmp_path_factory):
     stop_server(srv)
 
 
-@pytest.mark.slow
 def test_capture_through_a_registered_kiln_teacher_equals_a_local_capture(remote, builtin_model_dir, monkeypatch):
     from typer.testing import CliRunner
 

@@ -240,7 +240,7 @@ class LocalTeacherScorer:
         lse = top_z[:, 0].double() - p_max.log()
         f_z = z.gather(-1, forced[:, None])[:, 0]
         in_top = (top_ids == forced[:, None]).any(-1)
-        entropy = lse - torch.sum(p * z, -1, dtype=torch.float64)  # H = lse - sum(p z), summed in float64 (4e-6)
+        entropy = lse - torch.linalg.vecdot(p, z).double()  # H = lse - sum(p z); vs float64 2e-5 (the einsum before: 3.5e-5)
         top_lp32 = (top_z.double() - lse[:, None]).float().clamp(max=0.0)
         f_lp32 = (f_z.double() - lse).float().clamp(max=0.0)
         # Tail from the exact stored (float32) values, never renormalized.
