@@ -1,6 +1,6 @@
 """GRPO with rollouts on a verifiable toy task, Kiln vs TRL ``GRPOTrainer`` side by side.
 
-    .venv/bin/python bench/grpo_rollouts.py [--iterations 8] [--group-size 8] [--seed 3]
+    .venv/bin/python bench/grpo_rollouts.py [--iterations 8] [--group-size 8] [--seed 3] [--no-trl]
 
 The task: make the built-in model's short answers contain the word "spider" (reward = the
 `contains` eval scorer against the reference "spider": verifiable, 1 or 0). The base model hits it
@@ -11,6 +11,11 @@ contains the word). Kiln runs its training service in process on the real engine
 (as tests/training do), in a temporary KILN_HOME; TRL runs ``GRPOTrainer`` on the same model,
 prompts, group size, optimizer steps, LoRA shape, constant learning rate and reward (when ``trl``
 is installed). Prints both and the ratios.
+
+Kiln runs twice in the same process: sampling on the engine's continuous batching (what jobs do) and
+with one batched seeded ``PeftModel.generate`` (the sampler rollouts used before, still the fallback
+where the engine cannot run the private adapter), each reporting wall time per iteration and the share
+of it spent sampling.
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--learning-rate", type=float, default=2e-2)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer comparison")
+    ap.add_argument("--rounds", type=int, default=2, help="Kiln jobs per sampler, alternating (best is kept)")
     args = ap.parse_args()
 
     from kiln.config import load_settings
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.schemas import GRPORequest
     from kiln.training.service import attach_training
     from tests.conftest import built_model_path
 
@@ -69,33 +75,28 @@ def main() -> None:
     attach_training(state)
     try:
         before = held_out_reward(engine, None, samples=8, max_tokens=args.max_tokens, seed=args.seed)
-        req = GRPORequest.model_validate({
-            "adapter": "grpo-bench", "auto_load": True, "seed": args.seed, "learning_rate": args.learning_rate,
-            "batch_size": 4, "group_size": args.group_size, "iterations": args.iterations,
-            "max_tokens": args.max_tokens, "temperature": 1.0,
-            "prompts": [{"messages": [{"role": "user", "content": q}], "reference": WORD} for q in TRAIN],
-            "reward": {"type": "scorer", "scorer": {"type": "contains"}}})
-        t0 = time.perf_counter()
-        job = state.trainer.submit(req)
-        while (job := state.trainer.job(job["id"]))["state"] not in ("succeeded", "failed", "cancelled"):
-            time.sleep(0.05)
-        wall = time.perf_counter() - t0
-        if job["state"] != "succeeded":
-            raise SystemExit(f"job {job['state']}: {job['error']}")
-        report = job["result"]["report"]
-        after = held_out_reward(engine, "grpo-bench", samples=8, max_tokens=args.max_tokens, seed=args.seed)
         print(f"device={loaded.device} iterations={args.iterations} group_size={args.group_size} "
               f"prompts={len(TRAIN)} max_tokens={args.max_tokens}")
-        for i, (r, z) in enumerate(zip(report["reward_per_iteration"],
-                                       report["zero_variance_fraction_per_iteration"])):
-            print(f"iteration {i + 1}: mean reward {r:.3f}  zero-variance groups {z:.2f}")
-        print(f"held-out reward (8 samples x {len(HELD_OUT)} prompts): base {before:.3f} -> adapter {after:.3f}")
-        print(f"wall time submit->published+activated {wall:.2f} s (sampling {report['sample_s']:.2f} s, "
-              f"reward {report['reward_s']:.3f} s, optimizer steps {report['steps']}, "
-              f"train {report['train_seconds']:.2f} s)")
+        runs: dict[str, list[dict]] = {"engine": [], "generate": []}
+        for r in range(args.rounds):  # alternating, so neither sampler always runs first
+            for sampler in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
+                runs[sampler].append(kiln_grpo(state, engine, args, sampler, r))
     finally:
         state.trainer.close()
         engine.stop()
+    _load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    eng, gen = (min(runs[k], key=lambda x: x["wall_per_it"]) for k in ("engine", "generate"))
+    print(f"\n{'Kiln (best of ' + str(args.rounds) + '), sampling on':34}{'engine':>10}{'generate':>10}{'ratio':>8}"
+          f"   (load average {_load})")
+    for label, key in (("wall time per iteration (s)", "wall_per_it"), ("sampling per iteration (s)", "sample_per_it")):
+        print(f"{label:34}{eng[key]:>10.3f}{gen[key]:>10.3f}{eng[key] / gen[key]:>8.2f}   all rounds: engine "
+              + " ".join(f"{x[key]:.3f}" for x in runs["engine"]) + ", generate "
+              + " ".join(f"{x[key]:.3f}" for x in runs["generate"]))
+    print(f"{'sampling share of wall time':34}{eng['sample_share']:>10.2f}{gen['sample_share']:>10.2f}")
+    print(f"{'held-out accuracy':34}{eng['accuracy']:>10.3f}{gen['accuracy']:>10.3f}   (base model {before:.3f})")
+    if args.no_trl:
+        return
+    wall, after, report = eng["wall"], eng["accuracy"], eng["report"]
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -107,6 +108,46 @@ def main() -> None:
     print(f"{'wall time (s)':24}{wall:>10.2f}{trl_wall:>10.2f}{wall / trl_wall:>10.2f}")
     print(f"{'held-out accuracy':24}{after:>10.3f}{trl_acc:>10.3f}{'':>10}   (base model {before:.3f})")
     print(f"{'optimizer steps':24}{report['steps']:>10}{trl_steps:>10}")
+
+
+def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int) -> dict:
+    """One Kiln rollout job; ``sampler`` "generate" makes the job sample as engines without private-adapter
+    sampling do (one batched ``PeftModel.generate``)."""
+    from kiln.training import engine_sampling
+    from kiln.training.schemas import GRPORequest
+
+    on_engine = engine_sampling.samples_on_engine
+    if sampler == "generate":
+        engine_sampling.samples_on_engine = lambda _engine: False
+    adapter = f"grpo-bench-{sampler}-{round_}"
+    try:
+        req = GRPORequest.model_validate({
+            "adapter": adapter, "auto_load": True, "seed": args.seed, "learning_rate": args.learning_rate,
+            "batch_size": 4, "group_size": args.group_size, "iterations": args.iterations,
+            "max_tokens": args.max_tokens, "temperature": 1.0,
+            "prompts": [{"messages": [{"role": "user", "content": q}], "reference": WORD} for q in TRAIN],
+            "reward": {"type": "scorer", "scorer": {"type": "contains"}}})
+        t0 = time.perf_counter()
+        job = state.trainer.submit(req)
+        while (job := state.trainer.job(job["id"]))["state"] not in ("succeeded", "failed", "cancelled"):
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+    finally:
+        engine_sampling.samples_on_engine = on_engine
+    if job["state"] != "succeeded":
+        raise SystemExit(f"job {job['state']}: {job['error']}")
+    report = job["result"]["report"]
+    after = held_out_reward(engine, adapter, samples=8, max_tokens=args.max_tokens, seed=args.seed)
+    print(f"\nKiln, sampler {sampler}: {report['behaviour_policy']['sampler']}")
+    for i, (r, z) in enumerate(zip(report["reward_per_iteration"], report["zero_variance_fraction_per_iteration"])):
+        print(f"iteration {i + 1}: mean reward {r:.3f}  zero-variance groups {z:.2f}")
+    print(f"held-out reward (8 samples x {len(HELD_OUT)} prompts): adapter {after:.3f}")
+    print(f"wall time submit->published+activated {wall:.2f} s (sampling {report['sample_s']:.2f} s, "
+          f"reward {report['reward_s']:.3f} s, optimizer steps {report['steps']}, "
+          f"train {report['train_seconds']:.2f} s)")
+    its = len(report["reward_per_iteration"])
+    return {"wall": wall, "accuracy": after, "report": report, "wall_per_it": wall / its,
+            "sample_per_it": report["sample_s"] / its, "sample_share": report["sample_s"] / wall}
 
 
 def trl_grpo(model_dir: Path, args: argparse.Namespace) -> tuple[float, float, int]:

@@ -70,7 +70,7 @@ def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
     assert all(0.0 <= f <= 1.0 for f in report["zero_variance_fraction_per_iteration"])
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last >= first + 0.25, rewards  # a real rise, not noise
-    assert report["behaviour_policy"]["adapter"] is None and "sample_batch" in report["behaviour_policy"]["sampler"]
+    assert report["behaviour_policy"]["adapter"] is None and "continuous batching" in report["behaviour_policy"]["sampler"]
     # the status shows the per-iteration reward too (the job's progress)
     assert job["progress"]["reward_per_iteration"] == rewards
     assert "zero_variance_fraction" in job["progress"]
@@ -266,3 +266,18 @@ def test_cli_prompts_and_reward(srv, reward_server, tmp_path):
     both = subprocess.run([str(kiln), "train", "grpo", "--prompts", str(f), "--file", str(f), "--adapter", "x",
                            "--url", base], capture_output=True, text=True, timeout=60)
     assert both.returncode != 0 and "exactly one of --file" in both.stderr
+
+
+def test_group_size_above_the_engine_queue_is_refused():
+    """One prompt's group is queued together on the engine: a group larger than the queue is a 400."""
+    from types import SimpleNamespace
+
+    from kiln.errors import InvalidRequest
+    from kiln.runtime.engine import EngineConfig
+    from kiln.training.engine_sampling import check_samples_fit_queue
+
+    engine = SimpleNamespace(config=EngineConfig(max_queued_rows=8))
+    check_samples_fit_queue(engine, 8, "group_size")
+    with pytest.raises(InvalidRequest) as err:
+        check_samples_fit_queue(engine, 9, "group_size")
+    assert err.value.code == "samples_exceed_queue" and err.value.param == "group_size"

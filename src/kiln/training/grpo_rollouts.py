@@ -7,10 +7,12 @@ the round's sampling policy as the ratio's denominator (on-policy: ratio 1 at th
 
 Behaviour policy. The first round samples from the job's starting point: ``base_adapter`` at its
 published revision (recorded in the result), or the base model (a fresh LoRA adapter is zero at init).
-Later rounds sample from the private adapter as updated so far. Sampling goes through
-:func:`kiln.training.opd.sample_batch` (one batched ``generate`` on the private adapter), not the
-serving engine: the engine serves published revisions and keys its prefix cache by adapter key, while
-the private adapter changes every round under one key, so the engine cannot serve it mid-training.
+Later rounds sample from the private adapter as updated so far. Sampling is OPD's:
+:func:`kiln.training.engine_sampling.sample_policy` runs the rows on the serving engine's continuous
+batching with the private adapter by PEFT key (prefix cache keyed ``key#step-N``, N the optimizer steps
+taken, so blocks computed with older weights are never reused; one seed per row), interleaved with
+serving. The behaviour log-probs (the ratio's denominator) come from the trainer's own forward pass
+(:func:`kiln.training.trainer.policy_logprobs`), not from the sampler.
 
 Checkpoints (``checkpoint_interval``) and ``resume_from_job`` work as for pre-scored jobs: a checkpoint
 written inside an iteration stores that iteration's groups and behaviour log-probs with it, and
@@ -29,6 +31,11 @@ import torch
 
 from kiln.errors import InvalidRequest
 from kiln.training.data import Row, epoch_order
+from kiln.training.engine_sampling import (
+    check_samples_fit_queue,
+    sample_policy,
+    sampler_name,
+)
 from kiln.training.rewards import RewardError, RewardFn, build_reward
 from kiln.training.schemas import GRPORequest
 from kiln.training.trainer import GRPOItem, GRPOSettings, TrainingFailed, grpo_items
@@ -38,7 +45,6 @@ DEFAULT_ITERATIONS = 1
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-SAMPLER = "private adapter via PeftModel.generate (kiln.training.opd.sample_batch)"
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
     temperature = request.temperature if request.temperature is not None else DEFAULT_TEMPERATURE
     top_p = request.top_p if request.top_p is not None else DEFAULT_TOP_P
     engine = service.engine
+    check_samples_fit_queue(engine, group_size, "group_size")
     limit = min(request.max_seq_len, engine.config.max_model_len)
     if service.max_seq_len_limit is not None:
         limit = min(limit, service.max_seq_len_limit)
@@ -96,7 +103,7 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
     if request.resume_from_job is not None:
         service._check_resumable(request.resume_from_job, plan_sha)
     behaviour = {"adapter": None if parent is None else parent.name,
-                 "revision": None if parent is None else parent.revision, "sampler": SAMPLER}
+                 "revision": None if parent is None else parent.revision, "sampler": sampler_name(engine)}
     data = RolloutData(tuple(prompt_ids), reward, group_size, iterations, max_tokens, temperature, top_p,
                        GRPOSettings(request.clip_epsilon, request.scale_rewards, request.kl_coef,
                                     request.kl_estimator), behaviour)
@@ -107,7 +114,7 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
 
 
 def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
-                 pad_id: int, end_ids: Sequence[int], resume: Any = None) -> Any:
+                 pad_id: int, end_ids: Sequence[int], resume: Any = None, engine: Any = None) -> Any:
     """The loop described in the module docstring; returns the trainer's Report (stats per iteration).
 
     Checkpoints (``checkpoint_interval`` steps) carry the adapter, the optimizer and the position
@@ -118,7 +125,6 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     """
     from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.losses import GRPOLoss
-    from kiln.training.opd import sample_batch, sample_seed
     from kiln.training.trainer import _Loop, grpo_step, policy_logprobs, row_offsets
 
     s = data.settings
@@ -145,8 +151,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                 (items, old), saved = saved, None
             else:
                 items = _sample_and_score(peft_model, data, plan, loop, it, rewards_hist, zero_hist, decode=decode,
-                                          pad_id=pad_id, end_ids=end_ids, sample_batch=sample_batch,
-                                          sample_seed=sample_seed)
+                                          pad_id=pad_id, end_ids=end_ids, engine=engine)
                 first_pass = 0
                 old = policy_logprobs(peft_model, items, pad_id, loop, split) if items else []
             # 3. update: epochs passes over the round's groups; the sampling policy is the ratio's denominator
@@ -176,15 +181,14 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
 
 
 def _sample_and_score(peft_model: Any, data: RolloutData, plan: Any, loop: Any, it: int, rewards_hist: list[float],
-                      zero_hist: list[float], *, decode: Any, pad_id: int, end_ids: Sequence[int], sample_batch: Any,
-                      sample_seed: Any) -> list[GRPOItem]:
-    """One iteration's groups: sample (one batched generate, the current policy), score, advantages."""
+                      zero_hist: list[float], *, decode: Any, pad_id: int, end_ids: Sequence[int],
+                      engine: Any) -> list[GRPOItem]:
+    """One iteration's groups: sample (the current policy, seeded by iteration), score, advantages."""
     n = len(data.prompt_ids)
     t0 = time.perf_counter()
-    with loop.step_ownership(), torch.no_grad():
-        comps = sample_batch(peft_model, [list(p) for p in data.prompt_ids], data.group_size, data.max_tokens,
-                             data.temperature, data.top_p, seed=sample_seed(plan.seed, it, 0, 0), pad_id=pad_id,
-                             end_ids=end_ids, device=loop.device)
+    comps = sample_policy(peft_model, loop, engine, [list(p) for p in data.prompt_ids], data.group_size,
+                          data.max_tokens, data.temperature, data.top_p, seed=plan.seed, seed_step=it,
+                          revision=f"step-{loop.step}", pad_id=pad_id, end_ids=end_ids)
     t1 = time.perf_counter()
     # score outside exclusive ownership: serving goes on meanwhile
     texts = [decode(c) for c in comps]
@@ -282,7 +286,8 @@ def make_rollout_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:
             pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
             report = run_rollouts(self.peft_model, self.private, self.plan.rows, self.plan.loop,
                                   decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume)
+                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume,
+                                  engine=self.ctx.engine)
             self._phase("train")
             return report
 

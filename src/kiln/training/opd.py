@@ -1,7 +1,8 @@
 """On-policy distillation (OPD): losses and the job recipe.
 
 The student samples completions for each prompt (on the serving engine's
-continuous batching with the job's private adapter: :func:`sample_on_engine`),
+continuous batching with the job's private adapter, the sampler GRPO rollouts
+share: :mod:`kiln.training.engine_sampling`),
 the teacher scores prompt + completion once per training batch (top-K prompt
 logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
 and the optimizer step pulls the student toward the teacher on the student's
@@ -29,6 +30,13 @@ import torch
 from torch import nn
 
 from kiln.errors import Conflict, InvalidRequest
+from kiln.training.engine_sampling import (  # noqa: F401 - sample_batch, sample_on_engine: this module's API too
+    check_samples_fit_queue,
+    sample_batch,
+    sample_on_engine,
+    sample_policy,
+    sample_seed,
+)
 
 if TYPE_CHECKING:
     from kiln.training.opd_schemas import OPDRequest
@@ -199,11 +207,7 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
     if request.training_mode == "off_policy":
         return _prepare_off_policy(service, request, entry, lora, parent, limit)
-    queue = getattr(engine.config, "max_queued_rows", None)
-    if queue is not None and request.samples_per_prompt > queue:
-        raise InvalidRequest(f"samples_per_prompt={request.samples_per_prompt} exceeds the engine's queue "
-                             f"(batching.max_queued_rows={queue}): one prompt's samples are queued together",
-                             code="samples_exceed_queue", param="samples_per_prompt", hint=f"use at most {queue}")
+    check_samples_fit_queue(engine, request.samples_per_prompt, "samples_per_prompt")
     eos = tok.eos_token_id
     items = []
     assert request.prompts is not None
@@ -276,121 +280,14 @@ def _job_plan(service: Any, request: OPDRequest, entry: dict[str, Any], lora: An
 # ------------------------------------------------------------------------- the loop
 
 
-def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, *, seed: int, pad_id: int, end_ids: Sequence[int], device: Any) -> list[list[int]]:
-    """``n`` completions per prompt (token IDs, through the first end-of-turn token), one left-padded
-    ``generate`` over all of them with the active (private) adapter. Seeded: the same step samples the
-    same tokens after a resume.
-
-    Not the serving engine: its prefix cache is keyed by adapter key, and the private adapter's weights
-    change every step under one key, so cached prompt blocks would be stale.
-    """
-    seqs = [list(p) for p in prompts for _ in range(n)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, width - len(s):] = torch.tensor(s)
-        attn[r, width - len(s):] = 1
-    kw: dict[str, Any] = {"do_sample": temperature > 0}
-    if temperature > 0:
-        kw.update(temperature=temperature, top_p=top_p, top_k=0)
-    with torch.random.fork_rng(devices=[] if str(device) == "cpu" else [device]):
-        torch.manual_seed(seed)
-        out = peft_model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_tokens,
-                                  pad_token_id=pad_id, eos_token_id=list(end_ids) or None, use_cache=True, **kw)
-    ends = set(end_ids)
-    comps = []
-    for row in out[:, width:].tolist():
-        c = []
-        for t in row:
-            c.append(t)
-            if t in ends:
-                break
-        comps.append(c)
-    return comps
-
-
-def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[list[int]], n: int, max_tokens: int,
-                     temperature: float, top_p: float, *, seeds: Sequence[Sequence[int]],
-                     end_ids: Sequence[int]) -> list[list[int]]:
-    """``n`` completions per prompt from the engine's continuous batching with the trainer's private adapter
-    ``key`` (token IDs, through the first end-of-turn token), prompt-major like :func:`sample_batch`.
-
-    ``revision`` names the adapter's current weights: the engine keys the private adapter's prefix-cache
-    blocks by ``key#revision``, so blocks computed before an optimizer step are never reused after it. Every
-    row has its own seed (``seeds[prompt][sample]``), so a resumed job samples what the uninterrupted one did.
-    All rows are queued under exclusive ownership: the engine's first cycle sees all of them (the same
-    batches every time the same step runs), and serving requests interleave with them after that.
-    """
-    from kiln.runtime.sampling import SamplingParams
-
-    # waves of whole prompts, at most half the engine's queue (serving keeps the other half)
-    per_wave = max(1, engine.config.max_queued_rows // 2 // max(1, n))
-    out: list[list[int]] = []
-    for w in range(0, len(prompts), per_wave):
-        subs: list[Any] = []
-        try:
-            _submit_all(engine, subs, [(list(p), [SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sd,
-                stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:n]])
-                for p, row_seeds in zip(prompts[w:w + per_wave], seeds[w:w + per_wave])], key, revision)
-            for sub in subs:
-                for stream in sub.streams:
-                    toks: list[int] = []
-                    while True:
-                        chunk = stream.next_chunk_sync(None)
-                        toks.extend(c.token_id for c in chunk.tokens)
-                        if chunk.finish_reason is not None:
-                            break
-                    if chunk.finish_reason not in ("stop", "length"):
-                        raise RuntimeError(f"student sampling ended with {chunk.finish_reason!r}")
-                    out.append(toks)
-        finally:
-            for sub in subs:
-                sub.cancel()
-    return out
-
-
-SUBMIT_RETRY_S = 0.05
-SUBMIT_PATIENCE_S = 300.0
-
-
-def _submit_all(engine: Any, subs: list[Any], rows: list[tuple[list[int], list[Any]]], key: str,
-                revision: str) -> None:
-    """Queue every (prompt, params) for the private adapter under exclusive ownership (appending each
-    submission to ``subs``). While serving fills the engine's queue, leave ownership so the engine can drain
-    it, wait and retry the rest (for at most ``SUBMIT_PATIENCE_S``)."""
-    from kiln.runtime.engine import EngineOverloaded
-
-    pending = list(rows)
-    deadline = time.monotonic() + SUBMIT_PATIENCE_S
-    while pending:
-        try:
-            with engine.ownership.exclusive():
-                while pending:
-                    prompt, params = pending[0]
-                    subs.append(engine.submit(prompt, params, adapter=key, incremental=False,
-                                              private_revision=revision))
-                    pending.pop(0)
-        except EngineOverloaded:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(SUBMIT_RETRY_S)
-
-
-def sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
-    return (seed * 1_000_003 + step * 10_007 + prompt * 101 + sample) % (2**31 - 1)
-
-
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
             model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
             engine: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
-    With ``engine`` the student samples on the serving engine's continuous batching (the private adapter
-    by key, prefix cache keyed by step: :func:`sample_on_engine`), interleaved with serving; without it, one
-    batched ``generate`` under exclusive ownership (:func:`sample_batch`). The teacher is asked outside
+    With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
+    adapter by key, prefix cache keyed by step: :func:`~kiln.training.engine_sampling.sample_policy`),
+    interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
     exclusive ownership (a local teacher scores on the serving engine); the step runs under it."""
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
@@ -412,18 +309,9 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             # 1. student samples every prompt x sample with the private adapter's current weights
             t0 = time.perf_counter()
             prompts = [list(data.items[i].student_ids) for i in chosen]
-            with torch.no_grad():
-                if engine is not None:
-                    seeds = [[sample_seed(plan.seed, step, k, j) for j in range(data.samples_per_prompt)]
-                             for k in range(len(chosen))]
-                    comps = sample_on_engine(engine, name, f"step-{step}", prompts, data.samples_per_prompt,
-                                             data.max_tokens, data.temperature, data.top_p, seeds=seeds,
-                                             end_ids=end_ids)
-                else:
-                    with loop.step_ownership():
-                        comps = sample_batch(peft_model, prompts, data.samples_per_prompt, data.max_tokens,
-                                             data.temperature, data.top_p, seed=sample_seed(plan.seed, step, 0, 0),
-                                             pad_id=pad_id, end_ids=end_ids, device=loop.device)
+            comps = sample_policy(peft_model, loop, engine, prompts, data.samples_per_prompt, data.max_tokens,
+                                  data.temperature, data.top_p, seed=plan.seed, seed_step=step,
+                                  revision=f"step-{step}", pad_id=pad_id, end_ids=end_ids)
             samples = [(idx, c) for k, idx in enumerate(chosen)
                        for c in comps[k * data.samples_per_prompt:(k + 1) * data.samples_per_prompt] if c]
             student_s = time.perf_counter() - t0
