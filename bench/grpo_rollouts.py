@@ -8,9 +8,10 @@ about one sample in six at the start (4-token samples at temperature 1), so grou
 variance from the first iteration. Trained on four questions, checked on four held-out ones
 (8 samples each from the trained adapter, same sampling settings; "accuracy" is the share that
 contains the word). Kiln runs its training service in process on the real engine and adapter store
-(as tests/training do), in a temporary KILN_HOME; TRL runs ``GRPOTrainer`` on the same model,
-prompts, group size, optimizer steps, LoRA shape, constant learning rate and reward (when ``trl``
-is installed). Prints both and the ratios.
+(as tests/training do, with the torch thread count `kiln serve` picks: cores - 1), in a temporary
+KILN_HOME; TRL runs ``GRPOTrainer`` on the same model, prompts, group size, optimizer steps, LoRA
+shape, constant learning rate and reward (when ``trl`` is installed, with torch's default threads).
+Prints both and the ratios.
 
 Kiln runs twice in the same process: sampling on the engine's continuous batching (what jobs do) and
 with one batched seeded ``PeftModel.generate`` (the sampler rollouts used before, still the fallback
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,24 +61,33 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer comparison")
     ap.add_argument("--rounds", type=int, default=2, help="Kiln jobs per sampler, alternating (best is kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for Kiln (0: what `kiln serve` picks)")
+    ap.add_argument("--serve", action="store_true",
+                    help="one client generating 8 tokens on the base model back to back while each job runs: "
+                         "its request latency shows how long training holds serving up")
     args = ap.parse_args()
+
+    import torch
 
     from kiln.config import load_settings
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
+    from kiln.serving.state import default_threads
     from kiln.training.service import attach_training
     from tests.conftest import built_model_path
 
     home = Path(tempfile.mkdtemp(prefix="kiln-grpo-bench-"))
     settings = load_settings(cli={"home": str(home)}, environ={}).settings
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or settings.model.threads or default_threads())  # as `kiln serve` does
     loaded = load_model(built_model_path(), device="auto")
     engine = Engine(loaded, EngineConfig()).start()
     state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=None)
     attach_training(state)
     try:
         before = held_out_reward(engine, None, samples=8, max_tokens=args.max_tokens, seed=args.seed)
-        print(f"device={loaded.device} iterations={args.iterations} group_size={args.group_size} "
-              f"prompts={len(TRAIN)} max_tokens={args.max_tokens}")
+        print(f"device={loaded.device} torch_threads={torch.get_num_threads()} iterations={args.iterations} "
+              f"group_size={args.group_size} prompts={len(TRAIN)} max_tokens={args.max_tokens}")
         runs: dict[str, list[dict]] = {"engine": [], "generate": []}
         for r in range(args.rounds):  # alternating, so neither sampler always runs first
             for sampler in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
@@ -84,6 +95,7 @@ def main() -> None:
     finally:
         state.trainer.close()
         engine.stop()
+        torch.set_num_threads(torch_threads)
     _load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
     eng, gen = (min(runs[k], key=lambda x: x["wall_per_it"]) for k in ("engine", "generate"))
     print(f"\n{'Kiln (best of ' + str(args.rounds) + '), sampling on':34}{'engine':>10}{'generate':>10}{'ratio':>8}"
@@ -110,6 +122,17 @@ def main() -> None:
     print(f"{'optimizer steps':24}{report['steps']:>10}{trl_steps:>10}")
 
 
+def serve_client(engine, stop, latencies: list) -> None:
+    """Back-to-back 8-token requests on the base model until ``stop``; appends each latency (s)."""
+    from kiln.runtime.sampling import SamplingParams
+
+    ids = engine.encode_chat([{"role": "user", "content": "Name an animal."}])
+    while not stop.is_set():
+        t = time.perf_counter()
+        engine.generate(ids, SamplingParams(max_tokens=8, temperature=1.0), timeout=120)
+        latencies.append(time.perf_counter() - t)
+
+
 def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int) -> dict:
     """One Kiln rollout job; ``sampler`` "generate" makes the job sample as engines without private-adapter
     sampling do (one batched ``PeftModel.generate``)."""
@@ -127,6 +150,10 @@ def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int
             "max_tokens": args.max_tokens, "temperature": 1.0,
             "prompts": [{"messages": [{"role": "user", "content": q}], "reference": WORD} for q in TRAIN],
             "reward": {"type": "scorer", "scorer": {"type": "contains"}}})
+        stop, latencies = threading.Event(), []
+        client = threading.Thread(target=serve_client, args=(engine, stop, latencies), daemon=True)
+        if args.serve:
+            client.start()
         t0 = time.perf_counter()
         job = state.trainer.submit(req)
         while (job := state.trainer.job(job["id"]))["state"] not in ("succeeded", "failed", "cancelled"):
@@ -134,6 +161,9 @@ def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int
         wall = time.perf_counter() - t0
     finally:
         engine_sampling.samples_on_engine = on_engine
+        stop.set()
+        if client.is_alive():
+            client.join()
     if job["state"] != "succeeded":
         raise SystemExit(f"job {job['state']}: {job['error']}")
     report = job["result"]["report"]
@@ -145,6 +175,10 @@ def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int
     print(f"wall time submit->published+activated {wall:.2f} s (sampling {report['sample_s']:.2f} s, "
           f"reward {report['reward_s']:.3f} s, optimizer steps {report['steps']}, "
           f"train {report['train_seconds']:.2f} s)")
+    if latencies:
+        lat = sorted(latencies)
+        print(f"serving during the job: {len(lat)} requests, latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, "
+              f"p90 {lat[int(len(lat) * 0.9)] * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms")
     its = len(report["reward_per_iteration"])
     return {"wall": wall, "accuracy": after, "report": report, "wall_per_it": wall / its,
             "sample_per_it": report["sample_s"] / its, "sample_share": report["sample_s"] / wall}
