@@ -10,15 +10,20 @@ plain ``model(...).logits`` path.
 
 Shapes: ``N`` selected positions, ``H`` hidden size, ``V`` vocabulary.
 
-* :class:`LinearCrossEntropy`: ``sum_n -log softmax(h_n W^T)[y_n]`` computed
-  chunk by chunk; the gradient is computed in the forward pass (one chunk of
-  logits alive at a time), so backward is a multiply.
+* :func:`linear_chunked_loss`: the head applied one chunk of rows at a time,
+  each chunk's loss value and logit gradient supplied by the caller and folded
+  into d/dh and d/dW during the forward pass (one chunk of logits alive at a
+  time, computed once), so backward is a multiply. SFT's cross-entropy
+  (:func:`linear_cross_entropy_sum`), OPD's candidate losses
+  (:func:`kiln.training.opd_head.candidate_loss_mean`) and sparse KD
+  (:func:`kiln.training.kd_loss.linear_sparse_kd`) all run on it.
 * :func:`linear_token_logprobs`: ``log softmax(h_n W^T)[y_n]`` with autograd,
   each chunk recomputed in backward (``torch.utils.checkpoint``), for GRPO.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,45 +75,58 @@ def chunk_rows(vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, chunk_elements // max(1, vocab))
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """``sum_n CE(h_n W^T, y_n)`` in float32, gradient computed chunk by chunk during forward."""
+class _LinearChunkedLoss(torch.autograd.Function):
+    """See :func:`linear_chunked_loss`."""
 
     @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
-                rows: int) -> torch.Tensor:
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, rows: int,  # type: ignore[override]
+                chunk_fn: Callable[..., Any], finish: Callable[..., Any] | None) -> Any:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # float32 at least
-        total = torch.zeros((), dtype=acc, device=h.device)
+        acc = torch.promote_types(h.dtype, torch.float32)  # float32 at least
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
-        for s in range(0, h.shape[0], rows):
-            hc, tc = h[s:s + rows], targets[s:s + rows]
+        sums: list[torch.Tensor] = []
+        for s in range(0, max(h.shape[0], 1), rows):  # no rows: one empty chunk, no gradient, zero sums
+            hc = h[s:s + rows]
             z = (hc @ weight.t()).to(acc)
-            lse = torch.logsumexp(z, dim=-1)
-            total += (lse - z.gather(-1, tc.unsqueeze(-1)).squeeze(-1)).sum()
-            if need_h or need_w:
-                p = z.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place over the chunk's logits
-                p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-                p = p.to(h.dtype)
+            parts, gz = chunk_fn(z, slice(s, s + hc.shape[0]), (need_h or need_w) and hc.shape[0] > 0)
+            sums = list(parts) if not sums else [a + b for a, b in zip(sums, parts)]
+            if gz is not None:
+                gz = gz.to(h.dtype)
                 if grad_h is not None:
-                    torch.mm(p, weight, out=grad_h[s:s + rows])
+                    torch.mm(gz, weight, out=grad_h[s:s + rows])
                 if grad_w is not None:
-                    grad_w.addmm_(p.t(), hc)
+                    grad_w.addmm_(gz.t(), hc)
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
         ctx.has = (need_h, need_w)
-        return total
+        out = finish(*sums) if finish is not None else sums[0]
+        if isinstance(out, tuple):
+            ctx.mark_non_differentiable(*out[1:])
+        return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        saved = list(ctx.saved_tensors)
-        gh = gw = None
-        if ctx.has[0]:
-            gh = saved.pop(0)
-            gh = gh * g.to(gh.dtype)
-        if ctx.has[1]:
-            gw = saved.pop(0)
-            gw = gw * g.to(gw.dtype)
-        return gh, gw, None, None
+    def backward(ctx: Any, g: torch.Tensor, *_extra: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        saved = [t * g.to(t.dtype) for t in ctx.saved_tensors]
+        gh = saved.pop(0) if ctx.has[0] else None
+        gw = saved.pop(0) if ctx.has[1] else None
+        return gh, gw, None, None, None
+
+
+def linear_chunked_loss(h: torch.Tensor, weight: torch.Tensor, rows: int, chunk_fn: Callable[..., Any],
+                        finish: Callable[..., Any] | None = None) -> Any:
+    """A loss of the logits ``h W^T`` whose gradient is computed chunk by chunk in forward.
+
+    Args:
+        h: ``[N, H]`` hidden states; weight: ``[V, H]`` the head's weight; rows: rows per chunk.
+        chunk_fn: ``(z, rows, need_grad) -> (parts, dz)``: ``z`` is the chunk's ``[n, V]`` logits in
+            float32 (float64 for float64 ``h``; it may be overwritten), ``rows`` the chunk's slice of the
+            ``N`` positions; ``parts`` a tuple of scalar tensors, summed over chunks; ``dz`` the gradient of
+            the returned loss w.r.t. ``z`` (``None`` when ``need_grad`` is false).
+        finish: ``(*sums) -> loss`` or ``(loss, *extras)`` (extras not differentiable); default: the one sum.
+
+    Backward scales the gradients computed in forward: ``dz`` must be that of ``finish``'s loss.
+    """
+    return _LinearChunkedLoss.apply(h, weight, rows, chunk_fn, finish)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -120,7 +138,17 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, targets: tor
         weight: ``[V, H]`` the LM head's weight.
         targets: ``[N]`` the token each position must predict.
     """
-    return LinearCrossEntropy.apply(h, weight, targets, chunk_rows(weight.shape[0], chunk_elements))
+    def chunk(z: torch.Tensor, sl: slice, need_grad: bool) -> tuple[tuple[torch.Tensor], torch.Tensor | None]:
+        tc = targets[sl]
+        lse = torch.logsumexp(z, dim=-1)
+        loss = (lse - z.gather(-1, tc.unsqueeze(-1)).squeeze(-1)).sum()
+        if not need_grad:
+            return (loss,), None
+        p = z.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place over the chunk's logits
+        p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
+        return (loss,), p
+
+    return linear_chunked_loss(h, weight, chunk_rows(weight.shape[0], chunk_elements), chunk)
 
 
 def sft_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,

@@ -161,49 +161,12 @@ class _FusedSparseKD(torch.autograd.Function):
         return (grad * g).to(ctx.dtype), None, None, None, None, None, None, None, None
 
 
-class _LinearSparseKD(torch.autograd.Function):
-    """CE + coarse-tail KL from hidden states ``[N, H]`` and the LM head ``[V, H]``: logits one chunk of rows
-    at a time, each chunk's gradient computed and folded into d/dh and d/dW during forward."""
-
-    @staticmethod
-    def forward(ctx, h, weight, ids, teacher_lp, mask, tail, target, ce_weight, kd_weight, temperature, rows):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        n, n_valid = h.shape[0], int((target != -100).sum())
-        ids0 = torch.where(mask, ids, torch.zeros_like(ids))
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        ce_sum = torch.zeros((), dtype=acc, device=h.device)
-        kd_sum = torch.zeros((), dtype=torch.float64, device=h.device)
-        for s in range(0, n, rows):
-            hc, sl = h[s:s + rows], slice(s, s + rows)
-            z = (hc @ weight.t()).to(acc)
-            c, k, gz = _kd_value_and_grad(z, ids0[sl], teacher_lp[sl], mask[sl], tail[sl], target[sl],
-                                          float(ce_weight), float(kd_weight), float(temperature), n, n_valid,
-                                          need_h or need_w)
-            ce_sum += c
-            kd_sum += k
-            if gz is not None:
-                gz = gz.to(h.dtype)
-                if grad_h is not None:
-                    torch.mm(gz, weight, out=grad_h[sl])
-                if grad_w is not None:
-                    grad_w.addmm_(gz.t(), hc)
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (need_h, need_w)
-        return _means(ce_sum, kd_sum, acc, float(ce_weight), float(kd_weight), n, n_valid)
-
-    @staticmethod
-    def backward(ctx, g, _g_ce, _g_kd):
-        from kiln.training.chunked_loss import LinearCrossEntropy
-
-        gh, gw = LinearCrossEntropy.backward(ctx, g)[:2]  # same saved layout: (grad_h?, grad_w?) scaled by g
-        return gh, gw, None, None, None, None, None, None, None, None, None
-
-
 def linear_sparse_kd(h, weight, ids, teacher_logprobs, mask, tail, target, *, ce_weight: float = 1.0,
                      kd_weight: float = 1.0, temperature: float = 1.0, chunk_rows: int | None = None):
     """:class:`SparseKDLoss` from hidden states: ``(loss [], {"ce", "kd"})`` without ``[N, V]`` logits.
+
+    The head runs one chunk of rows at a time (:func:`kiln.training.chunked_loss.linear_chunked_loss`), each
+    chunk's gradient (``_kd_value_and_grad``) folded into d/dh and d/dW during forward.
 
     Args:
         h: ``[N, H]`` final-norm hidden states at the captured positions.
@@ -213,10 +176,20 @@ def linear_sparse_kd(h, weight, ids, teacher_logprobs, mask, tail, target, *, ce
         chunk_rows: rows of logits alive at once (default: ``chunked_loss.CHUNK_ELEMENTS // V``).
     """
     from kiln.training.chunked_loss import chunk_rows as default_rows
+    from kiln.training.chunked_loss import linear_chunked_loss
 
-    rows = chunk_rows or default_rows(weight.shape[0])
-    loss, ce, kd = _LinearSparseKD.apply(h, weight, ids, teacher_logprobs, mask, tail, target, ce_weight, kd_weight,
-                                         temperature, rows)
+    ce_w, kd_w, temp = float(ce_weight), float(kd_weight), float(temperature)
+    acc = torch.promote_types(h.dtype, torch.float32)  # the logits' dtype in each chunk
+    n, n_valid = h.shape[0], int((target != -100).sum())
+    ids0 = torch.where(mask, ids, torch.zeros_like(ids))
+
+    def chunk(z, sl, need_grad):
+        ce_sum, kd_sum, gz = _kd_value_and_grad(z, ids0[sl], teacher_logprobs[sl], mask[sl], tail[sl], target[sl],
+                                                ce_w, kd_w, temp, n, n_valid, need_grad)
+        return (ce_sum, kd_sum), gz
+
+    loss, ce, kd = linear_chunked_loss(h, weight, chunk_rows or default_rows(weight.shape[0]), chunk,
+                                       lambda ce_sum, kd_sum: _means(ce_sum, kd_sum, acc, ce_w, kd_w, n, n_valid))
     return loss, {"ce": ce, "kd": kd}
 
 
