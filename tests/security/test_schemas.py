@@ -35,10 +35,12 @@ CHAT_VARIANTS = [{}, {"n": 2, "temperature": 0.7, "seed": 3}, {"logprobs": True,
                  {"response_format": {"type": "json_schema", "json_schema": {"name": "o", "strict": True, "schema": {
                      "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}},
                  {"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 30},
+                 # a tool-call history without "tools" (the built-in template's tools section would take
+                 # the prompt past this server's 256-token limit)
                  {"messages": [{"role": "user", "content": "hi"},
                                {"role": "assistant", "content": None, "tool_calls": [
                                    {"id": "c1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]},
-                               {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "tools": [_TOOL]}]
+                               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}]
 COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs": 2}, {"prompt_logprobs": 2},
                        {"max_tokens": 0, "prompt_logprobs": 1}, {"prompt": [5, 6, 7]},
                        {"prompt": ["a", "b"], "n": 2}, {"prompt": [[5, 6], [7]]}, {"echo": True, "logprobs": 1},

@@ -1,48 +1,24 @@
 """Tool calling through the official ``openai`` client, streaming and not.
 
-The built-in model's template has no tools section, so the end-to-end tests run on a copy of
-it whose chat template is tools-aware (Hermes/Qwen style: tools listed in the system turn,
-calls as ``<tool_call>`` JSON blocks, results in ``<tool_response>``). The tiny model was
-never trained on tool calls, so ``required`` and named ``tool_choice`` (enforced by constrained
-decoding) are what make it call; ``auto`` is checked for shape only. The parser itself is
-tested on fixed texts, whole and streamed in pieces.
+The built-in model's own chat template has a tools section (Hermes/Qwen style: tools listed in
+the system turn, calls as ``<tool_call>`` JSON blocks, results in ``<tool_response>``), and its
+training text has a few ``get_weather(city)`` calls: with that tool offered, ``auto`` (greedy)
+gets a real call from the model itself. ``required`` and named ``tool_choice`` are enforced by
+constrained decoding, so they hold for any tools. The parser itself is tested on fixed texts,
+whole and streamed in pieces.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import openai
 import pytest
 
+from kiln.runtime.builtin import CHAT_TEMPLATE, WEATHER_TOOL
 from kiln.serving.tool_parsers import HermesParser, get_tool_parser
 from tests.serving.conftest import start_server, stop_server
-
-TOOLS_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions.\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nReturn each call as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n"
-    "</tool_call><|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and tools and loop.first %}"
-    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{%- for tc in message['tool_calls'] %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' "
-    "+ (tc['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -57,12 +33,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def tools_server(builtin_model_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("tools-model") / "kiln-tools-test"
-    shutil.copytree(builtin_model_dir, model)
-    (model / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    """The built-in model as shipped, with the default limits (the shared server's 512-token
+    context is too short for two tools' JSON and a long answer)."""
     home = tmp_path_factory.mktemp("tools-home")
-    srv = start_server(model, home, extra_args=["--no-training", "--tool-call-parser", "hermes"], env_extra={},
-                       config=None)
+    srv = start_server(builtin_model_dir, home, extra_args=["--no-training"], env_extra={}, config=None)
     yield srv
     stop_server(srv)
 
@@ -153,6 +127,23 @@ def test_tool_results_go_back_through_the_template(client, tools_server):
     assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
 
 
+def test_auto_gets_a_real_call_from_the_builtin_model(client, tools_server):
+    """Asked as its training examples ask, with their tool offered, the model calls it on its own."""
+    kw = dict(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="auto",
+              max_tokens=60, temperature=0)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls", c.message.content
+    assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    _args_valid(c.message.tool_calls[0], WEATHER_TOOL)
+    streamed: dict[int, list[str]] = {}
+    for ev in client.chat.completions.create(stream=True, **kw):
+        for tc in ev.choices[0].delta.tool_calls or ():
+            entry = streamed.setdefault(tc.index, ["", ""])
+            entry[0] += tc.function.name or ""
+            entry[1] += tc.function.arguments or ""
+    assert list(streamed.values()) == [[t.function.name, t.function.arguments] for t in c.message.tool_calls]
+
+
 def test_auto_and_none_answer_in_shape(client, tools_server):
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=tools_server.model_id, messages=MESSAGES, tools=[WEATHER],
@@ -162,8 +153,8 @@ def test_auto_and_none_answer_in_shape(client, tools_server):
         assert c.message.tool_calls or isinstance(c.message.content, str)
 
 
-def test_required_tool_call_on_the_builtin_template(oai, server):
-    """A template without a tools section still gets a valid call: the grammar forces it."""
+def test_required_tool_call_on_the_shared_server(oai, server):
+    """The shared server (a 512-token context) forces a valid call of a tool the model never saw."""
     r = oai.chat.completions.create(model=server.model_id, messages=MESSAGES, tools=[TIME], tool_choice="required",
                                     parallel_tool_calls=False, max_tokens=80, temperature=0)
     c = r.choices[0]
@@ -239,10 +230,10 @@ def test_parser_setting_auto_by_template_and_named():
     from kiln.config import ConfigError
     from kiln.serving.tool_parsers import tool_parser_for
 
-    assert tool_parser_for("auto", TOOLS_TEMPLATE).name == "hermes"  # the template writes <tool_call> blocks
+    assert tool_parser_for("auto", CHAT_TEMPLATE).name == "hermes"  # the template writes <tool_call> blocks
     assert tool_parser_for("auto", None).name == tool_parser_for("hermes", "{{ messages }}").name == "hermes"
     with pytest.raises(ConfigError) as exc:
-        tool_parser_for("llama9", TOOLS_TEMPLATE)
+        tool_parser_for("llama9", CHAT_TEMPLATE)
     assert "serving.tool_call_parser" in str(exc.value) and "'hermes'" in str(exc.value) and "'auto'" in str(exc.value)
 
 

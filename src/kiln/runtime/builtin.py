@@ -2,9 +2,13 @@
 
 ``build_builtin_model(out_dir)`` trains a byte-level BPE tokenizer on text that
 ships inside the package, gives it a ChatML chat template (with ``{% generation %}``
-markers so assistant-token masks work), creates a small Qwen3 model with fixed
-seeds, trains it briefly on the same text rendered as chats, and saves everything
-as safetensors. The result is bit-for-bit reproducible for one CPU code path (the
+markers so assistant-token masks work, and a Hermes/Qwen tools section), creates a
+small Qwen3 model with fixed seeds, trains it briefly on the same text rendered as
+chats and on the corpus's few tool-call examples (a ``get_weather(city)`` tool, so
+asked about the weather with that tool offered it answers with a ``<tool_call>``
+block), and saves everything as safetensors. ``<tool_call>`` is no added token: the
+byte-level BPE spells it in a few pieces, so every other text tokenizes as it did
+before the tools section existed. The result is bit-for-bit reproducible for one CPU code path (the
 torch version and its ATen capability: AVX-512, AVX2 or ``ATEN_CPU_CAPABILITY=default``;
 training runs on one thread); another path trains to slightly different weights, so
 two machines may serve different ``base_model_sha256`` values for the built-in model.
@@ -27,16 +31,49 @@ SEED = 20261130
 PRETRAIN_STEPS = 240
 PRETRAIN_SEQ = 64
 PRETRAIN_BATCH = 8
+TOOL_STEPS = 50  # the tool-call phase after pretraining (see _pretrain)
+TOOL_LR = 1e-3
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CALL_PREFIX = "Call: "  # corpus lines that are tool-call examples, not plain text
 
+# The tool the corpus's tool-call examples are rendered with.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+# ChatML; with ``tools`` the Hermes/Qwen tools section: the tools as JSON lines in a system turn
+# (after the caller's system message, if any), assistant calls as ``<tool_call>`` JSON blocks and
+# tool results as ``<tool_response>`` blocks in a user turn. Without tools and tool messages it
+# renders exactly as the plain ChatML template did before the tools section existed.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool as <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>'"
+    " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{- message['content'] or '' }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set call = call['function'] if call['function'] is defined else call %}"
+    "{%- if (message['content'] or '') or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}"
-    "{{- message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -56,8 +93,36 @@ MODEL_SHAPE = dict(
 )
 
 
-def corpus_text() -> str:
+def _corpus_file() -> str:
     return resources.files("kiln.runtime").joinpath("corpus/builtin.txt").read_text("utf-8")
+
+
+def corpus_text() -> str:
+    """The corpus's plain text (without its tool-call example lines)."""
+    return "".join(line for line in _corpus_file().splitlines(keepends=True) if not line.startswith(CALL_PREFIX))
+
+
+def tool_call_examples() -> list[tuple[str, str, dict]]:
+    """The corpus's tool-call examples: ``(question, tool name, arguments)`` from lines
+    ``Call: <question> -> <tool name> <arguments as JSON>``."""
+    import json
+
+    examples = []
+    for line in _corpus_file().splitlines():
+        if line.startswith(CALL_PREFIX):
+            question, call = line[len(CALL_PREFIX):].split(" -> ", 1)
+            name, arguments = call.split(" ", 1)
+            examples.append((question.strip(), name, json.loads(arguments)))
+    return examples
+
+
+def _tool_chats() -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": q},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]}]
+        for q, name, args in tool_call_examples()
+    ]
 
 
 def _qa_pairs(text: str) -> list[tuple[str, str]]:
@@ -123,15 +188,33 @@ def _pretrain(model, tokenizer, text: str) -> None:
         stream.append(tokenizer.pad_token_id)
     data = torch.tensor(stream, dtype=torch.long)
     gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    for _ in range(PRETRAIN_STEPS):
+
+    def window_loss():
         starts = torch.randint(0, len(data) - PRETRAIN_SEQ - 1, (PRETRAIN_BATCH,), generator=gen)
         batch = torch.stack([data[s : s + PRETRAIN_SEQ] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        return model(input_ids=batch, labels=batch).loss
+
+    def train(steps: int, lr: float, loss_fn) -> None:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for _ in range(steps):
+            loss_fn().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    model.train()
+    train(PRETRAIN_STEPS, 3e-3, window_loss)
+    # A short second phase teaches the tool calls: each step adds the loss of the whole tool-call
+    # chats (a few hundred tokens each, far longer than the text windows, so the model learns to
+    # call with the whole tools section in view; only the assistant's call is trained) to a text
+    # window's, at a lower rate, so the rest of what the model says barely moves.
+    rows = [tokenizer.apply_chat_template(chat, tools=[WEATHER_TOOL], return_dict=True,
+                                          return_assistant_tokens_mask=True) for chat in _tool_chats()]
+    width = max(len(r["input_ids"]) for r in rows)
+    tool_batch = torch.tensor([r["input_ids"] + [tokenizer.pad_token_id] * (width - len(r["input_ids"]))
+                               for r in rows])
+    tool_labels = torch.tensor([[t if m else -100 for t, m in zip(r["input_ids"], r["assistant_masks"])]
+                                + [-100] * (width - len(r["input_ids"])) for r in rows])
+    train(TOOL_STEPS, TOOL_LR, lambda: window_loss() + model(input_ids=tool_batch, labels=tool_labels).loss)
     model.eval()
 
 
