@@ -91,8 +91,8 @@ def exact_match(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) 
     return float((out == answers).all(-1).float().mean())
 
 
-def sft_step(model, opt, prompts, answers) -> float:
-    logits = answer_logits(model, prompts, answers)
+def sft_step(model, opt, prompts, answers, logits_fn=None) -> float:
+    logits = (logits_fn or answer_logits)(model, prompts, answers)
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), answers.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -302,12 +302,7 @@ def kd_logits(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) ->
 
 
 def kd_sft_step(model, opt, prompts, answers) -> float:
-    logits = kd_logits(model, prompts, answers)
-    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), answers.reshape(-1))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
+    return sft_step(model, opt, prompts, answers, logits_fn=kd_logits)
 
 
 @torch.no_grad()
