@@ -10,15 +10,29 @@ lookups, mask preparation), and that time holds the GIL the HTTP event loop need
 transformers' SDPA integration does), so its logits are bitwise those of the
 module forward on the same inputs (a test checks it), at a fraction of the Python.
 
-Packed weights (``pack=True``, CPU and float32 only): each Linear's weight is also
-kept reordered for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and
-multiplied with ``mkldnn._linear_pointwise``. On this project's CPUs that ran the
-31M-parameter shape's decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32
-rows (docs/benchmarks.md); the logits then differ from the module forward by float
-rounding (about 5e-6 on that shape), not bitwise. The packed copies cost as much
-memory as the Linear weights themselves, so models whose Linear weights exceed
-``PACKED_WEIGHTS_MAX_BYTES`` are not packed; weights under ``PACK_MIN_ELEMENTS`` are not
-either (on tiny matrices oneDNN's per-call overhead loses to MKL).
+Packed weights (``pack=True``, CPU and float32 only): Linear weights are also kept
+reordered for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
+``mkldnn._linear_pointwise``. On this project's CPUs that ran the 31M-parameter shape's
+decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32 rows
+(docs/benchmarks.md). The packed copies cost as much memory as the Linear weights
+themselves, so models whose Linear weights exceed ``PACKED_WEIGHTS_MAX_BYTES`` are not
+packed; weights under ``PACK_MIN_ELEMENTS`` are not either (on tiny matrices oneDNN's
+per-call overhead loses to MKL). A residual add after a packed matmul (o_proj, down_proj)
+runs inside it (oneDNN's binary ``add`` post-op).
+
+With ``fuse=True`` (the default) the packed path also cuts the step's op count (every
+torch op releases and re-takes the GIL the HTTP event loop needs): each layer's
+``[q; k; v]`` and ``[gate; up]`` weights are packed as ONE weight each (biases
+concatenated; no separate packs of them are kept), the outputs are split as views;
+q_norm and k_norm run as one ``F.rms_norm`` over the joint q|k heads with a per-head
+weight, RoPE rotates q|k at once (``roll`` by half a head times a sine whose first half
+is negated, equal to ``rotate_half``, through one ``addcmul``), RMSNorm is
+``F.rms_norm`` and a boolean mask is turned into
+SDPA's additive form once per forward rather than in every layer (bench/lean_forward.py
+measures it). Fused packs are keyed by the base weights' ``data_ptr()`` tuple; a layer
+whose key is missing runs its projections one by one. The packed logits differ from the
+module forward by float rounding (about 5e-6 on the 31M shape), not bitwise; without
+packing the path stays bitwise that of transformers.
 
 It reads each weight through the module tree at every call, so a model that PEFT
 has wrapped in place still works: a LoRA layer's frozen ``base_layer`` supplies the
@@ -63,23 +77,52 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LeanForward:
     """``logits = lean(input_ids, position_ids, attention_mask, cache, logits_to_keep)`` for one model."""
 
-    def __init__(self, model: Any, *, pack: bool = False):
+    def __init__(self, model: Any, *, pack: bool = False, fuse: bool = True):
         self.model = model
         cfg = model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.groups = self.heads // self.kv_heads
         self.scaling = self.head_dim ** -0.5
         self._packed: dict[int, torch.Tensor] = {}  # weight data_ptr -> oneDNN-packed copy
+        # (data_ptr of each base weight) -> (packed copy of the weights concatenated along out-features, biases)
+        self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (q_norm, k_norm weight data_ptr) -> [heads + kv_heads, 1, head_dim]: both norms in one pass
+        self._qk_norm: dict[tuple[int, int], torch.Tensor] = {}
         if pack and _packable(model):
             with torch.no_grad():
+                if fuse:
+                    self._fuse(model)
+                fused = {p for key in self._fused for p in key}  # their separate packs would be a third copy
                 for mod in model.modules():
                     if isinstance(mod, torch.nn.Linear) and mod.weight.numel() >= PACK_MIN_ELEMENTS:
                         w = mod.weight
-                        self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+                        if w.data_ptr() not in fused:
+                            self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+
+    def _fuse(self, model: Any) -> None:
+        """Packs ``[q; k; v]`` and ``[gate; up]`` of every layer as one weight each (and the joint q|k norm)."""
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                parts = [_weight(m) for m in mods]
+                if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
+                    continue
+                biases = [b for _, b in parts]
+                if any(b is None for b in biases) and not all(b is None for b in biases):
+                    continue  # a bias on some parts only: keep them separate
+                w = torch.cat([w for w, _ in parts])
+                bias = None if biases[0] is None else torch.cat(biases)
+                self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
+                    torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT), bias)
+            if hasattr(attn, "q_norm") and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
+                qw, kw = attn.q_norm.weight, attn.k_norm.weight
+                joint = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
+                self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = joint[:, None, :]
 
     @property
     def packed(self) -> bool:
-        return bool(self._packed)
+        return bool(self._packed or self._fused)
 
     def _linear(self, x: torch.Tensor, module: Any) -> torch.Tensor:
         w, bias = _weight(module)
@@ -87,6 +130,21 @@ class LeanForward:
         if packed is None:
             return F.linear(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def _residual(self, h: torch.Tensor, x: torch.Tensor, module: Any) -> torch.Tensor:
+        """``h + linear(x)``; with a packed weight the add runs inside oneDNN's matmul (one op)."""
+        w, bias = _weight(module)
+        packed = self._packed.get(w.data_ptr()) if self._packed else None
+        if packed is None:
+            return h + F.linear(x, w, bias)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, h, packed, bias, "add")
+
+    def _fused_linear(self, x: torch.Tensor, mods: tuple[Any, ...]) -> torch.Tensor | None:
+        """``x`` through the fused pack of ``mods`` (outputs side by side), or ``None`` when there is none."""
+        entry = self._fused.get(tuple(_weight(m)[0].data_ptr() for m in mods))
+        if entry is None:
+            return None
+        return torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  cache: Any, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -98,37 +156,96 @@ class LeanForward:
         cos, sin = inner.rotary_emb(h, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         b, t = input_ids.shape
-        d, groups, scale = self.head_dim, self.groups, self.scaling
+        fast = bool(self._fused) and h.dtype == torch.float32
+        if fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
+            half = self.head_dim // 2
+            sin_r = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            if attention_mask.dtype == torch.bool:  # SDPA would turn it into this additive mask in every layer
+                attention_mask = torch.full_like(attention_mask, float("-inf"), dtype=h.dtype).masked_fill_(
+                    attention_mask, 0.0)
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            lin = self._linear
-            q = lin(x, attn.q_proj).view(b, t, -1, d)
-            k = lin(x, attn.k_proj).view(b, t, -1, d)
-            v = lin(x, attn.v_proj).view(b, t, -1, d).transpose(1, 2)
-            if hasattr(attn, "q_norm"):
-                q = _rms(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-                k = _rms(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            norm = layer.input_layernorm
+            if fast:
+                x = F.rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
+                qkv = self._fused_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+            else:
+                x = _rms(h, norm.weight, norm.variance_epsilon)
+                qkv = None
+            if qkv is not None:
+                q, k, v = self._fused_qkv(qkv, attn, b, t, cos, sin_r)
+            else:
+                q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
             k, v = cache.update(k, v, i)
-            mask = attention_mask
-            if groups > 1:
-                if t == 1:  # as transformers' pack_gqa: the query heads of one KV head side by side
-                    q = q.reshape(b, q.shape[1] // groups, groups, d)
-                else:
-                    kvh, kl = k.shape[1], k.shape[2]
-                    k = k[:, :, None].expand(b, kvh, groups, kl, d).reshape(b, kvh * groups, kl, d)
-                    v = v[:, :, None].expand(b, kvh, groups, kl, d).reshape(b, kvh * groups, kl, d)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scale, is_causal=False)
-            o = o.reshape(o.shape[0], -1, t, d).transpose(1, 2).reshape(b, t, -1)
-            h = h + lin(o, attn.o_proj)
-            x = _rms(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            h = h + lin(F.silu(lin(x, mlp.gate_proj)) * lin(x, mlp.up_proj), mlp.down_proj)
-        h = _rms(h, inner.norm.weight, inner.norm.variance_epsilon)
+            o = self._attention(q, k, v, attention_mask, b, t)
+            h = self._residual(h, o, attn.o_proj)
+            norm = layer.post_attention_layernorm
+            if fast:
+                x = F.rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
+                gu = self._fused_linear(x, (mlp.gate_proj, mlp.up_proj))
+            else:
+                x = _rms(h, norm.weight, norm.variance_epsilon)
+                gu = None
+            if gu is not None:
+                g, u = gu.chunk(2, dim=-1)
+                h = self._residual(h, F.silu(g).mul_(u), mlp.down_proj)
+            else:
+                h = self._residual(h, F.silu(self._linear(x, mlp.gate_proj)) * self._linear(x, mlp.up_proj),
+                                   mlp.down_proj)
+        if fast:
+            h = F.rms_norm(h, (h.shape[-1],), inner.norm.weight, inner.norm.variance_epsilon)
+        else:
+            h = _rms(h, inner.norm.weight, inner.norm.variance_epsilon)
         h = slice_logits_to_keep(h, logits_to_keep)
         return self._linear(h, lm.lm_head)
+
+    def _separate_qkv(self, x: torch.Tensor, attn: Any, b: int, t: int, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[b, heads, t, d]`` from three projections, op for op as transformers' attention."""
+        d, lin = self.head_dim, self._linear
+        q = lin(x, attn.q_proj).view(b, t, -1, d)
+        k = lin(x, attn.k_proj).view(b, t, -1, d)
+        v = lin(x, attn.v_proj).view(b, t, -1, d).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q = _rms(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
+            k = _rms(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        return q, k, v
+
+    def _fused_qkv(self, qkv: torch.Tensor, attn: Any, b: int, t: int, cos: torch.Tensor,
+                   sin_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[b, heads, t, d]`` as views of the fused projection: q|k normed and rotated as one tensor."""
+        d, nq, nkv = self.head_dim, self.heads, self.kv_heads
+        qk, v = qkv.view(b, t, -1, d).transpose(1, 2).split([nq + nkv, nkv], dim=1)
+        if hasattr(attn, "q_norm"):
+            qn, kn = attn.q_norm, attn.k_norm
+            joint = self._qk_norm.get((qn.weight.data_ptr(), kn.weight.data_ptr()))
+            if joint is None:
+                q, k = qk.split([nq, nkv], dim=1)
+                qk = torch.cat((_rms(q, qn.weight, qn.variance_epsilon), _rms(k, kn.weight, kn.variance_epsilon)), 1)
+            else:
+                qk = F.rms_norm(qk, (d,), None, qn.variance_epsilon).mul_(joint)
+        qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin_r)
+        q, k = qk.split([nq, nkv], dim=1)
+        return q, k, v
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, b: int,
+                   t: int) -> torch.Tensor:
+        """SDPA over the gathered cache, GQA as transformers' SDPA integration; output ``[b, t, heads * d]``."""
+        d, groups = self.head_dim, self.groups
+        if groups > 1:
+            if t == 1:  # as transformers' pack_gqa: the query heads of one KV head side by side
+                q = q.reshape(b, q.shape[1] // groups, groups, d)
+            else:
+                kvh, kl = k.shape[1], k.shape[2]
+                k = k[:, :, None].expand(b, kvh, groups, kl, d).reshape(b, kvh * groups, kl, d)
+                v = v[:, :, None].expand(b, kvh, groups, kl, d).reshape(b, kvh * groups, kl, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, is_causal=False)
+        if t == 1:  # [b, heads, 1, d] or GQA's [b, kv_heads, groups, d]: already in the order of [b, 1, heads * d]
+            return o.reshape(b, 1, -1)
+        return o.reshape(o.shape[0], -1, t, d).transpose(1, 2).reshape(b, t, -1)
 
 
 def _packable(model: Any) -> bool:
@@ -142,7 +259,7 @@ def _packable(model: Any) -> bool:
     return sum(seen.values()) <= PACKED_WEIGHTS_MAX_BYTES
 
 
-def lean_forward_for(model: Any, *, pack: bool = False) -> LeanForward | None:
+def lean_forward_for(model: Any, *, pack: bool = False, fuse: bool = True) -> LeanForward | None:
     """A :class:`LeanForward` for ``model`` when it is a supported, plain decoder; else ``None``."""
     if type(model).__name__ not in SUPPORTED:
         return None
@@ -161,4 +278,4 @@ def lean_forward_for(model: Any, *, pack: bool = False) -> LeanForward | None:
             return None
         if getattr(layer.self_attn, "sliding_window", None):
             return None
-    return LeanForward(model, pack=pack)
+    return LeanForward(model, pack=pack, fuse=fuse)
