@@ -11,10 +11,16 @@ pool, block size 16) at several row counts, on one torch thread, for:
 * ``fused``    - the packed lean forward of this tree (fused q|k|v and gate|up weights).
 
 Each figure is the best (min) over ``--repeats`` rounds of the mean of ``--iters`` steps;
-the variants run interleaved in every round so load on a shared machine hits all of them.
+the variants run interleaved, in a rotated order, in every round so load on a shared machine
+hits all of them.
 Also prints each variant's max abs logit difference from the module forward.
 
-    .venv/bin/python bench/lean_forward.py [--rows 1,8,32] [--cached 80] [--before ace0567]
+    .venv/bin/python bench/lean_forward.py [--rows 1,8,32] [--cached 80] [--before ace0567] [--mallopt]
+
+At 32 rows the step's large temporaries (the KV gather's ``index_select`` output, about
+6 MiB per layer for keys and as much for values) can page-fault on every allocation,
+depending on glibc's dynamic mmap/trim thresholds: ``--mallopt`` fixes those thresholds
+high so the comparison is not decided by allocator state.
 """
 
 from __future__ import annotations
@@ -54,7 +60,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--before", default="ace0567", help="git revision whose packed lean forward is 'before'")
+    ap.add_argument("--mallopt", action="store_true",
+                    help="raise glibc's mmap and trim thresholds first (large temporaries stop page-faulting)")
     args = ap.parse_args()
+    if args.mallopt:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        # M_TRIM_THRESHOLD = -1, M_MMAP_THRESHOLD = -3 (malloc.h); setting them also stops their dynamic adjustment
+        ok = libc.mallopt(-3, 256 << 20) and libc.mallopt(-1, 512 << 20)
+        print(f"mallopt: mmap threshold 256 MiB, trim threshold 512 MiB ({'ok' if ok else 'refused'})")
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -105,8 +120,10 @@ def main() -> None:
             diffs = {k: (f(ids, pos, mask, pool.step(table, wb, wo), 1) - ref).abs().max().item()
                      for k, f in variants.items()}
             best = {k: float("inf") for k in variants}
-            for _ in range(args.repeats):
-                for k, f in variants.items():
+            names = list(variants)
+            for r in range(args.repeats):
+                for k in names[r % len(names):] + names[: r % len(names)]:  # a different order each round
+                    f = variants[k]
                     f(ids, pos, mask, pool.step(table, wb, wo), 1)
                     t0 = time.perf_counter()
                     for _ in range(args.iters):

@@ -17,8 +17,8 @@ decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32 rows
 (docs/benchmarks.md). The packed copies cost as much memory as the Linear weights
 themselves, so models whose Linear weights exceed ``PACKED_WEIGHTS_MAX_BYTES`` are not
 packed; weights under ``PACK_MIN_ELEMENTS`` are not either (on tiny matrices oneDNN's
-per-call overhead loses to MKL). A residual add after a packed matmul (o_proj, down_proj)
-runs inside it (oneDNN's binary ``add`` post-op).
+per-call overhead loses to MKL). (oneDNN's binary ``add`` post-op for the residual adds
+was measured slower than a separate add: 5.53 vs 5.38-5.44 ms per 1-row step.)
 
 With ``fuse=True`` (the default) the packed path also cuts the step's op count (every
 torch op releases and re-takes the GIL the HTTP event loop needs): each layer's
@@ -58,8 +58,22 @@ PACK_MIN_ELEMENTS = 1 << 17
 
 
 def _weight(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    base = getattr(module, "base_layer", module)  # a PEFT LoRA layer wraps the frozen Linear
+    # straight from the module's dicts: nn.Module.__getattr__ (and the AttributeError a missing
+    # base_layer raises inside it) cost more per step than the small ops
+    base = module._modules.get("base_layer", module)  # a PEFT LoRA layer wraps the frozen Linear
+    params = base._parameters
+    if "weight" in params:
+        return params["weight"], params.get("bias")
+    base = getattr(module, "base_layer", module)
     return base.weight, base.bias
+
+
+def _norm(h: torch.Tensor, norm: Any, fused: bool) -> torch.Tensor:
+    """RMSNorm module ``norm`` on ``h``: ``F.rms_norm`` when ``fused`` (float32), else op for op as transformers."""
+    weight = norm._parameters["weight"]
+    if fused:
+        return F.rms_norm(h, (h.shape[-1],), weight, norm.variance_epsilon)
+    return _rms(h, weight, norm.variance_epsilon)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,17 +145,9 @@ class LeanForward:
             return F.linear(x, w, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    def _residual(self, h: torch.Tensor, x: torch.Tensor, module: Any) -> torch.Tensor:
-        """``h + linear(x)``; with a packed weight the add runs inside oneDNN's matmul (one op)."""
-        w, bias = _weight(module)
-        packed = self._packed.get(w.data_ptr()) if self._packed else None
-        if packed is None:
-            return h + F.linear(x, w, bias)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, h, packed, bias, "add")
-
     def _fused_linear(self, x: torch.Tensor, mods: tuple[Any, ...]) -> torch.Tensor | None:
         """``x`` through the fused pack of ``mods`` (outputs side by side), or ``None`` when there is none."""
-        entry = self._fused.get(tuple(_weight(m)[0].data_ptr() for m in mods))
+        entry = self._fused.get(tuple([_weight(m)[0].data_ptr() for m in mods]))
         if entry is None:
             return None
         return torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
@@ -164,67 +170,56 @@ class LeanForward:
                 attention_mask = torch.full_like(attention_mask, float("-inf"), dtype=h.dtype).masked_fill_(
                     attention_mask, 0.0)
         for i, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            norm = layer.input_layernorm
-            if fast:
-                x = F.rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
-                qkv = self._fused_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-            else:
-                x = _rms(h, norm.weight, norm.variance_epsilon)
-                qkv = None
+            sub = layer._modules
+            attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
+            x = _norm(h, sub["input_layernorm"], fast)
+            qkv = self._fused_linear(x, (attn["q_proj"], attn["k_proj"], attn["v_proj"])) if fast else None
             if qkv is not None:
                 q, k, v = self._fused_qkv(qkv, attn, b, t, cos, sin_r)
             else:
                 q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
             k, v = cache.update(k, v, i)
             o = self._attention(q, k, v, attention_mask, b, t)
-            h = self._residual(h, o, attn.o_proj)
-            norm = layer.post_attention_layernorm
-            if fast:
-                x = F.rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
-                gu = self._fused_linear(x, (mlp.gate_proj, mlp.up_proj))
-            else:
-                x = _rms(h, norm.weight, norm.variance_epsilon)
-                gu = None
+            h = h + self._linear(o, attn["o_proj"])
+            x = _norm(h, sub["post_attention_layernorm"], fast)
+            gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if fast else None
             if gu is not None:
                 g, u = gu.chunk(2, dim=-1)
-                h = self._residual(h, F.silu(g).mul_(u), mlp.down_proj)
+                h = h + self._linear(F.silu(g).mul_(u), mlp["down_proj"])
             else:
-                h = self._residual(h, F.silu(self._linear(x, mlp.gate_proj)) * self._linear(x, mlp.up_proj),
-                                   mlp.down_proj)
-        if fast:
-            h = F.rms_norm(h, (h.shape[-1],), inner.norm.weight, inner.norm.variance_epsilon)
-        else:
-            h = _rms(h, inner.norm.weight, inner.norm.variance_epsilon)
+                lin = self._linear
+                h = h + lin(F.silu(lin(x, mlp["gate_proj"])) * lin(x, mlp["up_proj"]), mlp["down_proj"])
+        h = _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
         return self._linear(h, lm.lm_head)
 
-    def _separate_qkv(self, x: torch.Tensor, attn: Any, b: int, t: int, cos: torch.Tensor,
+    def _separate_qkv(self, x: torch.Tensor, attn: dict[str, Any], b: int, t: int, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``[b, heads, t, d]`` from three projections, op for op as transformers' attention."""
+        """q, k, v ``[b, heads, t, d]`` from three projections (``attn``: the attention's submodules),
+        op for op as transformers' attention."""
         d, lin = self.head_dim, self._linear
-        q = lin(x, attn.q_proj).view(b, t, -1, d)
-        k = lin(x, attn.k_proj).view(b, t, -1, d)
-        v = lin(x, attn.v_proj).view(b, t, -1, d).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q = _rms(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = _rms(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        q = lin(x, attn["q_proj"]).view(b, t, -1, d)
+        k = lin(x, attn["k_proj"]).view(b, t, -1, d)
+        v = lin(x, attn["v_proj"]).view(b, t, -1, d).transpose(1, 2)
+        if "q_norm" in attn:
+            q = _norm(q, attn["q_norm"], False)
+            k = _norm(k, attn["k_norm"], False)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = (q * cos) + (_rotate_half(q) * sin)
         k = (k * cos) + (_rotate_half(k) * sin)
         return q, k, v
 
-    def _fused_qkv(self, qkv: torch.Tensor, attn: Any, b: int, t: int, cos: torch.Tensor,
+    def _fused_qkv(self, qkv: torch.Tensor, attn: dict[str, Any], b: int, t: int, cos: torch.Tensor,
                    sin_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[b, heads, t, d]`` as views of the fused projection: q|k normed and rotated as one tensor."""
         d, nq, nkv = self.head_dim, self.heads, self.kv_heads
         qk, v = qkv.view(b, t, -1, d).transpose(1, 2).split([nq + nkv, nkv], dim=1)
-        if hasattr(attn, "q_norm"):
-            qn, kn = attn.q_norm, attn.k_norm
-            joint = self._qk_norm.get((qn.weight.data_ptr(), kn.weight.data_ptr()))
+        if "q_norm" in attn:
+            qn, kn = attn["q_norm"], attn["k_norm"]
+            joint = self._qk_norm.get((qn._parameters["weight"].data_ptr(), kn._parameters["weight"].data_ptr()))
             if joint is None:
                 q, k = qk.split([nq, nkv], dim=1)
-                qk = torch.cat((_rms(q, qn.weight, qn.variance_epsilon), _rms(k, kn.weight, kn.variance_epsilon)), 1)
+                qk = torch.cat((_norm(q, qn, False), _norm(k, kn, False)), 1)
             else:
                 qk = F.rms_norm(qk, (d,), None, qn.variance_epsilon).mul_(joint)
         qk = torch.addcmul(qk * cos, torch.roll(qk, d // 2, -1), sin_r)
