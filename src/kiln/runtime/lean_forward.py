@@ -17,25 +17,29 @@ decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32 rows
 (docs/benchmarks.md). The packed copies cost as much memory as the Linear weights
 themselves, so models whose Linear weights exceed ``PACKED_WEIGHTS_MAX_BYTES`` are not
 packed; weights under ``PACK_MIN_ELEMENTS`` are not either (on tiny matrices oneDNN's
-per-call overhead loses to MKL). (oneDNN's binary ``add`` post-op for the residual adds
-was measured slower than a separate add: 5.53 vs 5.38-5.44 ms per 1-row step.)
+per-call overhead loses to MKL).
 
 With ``fuse=True`` (the default) the packed path also cuts the step's op count (every
-torch op releases and re-takes the GIL the HTTP event loop needs): each layer's
-``[q; k; v]`` and ``[gate; up]`` weights are packed as ONE weight each (biases
-concatenated; no separate packs of them are kept), the outputs are split as views;
-q_norm and k_norm run as one ``F.rms_norm`` over the joint q|k heads with a per-head
-weight, RoPE rotates q|k at once (``roll`` by half a head times a sine whose first half
-is negated, equal to ``rotate_half``, through one ``addcmul``), RMSNorm is
-``F.rms_norm`` and a boolean mask is turned into
-SDPA's additive form once per forward rather than in every layer (bench/lean_forward.py
-measures it). Fused packs are keyed by the base weights' ``data_ptr()`` tuple; a layer
-whose key is missing runs its projections one by one. The packed logits differ from the
-module forward by float rounding (about 5e-6 on the 31M shape), not bitwise; without
-packing the path stays bitwise that of transformers.
+torch op releases and re-takes the GIL the HTTP event loop needs; 641 top-level ops per
+step became 296 on the 31M shape): each layer's ``[q; k; v]`` and ``[gate; up]`` weights
+are packed as ONE weight each when the joint weight reaches ``PACK_MIN_ELEMENTS`` (biases
+concatenated; no separate packs of fused weights are kept) and the outputs are split as
+views; q_norm and k_norm run as one ``F.rms_norm`` over the joint q|k heads times a
+per-head weight; RoPE rotates q|k at once (``rotate_half(x) * sin`` is ``roll(x, half)``
+times the sine with its first half negated, one ``addcmul``); RMSNorm is ``F.rms_norm``;
+a boolean mask becomes SDPA's additive mask once per forward instead of in every layer.
+Fused packs are keyed by the tuple of the base weights' ``data_ptr()``; a layer whose key
+is missing runs its projections one by one. bench/lean_forward.py measured the step
+before/after at 5.69/4.62 ms (1 row), 8.57/7.80 (8 rows), 20.50/19.43 (32 rows). The
+packed logits differ from the module forward by float rounding (about 5e-6 on the 31M
+shape), not bitwise; without packing the path stays bitwise that of transformers. Tried
+and dropped: oneDNN's binary ``add`` post-op for the residual adds (slower than a
+separate add) and SiLU/mul post-ops on separate gate/up packs (slower than the fused
+gate|up matmul plus ``silu`` and ``mul_``).
 
-It reads each weight through the module tree at every call, so a model that PEFT
-has wrapped in place still works: a LoRA layer's frozen ``base_layer`` supplies the
+It reads each weight through the module tree at every call (from the modules'
+``_modules``/``_parameters`` dicts: ``nn.Module.__getattr__`` cost about 0.2 ms per
+step), so a model that PEFT has wrapped in place still works: a LoRA layer's frozen ``base_layer`` supplies the
 base weights, and the engine uses this path only for rows without an adapter.
 Anything it does not recognise (another architecture, a sliding-window layer, a
 non-SDPA attention implementation, an activation other than SiLU) makes
@@ -125,14 +129,14 @@ class LeanForward:
                 biases = [b for _, b in parts]
                 if any(b is None for b in biases) and not all(b is None for b in biases):
                     continue  # a bias on some parts only: keep them separate
-                w = torch.cat([w for w, _ in parts])
+                joint = torch.cat([w for w, _ in parts])  # [sum of out-features, in-features]
                 bias = None if biases[0] is None else torch.cat(biases)
                 self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
-                    torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT), bias)
+                    torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
             if hasattr(attn, "q_norm") and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
                 qw, kw = attn.q_norm.weight, attn.k_norm.weight
-                joint = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
-                self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = joint[:, None, :]
+                per_head = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
+                self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = per_head[:, None, :]
 
     @property
     def packed(self) -> bool:
