@@ -20,8 +20,8 @@ packed; weights under ``PACK_MIN_ELEMENTS`` are not either (on tiny matrices one
 per-call overhead loses to MKL).
 
 With ``fuse=True`` (the default) the packed path also cuts the step's op count (every
-torch op releases and re-takes the GIL the HTTP event loop needs; 641 top-level ops per
-step became 296 on the 31M shape): each layer's ``[q; k; v]`` and ``[gate; up]`` weights
+torch op releases and re-takes the GIL the HTTP event loop needs; 657 top-level ops per
+step became 312 on the 31M shape): each layer's ``[q; k; v]`` and ``[gate; up]`` weights
 are packed as ONE weight each when the joint weight reaches ``PACK_MIN_ELEMENTS`` (biases
 concatenated; no separate packs of fused weights are kept) and the outputs are split as
 views; q_norm and k_norm run as one ``F.rms_norm`` over the joint q|k heads times a
