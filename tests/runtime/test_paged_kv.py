@@ -76,6 +76,25 @@ def test_block_pool_refcounts_cache_and_eviction():
     assert pool.match("base", [5, 6, 7], 3) == ([], 0)
 
 
+def test_gather_reuses_one_buffer_and_matches_index_select():
+    pool = BlockPool(CacheShape(2, 3, 4), 8, 2, device="cpu", dtype=torch.float32)
+    for t in pool.keys + pool.values:
+        t.copy_(torch.randn_like(t))
+    big = torch.tensor([3, 1, 5, 2])
+    k = pool.gather(0, 1, big)
+    assert torch.equal(k, pool.keys[1].index_select(0, big))
+    ptr, held = k.data_ptr(), pool.workspace_nbytes()
+    assert held == 4 * 2 * 3 * 4 * 4  # one buffer so far: 4 blocks of the keys
+    small = torch.tensor([6, 7])
+    k2 = pool.gather(0, 0, small)  # the next layer's keys: same buffer, overwritten in place
+    assert k2.data_ptr() == ptr and torch.equal(k2, pool.keys[0].index_select(0, small))
+    v = pool.gather(1, 0, small)  # values have their own buffer, so k2 stays valid
+    assert torch.equal(v, pool.values[0].index_select(0, small)) and torch.equal(k2, pool.keys[0][small])
+    assert pool.workspace_nbytes() == held + 2 * 2 * 3 * 4 * 4
+    pool.release_workspace()
+    assert pool.workspace_nbytes() == 0
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
 def test_tiny_budget_waits_and_preempts_with_exact_greedy(loaded, reference, monkeypatch, packed):
     if not packed:
@@ -124,7 +143,13 @@ def test_kv_memory_follows_tokens_in_use(loaded):
         assert chunk is not None
         used = engine.stats()["kv_blocks_used"]
         assert 1 <= used <= 14  # 5 + 200 tokens need at most 13 blocks of 16, not 32
+        assert engine.stats()["kv_workspace_bytes"] > 0  # the gather buffers, while a row runs
         sub.cancel()
+        deadline = time.monotonic() + 30
+        while engine.stats()["active_rows"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.generate([5, 6], SamplingParams(max_tokens=2))  # a cycle after the row ended
+        assert engine.stats()["kv_workspace_bytes"] == 0  # freed when no row is left
     finally:
         engine.stop()
 

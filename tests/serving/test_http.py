@@ -199,6 +199,7 @@ def test_health(http, server):
     assert h["uptime_s"] > 0
     assert h["queued_rows"] == 0 and h["active_rows"] == 0  # idle: no request of this test is in flight
     assert h["memory"]["rss_bytes"] > 0 and h["memory"]["kv_cache_bytes"] > 0
+    assert h["memory"]["kv_workspace_bytes"] >= 0
     models = http.get("/v1/models").json()["data"]
     assert models[0]["base_model_sha256"] == h["base_model_sha256"]
 

@@ -83,6 +83,10 @@ class BlockPool:
         self._next_uid = 1
         self.hits = 0  # cached blocks reused
         self.evictions = 0
+        # one reusable output buffer each for the gathered keys and values of the layer being run
+        # (layers run one after another): a fresh multi-MiB tensor per layer per step was a fresh
+        # mmap for glibc's allocator, page-faulted on every write (docs/benchmarks.md)
+        self._workspace: list[torch.Tensor | None] = [None, None]
 
     # -- accounting --------------------------------------------------------------
     @property
@@ -102,6 +106,27 @@ class BlockPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def workspace_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._workspace if t is not None)
+
+    def release_workspace(self) -> None:
+        """Free the gather buffers (the engine calls this when it goes idle)."""
+        self._workspace = [None, None]
+
+    def gather(self, which: int, layer: int, flat: torch.Tensor) -> torch.Tensor:
+        """Blocks ``flat`` of layer ``layer``'s keys (``which`` 0) or values (1) as
+        ``[len(flat), block_size, kv_heads, head_dim]``, written into the reusable buffer: valid
+        until the next gather of the same kind."""
+        src = (self.keys if which == 0 else self.values)[layer]
+        if torch.compiler.is_compiling():  # the compiled decode step allocates its own
+            return src.index_select(0, flat)
+        need = flat.numel() * src[0].numel()
+        buf = self._workspace[which]
+        if buf is None or buf.numel() < need or buf.dtype != src.dtype:
+            buf = self._workspace[which] = torch.empty(need, dtype=src.dtype, device=src.device)
+        out = buf[:need].view(flat.numel(), *src.shape[1:])
+        return torch.index_select(src, 0, flat, out=out)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -208,8 +233,9 @@ class PagedStepCache:
     query ``[batch, q_len]``) and returns the rows' blocks gathered in table order:
     ``[n, kv_heads, width * block_size, head_dim]``, or with ``packed`` every row's
     gathered keys concatenated into ``[1, kv_heads, n * width * block_size, head_dim]``.
-    Only the rows' own blocks are read (one gather copy per layer); the caller's mask
-    hides positions past each row's length.
+    Only the rows' own blocks are read (one gather copy per layer, into the pool's reusable
+    buffers: the returned tensors are valid until the next layer's update); the caller's
+    mask hides positions past each row's length.
     """
 
     is_compileable = False
@@ -229,8 +255,8 @@ class PagedStepCache:
         kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
         vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
         heads, dim = kc.shape[2], kc.shape[3]
-        k = kc.index_select(0, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
-        v = vc.index_select(0, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
+        k = self.pool.gather(0, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
+        v = self.pool.gather(1, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
         return k, v
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -275,6 +275,7 @@ class Scheduler:
                 "steps": self.steps,
                 "kv_cache_bytes": self.kv.nbytes(),
                 "kv_used_bytes": self.kv.used() * self.kv.block_nbytes,
+                "kv_workspace_bytes": self.kv.workspace_nbytes(),
                 "queue_oldest_wait_s": round(now - min(starts), 3) if starts else 0.0,
                 "preemptions": self.preemptions,
                 **self.kv.stats(),
@@ -633,6 +634,8 @@ class Scheduler:
             logits = [t for t in (dec_logits, pre_logits) if t is not None]
             self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
         self._notify(touched)
+        if not self._decoding and not self._prefilling:
+            self.kv.release_workspace()
 
     def _score_chunks(self, chunks: list[tuple[ScoreRow, int]]) -> list[ScoreRow]:
         """One forward over the scoring rows' chunks; appends their rows; returns the rows now complete."""

@@ -18,7 +18,8 @@ OTHER_ENDPOINT = "other"  # label for paths that match no route (bounds metric c
 
 def _memory(state) -> dict:
     stats = state.engine.stats()
-    out: dict = {"kv_cache_bytes": stats["kv_cache_bytes"], "kv_used_bytes": stats.get("kv_used_bytes", 0)}
+    out: dict = {"kv_cache_bytes": stats["kv_cache_bytes"], "kv_used_bytes": stats.get("kv_used_bytes", 0),
+                 "kv_workspace_bytes": stats.get("kv_workspace_bytes", 0)}
     try:
         with open("/proc/self/statm") as f:
             out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
