@@ -205,3 +205,33 @@ def test_engine_greedy_with_fused_packed_weights_equals_generate(builtin_model_d
             assert len(out.token_ids) == 16 or out.finish_reason == "stop"
     finally:
         engine.stop()
+
+
+def test_packing_stops_at_the_memory_cap_and_the_rest_stays_on_f_linear(monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    """Packed copies are made layer by layer while they fit the cap; a weight past it keeps
+    F.linear, and the forward still matches the module forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kiln.runtime import lean_forward as lf
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, vocab_size=512, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).eval()
+    layer_bytes = 4 * (4 * 512 * 512 + 3 * 512 * 1024)  # one layer's projections, fp32
+    monkeypatch.setattr(lf, "PACKED_WEIGHTS_MAX_BYTES", layer_bytes + 1000)
+    lean = lf.LeanForward(model, pack=True)
+    first, second = model.model.layers
+    key = lambda *mods: tuple(m.weight.data_ptr() for m in mods)  # noqa: E731
+    assert key(first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj) in lean._fused
+    assert first.self_attn.o_proj.weight.data_ptr() in lean._packed
+    assert key(second.mlp.gate_proj, second.mlp.up_proj) not in lean._fused
+    assert second.mlp.down_proj.weight.data_ptr() not in lean._packed
+    assert model.lm_head.weight.data_ptr() not in lean._packed
+    pool = _random_pool(model)
+    table, ids, pos, mask, wb, wo = _inputs(pool, [3, 9], 2)
+    ref, got = _both(model, lean, pool, table, ids, pos, mask, wb, wo, 0)
+    assert (got - ref).abs().max().item() < 1e-4

@@ -15,9 +15,11 @@ reordered for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and multiplie
 ``mkldnn._linear_pointwise``. On this project's CPUs that ran the 31M-parameter shape's
 decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32 rows
 (docs/benchmarks.md). The packed copies cost as much memory as the Linear weights
-themselves, so models whose Linear weights exceed ``PACKED_WEIGHTS_MAX_BYTES`` are not
-packed; weights under ``PACK_MIN_ELEMENTS`` are not either (on tiny matrices oneDNN's
-per-call overhead loses to MKL).
+themselves, so packed copies are made in module order (decoder layers, then the LM head)
+only while their total stays within ``PACKED_WEIGHTS_MAX_BYTES`` (on the Qwen3-0.6B shape
+the layers are packed and the 622 MB tied LM head stays on ``F.linear``); weights under
+``PACK_MIN_ELEMENTS`` are not packed either (on tiny matrices oneDNN's per-call overhead
+loses to MKL).
 
 With ``fuse=True`` (the default) the packed path also cuts the step's op count (every
 torch op releases and re-takes the GIL the HTTP event loop needs; 657 top-level ops per
@@ -107,36 +109,54 @@ class LeanForward:
         self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # (q_norm, k_norm weight data_ptr) -> [heads + kv_heads, 1, head_dim]: both norms in one pass
         self._qk_norm: dict[tuple[int, int], torch.Tensor] = {}
+        # packed copies are made in module order (the decoder layers, then the LM head) while they fit
+        # in PACKED_WEIGHTS_MAX_BYTES; what does not fit stays on F.linear
+        self._pack_budget = PACKED_WEIGHTS_MAX_BYTES
         if pack and _packable(model):
             with torch.no_grad():
-                if fuse:
-                    self._fuse(model)
-                fused = {p for key in self._fused for p in key}  # their separate packs would be a third copy
-                for mod in model.modules():
-                    if isinstance(mod, torch.nn.Linear) and mod.weight.numel() >= PACK_MIN_ELEMENTS:
-                        w = mod.weight
-                        if w.data_ptr() not in fused:
-                            self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+                for layer in model.model.layers:  # layer by layer, so a cap leaves whole early layers packed
+                    if fuse:
+                        self._fuse(layer)
+                    self._pack_each(layer)
+                self._pack_each(model)  # what is left: the LM head
 
-    def _fuse(self, model: Any) -> None:
-        """Packs ``[q; k; v]`` and ``[gate; up]`` of every layer as one weight each (and the joint q|k norm)."""
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-                parts = [_weight(m) for m in mods]
-                if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
-                    continue
-                biases = [b for _, b in parts]
-                if any(b is None for b in biases) and not all(b is None for b in biases):
-                    continue  # a bias on some parts only: keep them separate
-                joint = torch.cat([w for w, _ in parts])  # [sum of out-features, in-features]
-                bias = None if biases[0] is None else torch.cat(biases)
-                self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
-                    torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
-            if hasattr(attn, "q_norm") and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
-                qw, kw = attn.q_norm.weight, attn.k_norm.weight
-                per_head = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
-                self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = per_head[:, None, :]
+    def _pack_each(self, root: Any) -> None:
+        """A packed copy of each Linear weight under ``root`` not packed yet (fused ones included)."""
+        fused = {p for key in self._fused for p in key}  # their separate packs would be a third copy
+        for mod in root.modules():
+            if isinstance(mod, torch.nn.Linear) and mod.weight.numel() >= PACK_MIN_ELEMENTS:
+                w = mod.weight
+                if w.data_ptr() not in fused and w.data_ptr() not in self._packed and self._afford(w):
+                    self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+
+    def _afford(self, weight: torch.Tensor) -> bool:
+        """Whether a packed copy of ``weight`` still fits the budget (and spend it if so)."""
+        nbytes = weight.numel() * weight.element_size()
+        if nbytes > self._pack_budget:
+            return False
+        self._pack_budget -= nbytes
+        return True
+
+    def _fuse(self, layer: Any) -> None:
+        """Packs ``[q; k; v]`` and ``[gate; up]`` of ``layer`` as one weight each (and the joint q|k norm)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            parts = [_weight(m) for m in mods]
+            if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
+                continue
+            biases = [b for _, b in parts]
+            if any(b is None for b in biases) and not all(b is None for b in biases):
+                continue  # a bias on some parts only: keep them separate
+            joint = torch.cat([w for w, _ in parts])  # [sum of out-features, in-features]
+            if not self._afford(joint):
+                continue
+            bias = None if biases[0] is None else torch.cat(biases)
+            self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
+                torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
+        if hasattr(attn, "q_norm") and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
+            qw, kw = attn.q_norm.weight, attn.k_norm.weight
+            per_head = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
+            self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = per_head[:, None, :]
 
     @property
     def packed(self) -> bool:
@@ -248,14 +268,11 @@ class LeanForward:
 
 
 def _packable(model: Any) -> bool:
-    """oneDNN packing: float32 weights on the CPU, oneDNN present, Linear weights within the memory cap."""
+    """oneDNN packing: float32 weights on the CPU and oneDNN present (the memory cap is applied per weight)."""
     if not torch.backends.mkldnn.is_available():
         return False
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if not linears or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in linears):
-        return False
-    seen: dict[int, int] = {w.data_ptr(): w.numel() * w.element_size() for w in linears}  # tied weights once
-    return sum(seen.values()) <= PACKED_WEIGHTS_MAX_BYTES
+    return bool(linears) and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in linears)
 
 
 def lean_forward_for(model: Any, *, pack: bool = False, fuse: bool = True) -> LeanForward | None:
