@@ -26,7 +26,13 @@ from kiln.runtime.adapter_slots import BASE_KEY
 from kiln.runtime.lean_forward import lean_forward_for
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
-PACKED_MAX_SCORES = 1 << 21  # tokens x rows x kv_len above which a mixed cycle uses two forwards
+# A packed forward's attention spans every row's keys: tokens x rows x kv_len scores, each costing
+# heads x head_dim multiply-adds. Above this many per layer a mixed cycle uses two forwards (decode,
+# then prefill). 2^21 scores at the built-in model's 4 x 32 query channels, measured there; on the
+# 31M Qwen3 shape (8 x 64) the unscaled limit let 500-token mixed steps over 27 rows take 250-530 ms
+# (docs/benchmarks.md).
+PACKED_MAX_SCORES = 1 << 21
+PACKED_SCORE_CHANNELS = 128  # query channels (heads x head_dim) PACKED_MAX_SCORES was measured at
 
 Chunk = tuple[Any, int]  # (row, prompt tokens this cycle)
 
@@ -47,6 +53,10 @@ class Batches:
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
         self.device = device
         self.pad_id = pad_id
+        cfg = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
+        heads = getattr(cfg, "num_attention_heads", None)
+        head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+        self.query_channels = heads * head_dim if heads and head_dim else kv.shape.kv_heads * kv.shape.head_dim
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         # torch.compile over static shapes: rows padded to a power-of-two bucket, block tables to
@@ -75,7 +85,7 @@ class Batches:
             return False  # PEFT picks adapters per batch row; a packed batch has one row
         tokens = len(decoding) + sum(c for _, c in chunks)
         kv_len = max(len(r.blocks) for r in rows) * self.kv.block_size
-        return tokens * len(rows) * kv_len <= PACKED_MAX_SCORES
+        return tokens * len(rows) * kv_len * self.query_channels <= PACKED_MAX_SCORES * PACKED_SCORE_CHANNELS
 
     def packed(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
         """Returns decode logits ``[len(decoding), vocab]`` (or ``None``), logits ``[m, vocab]``
