@@ -192,3 +192,27 @@ def test_scoring_and_generation_share_a_tiny_budget(loaded, reference):  # noqa:
         assert stats["active_rows"] == 0 and stats["kv_blocks_used"] == 0
     finally:
         engine.stop()
+
+
+def test_packed_mixed_step_limit_scales_with_query_channels():
+    """The same mixed step is packed for the built-in model's 4 x 32 query channels and split into
+    two forwards for a 8 x 64 model, whose dense packed attention costs four times as much."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from kiln.runtime.batches import Batches
+
+    pool = BlockPool(CacheShape(1, 8, 64), 64, 16, device="cpu", dtype=torch.float32)
+
+    def rows(n: int, blocks: int) -> list:
+        return [SimpleNamespace(adapter_key="base", blocks=[1] * blocks) for _ in range(n)]
+
+    decoding, chunks = rows(10, 9), [(r, 145) for r in rows(2, 9)]  # 300 tokens x 12 rows x 144 positions
+    verdicts = {}
+    for heads, dim in ((4, 32), (8, 64)):
+        cfg = Qwen3Config(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim)
+        batches = Batches(pool, None, "cpu", 0, model=SimpleNamespace(config=cfg), lean=False)
+        assert batches.query_channels == heads * dim
+        verdicts[heads * dim] = batches.packable(decoding, chunks)
+    assert verdicts == {128: True, 512: False}
