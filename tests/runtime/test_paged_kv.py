@@ -208,7 +208,7 @@ def test_packed_mixed_step_limit_scales_with_query_channels():
     def rows(n: int, blocks: int) -> list:
         return [SimpleNamespace(adapter_key="base", blocks=[1] * blocks) for _ in range(n)]
 
-    decoding, chunks = rows(10, 9), [(r, 145) for r in rows(2, 9)]  # 300 tokens x 12 rows x 144 positions
+    decoding, chunks = rows(10, 9), [(r, 150) for r in rows(2, 10)]  # 310 tokens x 12 rows x 160 positions
     verdicts = {}
     for heads, dim in ((4, 32), (8, 64)):
         cfg = Qwen3Config(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim)
