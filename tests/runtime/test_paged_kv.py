@@ -203,16 +203,16 @@ def test_packed_mixed_step_limit_scales_with_query_channels():
 
     from kiln.runtime.batches import Batches
 
-    pool = BlockPool(CacheShape(1, 8, 64), 64, 16, device="cpu", dtype=torch.float32)
-
     def rows(n: int, blocks: int) -> list:
         return [SimpleNamespace(adapter_key="base", blocks=[1] * blocks) for _ in range(n)]
 
     decoding, chunks = rows(10, 9), [(r, 150) for r in rows(2, 10)]  # 310 tokens x 12 rows x 160 positions
     verdicts = {}
     for heads, dim in ((4, 32), (8, 64)):
-        cfg = Qwen3Config(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim)
-        batches = Batches(pool, None, "cpu", 0, model=SimpleNamespace(config=cfg), lean=False)
-        assert batches.query_channels == heads * dim
+        cfg = Qwen3Config(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim,
+                          num_hidden_layers=1)
+        pool = BlockPool(cache_shape(cfg), 64, 16, device="cpu", dtype=torch.float32)
+        assert pool.shape.query_channels == heads * dim
+        batches = Batches(pool, None, "cpu", 0, lean=False)
         verdicts[heads * dim] = batches.packable(decoding, chunks)
     assert verdicts == {128: True, 512: False}

@@ -53,10 +53,6 @@ class Batches:
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
         self.device = device
         self.pad_id = pad_id
-        cfg = getattr(getattr(model, "config", None), "get_text_config", lambda: None)()
-        heads = getattr(cfg, "num_attention_heads", None)
-        head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
-        self.query_channels = heads * head_dim if heads and head_dim else kv.shape.kv_heads * kv.shape.head_dim
         self.max_rows = max_rows
         self.max_blocks = max_blocks
         # torch.compile over static shapes: rows padded to a power-of-two bucket, block tables to
@@ -85,7 +81,7 @@ class Batches:
             return False  # PEFT picks adapters per batch row; a packed batch has one row
         tokens = len(decoding) + sum(c for _, c in chunks)
         kv_len = max(len(r.blocks) for r in rows) * self.kv.block_size
-        return tokens * len(rows) * kv_len * self.query_channels <= PACKED_MAX_SCORES * PACKED_SCORE_CHANNELS
+        return tokens * len(rows) * kv_len * self.kv.shape.query_channels <= PACKED_MAX_SCORES * PACKED_SCORE_CHANNELS
 
     def packed(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
         """Returns decode logits ``[len(decoding), vocab]`` (or ``None``), logits ``[m, vocab]``

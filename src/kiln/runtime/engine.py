@@ -19,7 +19,6 @@ when full) and the same per-cycle token budget.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
+from kiln.runtime.memory import memory_total_bytes
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, make_generator
@@ -68,21 +68,6 @@ __all__ = [
     "Submission",
     "UnknownAdapter",
 ]
-
-
-def memory_total_bytes(device: Any) -> int:
-    """Memory a ``kv_budget_fraction`` is a fraction of: the CUDA device's, else RAM (within a cgroup limit)."""
-    if str(device).startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[1])
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            raw = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if raw.isdigit():
-            total = min(total, int(raw))
-    return total
 
 
 def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any = "cpu") -> int:
@@ -130,8 +115,8 @@ class Engine:
         self.device = loaded.device
         dtype = next(self.model.parameters()).dtype
         cfg = self.config
-        kv = BlockPool(cache_shape(self.model.config),
-                       kv_pool_blocks(cfg, cache_shape(self.model.config), dtype, self.device),
+        shape = cache_shape(self.model.config)
+        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device),
                        cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,

@@ -16,8 +16,8 @@ reordered for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``) and multiplie
 decode step 2-2.7x faster than ``F.linear`` (MKL sgemm) at 8-32 rows
 (docs/benchmarks.md). The packed copies cost as much memory as the Linear weights
 themselves, so packed copies are made in module order (decoder layers, then the LM head)
-only while their total stays within ``PACKED_WEIGHTS_MAX_BYTES`` and a quarter of the
-machine's RAM (the Qwen3-0.6B shape's 2.38 GB fit on a 24 GB machine: its packed
+only while their total stays within ``PACKED_WEIGHTS_MAX_BYTES`` and a quarter of RAM
+(within a cgroup limit; the Qwen3-0.6B shape's 2.38 GB fit on a 24 GB machine: its packed
 151,936 x 1,024 LM head ran a 1-row step in 15 ms against 29 ms with ``F.linear``, 8 rows
 in 23 vs 76 ms); what does not fit stays on ``F.linear``. Weights under
 ``PACK_MIN_ELEMENTS`` are not packed either (on tiny matrices oneDNN's per-call overhead
@@ -57,9 +57,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.runtime.memory import memory_total_bytes
+
 SUPPORTED = {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
 PACKED_WEIGHTS_MAX_BYTES = 16 << 30  # a second copy of the Linear weights costs this much memory at most,
-PACKED_WEIGHTS_RAM_FRACTION = 0.25  # ... and at most this fraction of the machine's RAM
+PACKED_WEIGHTS_RAM_FRACTION = 0.25  # ... and at most this fraction of RAM (within a cgroup limit)
 PACK_BATCH_HINT = 16  # rows oneDNN's weight layout is chosen for (it serves any row count)
 # Smaller weights stay with F.linear: on the 0.37M built-in model (hidden 128) oneDNN's per-call
 # overhead made the engine's step slower (CPU per token 0.99 vs 0.53 ms at one row).
@@ -272,14 +274,8 @@ class LeanForward:
 
 def _pack_cap() -> int:
     """Bytes the packed copies may take: ``PACKED_WEIGHTS_MAX_BYTES``, at most
-    ``PACKED_WEIGHTS_RAM_FRACTION`` of physical RAM where that is known."""
-    import os
-
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return PACKED_WEIGHTS_MAX_BYTES
-    return min(PACKED_WEIGHTS_MAX_BYTES, int(ram * PACKED_WEIGHTS_RAM_FRACTION))
+    ``PACKED_WEIGHTS_RAM_FRACTION`` of RAM (within a cgroup limit; packing is CPU only)."""
+    return min(PACKED_WEIGHTS_MAX_BYTES, int(memory_total_bytes("cpu") * PACKED_WEIGHTS_RAM_FRACTION))
 
 
 def _packable(model: Any) -> bool:

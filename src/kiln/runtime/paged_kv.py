@@ -37,6 +37,12 @@ class CacheShape:
     layers: int
     kv_heads: int
     head_dim: int
+    query_heads: int = 0  # attention heads of the queries (0: as many as kv_heads)
+
+    @property
+    def query_channels(self) -> int:
+        """Query heads x head_dim: what one attention score costs in multiply-adds."""
+        return (self.query_heads or self.kv_heads) * self.head_dim
 
 
 def cache_shape(config) -> CacheShape:
@@ -47,6 +53,7 @@ def cache_shape(config) -> CacheShape:
         layers=cfg.num_hidden_layers,
         kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        query_heads=heads,
     )
 
 
