@@ -369,6 +369,20 @@ def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_si
     return worst
 
 
+def epoch_batches(loop: _Loop, count: int, plan: Plan, per_epoch: int) -> Iterator[tuple[Any, tuple[int, int]]]:
+    """The job's seeded batches of ``count`` items from the loop's cursor on, as (item indices, the
+    cursor after that batch); cancellation is checked before each batch, and it ends once the loop
+    is done (step cap reached)."""
+    for epoch in range(loop.epoch, plan.epochs):
+        order = epoch_order(count, seed=plan.seed, epoch=epoch)
+        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+            if loop.done():
+                return
+            loop.check_cancel()
+            yield order[b * plan.batch_size:(b + 1) * plan.batch_size], (
+                (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0))
+
+
 def drive_sft_epochs(loop: _Loop, rows: Sequence[Row], plan: Plan, per_epoch: int,
                      train_batch: Callable[[list[Row]], None], learned: Callable[[], bool], *,
                      before_cursor: Callable[[int, int], None] | None = None) -> None:
@@ -377,22 +391,16 @@ def drive_sft_epochs(loop: _Loop, rows: Sequence[Row], plan: Plan, per_epoch: in
     ``until_learned.every`` steps, the checkpoint cursor; records ``stopped``/``learned`` in the stats."""
     check = plan.until_learned
     stopped = "epochs"
-    for epoch in range(loop.epoch, plan.epochs):
-        order = epoch_order(len(rows), seed=plan.seed, epoch=epoch)
-        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-            if loop.done():
-                break
-            loop.check_cancel()
-            train_batch([rows[i] for i in order[b * plan.batch_size:(b + 1) * plan.batch_size]])
-            if check is not None and loop.step % check.every == 0 and learned():
-                stopped = "learned"
-                loop.stats["learned_at_step"] = loop.step
-                loop.total_steps = loop.step
-            cursor = (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)
-            if before_cursor is not None:
-                before_cursor(*cursor)
-            loop.after_step(*cursor)
-        if stopped == "learned" or loop.done():
+    for chosen, cursor in epoch_batches(loop, len(rows), plan, per_epoch):
+        train_batch([rows[i] for i in chosen])
+        if check is not None and loop.step % check.every == 0 and learned():
+            stopped = "learned"
+            loop.stats["learned_at_step"] = loop.step
+            loop.total_steps = loop.step
+        if before_cursor is not None:
+            before_cursor(*cursor)
+        loop.after_step(*cursor)
+        if stopped == "learned":
             break
     if check is not None and stopped != "learned":
         if learned():
@@ -585,13 +593,7 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
         offsets = row_offsets(items)
         old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
 
-        for epoch in range(loop.epoch, plan.epochs):
-            order = epoch_order(len(items), seed=plan.seed, epoch=epoch)
-            for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
-                if loop.done():
-                    break
-                loop.check_cancel()
-                chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id)
-                loop.after_step(*((epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0)), tensors=old_tensors)
+        for chosen, cursor in epoch_batches(loop, len(items), plan, per_epoch):
+            grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id)
+            loop.after_step(*cursor, tensors=old_tensors)
     return loop.report()
