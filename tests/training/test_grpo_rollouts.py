@@ -21,6 +21,7 @@ import pytest
 from kiln.demo import wait_job
 from kiln.evals.sandbox import landlock_abi
 from tests.serving.conftest import start_server, stop_server
+from tests.training.job_control import cancel_after_checkpoint
 
 QUESTIONS = ["What color is the sky?", "What is two plus two?", "How many legs does an ant have?",
              "Name a fruit."]
@@ -189,24 +190,13 @@ def test_sandboxed_reward_file(srv):
 def test_resume_equals_uninterrupted(srv, reward_server):
     """A rollout job cancelled after a checkpoint inside an iteration and resumed ends with the weights of the
     uninterrupted job (the checkpoint carries the iteration's groups; later iterations are seeded)."""
-    import time
-
     body = {"prompts": PROMPTS, "reward": {"type": "http", "url": f"{reward_server}/score"}, "group_size": 4,
             "iterations": 6, "max_tokens": 4, "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
             "checkpoint_interval": 3, "auto_load": True}  # 4 steps per iteration: checkpoints fall inside them
     whole = _run(srv, body | {"adapter": "ro-whole"})
     assert whole["result"]["report"]["steps"] == 24
     job = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted"}).json()
-    while True:
-        j = srv.get(f"/v1/train/jobs/{job['id']}").json()
-        if (j["progress"] or {}).get("checkpoint_step", 0) >= 3 or j["state"] not in ("queued", "running"):
-            break
-        time.sleep(0.01)
-    srv.delete(f"/v1/train/queue/{job['id']}")
-    first = wait_job(srv, job["id"], timeout=120)
-    if first["state"] == "succeeded":
-        pytest.skip("the job finished before it could be cancelled")
-    assert first["state"] == "cancelled"
+    cancel_after_checkpoint(srv, job["id"], 3, timeout=120)
     resumed = _run(srv, body | {"adapter": "ro-parted", "resume_from_job": job["id"]})
     assert resumed["result"]["resumed_from_step"] >= 3 and resumed["result"]["report"]["steps"] == 24
     report = resumed["result"]["report"]

@@ -14,6 +14,7 @@ import pytest
 
 from kiln.demo import CORRECTION, QUESTION, correction_body, wait_job
 from tests.serving.conftest import start_server, stop_server
+from tests.training.job_control import cancel_after_checkpoint
 
 MSGS = [{"role": "user", "content": QUESTION}]
 
@@ -103,8 +104,6 @@ def _adapter_scores(c: httpx.Client, model: str) -> list[float]:
 
 
 def test_opd_resume_equals_uninterrupted(tutor):
-    import time
-
     c = tutor
     body = {"teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2, "max_tokens": 8,
             "top_k": 4, "steps": 200, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
@@ -112,16 +111,7 @@ def test_opd_resume_equals_uninterrupted(tutor):
     whole = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "whole"}).json()["id"], timeout=600)
     assert whole["state"] == "succeeded", whole.get("error")
     job = c.post("/v1/train/opd", json=body | {"adapter": "parted"}).json()
-    while True:
-        j = c.get(f"/v1/train/jobs/{job['id']}").json()
-        if (j["progress"] or {}).get("checkpoint_step", 0) >= 5 or j["state"] != "queued" and j["state"] != "running":
-            break
-        time.sleep(0.02)
-    c.delete(f"/v1/train/queue/{job['id']}")
-    first = wait_job(c, job["id"], timeout=600)
-    if first["state"] == "succeeded":
-        pytest.skip("the job finished before it could be cancelled")
-    assert first["state"] == "cancelled"
+    cancel_after_checkpoint(c, job["id"], 5, timeout=600, poll_s=0.02)
     resumed = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "parted", "resume_from_job": job["id"]})
                        .json()["id"], timeout=600)
     assert resumed["state"] == "succeeded", resumed.get("error")
