@@ -84,12 +84,10 @@ def test_ce_part_and_shapes():
     assert torch.allclose(loss, ref) and parts["kd"].item() == 0.0
 
 
-@pytest.mark.parametrize("temperature", [1.0, 2.0])
-@pytest.mark.parametrize("ce_weight,kd_weight", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.5, 2.0)])
-def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_weight):
-    n, v, k = 7, 13, 3
-    g = torch.Generator().manual_seed(3)
-    t_lp = _teacher(n, v, 5)
+def _sparse_teacher(t_lp: torch.Tensor, k: int, g: torch.Generator):
+    """A captured row per teacher distribution: its top-``k`` IDs plus one forced random ID, their
+    log-probabilities, the mask of real slots and the tail mass outside them."""
+    n, v = t_lp.shape
     ids = torch.cat([torch.topk(t_lp, k, -1).indices, torch.randint(0, v, (n, 1), generator=g)], -1)
     mask = torch.ones_like(ids, dtype=torch.bool)
     for r in range(n):  # a forced ID already in the top-k is a masked duplicate slot
@@ -97,6 +95,15 @@ def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_wei
             mask[r, k] = False
     sel = t_lp.gather(-1, ids).float()
     tail = (1 - torch.where(mask, sel.double().exp(), 0.0).sum(-1)).float()
+    return ids, sel, mask, tail
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("ce_weight,kd_weight", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0), (0.5, 2.0)])
+def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_weight):
+    n, v, k = 7, 13, 3
+    g = torch.Generator().manual_seed(3)
+    ids, sel, mask, tail = _sparse_teacher(_teacher(n, v, 5), k, g)
     target = torch.randint(0, v, (n,), generator=g)
     target[2] = -100
     logits = torch.randn(n, v, generator=g)
@@ -118,14 +125,7 @@ def test_linear_sparse_kd_from_hidden_states_equals_the_loss_on_full_logits(temp
 
     n, h_dim, v, k = 8, 5, 17, 3
     g = torch.Generator().manual_seed(11)
-    t_lp = _teacher(n, v, 9)
-    ids = torch.cat([torch.topk(t_lp, k, -1).indices, torch.randint(0, v, (n, 1), generator=g)], -1)
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    for r in range(n):
-        if ids[r, k] in ids[r, :k]:
-            mask[r, k] = False
-    sel = t_lp.gather(-1, ids).float()
-    tail = (1 - torch.where(mask, sel.double().exp(), 0.0).sum(-1)).float()
+    ids, sel, mask, tail = _sparse_teacher(_teacher(n, v, 9), k, g)
     target = torch.randint(0, v, (n,), generator=g)
     target[1] = -100
     hidden, weight = torch.randn(n, h_dim, generator=g), torch.randn(v, h_dim, generator=g)
