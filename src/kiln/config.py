@@ -79,6 +79,7 @@ class BatchingSettings(_Section):
     burst_gap_s: float = Field(0.001, ge=0.0, le=0.1)  # waking idle: gather requests this far apart (docs/serving.md)
     lean_forward: bool = True  # Llama-family forward without transformers' per-call Python (same math)
     packed_weights: bool = True  # oneDNN-packed Linear weights in that forward (CPU, fp32; 2x their memory)
+    paged_attention: bool = True  # that forward's decode attention reads KV blocks in place (CPU, fp32; C kernel)
 
 
 class LimitsSettings(_Section):

@@ -45,12 +45,15 @@ def bucket(n: int, cap: int) -> int:
 class Batches:
     def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int, *, compile_decode: bool = False,
                  max_rows: int = 1, max_blocks: int = 1, model: Any = None, lean: bool = True,
-                 packed_weights: bool = False):
+                 packed_weights: bool = False, paged_attention: Any = None):
         self.kv = kv
         self.adapters = adapters
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
         # used for batches whose rows all run without an adapter (kiln.runtime.lean_forward)
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
+        # reads the pool's blocks in place (kiln.runtime.paged_attention) in the lean forward's
+        # decode and packed steps; None: gather + SDPA
+        self.paged_attention = paged_attention if self.lean is not None else None
         self.device = device
         self.pad_id = pad_id
         self.max_rows = max_rows
@@ -74,11 +77,20 @@ class Batches:
         bs = self.kv.block_size
         return table[row, pos // bs], pos % bs
 
+    def _in_place(self, rows: list[Any]) -> Any:
+        """The in-place attention kernel when the lean forward will run these rows (no adapter), else None."""
+        if self.paged_attention is not None and all(r.adapter_key == BASE_KEY for r in rows):
+            return self.paged_attention
+        return None
+
     def packable(self, decoding: list[Any], chunks: list[Chunk]) -> bool:
-        """One packed forward if every row uses the same adapter and the attention stays small."""
+        """One packed forward if every row uses the same adapter and the attention stays small
+        (in place, each token reads only its own row's positions: always small enough)."""
         rows = decoding + [r for r, _ in chunks]
         if len({r.adapter_key for r in rows}) != 1:
             return False  # PEFT picks adapters per batch row; a packed batch has one row
+        if self._in_place(rows) is not None:
+            return True
         tokens = len(decoding) + sum(c for _, c in chunks)
         kv_len = max(len(r.blocks) for r in rows) * self.kv.block_size
         return tokens * len(rows) * kv_len * self.kv.shape.query_channels <= PACKED_MAX_SCORES * PACKED_SCORE_CHANNELS
@@ -111,12 +123,16 @@ class Batches:
         row_t = torch.tensor(row_of, device=dev)
         pos_t = torch.tensor(pos_of, device=dev)
         wb, wo = self._where(table, row_t, pos_t)
-        key_row = torch.arange(len(rows), device=dev).repeat_interleave(kv_len)
-        key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
-        mask = (key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None])
-        cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True)
-        logits = self._forward([rows[0].adapter_key], torch.tensor([ids], device=dev), pos_t[None, :],
-                               mask[None, None], cache,
+        kernel = self._in_place(rows) if len(rows) > 1 or not chunks else None  # one prompt alone: SDPA's GEMMs
+        if kernel is not None:
+            mask = None
+            cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True, in_place=(kernel, row_t, pos_t))
+        else:
+            key_row = torch.arange(len(rows), device=dev).repeat_interleave(kv_len)
+            key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
+            mask = ((key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None]))[None, None]
+            cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True)
+        logits = self._forward([rows[0].adapter_key], torch.tensor([ids], device=dev), pos_t[None, :], mask, cache,
                                torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1)[0]
         for r in decoding:
             r.pos += 1
@@ -160,9 +176,15 @@ class Batches:
         table = self.kv.table([r.blocks for r in rows])
         kv_len = table.shape[1] * self.kv.block_size
         ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
-        wb, wo = self._where(table, torch.arange(n, device=dev), pos)
-        mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-        cache = self.kv.step(table, wb[:, None], wo[:, None])
+        row = torch.arange(n, device=dev)
+        wb, wo = self._where(table, row, pos)
+        kernel = self._in_place(rows)
+        if kernel is not None:
+            mask = None
+            cache = self.kv.step(table, wb[:, None], wo[:, None], in_place=(kernel, row, pos))
+        else:
+            mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
+            cache = self.kv.step(table, wb[:, None], wo[:, None])
         logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)
         for r in rows:
             r.pos += 1

@@ -29,6 +29,7 @@ import torch
 from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
+from kiln.runtime import paged_attention
 from kiln.runtime.memory import memory_total_bytes
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
@@ -121,9 +122,18 @@ class Engine:
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
-                          model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights)
+                          model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
+                          paged_attention=self._paged_attention(dtype))
         self._scheduler = Scheduler(cfg, kv, batches,
                                     self.adapters, self.ownership, self.observer, self.device)
+
+    def _paged_attention(self, dtype: torch.dtype) -> Any:
+        """The in-place attention kernel when configured and applicable (CPU, float32), else None."""
+        if not (self.config.paged_attention and self.config.lean_forward):
+            return None
+        if torch.device(self.device).type != "cpu" or dtype != torch.float32:
+            return None
+        return paged_attention.load()
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> "Engine":

@@ -192,10 +192,14 @@ class LeanForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         b, t = input_ids.shape
         fast = bool(self._fused) and h.dtype == torch.float32
+        # the cache may attend in place: one query token per row (decode) or one packed row (b == 1)
+        in_place = getattr(cache, "in_place", None) is not None
+        if in_place and b != 1 and t != 1:
+            raise ValueError("in-place paged attention takes [rows, 1] or [1, tokens] queries")
         if fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
             half = self.head_dim // 2
             sin_r = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            if attention_mask.dtype == torch.bool:  # SDPA would turn it into this additive mask in every layer
+            if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA: this, in each layer
                 attention_mask = torch.full_like(attention_mask, float("-inf"), dtype=h.dtype).masked_fill_(
                     attention_mask, 0.0)
         for i, layer in enumerate(inner.layers):
@@ -207,8 +211,12 @@ class LeanForward:
                 q, k, v = self._fused_qkv(qkv, attn, b, t, cos, sin_r)
             else:
                 q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
-            k, v = cache.update(k, v, i)
-            o = self._attention(q, k, v, attention_mask, b, t)
+            if in_place:  # the pool's blocks read where they lie (kiln.runtime.paged_attention)
+                cache.write(k, v, i)
+                o = cache.attend(q[:, :, 0] if t == 1 else q[0].transpose(0, 1), i, self.scaling).view(b, t, -1)
+            else:
+                k, v = cache.update(k, v, i)
+                o = self._attention(q, k, v, attention_mask, b, t)
             h = h + self._linear(o, attn["o_proj"])
             x = _norm(h, sub["post_attention_layernorm"], fast)
             gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if fast else None

@@ -229,8 +229,8 @@ class BlockPool:
         return torch.tensor([r + [SCRATCH] * (width - len(r)) for r in rows], device=self.device, dtype=torch.long)
 
     def step(self, table: torch.Tensor, write_block: torch.Tensor, write_off: torch.Tensor, *,
-             packed: bool = False) -> "PagedStepCache":
-        return PagedStepCache(self, table, write_block, write_off, packed)
+             packed: bool = False, in_place: Any = None) -> "PagedStepCache":
+        return PagedStepCache(self, table, write_block, write_off, packed, in_place)
 
 
 class PagedStepCache:
@@ -243,24 +243,43 @@ class PagedStepCache:
     Only the rows' own blocks are read (one gather copy per layer, into the pool's reusable
     buffers: the returned tensors are valid until the next layer's update); the caller's
     mask hides positions past each row's length.
+
+    ``in_place``: ``(kernel, row_of, pos_of)`` - each query token's row in ``table`` and its
+    position, for :meth:`attend` (kiln.runtime.paged_attention), which reads the blocks
+    where they lie instead (no gather, no mask); a forward that uses it calls :meth:`write`
+    and :meth:`attend` instead of :meth:`update`.
     """
 
     is_compileable = False
 
     def __init__(self, pool: BlockPool, table: torch.Tensor, write_block: torch.Tensor, write_off: torch.Tensor,
-                 packed: bool):
+                 packed: bool, in_place: Any = None):
         self.pool = pool
+        self.in_place = in_place
+        self._table = table
         self._flat = table.reshape(-1)
         self._n = 1 if packed else table.shape[0]
         self._kv_len = table.numel() * pool.block_size // self._n
         self._wb = write_block
         self._wo = write_off
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states: [batch, kv_heads, q_len, head_dim]
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """Store the step's keys and values (``[batch, kv_heads, q_len, head_dim]``) in their blocks."""
         kc, vc = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
         vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
+
+    def attend(self, q: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+        """In-place attention of ``q`` (``[tokens, heads, head_dim]``, the tokens of ``in_place``)
+        over layer ``layer_idx``'s blocks -> ``[tokens, heads * head_dim]``."""
+        kernel, row_of, pos_of = self.in_place
+        return kernel.attend(q, self.pool.keys[layer_idx], self.pool.values[layer_idx], self._table, row_of, pos_of,
+                             scale)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # key_states: [batch, kv_heads, q_len, head_dim]
+        self.write(key_states, value_states, layer_idx)
+        kc = self.pool.keys[layer_idx]
         heads, dim = kc.shape[2], kc.shape[3]
         k = self.pool.gather(0, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
         v = self.pool.gather(1, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)

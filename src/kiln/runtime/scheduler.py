@@ -76,6 +76,7 @@ class EngineConfig:
     burst_max_s: float = 0.010  # ... for at most this long in all
     lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
     packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
+    paged_attention: bool = True  # decode/packed attention reads KV blocks in place (CPU fp32; C kernel)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -98,6 +99,7 @@ class EngineConfig:
             burst_gap_s=float(getattr(b, "burst_gap_s", cls.burst_gap_s)),
             lean_forward=bool(getattr(b, "lean_forward", True)),
             packed_weights=bool(getattr(b, "packed_weights", True)),
+            paged_attention=bool(getattr(b, "paged_attention", True)),
         )
 
 

@@ -1,0 +1,282 @@
+/* Paged attention over a block-table KV pool, read in place (CPU, float32).
+ *
+ * Built and loaded by kiln/runtime/paged_attention.py (the C compiler at first use, cached
+ * under $KILN_HOME/kernels). One call computes one layer's attention for every query
+ * token of a forward:
+ *
+ *   q      token i, query head j at q[i * q_token_stride + j * q_head_stride + c]
+ *   k, v   the pool's layer tensors [blocks, block_size, kv_heads, head_dim], contiguous
+ *   table  int64 [rows, table_width]: position p of row r lives in block table[r][p / block_size]
+ *          at offset p % block_size
+ *   row_of, pos_of  int64 [tokens]: token i belongs to row row_of[i] and sits at position
+ *          pos_of[i]; it attends to that row's positions 0..pos_of[i] (the causal mask)
+ *   out    [tokens, heads, head_dim], contiguous
+ *
+ * Query head j reads KV head j / (heads / kv_heads) (grouped-query attention as transformers'
+ * repeat_kv). Softmax in float32 with the running maximum subtracted; the exponential is a
+ * range-reduced polynomial (relative error below 1e-7 on the arguments it sees, all <= 0) so
+ * that the loop vectorizes without -ffast-math (which, with GCC 12, would link crtfastmath
+ * and set flush-to-zero for the whole process). No allocation but two scratch buffers per
+ * call; no threads: the engine runs one torch thread and the call releases the GIL.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KILN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KILN_CLONES
+#endif
+#if defined(__GNUC__)
+#define KILN_INLINE static inline __attribute__((always_inline)) /* inlined into each clone, so built for its ISA */
+#else
+#define KILN_INLINE static inline
+#endif
+
+KILN_INLINE float exp_nonpositive(float x) {
+    /* e^x for x <= 0: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial */
+    union { float f; int32_t i; } scale;
+    x = x < -87.0f ? -87.0f : x;
+    int32_t n = (int32_t)(x * 1.4426950408889634f - 0.5f); /* rounds to nearest for x <= 0 */
+    float r = x - (float)n * 0.693145751953125f;
+    r = r - (float)n * 1.4286067653301870e-06f;
+    float p = 1.9841269841269841e-04f;
+    p = p * r + 1.3888888888888889e-03f;
+    p = p * r + 8.3333333333333333e-03f;
+    p = p * r + 4.1666666666666667e-02f;
+    p = p * r + 1.6666666666666667e-01f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    scale.i = (n + 127) << 23;
+    return p * scale.f;
+}
+
+KILN_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t c = 0; c < n; c++) acc += a[c] * b[c];
+    return acc;
+}
+
+#define LANES 16 /* query (token, head) pairs a multi-token tile computes side by side */
+
+/* ONE query token (decode) against its row's keys, every head at once: the keys and values
+ * are walked in memory order (a position's kv_heads x head_dim floats are contiguous), so the
+ * reads stream through whole blocks as the hardware prefetcher expects; a walk per head would
+ * stride by kv_heads x head_dim floats and cross a page every few keys. `scores` holds
+ * heads x len floats (head-major), `acc` heads x head_dim. */
+KILN_INLINE void attend_one(const float *qi, int64_t q_head_stride, const float *k, const float *v,
+                              const int64_t *tab, int64_t len, int64_t heads, int64_t groups, int64_t slot,
+                              int64_t head_dim, int64_t block_size, float scale, float *scores, float *acc,
+                              float *dst) {
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        const float *kb = k + tab[t0 / block_size] * block_size * slot;
+        const float *kn = t0 + block_size < len ? k + tab[t0 / block_size + 1] * block_size * slot : NULL;
+        for (int64_t o = 0; o < n; o++) {
+            const float *kp = kb + o * slot;
+            if (kn != NULL)  /* the next block (elsewhere in memory) is on its way while this one is read */
+                for (int64_t c = 0; c < slot; c += 16) __builtin_prefetch(kn + o * slot + c);
+            for (int64_t j = 0; j < heads; j++)
+                scores[j * len + t0 + o] = dot(qi + j * q_head_stride, kp + (j / groups) * head_dim, head_dim) * scale;
+        }
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        float *s = scores + j * len;
+        float top = s[0];
+        for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < len; t++) {
+            float e = exp_nonpositive(s[t] - top);
+            s[t] = e;
+            total += e;
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        const float *vb = v + tab[t0 / block_size] * block_size * slot;
+        const float *vn = t0 + block_size < len ? v + tab[t0 / block_size + 1] * block_size * slot : NULL;
+        for (int64_t o = 0; o < n; o++) {
+            const float *vp = vb + o * slot;
+            if (vn != NULL)
+                for (int64_t c = 0; c < slot; c += 16) __builtin_prefetch(vn + o * slot + c);
+            for (int64_t j = 0; j < heads; j++) {
+                const float p = scores[j * len + t0 + o];
+                const float *vh = vp + (j / groups) * head_dim;
+                float *a = acc + j * head_dim;
+#pragma omp simd
+                for (int64_t c = 0; c < head_dim; c++) a[c] += p * vh[c];
+            }
+        }
+    }
+    memcpy(dst, acc, sizeof(float) * (size_t)(heads * head_dim));
+}
+
+/* One KV head for a tile of consecutive query tokens of the same row (a prompt chunk): up to
+ * LANES (token, query head) pairs computed side by side, each key loaded once for all of them
+ * (an outer product over the head dimension instead of one dot product per pair). Scores are
+ * key-major [key][lane]; lane l is token first + l / groups, query head h * groups + l % groups;
+ * a lane sees keys 0..its position (padded lanes none). */
+KILN_INLINE void attend_tile(const float *q, int64_t q_token_stride, int64_t q_head_stride, const float *k,
+                               const float *v, const int64_t *tab, const int64_t *pos, int64_t ntok, int64_t h,
+                               int64_t groups, int64_t slot, int64_t head_dim, int64_t block_size, float scale,
+                               float *qt, float *scores, float *acc, float *out, int64_t heads) {
+    int64_t lim[LANES];
+    float top[LANES], total[LANES], row[LANES];
+    const int64_t lanes = ntok * groups;
+    int64_t len = 0;
+    for (int64_t l = 0; l < LANES; l++) {
+        lim[l] = l < lanes ? pos[l / groups] + 1 : 0;
+        len = lim[l] > len ? lim[l] : len;
+        top[l] = -3.0e38f;
+        total[l] = 0.0f;
+    }
+    for (int64_t c = 0; c < head_dim; c++)
+        for (int64_t l = 0; l < LANES; l++)
+            qt[c * LANES + l] = l < lanes
+                ? q[(l / groups) * q_token_stride + (h * groups + l % groups) * q_head_stride + c] * scale : 0.0f;
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        const float *kb = k + tab[t0 / block_size] * block_size * slot;
+        int64_t o = 0;
+        for (; o + 4 <= n; o += 4) {  /* four keys at a time: four independent FMA chains */
+            const float *k0 = kb + o * slot, *k1 = k0 + slot, *k2 = k1 + slot, *k3 = k2 + slot;
+            float r0[LANES], r1[LANES], r2[LANES], r3[LANES];
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) r0[l] = r1[l] = r2[l] = r3[l] = 0.0f;
+            for (int64_t c = 0; c < head_dim; c++) {
+                const float *qc = qt + c * LANES;
+                const float a0 = k0[c], a1 = k1[c], a2 = k2[c], a3 = k3[c];
+#pragma omp simd
+                for (int64_t l = 0; l < LANES; l++) {
+                    r0[l] += qc[l] * a0;
+                    r1[l] += qc[l] * a1;
+                    r2[l] += qc[l] * a2;
+                    r3[l] += qc[l] * a3;
+                }
+            }
+            float *s = scores + (t0 + o) * LANES;
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) {
+                s[l] = r0[l];
+                s[LANES + l] = r1[l];
+                s[2 * LANES + l] = r2[l];
+                s[3 * LANES + l] = r3[l];
+            }
+        }
+        for (; o < n; o++) {
+            const float *kp = kb + o * slot;
+            float *s = scores + (t0 + o) * LANES;
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) row[l] = 0.0f;
+            for (int64_t c = 0; c < head_dim; c++) {
+                const float kc = kp[c];
+                const float *qc = qt + c * LANES;
+#pragma omp simd
+                for (int64_t l = 0; l < LANES; l++) row[l] += qc[l] * kc;
+            }
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) s[l] = row[l];
+        }
+    }
+    for (int64_t t = 0; t < len; t++) {  /* each lane's maximum over the keys it sees */
+        const float *s = scores + t * LANES;
+#pragma omp simd
+        for (int64_t l = 0; l < LANES; l++) top[l] = (t < lim[l] && s[l] > top[l]) ? s[l] : top[l];
+    }
+    for (int64_t t = 0; t < len; t++) {
+        float *s = scores + t * LANES;
+#pragma omp simd
+        for (int64_t l = 0; l < LANES; l++) {
+            const float e = t < lim[l] ? exp_nonpositive(s[l] - top[l]) : 0.0f;
+            s[l] = e;
+            total[l] += e;
+        }
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(lanes * head_dim));
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        const float *vb = v + tab[t0 / block_size] * block_size * slot;
+        int64_t o = 0;
+        for (; o + 4 <= n; o += 4) {  /* four keys per pass over each lane's accumulator */
+            const float *v0 = vb + o * slot, *v1 = v0 + slot, *v2 = v1 + slot, *v3 = v2 + slot;
+            const float *s = scores + (t0 + o) * LANES;
+            for (int64_t l = 0; l < lanes; l++) {
+                const float p0 = s[l], p1 = s[LANES + l], p2 = s[2 * LANES + l], p3 = s[3 * LANES + l];
+                float *a = acc + l * head_dim;
+#pragma omp simd
+                for (int64_t c = 0; c < head_dim; c++) a[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c];
+            }
+        }
+        for (; o < n; o++) {
+            const float *vp = vb + o * slot;
+            const float *s = scores + (t0 + o) * LANES;
+            for (int64_t l = 0; l < lanes; l++) {
+                const float p = s[l];
+                float *a = acc + l * head_dim;
+#pragma omp simd
+                for (int64_t c = 0; c < head_dim; c++) a[c] += p * vp[c];
+            }
+        }
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        const float inv = 1.0f / total[l];
+        float *dst = out + ((l / groups) * heads + h * groups + l % groups) * head_dim;
+        const float *a = acc + l * head_dim;
+#pragma omp simd
+        for (int64_t c = 0; c < head_dim; c++) dst[c] = a[c] * inv;
+    }
+}
+
+KILN_CLONES
+int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_stride, const float *k,
+                         const float *v, const int64_t *table, int64_t table_width, const int64_t *row_of,
+                         const int64_t *pos_of, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, float *out) {
+    if (tokens <= 0) return 0;
+    if (kv_heads <= 0 || heads % kv_heads != 0 || block_size <= 0 || head_dim <= 0) return -2;
+    const int64_t groups = heads / kv_heads;
+    const int64_t slot = kv_heads * head_dim;   /* floats between consecutive offsets of a block */
+    const int64_t tile = groups <= LANES ? LANES / groups : 1;  /* tokens per multi-token tile */
+    int64_t longest = 0;
+    for (int64_t i = 0; i < tokens; i++)
+        if (pos_of[i] + 1 > longest) longest = pos_of[i] + 1;
+    const int64_t width = heads > LANES ? heads : LANES;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(width * longest));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(width * head_dim));
+    float *qt = (float *)malloc(sizeof(float) * (size_t)(LANES * head_dim));
+    if (scores == NULL || acc == NULL || qt == NULL) {
+        free(scores);
+        free(acc);
+        free(qt);
+        return -1;
+    }
+    int64_t i = 0;
+    while (i < tokens) {
+        int64_t j = i + 1;  /* the tile: consecutive tokens of one row */
+        while (j < tokens && j - i < tile && row_of[j] == row_of[i]) j++;
+        const int64_t *tab = table + row_of[i] * table_width;
+        if (j - i == 1 || groups > LANES) {
+            for (int64_t x = i; x < j; x++)
+                attend_one(q + x * q_token_stride, q_head_stride, k, v, tab, pos_of[x] + 1, heads, groups, slot,
+                           head_dim, block_size, scale, scores, acc, out + x * heads * head_dim);
+        } else {
+            for (int64_t h = 0; h < kv_heads; h++)
+                attend_tile(q + i * q_token_stride, q_token_stride, q_head_stride, k + h * head_dim,
+                            v + h * head_dim, tab, pos_of + i, j - i, h, groups, slot, head_dim, block_size, scale,
+                            qt, scores, acc, out + i * heads * head_dim, heads);
+        }
+        i = j;
+    }
+    free(scores);
+    free(acc);
+    free(qt);
+    return 0;
+}
