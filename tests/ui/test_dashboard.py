@@ -161,11 +161,15 @@ def test_chat_streams_and_a_correction_is_served_by_the_new_adapter(page, server
     page.wait_for_selector("#chat-model option", state="attached")
     base = server.client.get("/v1/models").json()["data"][0]["id"]
     page.select_option("#chat-model", base)
-    answer = _ask_in_page(page, QUESTION)
+    with page.expect_response(lambda r: r.url.endswith("/v1/chat/completions")) as reply:
+        answer = _ask_in_page(page, QUESTION)
     before = answer.locator(".text").text_content()
     assert before and before != CORRECTION
     assert answer.get_attribute("data-revision") == "base"
-    assert int(answer.get_attribute("data-chunks")) > 1  # streamed as several SSE deltas, not one body
+    # streamed as SSE deltas, not one JSON body; how many deltas depends on timing: the server
+    # merges the tokens a slow reader has not taken yet into one delta
+    assert reply.value.headers["content-type"].startswith("text/event-stream")
+    assert int(answer.get_attribute("data-chunks")) >= 1
 
     answer.locator("button.correct").click()
     page.fill("#correct-text", CORRECTION)
