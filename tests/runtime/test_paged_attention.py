@@ -69,6 +69,30 @@ def test_kernel_matches_sdpa_over_gathered_blocks_with_strided_queries(kernel):
     assert (got - want).abs().max().item() < 1e-5
 
 
+def test_kernel_stores_the_tokens_own_keys_and_values_before_attending(kernel):
+    """A prompt chunk and a decode token with their new K/V passed as strided views (as the lean
+    forward's fused projection gives them): the pool ends up as index_put would leave it, and
+    the chunk's tokens see each other's keys."""
+    keys, values = _pool(12, 4, 2, 16, seed=7)
+    table = torch.tensor([[3, 7, 1], [5, 2, 0]])
+    row_of = torch.tensor([0, 0, 0, 0, 0, 1])
+    pos_of = torch.tensor([2, 3, 4, 5, 6, 5])  # row 0 writes 2..6 (across a block boundary), row 1 writes 5
+    gen = torch.Generator().manual_seed(8)
+    kv = torch.randn(6, 2, 3, 16, generator=gen)  # [tokens, k|v|spare, kv_heads..]: strided views below
+    new_k, new_v = kv[:, 0, :2], kv[:, 1, :2]
+    q = torch.randn(6, 4, 16, generator=gen)
+    want_k, want_v = keys.clone(), values.clone()
+    blocks = table[row_of, pos_of // 4]
+    want_k[blocks, pos_of % 4] = new_k
+    want_v[blocks, pos_of % 4] = new_v
+    want = paged_attention.reference(q, want_k, want_v, table, row_of, pos_of, 0.25)
+    got = kernel.attend(q, keys, values, table, row_of, pos_of, 0.25, new_keys=new_k, new_values=new_v)
+    assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    assert (got - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="new keys"):
+        kernel.attend(q, keys, values, table, row_of, pos_of, 0.25, new_keys=new_k[:, :1], new_values=new_v)
+
+
 def test_kernel_rejects_what_it_cannot_read(kernel):
     keys, values = _pool(4, 4, 2, 8)
     table, rows, pos = torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3])

@@ -212,8 +212,11 @@ class LeanForward:
             else:
                 q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
             if in_place:  # the pool's blocks read where they lie (kiln.runtime.paged_attention)
-                cache.write(k, v, i)
-                o = cache.attend(q[:, :, 0] if t == 1 else q[0].transpose(0, 1), i, self.scaling).view(b, t, -1)
+                if t == 1:  # [rows, heads, 1, d] -> [tokens, heads, d]
+                    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+                else:  # [1, heads, tokens, d]
+                    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+                o = cache.attend(q, k, v, i, self.scaling).view(b, t, -1)
             else:
                 k, v = cache.update(k, v, i)
                 o = self._attention(q, k, v, attention_mask, b, t)

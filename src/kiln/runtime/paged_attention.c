@@ -11,6 +11,9 @@
  *   row_of, pos_of  int64 [tokens]: token i belongs to row row_of[i] and sits at position
  *          pos_of[i]; it attends to that row's positions 0..pos_of[i] (the causal mask)
  *   out    [tokens, heads, head_dim], contiguous
+ *   k_new, v_new  optional (NULL: none): the tokens' own keys and values, token i's KV head h at
+ *          k_new[i * kn_token_stride + h * kn_head_stride + c] (v_new likewise); stored at the
+ *          tokens' positions before any token attends
  *
  * Query head j reads KV head j / (heads / kv_heads) (grouped-query attention as transformers'
  * repeat_kv). Softmax in float32 with the running maximum subtracted; the exponential is a
@@ -236,14 +239,28 @@ KILN_INLINE void attend_tile(const float *q, int64_t q_token_stride, int64_t q_h
 }
 
 KILN_CLONES
-int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_stride, const float *k,
-                         const float *v, const int64_t *table, int64_t table_width, const int64_t *row_of,
-                         const int64_t *pos_of, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float *out) {
+int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_stride, float *k, float *v,
+                         const int64_t *table, int64_t table_width, const int64_t *row_of, const int64_t *pos_of,
+                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                         float scale, float *out, const float *k_new, int64_t kn_token_stride,
+                         int64_t kn_head_stride, const float *v_new, int64_t vn_token_stride, int64_t vn_head_stride) {
     if (tokens <= 0) return 0;
     if (kv_heads <= 0 || heads % kv_heads != 0 || block_size <= 0 || head_dim <= 0) return -2;
     const int64_t groups = heads / kv_heads;
     const int64_t slot = kv_heads * head_dim;   /* floats between consecutive offsets of a block */
+    if (k_new != NULL && v_new != NULL) {  /* store the tokens' own keys and values first: a prompt
+                                              chunk's tokens attend to each other */
+        for (int64_t i = 0; i < tokens; i++) {
+            const int64_t p = pos_of[i];
+            const int64_t at = (table[row_of[i] * table_width + p / block_size] * block_size + p % block_size) * slot;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                memcpy(k + at + h * head_dim, k_new + i * kn_token_stride + h * kn_head_stride,
+                       sizeof(float) * (size_t)head_dim);
+                memcpy(v + at + h * head_dim, v_new + i * vn_token_stride + h * vn_head_stride,
+                       sizeof(float) * (size_t)head_dim);
+            }
+        }
+    }
     const int64_t tile = groups <= LANES ? LANES / groups : 1;  /* tokens per multi-token tile */
     int64_t longest = 0;
     for (int64_t i = 0; i < tokens; i++)

@@ -92,22 +92,25 @@ class PagedAttention:
         lib = ctypes.CDLL(str(path))
         fn = lib.kiln_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                       ptr, i64, i64, ptr, i64, i64]
         fn.restype = ctypes.c_int
         self._fn = fn
         self.path = path
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
-               row_of: torch.Tensor, pos_of: torch.Tensor, scale: float, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               row_of: torch.Tensor, pos_of: torch.Tensor, scale: float, *, new_keys: torch.Tensor | None = None,
+               new_values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of query tokens over their rows' cached positions.
 
         ``q``: ``[tokens, heads, head_dim]`` (any token and head strides, unit stride along
         ``head_dim``). ``keys``/``values``: one layer of
         the pool, ``[blocks, block_size, kv_heads, head_dim]`` contiguous. ``table``:
         ``[rows, width]`` int64 block ids; ``row_of``/``pos_of``: ``[tokens]`` int64, each
-        token's row and position (it sees positions ``0..pos``, which must already be
-        written). Returns ``[tokens, heads * head_dim]``.
+        token's row and position (it sees positions ``0..pos``). ``new_keys``/``new_values``
+        (optional, ``[tokens, kv_heads, head_dim]``, any token and head strides, unit stride
+        on ``head_dim``): the tokens' own keys and values, stored in their blocks first (else
+        positions ``0..pos`` must already be written). Returns ``[tokens, heads * head_dim]``.
         """
         tokens, heads, dim = q.shape
         _, block_size, kv_heads, kdim = keys.shape
@@ -120,9 +123,17 @@ class PagedAttention:
         row_of, pos_of = row_of.contiguous(), pos_of.contiguous()
         if out is None:
             out = torch.empty(tokens, heads * dim, dtype=torch.float32)
+        new = (None, 0, 0, None, 0, 0)
+        if new_keys is not None and new_values is not None:
+            for t in (new_keys, new_values):
+                if t.shape != (tokens, kv_heads, dim) or t.stride(2) != 1 or t.dtype != torch.float32:
+                    raise ValueError("paged attention: new keys and values must be float32 "
+                                     "[tokens, kv_heads, head_dim] with unit stride on head_dim")
+            new = (new_keys.data_ptr(), new_keys.stride(0), new_keys.stride(1),
+                   new_values.data_ptr(), new_values.stride(0), new_values.stride(1))
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1),
                       keys.data_ptr(), values.data_ptr(), table.data_ptr(), table.shape[1], row_of.data_ptr(),
-                      pos_of.data_ptr(), tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr())
+                      pos_of.data_ptr(), tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr(), *new)
         if rc != 0:
             raise MemoryError(f"paged attention kernel failed (code {rc})") if rc == -1 else ValueError(
                 f"paged attention kernel rejected its shapes (code {rc})")

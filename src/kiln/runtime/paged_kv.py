@@ -245,9 +245,9 @@ class PagedStepCache:
     mask hides positions past each row's length.
 
     ``in_place``: ``(kernel, row_of, pos_of)`` - each query token's row in ``table`` and its
-    position, for :meth:`attend` (kiln.runtime.paged_attention), which reads the blocks
-    where they lie instead (no gather, no mask); a forward that uses it calls :meth:`write`
-    and :meth:`attend` instead of :meth:`update`.
+    position, for :meth:`attend` (kiln.runtime.paged_attention), which stores the step's keys
+    and values and reads the blocks where they lie (no gather, no mask) in one call; a forward
+    that uses it calls :meth:`attend` instead of :meth:`update`.
     """
 
     is_compileable = False
@@ -269,12 +269,13 @@ class PagedStepCache:
         kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
         vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
 
-    def attend(self, q: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-        """In-place attention of ``q`` (``[tokens, heads, head_dim]``, the tokens of ``in_place``)
-        over layer ``layer_idx``'s blocks -> ``[tokens, heads * head_dim]``."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+        """Store the step's keys and values ``k``/``v`` (``[tokens, kv_heads, head_dim]``) and attend
+        with ``q`` (``[tokens, heads, head_dim]``; the tokens of ``in_place``) over layer
+        ``layer_idx``'s blocks, in one kernel call -> ``[tokens, heads * head_dim]``."""
         kernel, row_of, pos_of = self.in_place
         return kernel.attend(q, self.pool.keys[layer_idx], self.pool.values[layer_idx], self._table, row_of, pos_of,
-                             scale)
+                             scale, new_keys=k, new_values=v)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [batch, kv_heads, q_len, head_dim]
