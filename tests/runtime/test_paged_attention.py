@@ -144,15 +144,24 @@ def test_kernel_dir_follows_the_environment(tmp_path, monkeypatch):
 
 # -- in the engine's steps ----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gqa_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _model(kind: str):
+    """A small random decoder: Qwen3 (q/k norms, GQA), Qwen2 (q/k/v biases), Llama (all attention biases)."""
+    import transformers as tf
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=256,
-                      tie_word_embeddings=True, attn_implementation="sdpa")
-    return Qwen3ForCausalLM(cfg).eval()
+    common = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True,
+                  attn_implementation="sdpa")
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=64, **common)).eval()
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)).eval()
+    return tf.LlamaForCausalLM(tf.LlamaConfig(attention_bias=True, **common)).eval()
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    return _model("qwen3")
 
 
 def _rows(pool: BlockPool, specs: list[tuple[int, int]]):
@@ -172,8 +181,12 @@ def _reset(rows, specs):
         r.pos = r.prefilled = pos
 
 
-@pytest.mark.parametrize("packed_weights", [False, True])
-def test_decode_and_packed_steps_in_place_match_gather_and_sdpa(kernel, gqa_model, packed_weights):
+@pytest.mark.parametrize(("kind", "packed_weights"),
+                         [("qwen3", False), ("qwen3", True), ("qwen2", True), ("llama", False)])
+def test_decode_and_packed_steps_in_place_match_gather_and_sdpa(kernel, kind, packed_weights):
+    """The kernel applies q/k norms (Qwen3) and RoPE itself and stores the new K/V: the logits of
+    a decode step and of a packed step (decode rows plus a prompt chunk) match the gather path."""
+    gqa_model = _model(kind)
     pool = BlockPool(cache_shape(gqa_model.config), 64, 4, device="cpu", dtype=torch.float32)
     with torch.inference_mode():
         for t in pool.keys + pool.values:

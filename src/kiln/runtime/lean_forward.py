@@ -196,7 +196,9 @@ class LeanForward:
         in_place = getattr(cache, "in_place", None) is not None
         if in_place and b != 1 and t != 1:
             raise ValueError("in-place paged attention takes [rows, 1] or [1, tokens] queries")
-        if fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
+        if in_place:  # the kernel rotates: cos/sin rows per token, [tokens, head_dim]
+            rope = (cos.reshape(b * t, -1).contiguous(), sin.reshape(b * t, -1).contiguous())
+        elif fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
             half = self.head_dim // 2
             sin_r = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA: this, in each layer
@@ -207,17 +209,13 @@ class LeanForward:
             attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
             x = _norm(h, sub["input_layernorm"], fast)
             qkv = self._fused_linear(x, (attn["q_proj"], attn["k_proj"], attn["v_proj"])) if fast else None
-            if qkv is not None:
-                q, k, v = self._fused_qkv(qkv, attn, b, t, cos, sin_r)
+            if in_place:  # norm, RoPE, KV store and attention in one kernel call (kiln.runtime.paged_attention)
+                o = self._attend_in_place(x, qkv, attn, cache, i, rope).view(b, t, -1)
             else:
-                q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
-            if in_place:  # the pool's blocks read where they lie (kiln.runtime.paged_attention)
-                if t == 1:  # [rows, heads, 1, d] -> [tokens, heads, d]
-                    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-                else:  # [1, heads, tokens, d]
-                    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-                o = cache.attend(q, k, v, i, self.scaling).view(b, t, -1)
-            else:
+                if qkv is not None:
+                    q, k, v = self._fused_qkv(qkv, attn, b, t, cos, sin_r)
+                else:
+                    q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
                 k, v = cache.update(k, v, i)
                 o = self._attention(q, k, v, attention_mask, b, t)
             h = h + self._linear(o, attn["o_proj"])
@@ -232,6 +230,25 @@ class LeanForward:
         h = _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
         return self._linear(h, lm.lm_head)
+
+    def _attend_in_place(self, x: torch.Tensor, qkv: torch.Tensor | None, attn: dict[str, Any], cache: Any,
+                         layer: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The raw q, k, v projections of ``x`` (``[b, t, ...]`` with ``b == 1`` or ``t == 1``:
+        tokens in row order) handed to the cache's kernel with the q/k norm weights and RoPE rows."""
+        d, nq, nkv = self.head_dim, self.heads, self.kv_heads
+        tokens = x.shape[0] * x.shape[1]
+        if qkv is not None:
+            q, k, v = qkv.view(tokens, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=1)
+        else:
+            lin = self._linear
+            q = lin(x, attn["q_proj"]).view(tokens, nq, d)
+            k = lin(x, attn["k_proj"]).view(tokens, nkv, d)
+            v = lin(x, attn["v_proj"]).view(tokens, nkv, d)
+        qk_norm = None
+        if "q_norm" in attn:
+            qn, kn = attn["q_norm"], attn["k_norm"]
+            qk_norm = (qn._parameters["weight"], kn._parameters["weight"], qn.variance_epsilon)
+        return cache.attend(q, k, v, layer, self.scaling, qk_norm=qk_norm, rope=rope)
 
     def _separate_qkv(self, x: torch.Tensor, attn: dict[str, Any], b: int, t: int, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,6 +14,10 @@
  *   k_new, v_new  optional (NULL: none): the tokens' own keys and values, token i's KV head h at
  *          k_new[i * kn_token_stride + h * kn_head_stride + c] (v_new likewise); stored at the
  *          tokens' positions before any token attends
+ *   q_norm_w, k_norm_w, eps  optional: per-head RMSNorm weights [head_dim] of the queries and the
+ *          new keys (Qwen3's q_norm/k_norm), applied before RoPE
+ *   cos_t, sin_t  optional: RoPE rows [tokens, head_dim] (transformers' rotary embedding for
+ *          each token's position) applied to the queries and the new keys
  *
  * Query head j reads KV head j / (heads / kv_heads) (grouped-query attention as transformers'
  * repeat_kv). Softmax in float32 with the running maximum subtracted; the exponential is a
@@ -22,6 +26,7 @@
  * and set flush-to-zero for the whole process). No allocation but two scratch buffers per
  * call; no threads: the engine runs one torch thread and the call releases the GIL.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,14 +243,45 @@ KILN_INLINE void attend_tile(const float *q, int64_t q_token_stride, int64_t q_h
     }
 }
 
+/* One head's vector as the attention sees it: RMS-normalised with `norm_w` when given (as
+ * transformers' RMSNorm: x / sqrt(mean(x^2) + eps) * w, in float32), then rotated by RoPE with
+ * this token's cos/sin rows when given (x * cos + rotate_half(x) * sin, rotate_half(x) =
+ * [-x2, x1] over the two halves of the head). */
+KILN_INLINE void prepare_head(const float *x, float *dst, int64_t head_dim, const float *norm_w, float eps,
+                              const float *cos, const float *sin) {
+    float tmp[512];
+    const float *src = x;
+    if (norm_w != NULL) {
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < head_dim; c++) ss += x[c] * x[c];
+        const float r = 1.0f / sqrtf(ss / (float)head_dim + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < head_dim; c++) tmp[c] = norm_w[c] * (x[c] * r);
+        src = tmp;
+    }
+    if (cos != NULL) {
+        const int64_t half = head_dim / 2;
+#pragma omp simd
+        for (int64_t c = 0; c < half; c++) dst[c] = src[c] * cos[c] - src[c + half] * sin[c];
+#pragma omp simd
+        for (int64_t c = half; c < head_dim; c++) dst[c] = src[c] * cos[c] + src[c - half] * sin[c];
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)head_dim);
+    }
+}
+
 KILN_CLONES
 int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_stride, float *k, float *v,
                          const int64_t *table, int64_t table_width, const int64_t *row_of, const int64_t *pos_of,
                          int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                          float scale, float *out, const float *k_new, int64_t kn_token_stride,
-                         int64_t kn_head_stride, const float *v_new, int64_t vn_token_stride, int64_t vn_head_stride) {
+                         int64_t kn_head_stride, const float *v_new, int64_t vn_token_stride, int64_t vn_head_stride,
+                         const float *q_norm_w, const float *k_norm_w, float eps, const float *cos_t,
+                         const float *sin_t) {
     if (tokens <= 0) return 0;
     if (kv_heads <= 0 || heads % kv_heads != 0 || block_size <= 0 || head_dim <= 0) return -2;
+    if ((q_norm_w != NULL || k_norm_w != NULL || cos_t != NULL) && (head_dim > 512 || head_dim % 2 != 0)) return -2;
     const int64_t groups = heads / kv_heads;
     const int64_t slot = kv_heads * head_dim;   /* floats between consecutive offsets of a block */
     if (k_new != NULL && v_new != NULL) {  /* store the tokens' own keys and values first: a prompt
@@ -253,13 +289,28 @@ int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_
         for (int64_t i = 0; i < tokens; i++) {
             const int64_t p = pos_of[i];
             const int64_t at = (table[row_of[i] * table_width + p / block_size] * block_size + p % block_size) * slot;
+            const float *ci = cos_t != NULL ? cos_t + i * head_dim : NULL;
+            const float *si = sin_t != NULL ? sin_t + i * head_dim : NULL;
             for (int64_t h = 0; h < kv_heads; h++) {
-                memcpy(k + at + h * head_dim, k_new + i * kn_token_stride + h * kn_head_stride,
-                       sizeof(float) * (size_t)head_dim);
+                prepare_head(k_new + i * kn_token_stride + h * kn_head_stride, k + at + h * head_dim, head_dim,
+                             k_norm_w, eps, ci, si);
                 memcpy(v + at + h * head_dim, v_new + i * vn_token_stride + h * vn_head_stride,
                        sizeof(float) * (size_t)head_dim);
             }
         }
+    }
+    float *qbuf = NULL;
+    if (q_norm_w != NULL || cos_t != NULL) {  /* the queries normalised and rotated, [tokens, heads, head_dim] */
+        qbuf = (float *)malloc(sizeof(float) * (size_t)(tokens * heads * head_dim));
+        if (qbuf == NULL) return -1;
+        for (int64_t i = 0; i < tokens; i++)
+            for (int64_t j = 0; j < heads; j++)
+                prepare_head(q + i * q_token_stride + j * q_head_stride, qbuf + (i * heads + j) * head_dim, head_dim,
+                             q_norm_w, eps, cos_t != NULL ? cos_t + i * head_dim : NULL,
+                             sin_t != NULL ? sin_t + i * head_dim : NULL);
+        q = qbuf;
+        q_token_stride = heads * head_dim;
+        q_head_stride = head_dim;
     }
     const int64_t tile = groups <= LANES ? LANES / groups : 1;  /* tokens per multi-token tile */
     int64_t longest = 0;
@@ -273,6 +324,7 @@ int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_
         free(scores);
         free(acc);
         free(qt);
+        free(qbuf);
         return -1;
     }
     int64_t i = 0;
@@ -295,5 +347,6 @@ int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_
     free(scores);
     free(acc);
     free(qt);
+    free(qbuf);
     return 0;
 }

@@ -75,7 +75,7 @@ def build(directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
+            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
@@ -93,14 +93,16 @@ class PagedAttention:
         fn = lib.kiln_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                       ptr, i64, i64, ptr, i64, i64]
+                       ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
         self.path = path
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                row_of: torch.Tensor, pos_of: torch.Tensor, scale: float, *, new_keys: torch.Tensor | None = None,
-               new_values: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               new_values: torch.Tensor | None = None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of query tokens over their rows' cached positions.
 
         ``q``: ``[tokens, heads, head_dim]`` (any token and head strides, unit stride along
@@ -110,7 +112,10 @@ class PagedAttention:
         token's row and position (it sees positions ``0..pos``). ``new_keys``/``new_values``
         (optional, ``[tokens, kv_heads, head_dim]``, any token and head strides, unit stride
         on ``head_dim``): the tokens' own keys and values, stored in their blocks first (else
-        positions ``0..pos`` must already be written). Returns ``[tokens, heads * head_dim]``.
+        positions ``0..pos`` must already be written). ``qk_norm``: ``(q weight, k weight, eps)``,
+        per-head RMSNorm of the queries and new keys (Qwen3's ``q_norm``/``k_norm``, weights
+        ``[head_dim]``); ``rope``: ``(cos, sin)``, ``[tokens, head_dim]`` rows of the model's
+        rotary embedding, applied after the norm. Returns ``[tokens, heads * head_dim]``.
         """
         tokens, heads, dim = q.shape
         _, block_size, kv_heads, kdim = keys.shape
@@ -131,9 +136,27 @@ class PagedAttention:
                                      "[tokens, kv_heads, head_dim] with unit stride on head_dim")
             new = (new_keys.data_ptr(), new_keys.stride(0), new_keys.stride(1),
                    new_values.data_ptr(), new_values.stride(0), new_values.stride(1))
+        extra: tuple = (None, None, 0.0, None, None)
+        if qk_norm is not None or rope is not None:
+            if new_keys is None:
+                raise ValueError("paged attention: qk_norm and rope apply to new keys; pass them")
+            wq = wk = None
+            eps = 0.0
+            if qk_norm is not None:
+                wq, wk, eps = qk_norm
+                if any(w.shape != (dim,) or w.dtype != torch.float32 or not w.is_contiguous() for w in (wq, wk)):
+                    raise ValueError("paged attention: qk_norm weights must be contiguous float32 [head_dim]")
+            cos = sin = None
+            if rope is not None:
+                cos, sin = rope
+                if any(t.shape != (tokens, dim) or t.dtype != torch.float32 or not t.is_contiguous() for t in rope):
+                    raise ValueError("paged attention: rope cos/sin must be contiguous float32 [tokens, head_dim]")
+            extra = tuple(None if t is None else t.data_ptr() for t in (wq, wk)) + (eps,) + tuple(
+                None if t is None else t.data_ptr() for t in (cos, sin))
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1),
                       keys.data_ptr(), values.data_ptr(), table.data_ptr(), table.shape[1], row_of.data_ptr(),
-                      pos_of.data_ptr(), tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr(), *new)
+                      pos_of.data_ptr(), tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr(), *new,
+                      *extra)
         if rc != 0:
             raise MemoryError(f"paged attention kernel failed (code {rc})") if rc == -1 else ValueError(
                 f"paged attention kernel rejected its shapes (code {rc})")

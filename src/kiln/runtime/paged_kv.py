@@ -269,13 +269,15 @@ class PagedStepCache:
         kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
         vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+               **prepare: Any) -> torch.Tensor:
         """Store the step's keys and values ``k``/``v`` (``[tokens, kv_heads, head_dim]``) and attend
         with ``q`` (``[tokens, heads, head_dim]``; the tokens of ``in_place``) over layer
-        ``layer_idx``'s blocks, in one kernel call -> ``[tokens, heads * head_dim]``."""
+        ``layer_idx``'s blocks, in one kernel call -> ``[tokens, heads * head_dim]``. ``prepare``:
+        the kernel's ``qk_norm``/``rope`` (applied to ``q`` and ``k`` first)."""
         kernel, row_of, pos_of = self.in_place
         return kernel.attend(q, self.pool.keys[layer_idx], self.pool.values[layer_idx], self._table, row_of, pos_of,
-                             scale, new_keys=k, new_values=v)
+                             scale, new_keys=k, new_values=v, **prepare)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [batch, kv_heads, q_len, head_dim]
