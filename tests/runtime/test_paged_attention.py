@@ -93,6 +93,26 @@ def test_kernel_stores_the_tokens_own_keys_and_values_before_attending(kernel):
         kernel.attend(q, keys, values, table, row_of, pos_of, 0.25, new_keys=new_k[:, :1], new_values=new_v)
 
 
+def test_add_rms_norm_is_the_residual_add_and_transformers_rmsnorm(kernel):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(3, 5, 48, generator=gen)
+    delta = torch.randn(3, 5, 48, generator=gen)
+    want_h = h + delta
+    with torch.no_grad():
+        want = norm(want_h)
+    got = kernel.add_rms_norm(h, delta, norm.weight.detach(), norm.variance_epsilon)
+    assert torch.equal(h, want_h)  # the residual add happened in place, bitwise
+    assert (got - want).abs().max().item() < 1e-5
+    assert (kernel.add_rms_norm(h, None, norm.weight.detach(), 1e-6) - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.add_rms_norm(h.transpose(0, 1), None, norm.weight.detach(), 1e-6)
+
+
 def test_kernel_rejects_what_it_cannot_read(kernel):
     keys, values = _pool(4, 4, 2, 8)
     table, rows, pos = torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3])

@@ -87,6 +87,11 @@ def _norm(h: torch.Tensor, norm: Any, fused: bool) -> torch.Tensor:
     return _rms(h, weight, norm.variance_epsilon)
 
 
+def _c_norm(kernel: Any, h: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
+    """``h += delta`` in place, then ``norm``'s RMSNorm of ``h``, by the paged-attention kernel library."""
+    return kernel.add_rms_norm(h, delta, norm._parameters["weight"], norm.variance_epsilon)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -204,10 +209,17 @@ class LeanForward:
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA: this, in each layer
                 attention_mask = torch.full_like(attention_mask, float("-inf"), dtype=h.dtype).masked_fill_(
                     attention_mask, 0.0)
-        for i, layer in enumerate(inner.layers):
+        # in place, the kernel library also does each residual add with the RMSNorm after it (one call
+        # instead of add + six ATen ops): x is then always the normalised input of the next block
+        kern = cache.in_place[0] if in_place else None
+        layers = inner.layers
+        if kern is not None:
+            x = _c_norm(kern, h, None, layers[0]._modules["input_layernorm"]) if len(layers) else h
+        for i, layer in enumerate(layers):
             sub = layer._modules
             attn, mlp = sub["self_attn"]._modules, sub["mlp"]._modules
-            x = _norm(h, sub["input_layernorm"], fast)
+            if kern is None:
+                x = _norm(h, sub["input_layernorm"], fast)
             qkv = self._fused_linear(x, (attn["q_proj"], attn["k_proj"], attn["v_proj"])) if fast else None
             if in_place:  # norm, RoPE, KV store and attention in one kernel call (kiln.runtime.paged_attention)
                 o = self._attend_in_place(x, qkv, attn, cache, i, rope).view(b, t, -1)
@@ -218,16 +230,24 @@ class LeanForward:
                     q, k, v = self._separate_qkv(x, attn, b, t, cos, sin)
                 k, v = cache.update(k, v, i)
                 o = self._attention(q, k, v, attention_mask, b, t)
-            h = h + self._linear(o, attn["o_proj"])
-            x = _norm(h, sub["post_attention_layernorm"], fast)
+            if kern is not None:
+                x = _c_norm(kern, h, self._linear(o, attn["o_proj"]), sub["post_attention_layernorm"])
+            else:
+                h = h + self._linear(o, attn["o_proj"])
+                x = _norm(h, sub["post_attention_layernorm"], fast)
             gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if fast else None
             if gu is not None:
                 g, u = gu.chunk(2, dim=-1)
-                h = h + self._linear(F.silu(g).mul_(u), mlp["down_proj"])
+                delta = self._linear(F.silu(g).mul_(u), mlp["down_proj"])
             else:
                 lin = self._linear
-                h = h + lin(F.silu(lin(x, mlp["gate_proj"])) * lin(x, mlp["up_proj"]), mlp["down_proj"])
-        h = _norm(h, inner.norm, fast)
+                delta = lin(F.silu(lin(x, mlp["gate_proj"])) * lin(x, mlp["up_proj"]), mlp["down_proj"])
+            if kern is not None:
+                following = layers[i + 1]._modules["input_layernorm"] if i + 1 < len(layers) else inner.norm
+                x = _c_norm(kern, h, delta, following)
+            else:
+                h = h + delta
+        h = x if kern is not None else _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
         return self._linear(h, lm.lm_head)
 

@@ -350,3 +350,25 @@ int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_
     free(qbuf);
     return 0;
 }
+
+/* The decoder's residual add and RMSNorm in one pass: h += delta (when given), then
+ * out = w * (h / sqrt(mean(h^2) + eps)) per row of `dim` floats; h, delta, out contiguous. */
+KILN_CLONES
+void kiln_add_rms_norm(float *h, const float *delta, const float *w, float eps, int64_t rows, int64_t dim,
+                       float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * dim;
+        float *o = out + r * dim;
+        if (delta != NULL) {
+            const float *dr = delta + r * dim;
+#pragma omp simd
+            for (int64_t c = 0; c < dim; c++) hr[c] += dr[c];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t c = 0; c < dim; c++) ss += hr[c] * hr[c];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < dim; c++) o[c] = w[c] * (hr[c] * inv);
+    }
+}

@@ -96,7 +96,27 @@ class PagedAttention:
                        ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
+        norm = lib.kiln_add_rms_norm
+        norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
+        norm.restype = None
+        self._norm = norm
         self.path = path
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``h += delta`` in place (the residual add; skipped when ``delta`` is None), then
+        RMSNorm of ``h`` with ``weight`` over the last dimension, as transformers' RMSNorm.
+        Contiguous float32 tensors; returns the normalised copy."""
+        dim = h.shape[-1]
+        if (not h.is_contiguous() or h.dtype != torch.float32 or weight.shape != (dim,)
+                or weight.dtype != torch.float32 or not weight.is_contiguous()):
+            raise ValueError("add_rms_norm: contiguous float32 h [..., dim] and weight [dim]")
+        if delta is not None and (delta.shape != h.shape or delta.dtype != torch.float32 or not delta.is_contiguous()):
+            raise ValueError("add_rms_norm: delta must be a contiguous float32 tensor shaped like h")
+        out = torch.empty_like(h)
+        self._norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps,
+                   h.numel() // dim, dim, out.data_ptr())
+        return out
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor,
                row_of: torch.Tensor, pos_of: torch.Tensor, scale: float, *, new_keys: torch.Tensor | None = None,
