@@ -35,11 +35,22 @@ def _pool(blocks: int, block_size: int, kv_heads: int, dim: int, seed: int = 0):
     return keys, values
 
 
+@pytest.fixture(scope="module")
+def baseline_kernel(kernel, tmp_path_factory):
+    """The same source built without ISA clones: the code a CPU without AVX2/AVX-512 runs."""
+    return paged_attention.PagedAttention(paged_attention.build(tmp_path_factory.mktemp("baseline"),
+                                                                baseline_only=True))
+
+
+@pytest.mark.parametrize("variant", ["dispatched", "baseline"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
                          [(8, 8, 64, 16), (4, 2, 32, 4), (16, 8, 128, 16), (6, 1, 16, 3), (32, 2, 8, 5)])
-def test_kernel_matches_the_reference_for_decode_and_chunk_tokens(kernel, heads, kv_heads, dim, block_size):
+def test_kernel_matches_the_reference_for_decode_and_chunk_tokens(kernel, baseline_kernel, variant, heads, kv_heads,
+                                                                  dim, block_size):
     """Decode tokens of several rows, a prompt chunk (a run of one row's tokens: the tiled path),
-    positions 0 and across block boundaries, blocks scattered over the pool."""
+    positions 0 and across block boundaries, blocks scattered over the pool; the clone this CPU
+    picks and the baseline build."""
+    kernel = kernel if variant == "dispatched" else baseline_kernel
     width = -(-70 // block_size)
     keys, values = _pool(3 * width + 8, block_size, kv_heads, dim)
     gen = torch.Generator().manual_seed(1)

