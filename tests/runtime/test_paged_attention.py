@@ -248,6 +248,20 @@ def test_decode_and_packed_steps_in_place_match_gather_and_sdpa(kernel, kind, pa
     assert out[True][3] == out[False][3] == chunk_rows
 
 
+def test_rope_rows_from_the_table_equal_the_rotary_module_bitwise(gqa_model):
+    from kiln.runtime.lean_forward import lean_forward_for
+
+    lean = lean_forward_for(gqa_model)
+    inner = gqa_model.model
+    h = torch.zeros(1, 1, 256)
+    with torch.inference_mode():
+        for positions in (torch.tensor([0, 5, 63]), torch.tensor([200, 7, 64, 129])):  # the second grows the table
+            cos, sin = lean._rope_rows(inner, h, positions)
+            want_cos, want_sin = inner.rotary_emb(h, positions[None])
+            assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert lean._rope_table[0].shape[0] == 256
+
+
 def test_prompt_only_and_adapter_rows_keep_sdpa(kernel, gqa_model):
     """A packed step of one prompt alone keeps SDPA's GEMMs; rows with an adapter run transformers' forward."""
     pool = BlockPool(CacheShape(2, 2, 64, 4), 32, 4, device="cpu", dtype=torch.float32)

@@ -119,6 +119,7 @@ class LeanForward:
         self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # (q_norm, k_norm weight data_ptr) -> [heads + kv_heads, 1, head_dim]: both norms in one pass
         self._qk_norm: dict[tuple[int, int], torch.Tensor] = {}
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin rows by position (in place)
         # packed copies are made in module order (the decoder layers, then the LM head) while they fit
         # in PACKED_WEIGHTS_MAX_BYTES; what does not fit stays on F.linear
         self._pack_budget = _pack_cap()
@@ -193,8 +194,6 @@ class LeanForward:
         lm = self.model  # PEFT wraps the layers in place: this object stays the causal LM
         inner = lm.model
         h = getattr(inner.embed_tokens, "base_layer", inner.embed_tokens)(input_ids)
-        cos, sin = inner.rotary_emb(h, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         b, t = input_ids.shape
         fast = bool(self._fused) and h.dtype == torch.float32
         # the cache may attend in place: one query token per row (decode) or one packed row (b == 1)
@@ -202,8 +201,11 @@ class LeanForward:
         if in_place and b != 1 and t != 1:
             raise ValueError("in-place paged attention takes [rows, 1] or [1, tokens] queries")
         if in_place:  # the kernel rotates: cos/sin rows per token, [tokens, head_dim]
-            rope = (cos.reshape(b * t, -1).contiguous(), sin.reshape(b * t, -1).contiguous())
-        elif fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
+            rope = self._rope_rows(inner, h, position_ids.reshape(-1))
+        else:
+            cos, sin = inner.rotary_emb(h, position_ids)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if not in_place and fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
             half = self.head_dim // 2
             sin_r = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA: this, in each layer
@@ -250,6 +252,20 @@ class LeanForward:
         h = x if kern is not None else _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
         return self._linear(h, lm.lm_head)
+
+    def _rope_rows(self, inner: Any, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin rows ``[tokens, head_dim]`` for ``positions``, looked up in a table the model's
+        own rotary module computed once for positions 0..n-1 (n doubles as longer positions come):
+        its rows are a product and a cos/sin per element, so they equal a per-step call bitwise,
+        without the module's ~10 ops and decorators per step (default RoPE only: lean_forward_for
+        refuses the others)."""
+        table = self._rope_table
+        top = int(positions.max()) + 1
+        if table is None or table[0].shape[0] < top or table[0].dtype != h.dtype or table[0].device != h.device:
+            n = 1 << max(63, top - 1).bit_length()
+            cos, sin = inner.rotary_emb(h, torch.arange(n, device=h.device)[None])
+            table = self._rope_table = (cos[0].contiguous(), sin[0].contiguous())
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _attend_in_place(self, x: torch.Tensor, qkv: torch.Tensor | None, attn: dict[str, Any], cache: Any,
                          layer: int, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
