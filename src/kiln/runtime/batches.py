@@ -122,12 +122,12 @@ class Batches:
         kv_len = table.shape[1] * self.kv.block_size
         row_t = torch.tensor(row_of, device=dev)
         pos_t = torch.tensor(pos_of, device=dev)
-        wb, wo = self._where(table, row_t, pos_t)
         kernel = self._in_place(rows) if len(rows) > 1 or not chunks else None  # one prompt alone: SDPA's GEMMs
-        if kernel is not None:
+        if kernel is not None:  # the kernel finds each token's slot from the table itself
             mask = None
-            cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True, in_place=(kernel, row_t, pos_t))
+            cache = self.kv.step(table, None, None, packed=True, in_place=(kernel, row_t, pos_t))
         else:
+            wb, wo = self._where(table, row_t, pos_t)
             key_row = torch.arange(len(rows), device=dev).repeat_interleave(kv_len)
             key_pos = torch.arange(kv_len, device=dev).repeat(len(rows))
             mask = ((key_row[None, :] == row_t[:, None]) & (key_pos[None, :] <= pos_t[:, None]))[None, None]
@@ -177,12 +177,12 @@ class Batches:
         kv_len = table.shape[1] * self.kv.block_size
         ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
         row = torch.arange(n, device=dev)
-        wb, wo = self._where(table, row, pos)
         kernel = self._in_place(rows)
-        if kernel is not None:
+        if kernel is not None:  # the kernel finds each token's slot from the table itself
             mask = None
-            cache = self.kv.step(table, wb[:, None], wo[:, None], in_place=(kernel, row, pos))
+            cache = self.kv.step(table, None, None, in_place=(kernel, row, pos))
         else:
+            wb, wo = self._where(table, row, pos)
             mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
             cache = self.kv.step(table, wb[:, None], wo[:, None])
         logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)

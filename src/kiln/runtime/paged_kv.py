@@ -228,7 +228,7 @@ class BlockPool:
         width = width or max(len(r) for r in rows)
         return torch.tensor([r + [SCRATCH] * (width - len(r)) for r in rows], device=self.device, dtype=torch.long)
 
-    def step(self, table: torch.Tensor, write_block: torch.Tensor, write_off: torch.Tensor, *,
+    def step(self, table: torch.Tensor, write_block: torch.Tensor | None, write_off: torch.Tensor | None, *,
              packed: bool = False, in_place: Any = None) -> "PagedStepCache":
         return PagedStepCache(self, table, write_block, write_off, packed, in_place)
 
@@ -245,15 +245,16 @@ class PagedStepCache:
     mask hides positions past each row's length.
 
     ``in_place``: ``(kernel, row_of, pos_of)`` - each query token's row in ``table`` and its
-    position, for :meth:`attend` (kiln.runtime.paged_attention), which stores the step's keys
-    and values and reads the blocks where they lie (no gather, no mask) in one call; a forward
-    that uses it calls :meth:`attend` instead of :meth:`update`.
+    position (``write_block``/``write_off`` may then be ``None``), for :meth:`attend`
+    (kiln.runtime.paged_attention), which stores the step's keys and values and reads the
+    blocks where they lie (no gather, no mask) in one call; a forward that uses it calls
+    :meth:`attend` instead of :meth:`update`.
     """
 
     is_compileable = False
 
-    def __init__(self, pool: BlockPool, table: torch.Tensor, write_block: torch.Tensor, write_off: torch.Tensor,
-                 packed: bool, in_place: Any = None):
+    def __init__(self, pool: BlockPool, table: torch.Tensor, write_block: torch.Tensor | None,
+                 write_off: torch.Tensor | None, packed: bool, in_place: Any = None):
         self.pool = pool
         self.in_place = in_place
         self._table = table
