@@ -41,6 +41,12 @@ and dropped: oneDNN's binary ``add`` post-op for the residual adds (slower than 
 separate add) and SiLU/mul post-ops on separate gate/up packs (slower than the fused
 gate|up matmul plus ``silu`` and ``mul_``).
 
+With a cache that attends in place (kiln.runtime.paged_attention; the engine's decode and
+packed steps on the CPU in float32) the attention block is one kernel call per layer: the
+raw q|k|v projection goes in, the kernel applies the q/k norms and RoPE, stores the new
+keys and values and attends; each residual add runs with the RMSNorm after it as one call,
+and RoPE rows come from a cos/sin table the model's rotary module filled once.
+
 It reads each weight through the module tree at every call (from the modules'
 ``_modules``/``_parameters`` dicts: ``nn.Module.__getattr__`` cost about 0.2 ms per
 step), so a model that PEFT has wrapped in place still works: a LoRA layer's frozen ``base_layer`` supplies the
