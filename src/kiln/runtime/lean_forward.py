@@ -202,24 +202,24 @@ class LeanForward:
         h = getattr(inner.embed_tokens, "base_layer", inner.embed_tokens)(input_ids)
         b, t = input_ids.shape
         fast = bool(self._fused) and h.dtype == torch.float32
-        # the cache may attend in place: one query token per row (decode) or one packed row (b == 1)
-        in_place = getattr(cache, "in_place", None) is not None
-        if in_place and b != 1 and t != 1:
+        # the cache may attend in place (its kernel library): one query token per row (decode) or one
+        # packed row (b == 1); the library then also does each residual add with the RMSNorm after it
+        # (one call instead of add + six ATen ops), so x is always the normalised input of the next block
+        in_place = getattr(cache, "in_place", None)
+        kern = in_place[0] if in_place is not None else None
+        if kern is not None and b != 1 and t != 1:
             raise ValueError("in-place paged attention takes [rows, 1] or [1, tokens] queries")
-        if in_place:  # the kernel rotates: cos/sin rows per token, [tokens, head_dim]
+        if kern is not None:  # the kernel rotates: cos/sin rows per token, [tokens, head_dim]
             rope = self._rope_rows(inner, h, position_ids.reshape(-1))
         else:
             cos, sin = inner.rotary_emb(h, position_ids)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if not in_place and fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
+        if kern is None and fast:  # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated), bitwise
             half = self.head_dim // 2
             sin_r = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA: this, in each layer
                 attention_mask = torch.full_like(attention_mask, float("-inf"), dtype=h.dtype).masked_fill_(
                     attention_mask, 0.0)
-        # in place, the kernel library also does each residual add with the RMSNorm after it (one call
-        # instead of add + six ATen ops): x is then always the normalised input of the next block
-        kern = cache.in_place[0] if in_place else None
         layers = inner.layers
         if kern is not None:
             x = _c_norm(kern, h, None, layers[0]._modules["input_layernorm"]) if len(layers) else h
@@ -229,7 +229,7 @@ class LeanForward:
             if kern is None:
                 x = _norm(h, sub["input_layernorm"], fast)
             qkv = self._fused_linear(x, (attn["q_proj"], attn["k_proj"], attn["v_proj"])) if fast else None
-            if in_place:  # norm, RoPE, KV store and attention in one kernel call (kiln.runtime.paged_attention)
+            if kern is not None:  # norm, RoPE, KV store and attention in one kernel call (kiln.runtime.paged_attention)
                 o = self._attend_in_place(x, qkv, attn, cache, i, rope).view(b, t, -1)
             else:
                 if qkv is not None:

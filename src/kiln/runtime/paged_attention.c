@@ -70,6 +70,23 @@ KILN_INLINE float dot(const float *restrict a, const float *restrict b, int64_t 
 
 #define LANES 16 /* query (token, head) pairs a multi-token tile computes side by side */
 
+/* Offset (in floats) of the block holding position t of a row whose block table is `tab`. */
+KILN_INLINE int64_t block_at(const int64_t *tab, int64_t t, int64_t block_size, int64_t slot) {
+    return tab[t / block_size] * block_size * slot;
+}
+
+/* Positions of the block starting at t0 that lie below len. */
+KILN_INLINE int64_t block_fill(int64_t t0, int64_t len, int64_t block_size) {
+    return len - t0 < block_size ? len - t0 : block_size;
+}
+
+/* The next block's slot at offset o (kv_heads x head_dim floats, elsewhere in memory) on its way
+ * into the cache while this block is read; `next` is NULL past the row's last block. */
+KILN_INLINE void prefetch_slot(const float *next, int64_t o, int64_t slot) {
+    if (next != NULL)
+        for (int64_t c = 0; c < slot; c += 16) __builtin_prefetch(next + o * slot + c);
+}
+
 /* ONE query token (decode) against its row's keys, every head at once: the keys and values
  * are walked in memory order (a position's kv_heads x head_dim floats are contiguous), so the
  * reads stream through whole blocks as the hardware prefetcher expects; a walk per head would
@@ -80,13 +97,12 @@ KILN_INLINE void attend_one(const float *qi, int64_t q_head_stride, const float 
                               int64_t head_dim, int64_t block_size, float scale, float *scores, float *acc,
                               float *dst) {
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        const float *kb = k + tab[t0 / block_size] * block_size * slot;
-        const float *kn = t0 + block_size < len ? k + tab[t0 / block_size + 1] * block_size * slot : NULL;
+        const int64_t n = block_fill(t0, len, block_size);
+        const float *kb = k + block_at(tab, t0, block_size, slot);
+        const float *kn = t0 + block_size < len ? k + block_at(tab, t0 + block_size, block_size, slot) : NULL;
         for (int64_t o = 0; o < n; o++) {
             const float *kp = kb + o * slot;
-            if (kn != NULL)  /* the next block (elsewhere in memory) is on its way while this one is read */
-                for (int64_t c = 0; c < slot; c += 16) __builtin_prefetch(kn + o * slot + c);
+            prefetch_slot(kn, o, slot);
             for (int64_t j = 0; j < heads; j++)
                 scores[j * len + t0 + o] = dot(qi + j * q_head_stride, kp + (j / groups) * head_dim, head_dim) * scale;
         }
@@ -108,13 +124,12 @@ KILN_INLINE void attend_one(const float *qi, int64_t q_head_stride, const float 
     }
     memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        const float *vb = v + tab[t0 / block_size] * block_size * slot;
-        const float *vn = t0 + block_size < len ? v + tab[t0 / block_size + 1] * block_size * slot : NULL;
+        const int64_t n = block_fill(t0, len, block_size);
+        const float *vb = v + block_at(tab, t0, block_size, slot);
+        const float *vn = t0 + block_size < len ? v + block_at(tab, t0 + block_size, block_size, slot) : NULL;
         for (int64_t o = 0; o < n; o++) {
             const float *vp = vb + o * slot;
-            if (vn != NULL)
-                for (int64_t c = 0; c < slot; c += 16) __builtin_prefetch(vn + o * slot + c);
+            prefetch_slot(vn, o, slot);
             for (int64_t j = 0; j < heads; j++) {
                 const float p = scores[j * len + t0 + o];
                 const float *vh = vp + (j / groups) * head_dim;
@@ -151,8 +166,8 @@ KILN_INLINE void attend_tile(const float *q, int64_t q_token_stride, int64_t q_h
             qt[c * LANES + l] = l < lanes
                 ? q[(l / groups) * q_token_stride + (h * groups + l % groups) * q_head_stride + c] * scale : 0.0f;
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        const float *kb = k + tab[t0 / block_size] * block_size * slot;
+        const int64_t n = block_fill(t0, len, block_size);
+        const float *kb = k + block_at(tab, t0, block_size, slot);
         int64_t o = 0;
         for (; o + 4 <= n; o += 4) {  /* four keys at a time: four independent FMA chains */
             const float *k0 = kb + o * slot, *k1 = k0 + slot, *k2 = k1 + slot, *k3 = k2 + slot;
@@ -210,8 +225,8 @@ KILN_INLINE void attend_tile(const float *q, int64_t q_token_stride, int64_t q_h
     }
     memset(acc, 0, sizeof(float) * (size_t)(lanes * head_dim));
     for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-        const float *vb = v + tab[t0 / block_size] * block_size * slot;
+        const int64_t n = block_fill(t0, len, block_size);
+        const float *vb = v + block_at(tab, t0, block_size, slot);
         int64_t o = 0;
         for (; o + 4 <= n; o += 4) {  /* four keys per pass over each lane's accumulator */
             const float *v0 = vb + o * slot, *v1 = v0 + slot, *v2 = v1 + slot, *v3 = v2 + slot;
@@ -288,7 +303,7 @@ int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_
                                               chunk's tokens attend to each other */
         for (int64_t i = 0; i < tokens; i++) {
             const int64_t p = pos_of[i];
-            const int64_t at = (table[row_of[i] * table_width + p / block_size] * block_size + p % block_size) * slot;
+            const int64_t at = block_at(table + row_of[i] * table_width, p, block_size, slot) + p % block_size * slot;
             const float *ci = cos_t != NULL ? cos_t + i * head_dim : NULL;
             const float *si = sin_t != NULL ? sin_t + i * head_dim : NULL;
             for (int64_t h = 0; h < kv_heads; h++) {

@@ -264,12 +264,6 @@ class PagedStepCache:
         self._wb = write_block
         self._wo = write_off
 
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
-        """Store the step's keys and values (``[batch, kv_heads, q_len, head_dim]``) in their blocks."""
-        kc, vc = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
-        vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
                **prepare: Any) -> torch.Tensor:
         """Store the step's keys and values ``k``/``v`` (``[tokens, kv_heads, head_dim]``) and attend
@@ -282,8 +276,9 @@ class PagedStepCache:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [batch, kv_heads, q_len, head_dim]
-        self.write(key_states, value_states, layer_idx)
-        kc = self.pool.keys[layer_idx]
+        kc, vc = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
+        vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)
         heads, dim = kc.shape[2], kc.shape[3]
         k = self.pool.gather(0, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
         v = self.pool.gather(1, layer_idx, self._flat).view(self._n, self._kv_len, heads, dim).transpose(1, 2)
