@@ -24,6 +24,7 @@ the ratios, and ``--json`` if given.
     .venv/bin/python bench/serving.py --shape qwen3-31m  # 31M-parameter Qwen3 shape, random weights
     .venv/bin/python bench/serving.py --prefix-only      # prefix cache: TTFT with a cached 1,000-token system prompt
     .venv/bin/python bench/serving.py --structured-only  # JSON-schema output vs unconstrained at c=8, mask cost
+    .venv/bin/python bench/serving.py --shape qwen3-31m --mixed-only  # mixed_step_factor 0 vs default
 
 ``--structured-only``: one ``kiln serve``, streaming chat at ``--structured-concurrency``
 (default 8), the same prompts unconstrained and with ``response_format: json_schema``
@@ -32,6 +33,12 @@ median of the rounds' ratios (target >= 0.85x), and CPU time per token of each; 
 process, the grammar mask's cost per token computed in line (llguidance fill + apply on
 one row) next to the batched sampler's cost per step with none, one or all rows
 constrained (masks prepared on the worker thread while a stand-in forward runs).
+
+``--mixed-only``: ``kiln serve`` with ``batching.mixed_step_factor`` 0 (no limit on a cycle's
+prompt tokens beside decoding rows) and with its default, ``--mixed-rounds`` interleaved
+rounds, ``--mixed-concurrency`` closed-loop clients whose requests ask for varied output
+lengths (uniform in [1/4, 7/4] of ``--max-tokens``, seeded), so streams end out of step and
+each new prompt is prefilled beside running rows: ITL p50/p99 and TTFT of both settings.
 
 ``--shape`` builds a model offline (the built-in tokenizer, a ``Qwen3Config`` of that
 shape, random weights, safetensors) into ``$KILN_HOME/bench-models/<shape>``; ``--model``
@@ -71,16 +78,18 @@ SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed doe
 }
 
 
-SHAPE_MARKER = "kiln-bench-shape-v2"  # models built before it streamed mostly textless tokens: rebuilt
+SHAPE_MARKER = "kiln-bench-shape-v3"  # models built before it streamed mostly textless tokens: rebuilt
 
 
 def build_shape_model(shape: str, home: Path) -> Path:
     """A Qwen3 model of ``SHAPES[shape]`` with the built-in tokenizer and random weights (cached).
 
-    The shape's vocabulary is larger than the built-in tokenizer's; the embedding rows (tied to
-    the LM head) of the IDs the tokenizer lacks are zero, so greedy decoding picks tokens that
-    have text and both servers stream content every step (TTFT and ITL are measured on content
-    chunks; a model that mostly emits textless IDs streams nothing until its end)."""
+    The embedding rows (tied to the LM head) of IDs without text of their own are zero: the IDs
+    beyond the built-in tokenizer (the shape's vocabulary is larger), special tokens, and byte
+    tokens that are not a whole UTF-8 character alone (a streaming detokenizer holds those back).
+    So greedy decoding picks tokens that have text and both servers stream content every step
+    (TTFT and ITL are measured on content chunks; a random model that locks onto a lone
+    continuation byte streams nothing for many steps)."""
     out = home / "bench-models" / shape
     if (out / SHAPE_MARKER).exists():
         return out
@@ -99,12 +108,15 @@ def build_shape_model(shape: str, home: Path) -> Path:
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
+    textless = [i for i in range(len(tok))
+                if not tok.decode([i], skip_special_tokens=True) or "\ufffd" in tok.decode([i])]
     with torch.no_grad():
         model.get_input_embeddings().weight[len(tok):] = 0.0
+        model.get_input_embeddings().weight[textless] = 0.0
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / SHAPE_MARKER).write_text("textless vocabulary rows zeroed\n")
+    (tmp / SHAPE_MARKER).write_text(f"textless vocabulary rows zeroed: {len(textless)} + {cfg.vocab_size - len(tok)}\n")
     tok.model_max_length = dims["max_position_embeddings"]
     tok.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
@@ -404,16 +416,20 @@ async def one_request(host: str, port: int, model: str, text: str, max_tokens: i
     return {"ttft": (first or time.perf_counter()) - t0, "gaps": gaps, "tokens": int(m.group(1))}
 
 
-async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int, concurrency: int,
+async def http_load(base_url: str, model: str, texts: list[str], max_tokens: int | list[int], concurrency: int,
                     extra: dict | None = None) -> dict:
+    """``concurrency`` closed-loop clients over ``texts``; ``max_tokens`` is one count for every
+    request or one per text (streams then end out of step, so prompts join running batches)."""
     host, port = base_url.rsplit("//", 1)[1].rsplit(":", 1)
-    queue = list(texts)
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(texts)
+    queue = list(zip(texts, counts))
     results: list[dict] = []
     await one_request(host, int(port), model, texts[0], 4, extra)  # warm-up
 
     async def worker():
         while queue:
-            results.append(await one_request(host, int(port), model, queue.pop(), max_tokens, extra))
+            text, count = queue.pop()
+            results.append(await one_request(host, int(port), model, text, count, extra))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -487,6 +503,39 @@ def server_runs(name: str, cmd: list[str], env: dict, model_id: str, texts_by_c:
             out.append({"system": f"{name}-c{c}", **r})
             print(f"  {name} c={c}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
         return out
+
+
+# -- mixed cycles (prompts joining running batches) -------------------------------------------------
+
+
+def varied_tokens(count: int, mean: int, seed: int = 1) -> list[int]:
+    """Per-request output lengths, uniform in [mean/4, 7*mean/4] (seeded: the same for every run)."""
+    import random
+
+    rnd = random.Random(seed)
+    return [rnd.randint(max(1, mean // 4), max(1, 7 * mean // 4)) for _ in range(count)]
+
+
+def mixed_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], concurrency: int, waves: int,
+               max_tokens: int, rounds: int) -> list[dict]:
+    """``kiln serve`` with ``--mixed-step-factor 0`` (no limit on a cycle's prompt tokens beside
+    decoding rows) and with its default, interleaved ``rounds`` times; closed-loop clients whose
+    requests have varied output lengths, so streams end out of step and every new prompt is
+    prefilled beside running rows: ITL and TTFT of each setting."""
+    texts = prompts_for(max(8, waves * concurrency))
+    counts = varied_tokens(len(texts), max_tokens)
+    out = []
+    for r in range(rounds):
+        for label, extra in (("factor-0", ["--mixed-step-factor", "0"]), ("default", [])):
+            name = f"kiln-{label}"
+            with running_server(name, cmd + extra, env, workdir, 300) as (base, proc):
+                res = asyncio.run(http_load(base, model_dir.name, texts, counts, concurrency))
+            res.update(system=name, round=r, itl_ratio=res["itl_p99_ms"] / res["itl_p50_ms"])
+            print(f"  round {r} {name}: {res['tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.1f} p99 "
+                  f"{res['ttft_p99_ms']:.1f} ms, ITL p50 {res['itl_p50_ms']:.2f} p99 {res['itl_p99_ms']:.2f} ms "
+                  f"({res['itl_ratio']:.2f}x)", file=sys.stderr, flush=True)
+            out.append(res)
+    return out
 
 
 # -- structured output ----------------------------------------------------------------------------
@@ -605,6 +654,10 @@ def main() -> None:
                     help="only the structured-output run (JSON schema vs unconstrained, mask cost per token)")
     ap.add_argument("--structured-concurrency", type=int, default=8)
     ap.add_argument("--structured-rounds", type=int, default=5, help="interleaved A/B rounds of the structured run")
+    ap.add_argument("--mixed-only", action="store_true",
+                    help="only the mixed-cycle run: batching.mixed_step_factor 0 vs default, varied output lengths")
+    ap.add_argument("--mixed-concurrency", type=int, default=8)
+    ap.add_argument("--mixed-rounds", type=int, default=2, help="interleaved A/B rounds of the mixed-cycle run")
     ap.add_argument("--compiled", action="store_true", help="also the engine with its compiled decode step")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -648,6 +701,18 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "mask": cost,
                                                    "structured": run}, indent=2))
+        return
+    if args.mixed_only:
+        runs = mixed_runs(model_dir, workdir, kiln_env(workdir), kiln_command(model_dir, args.threads),
+                          args.mixed_concurrency, args.waves, args.max_tokens, args.mixed_rounds)
+        print(f"{'system':<18}{'round':>6}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+              f"{'p99/p50':>9}  (ms)")
+        for r in runs:
+            print(f"{r['system']:<18}{r['round']:>6}{r['tok_s']:>8.0f}{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}"
+                  f"{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}{r['itl_ratio']:>9.2f}")
+        if args.json:
+            out = {"args": vars(args), "model": str(model_dir), "rows": runs}
+            Path(args.json).write_text(json.dumps(out, indent=2))
         return
     if args.prefix_only:
         rows = prefix_runs(model_dir)

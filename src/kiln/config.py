@@ -77,6 +77,7 @@ class BatchingSettings(_Section):
     prefix_cache: bool = True  # share identical prompt-prefix blocks (same adapter revision)
     compile_decode: bool = False  # torch.compile the decode step (bucketed static shapes); docs/benchmarks.md
     burst_gap_s: float = Field(0.001, ge=0.0, le=0.1)  # waking idle: gather requests this far apart (docs/serving.md)
+    mixed_step_factor: float = Field(1.5, ge=0.0, le=100.0)  # prompt tokens beside decoding rows (docs/serving.md)
     lean_forward: bool = True  # Llama-family forward without transformers' per-call Python (same math)
     packed_weights: bool = True  # oneDNN-packed Linear weights in that forward (CPU, fp32; 2x their memory)
     paged_attention: bool = True  # that forward's decode attention reads KV blocks in place (CPU, fp32; C kernel)
@@ -228,6 +229,8 @@ class Settings(_Section):
             raise ValueError("limits.max_tokens_cap must not exceed limits.max_model_len")
         if self.batching.kv_budget_bytes and self.batching.kv_budget_fraction:
             raise ValueError("set batching.kv_budget_bytes or batching.kv_budget_fraction, not both")
+        if 0.0 < self.batching.mixed_step_factor < 1.0:
+            raise ValueError("batching.mixed_step_factor is a factor >= 1 (or 0 for no limit)")
         return self
 
     # -- derived paths -------------------------------------------------------

@@ -83,6 +83,8 @@ def test_64_streams_on_a_small_kv_budget_end_clean(builtin_model_dir, tmp_path):
         assert h["kv_blocks"]["used"] == 0  # zero leaked blocks
         assert h["kv_blocks"]["total"] == BLOCKS
         assert h["kv_blocks"]["preemptions"] > 0  # the budget really was too small for everyone at once
+        # the engine fitted its cycles' cost from them (the limit on prompt tokens beside decoding rows)
+        assert h["engine_step_cost"]["steps"] > 0 and h["engine_step_cost"]["per_token_ms"] is not None
         metrics = httpx.get(f"{srv.base_url}/metrics", timeout=10).text
         assert "kiln_kv_blocks_used 0.0" in metrics and "kiln_queue_oldest_wait_seconds" in metrics
         # rows waited, each listed with its queue position, wait and prompt size, and what blocked the queue

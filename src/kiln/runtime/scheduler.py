@@ -4,6 +4,10 @@ Each scheduling cycle spends a token budget (``batching.token_budget``) in this
 order: one decode token for every decoding row, then the next chunk of prompts
 whose prefill is already under way (rotating, so one long prompt cannot hog the
 cycles), then the first chunk of newly admitted rows while rows, blocks and budget last.
+While rows are decoding, the prompt tokens of a cycle are further limited to what
+keeps it within ``batching.mixed_step_factor`` times a decode-only cycle, by an
+online fit of step time against tokens (:mod:`kiln.runtime.step_cost`): a burst
+of prompts is spread over several cycles instead of stalling every stream.
 Generation rows and scoring rows (``prompt_logprobs``) share that queue, those
 limits and that budget: a scoring row is a prompt prefilled chunk by chunk whose
 every position's logits are kept, and it ends when its prefill does.
@@ -48,6 +52,7 @@ from kiln.runtime.batches import Batches
 from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, TokenChoice, select_tokens
+from kiln.runtime.step_cost import StepCost
 from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
 from kiln.runtime.submission import EngineError, EngineNotRunning, Observer, RowStream, _wake_all
 from kiln.runtime.textstream import TextStream
@@ -57,6 +62,7 @@ log = logging.getLogger("kiln.engine")
 JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
 STALL_TIMEOUT_S = 60.0  # one scheduler iteration running longer than this reports the engine stuck
 QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
+MIN_MIXED_PROMPT_TOKENS = 4  # prompt tokens a cycle beside decoding rows always may take (so prompts progress)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class EngineConfig:
     lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
     packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
     paged_attention: bool = True  # decode/packed attention reads KV blocks in place (CPU fp32; C kernel)
+    mixed_step_factor: float = 1.5  # prompt tokens beside decoding rows: a cycle <= this x a decode-only one (0: off)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
@@ -100,6 +107,7 @@ class EngineConfig:
             lean_forward=bool(getattr(b, "lean_forward", True)),
             packed_weights=bool(getattr(b, "packed_weights", True)),
             paged_attention=bool(getattr(b, "paged_attention", True)),
+            mixed_step_factor=float(getattr(b, "mixed_step_factor", cls.mixed_step_factor)),
         )
 
 
@@ -212,6 +220,7 @@ class Scheduler:
         self._shared_gen = torch.Generator(device=device)
         self._shared_gen.manual_seed(int(time.time_ns() % (2**63)))
         self.steps = 0
+        self.step_cost = StepCost()
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -283,6 +292,7 @@ class Scheduler:
                 **self.kv.stats(),
                 "failed": self._failed,
                 "busy_s": None if busy is None else round(busy, 3),
+                "step_cost": self.step_cost.snapshot(),
             }
 
     # -- admission (any thread) ----------------------------------------------------------
@@ -543,8 +553,12 @@ class Scheduler:
                 self._preempt(victim)
             done.add(id(row))
         total = cfg.token_budget - len(self._decoding)
+        reserve = cfg.token_budget // 4
+        mixed = self._mixed_allowance()
+        if mixed is not None and mixed < total:
+            total, reserve = mixed, max(1, mixed // 4)
         scoring_pending = any(r.scoring for r in self._prefilling) or any(r.scoring for r in self._waiting)
-        budget = [total - (cfg.token_budget // 4 if scoring_pending else 0)]
+        budget = [total - (reserve if scoring_pending else 0)]
         chunks: list[tuple[Row | ScoreRow, int]] = []
         planned: set[int] = set()
 
@@ -597,6 +611,16 @@ class Scheduler:
                                              for r in list(self._waiting)[:QUEUE_DETAIL_MAX]])
         return chunks
 
+    def _mixed_allowance(self) -> int | None:
+        """Prompt tokens this cycle may carry beside the decoding rows so that it is expected to
+        take at most ``mixed_step_factor`` times a decode-only cycle (at least
+        ``MIN_MIXED_PROMPT_TOKENS``); None: no limit (nothing decoding, the factor off, no fit yet)."""
+        factor = self.config.mixed_step_factor
+        if not self._decoding or factor <= 0:
+            return None
+        extra = self.step_cost.extra_tokens(len(self._decoding), factor)
+        return None if extra is None else max(MIN_MIXED_PROMPT_TOKENS, extra)
+
     @property
     def scoring_slots(self) -> int:
         return max(1, self.config.max_running_rows // 2)
@@ -610,6 +634,7 @@ class Scheduler:
             return
         scored: list[ScoreRow] = []
         with self.ownership.shared(), torch.inference_mode():
+            t0 = time.perf_counter()
             self._ensure_eval()
             dec_logits = pre_logits = None
             completing: list[Row] = []
@@ -621,6 +646,7 @@ class Scheduler:
                     pre_logits, completing = self.batches.prefill(gen_chunks)
             if score_chunks:
                 scored = self._score_chunks(score_chunks)
+            forward_s = time.perf_counter() - t0
         self.steps += 1
         for row, _ in gen_chunks:
             self._publish(row)
@@ -634,7 +660,11 @@ class Scheduler:
         rows = decoding + completing
         if rows:
             logits = [t for t in (dec_logits, pre_logits) if t is not None]
+            t0 = time.perf_counter()
             self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
+            forward_s += time.perf_counter() - t0
+        if not score_chunks:  # scoring runs its own forward: the fit is of generation cycles
+            self.step_cost.observe(len(decoding) + sum(c for _, c in gen_chunks), forward_s)
         self._notify(touched)
         if not self._decoding and not self._prefilling:
             self.kv.release_workspace()

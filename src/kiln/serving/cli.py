@@ -38,6 +38,9 @@ def serve(
     max_running_rows: Optional[int] = typer.Option(None, help="rows decoding at once [batching.max_running_rows]"),
     max_queued_rows: Optional[int] = typer.Option(None, help="rows waiting for a slot [batching.max_queued_rows]"),
     prefill_chunk_tokens: Optional[int] = typer.Option(None, help="prompt chunk size [batching.prefill_chunk_tokens]"),
+    mixed_step_factor: Optional[float] = typer.Option(
+        None, help="a cycle with prompt tokens beside decoding rows <= this x a decode-only one, 0 = off "
+                   "[batching.mixed_step_factor]"),
     max_model_len: Optional[int] = typer.Option(None, help="prompt + output token limit [limits.max_model_len]"),
     request_timeout_s: Optional[float] = typer.Option(None, help="per-request limit [server.request_timeout_s]"),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error [server.log_level]"),
@@ -65,6 +68,7 @@ def serve(
         "batching.max_running_rows": max_running_rows,
         "batching.max_queued_rows": max_queued_rows,
         "batching.prefill_chunk_tokens": prefill_chunk_tokens,
+        "batching.mixed_step_factor": mixed_step_factor,
         "limits.max_model_len": max_model_len,
         "training.enabled": training,
         "serving.engine": engine,

@@ -534,6 +534,7 @@ class HealthResponse(_Response):
     engine_error: str | None
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step
     engine_steps: int | None = None  # scheduling cycles run so far
+    engine_step_cost: dict[str, float | int | None] | None = None  # cycle cost fit (batching.mixed_step_factor)
     adapters: dict[str, str]
     ownership: dict[str, float | int | bool]
     training_attached: bool

@@ -64,6 +64,7 @@ async def health(request: Request) -> JSONResponse:
         "engine_error": why,
         "engine_busy_s": stats.get("busy_s"),
         "engine_steps": stats["steps"],
+        "engine_step_cost": stats.get("step_cost"),  # the fitted cycle cost: fixed_ms, per_token_ms, steps
         "adapters": engine.active_adapters(),
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
