@@ -72,7 +72,7 @@ def main() -> None:
     from kiln.config import load_settings
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.serving.state import default_threads
+    from kiln.runtime.threads import default_threads
     from kiln.training.service import attach_training
     from tests.conftest import built_model_path
 

@@ -25,6 +25,7 @@ the ratios, and ``--json`` if given.
     .venv/bin/python bench/serving.py --prefix-only      # prefix cache: TTFT with a cached 1,000-token system prompt
     .venv/bin/python bench/serving.py --structured-only  # JSON-schema output vs unconstrained at c=8, mask cost
     .venv/bin/python bench/serving.py --shape qwen3-31m --mixed-only  # mixed_step_factor 0 vs default
+    .venv/bin/python bench/serving.py --shape qwen3-31m --concurrency 1 8 --ab "--prefill-threads 1"  # A/B a flag
 
 ``--structured-only``: one ``kiln serve``, streaming chat at ``--structured-concurrency``
 (default 8), the same prompts unconstrained and with ``response_format: json_schema``
@@ -315,7 +316,7 @@ def engine_runs(model_dir: Path, texts_by_c: dict, max_tokens: int, compiled: bo
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
     from kiln.runtime.sampling import SamplingParams
-    from kiln.serving.state import default_threads
+    from kiln.runtime.threads import default_threads
 
     if threads == 0:  # as `kiln serve` does with model.threads = 0
         torch.set_num_threads(default_threads())
@@ -538,6 +539,28 @@ def mixed_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], concur
     return out
 
 
+# -- A/B of kiln serve settings ------------------------------------------------------------------------
+
+
+def ab_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], other: list[str], texts_by_c: dict,
+            max_tokens: int, rounds: int) -> list[dict]:
+    """``kiln serve`` with its defaults and with ``other`` (extra flags), interleaved ``rounds`` times
+    (a noisy neighbour hits both alike), each over every concurrency: tokens/s, TTFT and ITL, and
+    each round's TTFT p99 at c=8 / TTFT p50 at c=1 and ITL p99 / p50 at c=8."""
+    out = []
+    for r in range(rounds):
+        for label, extra in (("default", []), ("other", other)):
+            rows = server_runs(f"kiln-{label}", cmd + extra, env, model_dir.name, texts_by_c, max_tokens, workdir, 300)
+            by = {row["concurrency"]: row for row in rows}
+            for row in rows:
+                row.update(setting=label, round=r)
+            if 1 in by and 8 in by:
+                rows[-1]["ttft_ratio"] = by[8]["ttft_p99_ms"] / by[1]["ttft_p50_ms"]
+                rows[-1]["itl_ratio"] = by[8]["itl_p99_ms"] / by[8]["itl_p50_ms"]
+            out += rows
+    return out
+
+
 # -- structured output ----------------------------------------------------------------------------
 
 # Open-ended on purpose (an array of short notes): with ignore_eos every request generates
@@ -659,6 +682,10 @@ def main() -> None:
     ap.add_argument("--mixed-concurrency", type=int, default=8)
     ap.add_argument("--mixed-rounds", type=int, default=2, help="interleaved A/B rounds of the mixed-cycle run")
     ap.add_argument("--compiled", action="store_true", help="also the engine with its compiled decode step")
+    ap.add_argument("--ab", metavar="FLAGS",
+                    help="only kiln serve with its defaults vs with these extra flags (one quoted string), "
+                         "interleaved --ab-rounds times over --concurrency")
+    ap.add_argument("--ab-rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency (min 8)")
@@ -713,6 +740,27 @@ def main() -> None:
         if args.json:
             out = {"args": vars(args), "model": str(model_dir), "rows": runs}
             Path(args.json).write_text(json.dumps(out, indent=2))
+        return
+    if args.ab:
+        other = args.ab.split()
+        runs = ab_runs(model_dir, workdir, kiln_env(workdir), kiln_command(model_dir, args.threads), other,
+                       texts_by_c, args.max_tokens, args.ab_rounds)
+        print(f"A/B: default vs {' '.join(other)}")
+        print(f"{'setting':<9}{'round':>6}{'c':>4}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+              f"{'ITL p99':>9}{'TTFT x':>8}{'ITL x':>7}  (ms)")
+        for r in runs:
+            ratios = (f"{r['ttft_ratio']:>8.2f}{r['itl_ratio']:>7.2f}" if "ttft_ratio" in r else "")
+            print(f"{r['setting']:<9}{r['round']:>6}{r['concurrency']:>4}{r['tok_s']:>8.0f}{r['ttft_p50_ms']:>10.1f}"
+                  f"{r['ttft_p99_ms']:>10.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}{ratios}")
+        for label in ("default", "other"):
+            mine = [r for r in runs if r["setting"] == label]
+            best = {c: max(r["tok_s"] for r in mine if r["concurrency"] == c) for c in args.concurrency}
+            ratios = sorted(r["ttft_ratio"] for r in mine if "ttft_ratio" in r)
+            print(f"  {label}: best tok/s " + ", ".join(f"c={c} {v:.0f}" for c, v in best.items())
+                  + (f"; TTFT p99(c=8)/p50(c=1) per round {', '.join(f'{x:.2f}' for x in ratios)}" if ratios else ""))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "rows": runs},
+                                                  indent=2))
         return
     if args.prefix_only:
         rows = prefix_runs(model_dir)

@@ -63,7 +63,8 @@ class ModelSettings(_Section):
     served_model_id: str | None = None  # default: the model directory's name
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int = Field(0, ge=0, le=1024)  # 0: leave torch's default
+    threads: int = Field(0, ge=0, le=1024)  # 0: every core but one (kiln.runtime.threads)
+    prefill_threads: int = Field(0, ge=0, le=1024)  # prompt-only engine cycles; 0: every core when threads = 0
 
 
 class BatchingSettings(_Section):

@@ -204,6 +204,25 @@ def test_health(http, server):
     assert models[0]["base_model_sha256"] == h["base_model_sha256"]
 
 
+def test_every_admission_ends_whatever_the_request_becomes(http, server):
+    """A generation request counts as admitting from its handler's start to its submission; a
+    refused, failed, streamed or blocking request leaves none open (an open one would make every
+    burst wait batching's burst_max_s)."""
+    assert_error(http.post("/v1/chat/completions", json=chat_body(server, model="no-such-model")), 404)
+    assert_error(http.post("/v1/completions", json={"model": server.model_id, "prompt": "hi", "max_tokens": 10**6}),
+                 400)
+    assert_error(http.post("/v1/chat/completions", json=chat_body(server, max_tokens=10**6)), 400)
+    assert http.post("/v1/chat/completions", json=chat_body(server)).status_code == 200
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(server, stream=True)) as r:
+        assert r.status_code == 200 and b"[DONE]" in b"".join(r.iter_bytes())
+    scored = http.post("/v1/completions", json={"model": server.model_id, "prompt": "hi there", "max_tokens": 1,
+                                                 "prompt_logprobs": 1})
+    assert scored.status_code == 200
+    h = http.get("/health").json()
+    assert h["admitting"] == 0
+    assert h["engine_prefill"]["wide_steps"] >= 0 and "threads" in h["engine_prefill"]
+
+
 def test_metrics_exposition(http, server):
     http.post("/v1/chat/completions", json=chat_body(server))
     http.post("/v1/chat/completions", json=chat_body(server, model="nope"))

@@ -36,6 +36,7 @@ from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, make_generator
 from kiln.runtime.scheduler import JOIN_TIMEOUT_S, EngineConfig, Row, Scheduler, ScoreRow
 from kiln.runtime.submission import (
+    Admission,
     Completion,
     EngineError,
     EngineNotRunning,
@@ -69,6 +70,24 @@ __all__ = [
     "Submission",
     "UnknownAdapter",
 ]
+
+
+def prompt_macs_per_token(model: Any) -> int:
+    """Multiply-adds a prompt token costs: the model's weights less its embedding tables (a
+    prompt token reads one embedding row, and only a row's last token reaches the LM head)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel()
+    tables = [getattr(model, name, lambda: None)() for name in ("get_input_embeddings", "get_output_embeddings")]
+    for emb in tables:
+        weight = getattr(emb, "weight", None)
+        if weight is not None and weight.data_ptr() in seen:
+            seen.discard(weight.data_ptr())
+            total -= weight.numel()
+    return max(0, total)
 
 
 def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any = "cpu") -> int:
@@ -124,8 +143,8 @@ class Engine:
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
                           model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
                           paged_attention=self._paged_attention(dtype))
-        self._scheduler = Scheduler(cfg, kv, batches,
-                                    self.adapters, self.ownership, self.observer, self.device)
+        self._scheduler = Scheduler(cfg, kv, batches, self.adapters, self.ownership, self.observer, self.device,
+                                    macs_per_token=prompt_macs_per_token(self.model))
 
     def _paged_attention(self, dtype: torch.dtype) -> Any:
         """The in-place attention kernel when configured and applicable (CPU, float32), else None."""
@@ -246,6 +265,11 @@ class Engine:
                 f"{kv.block_size} tokens, more than the whole KV budget of {kv.capacity} blocks "
                 "(batching.kv_budget_bytes or kv_budget_fraction); shorten the prompt or lower max_tokens"
             )
+
+    def admission(self) -> Admission:
+        """Mark a request as being parsed and rendered until :meth:`Admission.end` (or the end of a
+        ``with`` block): an engine waking from idle gathers it into the same first prefill."""
+        return Admission(self._scheduler.admission_started, self._scheduler.admission_ended)
 
     def submit(
         self,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -56,6 +57,7 @@ from kiln.runtime.step_cost import StepCost
 from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
 from kiln.runtime.submission import EngineError, EngineNotRunning, Observer, RowStream, _wake_all
 from kiln.runtime.textstream import TextStream
+from kiln.runtime.threads import WIDE_PREFILL_MIN_MACS, engine_prefill_threads, torch_threads
 
 log = logging.getLogger("kiln.engine")
 
@@ -84,12 +86,14 @@ class EngineConfig:
     packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
     paged_attention: bool = True  # decode/packed attention reads KV blocks in place (CPU fp32; C kernel)
     mixed_step_factor: float = 1.5  # prompt tokens beside decoding rows: a cycle <= this x a decode-only one (0: off)
+    prefill_threads: int = 0  # torch threads for prompt-only cycles with enough work (0: the engine's own count)
 
     @classmethod
     def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
         """Engine limits from the settings; ``max_model_len`` never exceeds ``model_max_len``
         (the model's ``max_position_embeddings``), as vLLM caps it."""
         b = settings.batching
+        m = getattr(settings, "model", None)
         configured = settings.limits.max_model_len
         return cls(
             token_budget=b.token_budget,
@@ -108,6 +112,7 @@ class EngineConfig:
             packed_weights=bool(getattr(b, "packed_weights", True)),
             paged_attention=bool(getattr(b, "paged_attention", True)),
             mixed_step_factor=float(getattr(b, "mixed_step_factor", cls.mixed_step_factor)),
+            prefill_threads=engine_prefill_threads(m.threads, m.prefill_threads) if m is not None else 0,
         )
 
 
@@ -191,8 +196,12 @@ class Scheduler:
     """The actor thread and the row queues (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, kv: BlockPool, batches: Batches, adapters: AdapterSlots,
-                 ownership: AcceleratorOwnership, observer: Observer, device: Any):
+                 ownership: AcceleratorOwnership, observer: Observer, device: Any, macs_per_token: int = 0):
         self.config = config
+        # prompt-only cycles with at least this many tokens run on config.prefill_threads (CPU only)
+        wide = config.prefill_threads > 0 and torch.device(device).type == "cpu" and macs_per_token > 0
+        self._wide_min_tokens = max(1, math.ceil(WIDE_PREFILL_MIN_MACS / macs_per_token)) if wide else None
+        self.wide_steps = 0
         self.kv = kv
         self.batches = batches
         self.adapters = adapters
@@ -202,6 +211,7 @@ class Scheduler:
         self._inbox: collections.deque[Row | ScoreRow] = collections.deque()
         self._jobs: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._cancel_pending = False
+        self._admitting = 0  # requests the HTTP layer is parsing and rendering, not yet submitted
         self._waiting: collections.deque[Row | ScoreRow] = collections.deque()
         self._prefilling: list[Row | ScoreRow] = []
         self._decoding: list[Row] = []
@@ -293,6 +303,9 @@ class Scheduler:
                 "failed": self._failed,
                 "busy_s": None if busy is None else round(busy, 3),
                 "step_cost": self.step_cost.snapshot(),
+                "admitting": self._admitting,
+                "prefill_threads": self.config.prefill_threads if self._wide_min_tokens is not None else None,
+                "wide_prefill_steps": self.wide_steps,
             }
 
     # -- admission (any thread) ----------------------------------------------------------
@@ -312,6 +325,17 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return self._queued
+
+    def admission_started(self) -> None:
+        """A request is being parsed and rendered (any thread): a burst being gathered waits for it."""
+        with self._cv:
+            self._admitting += 1
+
+    def admission_ended(self) -> None:
+        """That request was submitted or refused."""
+        with self._cv:
+            self._admitting -= 1
+            self._cv.notify_all()
 
     def cancel(self, rows: Iterable[Row | ScoreRow]) -> None:
         with self._cv:
@@ -364,14 +388,17 @@ class Scheduler:
 
     def _gather_burst(self) -> None:
         """Waking from idle to new rows, wait (holding no GIL) while more keep arriving, at most
-        ``burst_gap_s`` apart and ``burst_max_s`` in all, so a burst of requests shares its first
-        prefill instead of each waiting a cycle behind the one before (the caller holds ``_cv``)."""
+        ``burst_gap_s`` apart, or while requests are still being admitted by the HTTP layer
+        (:meth:`admission_started`), for ``burst_max_s`` in all, so a burst of requests shares
+        its first prefill instead of each waiting a cycle behind the one before (the caller
+        holds ``_cv``). Parsing and rendering a request costs the event loop about as long
+        as the gap, so the gap alone split bursts the loop was still working through."""
         cfg = self.config
         if cfg.burst_gap_s <= 0 or not self._inbox or self._decoding or self._prefilling or self._waiting:
             return
         deadline = time.monotonic() + cfg.burst_max_s
         seen = -1
-        while len(self._inbox) != seen and not self._stopping:
+        while (len(self._inbox) != seen or self._admitting > 0) and not self._stopping:
             seen = len(self._inbox)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -621,6 +648,14 @@ class Scheduler:
         extra = self.step_cost.extra_tokens(len(self._decoding), factor)
         return None if extra is None else max(MIN_MIXED_PROMPT_TOKENS, extra)
 
+    def _cycle_threads(self, decoding: list[Row], chunks: list[tuple[Row | ScoreRow, int]]) -> int:
+        """Torch threads for this cycle's forwards: ``prefill_threads`` for a prompt-only cycle
+        with enough work to pay for them (:mod:`kiln.runtime.threads`), else 0 (the engine's own)."""
+        if self._wide_min_tokens is None or decoding or sum(c for _, c in chunks) < self._wide_min_tokens:
+            return 0
+        self.wide_steps += 1
+        return self.config.prefill_threads
+
     @property
     def scoring_slots(self) -> int:
         return max(1, self.config.max_running_rows // 2)
@@ -633,7 +668,8 @@ class Scheduler:
         if not decoding and not chunks:
             return
         scored: list[ScoreRow] = []
-        with self.ownership.shared(), torch.inference_mode():
+        threads = self._cycle_threads(decoding, chunks)
+        with self.ownership.shared(), torch.inference_mode(), torch_threads(threads):
             t0 = time.perf_counter()
             self._ensure_eval()
             dec_logits = pre_logits = None

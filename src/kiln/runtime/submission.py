@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from kiln.errors import Internal, InvalidRequest, RateLimited, Unavailable
 from kiln.runtime.sampling import TokenChoice
@@ -61,6 +61,29 @@ class Observer:
 
     def queue_wait(self, wait_s: float) -> None:
         """A row was admitted after waiting ``wait_s`` in the queue (for a running-row slot or KV memory)."""
+
+
+class Admission:
+    """A request between arrival and submission (parsing, rendering, tokenizing); see
+    :meth:`kiln.runtime.engine.Engine.admission`. :meth:`end` is idempotent."""
+
+    __slots__ = ("_end",)
+
+    def __init__(self, start: Callable[[], None] | None = None, end: Callable[[], None] | None = None):
+        if start is not None:
+            start()
+        self._end = end
+
+    def end(self) -> None:
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
 
 
 @dataclass

@@ -52,6 +52,7 @@ from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow, ScoredToken
 from kiln.runtime.submission import (
+    Admission,
     EngineError,
     EngineNotRunning,
     EngineOverloaded,
@@ -501,6 +502,10 @@ class VllmEngine:
         if len(prompt_ids) + extra > limit or (extra and len(prompt_ids) >= limit):
             raise PromptTooLong(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({extra}) exceeds the model "
                                 f"length limit of {limit} tokens; shorten the prompt or lower max_tokens")
+
+    def admission(self) -> Admission:
+        """A no-op: vLLM schedules its own arrivals (the in-process engine gathers bursts with it)."""
+        return Admission()
 
     def submit(self, prompt_ids: list[int], params: list[SamplingParams], *, adapter: str | None = None,
                loop: asyncio.AbstractEventLoop | None = None, incremental: bool = True) -> Submission:

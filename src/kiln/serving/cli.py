@@ -34,6 +34,9 @@ def serve(
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [model.device]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [model.dtype]"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads, 0 = all cores but one [model.threads]"),
+    prefill_threads: Optional[int] = typer.Option(
+        None, help="torch CPU threads for prompt-only engine cycles, 0 = all cores when --threads is 0 "
+                   "[model.prefill_threads]"),
     token_budget: Optional[int] = typer.Option(None, help="tokens per scheduling cycle [batching.token_budget]"),
     max_running_rows: Optional[int] = typer.Option(None, help="rows decoding at once [batching.max_running_rows]"),
     max_queued_rows: Optional[int] = typer.Option(None, help="rows waiting for a slot [batching.max_queued_rows]"),
@@ -64,6 +67,7 @@ def serve(
         "model.device": device,
         "model.dtype": dtype,
         "model.threads": threads,
+        "model.prefill_threads": prefill_threads,
         "batching.token_budget": token_budget,
         "batching.max_running_rows": max_running_rows,
         "batching.max_queued_rows": max_queued_rows,

@@ -535,6 +535,8 @@ class HealthResponse(_Response):
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step
     engine_steps: int | None = None  # scheduling cycles run so far
     engine_step_cost: dict[str, float | int | None] | None = None  # cycle cost fit (batching.mixed_step_factor)
+    engine_prefill: dict[str, int | None] = {}  # threads for prompt-only cycles (model.prefill_threads), wide_steps
+    admitting: int = 0  # generation requests being parsed and rendered, not yet submitted
     adapters: dict[str, str]
     ownership: dict[str, float | int | bool]
     training_attached: bool

@@ -16,6 +16,8 @@ revision the request was admitted with, or ``base`` for the base model.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import itertools
 import json
 import logging
@@ -32,6 +34,7 @@ from kiln.adapters.manifest import ADAPTER_REVISION_HEADER as ADAPTER_HEADER
 from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
 from kiln.runtime.constrained import GrammarCompiler
 from kiln.runtime.engine import Submission, UnknownAdapter
+from kiln.runtime.submission import Admission
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow
 from kiln.serving.protocol import (
@@ -258,6 +261,36 @@ def _params(state, req, max_tokens: int, logprobs: int | None, count: int | None
     ]
 
 
+_ADMISSION: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("kiln_admission", default=None)
+
+
+def _admitted(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Run a generation handler as an engine admission (``Engine.admission``) until its first
+    submission, or its end: an engine waking from idle waits for requests still being parsed
+    and rendered, so a burst shares one first prefill. The handler first yields once, so the
+    requests the loop read together all open their admissions before the first one submits."""
+
+    @functools.wraps(handler)
+    async def run(state: KilnState, body: Any, receive: Receive) -> Response:
+        admission = state.engine.admission()
+        token = _ADMISSION.set(admission)
+        try:
+            await asyncio.sleep(0)
+            return await handler(state, body, receive)
+        finally:
+            admission.end()
+            _ADMISSION.reset(token)
+
+    return run
+
+
+def _admission_over() -> None:
+    """The current request reached the engine: its admission ends."""
+    admission = _ADMISSION.get()
+    if admission is not None:
+        admission.end()
+
+
 def _submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None,
             stream: bool) -> Submission:
     try:
@@ -265,6 +298,7 @@ def _submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams
                                   incremental=stream)
     except UnknownAdapter as exc:  # unloaded between resolution and admission
         raise _unknown_model(state, str(exc)) from exc
+    _admission_over()
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     return sub
 
@@ -601,6 +635,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await chat_response(_state(request), body, request.receive)
 
 
+@_admitted
 async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: Receive) -> Response:
     """The whole chat completion (JSON or SSE) for a validated request; ``receive`` reports a disconnect."""
     adapter = _resolve_model(state, body.model)
@@ -772,6 +807,7 @@ async def _score(state, prompt: list[int], k: int, adapter: str | None, receive:
         fut = state.engine.score_prompt(prompt, k, adapter=adapter)
     except UnknownAdapter as exc:  # unloaded between resolution and admission
         raise _unknown_model(state, str(exc)) from exc
+    _admission_over()
     return await _until_done(receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
                              "score a shorter prompt or raise server.request_timeout_s")
 
@@ -819,6 +855,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await completion_response(_state(request), body, request.receive)
 
 
+@_admitted
 async def completion_response(state: KilnState, body: CompletionRequest, receive: Receive) -> Response:
     """The whole text completion or scoring (JSON or SSE) for a validated request.
 

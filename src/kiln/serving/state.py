@@ -124,23 +124,14 @@ def build_training(settings: Settings, engine: Engine, store: AdapterStore, mode
     return TrainingService(engine=engine, store=store, settings=settings, model=model)
 
 
-def default_threads() -> int:
-    """``model.threads = 0``: every core this process may use but one, which is left to the HTTP
-    loop and clients (vLLM's CPU backend reserves one the same way). Measured on 2 cores
-    (docs/serving.md): 1 torch thread served 1.8-2.1x the tokens/s of torch's default 2."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
-
-
 def load_configured_model(settings: Settings) -> LoadedModel:
     """Resolve ``model.path`` (built-in model when unset), device and dtype, and load."""
     from kiln.runtime.builtin import ensure_builtin_model
     from kiln.runtime.loader import load_model
 
     import torch
+
+    from kiln.runtime.threads import default_threads
 
     torch.set_num_threads(settings.model.threads or default_threads())
     path = settings.model.path or ensure_builtin_model(settings.home_path)
