@@ -17,6 +17,7 @@ from kiln.runtime.threads import (
     WIDE_PREFILL_MIN_MACS,
     default_threads,
     engine_prefill_threads,
+    pin_torch_threads,
     torch_threads,
     usable_cores,
 )
@@ -71,6 +72,33 @@ def test_torch_threads_widens_restores_and_never_narrows(one_thread):
     torch.set_num_threads(2)
     with torch_threads(1):  # fewer than the caller has: left alone
         assert torch.get_num_threads() == 2
+
+
+def test_a_pinned_worker_keeps_its_count_through_a_wide_cycle(one_thread):
+    """A thread that first uses torch while a cycle is wide would keep the wide count; one that
+    pinned its count at start does not (what the trainer and eval workers do)."""
+    started, widened, done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def pinned():
+        pin_torch_threads()
+        started.set()
+        widened.wait(10)
+        seen["pinned"] = torch.get_num_threads()
+
+    def late():
+        seen["late"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=pinned)
+    worker.start()
+    started.wait(10)
+    with torch_threads(2):
+        widened.set()
+        worker.join(10)
+        late_thread = threading.Thread(target=late)
+        late_thread.start()
+        late_thread.join(10)
+    assert seen == {"pinned": 1, "late": 2}  # the unpinned newcomer took the wide count
 
 
 def test_macs_per_token_leaves_out_the_embedding_tables(loaded):

@@ -367,6 +367,9 @@ class EvalService:
 
     # --------------------------------------------------------------- worker
     def _worker(self) -> None:
+        from kiln.runtime.threads import pin_torch_threads
+
+        pin_torch_threads()  # before any wide engine cycle can set the process-wide count
         while not self._stop.is_set():
             run_id = self._queue.get()
             if not run_id or self._stop.is_set():

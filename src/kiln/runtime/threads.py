@@ -18,7 +18,8 @@ multiply-adds a second thread does not pay (the built-in model's 256-token
 prefill: 4.7 vs 5.0 ms), so smaller cycles stay on the engine's threads.
 
 Decode cycles never widen: while rows decode, the HTTP loop is writing their
-tokens and needs its core.
+tokens and needs its core. Widening sets torch's process-wide count for the
+cycle; threads that already use torch keep their own (:func:`pin_torch_threads`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ def engine_prefill_threads(model_threads: int, prefill_threads: int) -> int:
     if prefill_threads:
         return prefill_threads
     return usable_cores() if model_threads == 0 else 0
+
+
+def pin_torch_threads() -> int:
+    """Fix the calling thread's torch thread count now; returns it.
+
+    A thread takes torch's process-wide count when it first uses torch, and a wide cycle
+    sets that count for as long as it runs: a worker thread whose first torch call fell
+    in one would keep the wide count for good. Long-lived workers (the trainer, the eval
+    worker) call this when they start, before any request can make a cycle wide."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 @contextlib.contextmanager

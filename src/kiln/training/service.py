@@ -320,6 +320,9 @@ class TrainingService:
 
     # --------------------------------------------------------------- worker
     def _worker(self) -> None:
+        from kiln.runtime.threads import pin_torch_threads
+
+        pin_torch_threads()  # before any wide engine cycle can set the process-wide count
         while not self._stop.is_set():
             job = self.jobs.claim_next()
             if job is None:
