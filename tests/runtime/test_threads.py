@@ -127,6 +127,7 @@ def test_prompt_only_cycles_run_wide_and_decode_cycles_do_not(loaded, reference,
     assert beside_rows and set(beside_rows) == {1}
     assert after == 1  # the engine thread is back on its own count
     assert stats["prefill_threads"] == 2 and stats["wide_prefill_steps"] == 1
+    assert stats["step_cost"]["steps"] == len(beside_rows)  # the fit is of cycles on the engine's own threads
 
 
 def test_small_prompts_and_mixed_cycles_stay_on_the_engine_threads(loaded, one_thread):

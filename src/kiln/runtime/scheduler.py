@@ -7,7 +7,9 @@ cycles), then the first chunk of newly admitted rows while rows, blocks and budg
 While rows are decoding, the prompt tokens of a cycle are further limited to what
 keeps it within ``batching.mixed_step_factor`` times a decode-only cycle, by an
 online fit of step time against tokens (:mod:`kiln.runtime.step_cost`): a burst
-of prompts is spread over several cycles instead of stalling every stream.
+of prompts is spread over several cycles instead of stalling every stream. A
+cycle with nothing decoding and enough prompt work runs on more torch threads
+(``EngineConfig.prefill_threads``, :mod:`kiln.runtime.threads`).
 Generation rows and scoring rows (``prompt_logprobs``) share that queue, those
 limits and that budget: a scoring row is a prompt prefilled chunk by chunk whose
 every position's logits are kept, and it ends when its prefill does.
@@ -65,6 +67,9 @@ JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives 
 STALL_TIMEOUT_S = 60.0  # one scheduler iteration running longer than this reports the engine stuck
 QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
 MIN_MIXED_PROMPT_TOKENS = 4  # prompt tokens a cycle beside decoding rows always may take (so prompts progress)
+# the mixed_step_factor allowance grows by one more of itself for every this many decode cycles the oldest
+# held-back prompt has waited (so a backlog is served in about sqrt(2 x cycles x backlog / allowance) cycles)
+MIXED_AGE_CYCLES = 4
 
 
 @dataclass(frozen=True)
@@ -641,17 +646,35 @@ class Scheduler:
     def _mixed_allowance(self) -> int | None:
         """Prompt tokens this cycle may carry beside the decoding rows so that it is expected to
         take at most ``mixed_step_factor`` times a decode-only cycle (at least
-        ``MIN_MIXED_PROMPT_TOKENS``); None: no limit (nothing decoding, the factor off, no fit yet)."""
+        ``MIN_MIXED_PROMPT_TOKENS``), scaled up with the age of the oldest prompt held back; None:
+        no limit (nothing decoding, the factor off, no fit yet).
+
+        The age scaling keeps a backlog from trickling in: when a burst arrives while a few rows
+        decode, the allowance (a fraction of one cycle's cost, about 10 tokens on a model whose
+        cycles are mostly weight reads) would admit the rest of the burst over a hundred cycles,
+        each reading every weight for a handful of tokens. Once the oldest waiting or
+        partly prefilled prompt has waited ``k x MIXED_AGE_CYCLES`` predicted decode cycles, a
+        cycle may take ``k`` times the allowance, so the stall each cycle adds grows gently
+        instead of jumping to the whole token budget."""
         factor = self.config.mixed_step_factor
         if not self._decoding or factor <= 0:
             return None
         extra = self.step_cost.extra_tokens(len(self._decoding), factor)
-        return None if extra is None else max(MIN_MIXED_PROMPT_TOKENS, extra)
+        if extra is None:
+            return None
+        held = [r.t_wait for r in self._waiting] + [r.t_wait for r in self._prefilling]
+        cycle_s = self.step_cost.predict(len(self._decoding)) or 0.0
+        scale = 1.0
+        if held and cycle_s > 0.0:
+            scale = max(1.0, (time.perf_counter() - min(held)) / (MIXED_AGE_CYCLES * cycle_s))
+        return max(MIN_MIXED_PROMPT_TOKENS, int(extra * scale))
 
     def _cycle_threads(self, decoding: list[Row], chunks: list[tuple[Row | ScoreRow, int]]) -> int:
         """Torch threads for this cycle's forwards: ``prefill_threads`` for a prompt-only cycle
         with enough work to pay for them (:mod:`kiln.runtime.threads`), else 0 (the engine's own)."""
         if self._wide_min_tokens is None or decoding or sum(c for _, c in chunks) < self._wide_min_tokens:
+            return 0
+        if self.config.prefill_threads <= torch.get_num_threads():
             return 0
         self.wide_steps += 1
         return self.config.prefill_threads
@@ -699,7 +722,7 @@ class Scheduler:
             t0 = time.perf_counter()
             self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
             forward_s += time.perf_counter() - t0
-        if not score_chunks:  # scoring runs its own forward: the fit is of generation cycles
+        if not score_chunks and not threads:  # the fit is of generation cycles on the engine's own threads
             self.step_cost.observe(len(decoding) + sum(c for _, c in gen_chunks), forward_s)
         self._notify(touched)
         if not self._decoding and not self._prefilling:
