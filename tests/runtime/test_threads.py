@@ -62,16 +62,16 @@ def test_settings_resolve_the_prefill_threads():
 
 
 def test_torch_threads_widens_restores_and_never_narrows(one_thread):
-    with torch_threads(3):
-        assert torch.get_num_threads() == 3
+    with torch_threads(3) as wide:
+        assert wide and torch.get_num_threads() == 3
     assert torch.get_num_threads() == 1
     with pytest.raises(RuntimeError):
         with torch_threads(2):
             raise RuntimeError("a failing forward")
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
-    with torch_threads(1):  # fewer than the caller has: left alone
-        assert torch.get_num_threads() == 2
+    with torch_threads(1) as wide:  # fewer than the caller has: left alone
+        assert not wide and torch.get_num_threads() == 2
 
 
 def test_a_pinned_worker_keeps_its_count_through_a_wide_cycle(one_thread):

@@ -267,8 +267,8 @@ class Engine:
             )
 
     def admission(self) -> Admission:
-        """Mark a request as being parsed and rendered until :meth:`Admission.end` (or the end of a
-        ``with`` block): an engine waking from idle gathers it into the same first prefill."""
+        """Mark a request as being parsed and rendered until :meth:`Admission.end`: an engine
+        waking from idle gathers it into the same first prefill."""
         return Admission(self._scheduler.admission_started, self._scheduler.admission_ended)
 
     def submit(

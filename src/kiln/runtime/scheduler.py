@@ -674,9 +674,6 @@ class Scheduler:
         with enough work to pay for them (:mod:`kiln.runtime.threads`), else 0 (the engine's own)."""
         if self._wide_min_tokens is None or decoding or sum(c for _, c in chunks) < self._wide_min_tokens:
             return 0
-        if self.config.prefill_threads <= torch.get_num_threads():
-            return 0
-        self.wide_steps += 1
         return self.config.prefill_threads
 
     @property
@@ -692,7 +689,7 @@ class Scheduler:
             return
         scored: list[ScoreRow] = []
         threads = self._cycle_threads(decoding, chunks)
-        with self.ownership.shared(), torch.inference_mode(), torch_threads(threads):
+        with self.ownership.shared(), torch.inference_mode(), torch_threads(threads) as wide:
             t0 = time.perf_counter()
             self._ensure_eval()
             dec_logits = pre_logits = None
@@ -707,6 +704,7 @@ class Scheduler:
                 scored = self._score_chunks(score_chunks)
             forward_s = time.perf_counter() - t0
         self.steps += 1
+        self.wide_steps += wide
         for row, _ in gen_chunks:
             self._publish(row)
         # rotate partial prefills so the next cycle starts with someone else
@@ -722,7 +720,7 @@ class Scheduler:
             t0 = time.perf_counter()
             self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
             forward_s += time.perf_counter() - t0
-        if not score_chunks and not threads:  # the fit is of generation cycles on the engine's own threads
+        if not score_chunks and not wide:  # the fit is of generation cycles on the engine's own threads
             self.step_cost.observe(len(decoding) + sum(c for _, c in gen_chunks), forward_s)
         self._notify(touched)
         if not self._decoding and not self._prefilling:

@@ -79,12 +79,6 @@ class Admission:
         if end is not None:
             end()
 
-    def __enter__(self) -> "Admission":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.end()
-
 
 @dataclass
 class StreamChunk:

@@ -68,17 +68,17 @@ def pin_torch_threads() -> int:
 
 
 @contextlib.contextmanager
-def torch_threads(count: int) -> Iterator[None]:
+def torch_threads(count: int) -> Iterator[bool]:
     """Run the block with ``count`` torch threads when that is more than the calling thread has,
-    then restore its count (a no-op otherwise)."""
+    then restore its count (a no-op otherwise); yields whether it widened."""
     import torch
 
     base = torch.get_num_threads()
     if count <= base:
-        yield
+        yield False
         return
     torch.set_num_threads(count)
     try:
-        yield
+        yield True
     finally:
         torch.set_num_threads(base)

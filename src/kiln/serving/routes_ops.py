@@ -65,7 +65,7 @@ async def health(request: Request) -> JSONResponse:
         "engine_busy_s": stats.get("busy_s"),
         "engine_steps": stats["steps"],
         "engine_step_cost": stats.get("step_cost"),  # the fitted cycle cost: fixed_ms, per_token_ms, steps
-        # prompt-only cycles on more torch threads (model.prefill_threads; None: never) and how many ran so
+        # prompt-only cycles on more torch threads (model.prefill_threads; None: never) and how many ran so far
         "engine_prefill": {"threads": stats.get("prefill_threads"), "wide_steps": stats.get("wide_prefill_steps", 0)},
         "admitting": stats.get("admitting", 0),  # requests being parsed and rendered, not yet submitted
         "adapters": engine.active_adapters(),
