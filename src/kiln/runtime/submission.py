@@ -105,6 +105,7 @@ class RowStream:
         # one event may be shared by all streams of a submission, so a consumer can wait on any of them
         self._aevent = event if event is not None else (asyncio.Event() if loop is not None else None)
         self._tevent = threading.Event()
+        self._on_output: Callable[[], None] | None = None  # set by a consumer that is called instead of woken
         self.prompt_tokens = 0
         self.completion_tokens = 0
 
@@ -121,6 +122,9 @@ class RowStream:
             self._finish = reason
 
     def _wake(self) -> None:  # on the consumer's loop (async) or any thread (sync)
+        if self._on_output is not None:
+            self._on_output()
+            return
         if self._aevent is not None:
             self._aevent.set()
         self._tevent.set()
@@ -181,13 +185,24 @@ class Submission:
     def finished(self) -> bool:
         return all(s.finished for s in self.streams)
 
+    def take(self) -> list[tuple[int, StreamChunk]]:
+        """The output so far that no call has taken yet: ``(choice index, chunk)`` pairs, maybe none."""
+        return [(s.index, c) for s in self.streams if (c := s._take()) is not None]
+
+    def on_output(self, callback: Callable[[], None] | None) -> None:
+        """Have the engine call ``callback`` (on the streams' event loop, after each step that gave
+        any choice output) instead of waking :meth:`next_chunks`; ``None`` goes back to waking.
+        The callback takes the output itself (:meth:`take`) and must not raise."""
+        for s in self.streams:
+            s._on_output = callback
+
     async def next_chunks(self) -> list[tuple[int, StreamChunk]]:
         """Wait until any choice has new output; ``(choice index, chunk)`` pairs, ``[]`` once all ended."""
         event = self.streams[0]._aevent
         assert event is not None, "submit(..., loop=...) binds the streams to an event loop"
         while not self.finished:
             event.clear()
-            out = [(s.index, c) for s in self.streams if (c := s._take()) is not None]
+            out = self.take()
             if out:
                 return out
             await event.wait()

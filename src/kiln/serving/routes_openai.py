@@ -37,6 +37,7 @@ from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.submission import Admission
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow
+from kiln.serving.eager import start_eagerly
 from kiln.serving.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -456,10 +457,13 @@ class _SSEResponse(StreamingResponse):
     """SSE events for one submission, ending with ``data: [DONE]``, written straight to ASGI ``send``.
 
     The per-token path is short on purpose (on a small model it costs as much as the
-    forward): one wake per engine step, all of the submission's new frames joined into
-    one write, one deadline timer for the whole request (not one per wait), and the
-    last content, the usage chunk and ``[DONE]`` in the final write. A disconnect
-    (seen by a watcher on ``receive``) or the deadline cancels the rows.
+    forward): the engine calls :meth:`_pump` on the loop after each step that gave this
+    submission output (``Submission.on_output``), and the pump writes all of the step's
+    new frames as one body message, running ``send`` in place (:func:`start_eagerly`: a
+    task only when flow control pauses the write), so a token costs no task wake-up. One
+    deadline timer covers the whole request; the last content, the usage chunk and
+    ``[DONE]`` go out in the final write. A disconnect (seen by a watcher on ``receive``)
+    or the deadline cancels the rows.
     """
 
     def __init__(self, sub: Submission, timeout_s: float,
@@ -469,12 +473,17 @@ class _SSEResponse(StreamingResponse):
         super().__init__(_NO_BODY, media_type="text/event-stream", headers=headers)
         self._sub, self._timeout = sub, timeout_s
         self._make_chunk, self._first, self._usage = make_chunk, first, usage_chunk
+        self._parts: list[bytes] = []
+        self._completion_tokens = 0
+        self._send: Any = None
+        self._ended: asyncio.Future | None = None  # done when every choice ended, or a write failed
+        self._writing: asyncio.Task | None = None  # a body write that flow control paused
 
     async def __call__(self, scope, receive, send) -> None:
         sub = self._sub
         watch = asyncio.ensure_future(_cancel_on_disconnect(receive, sub))
-        completion_tokens = 0
-        parts: list[bytes] = []
+        self._send, self._ended = send, asyncio.get_running_loop().create_future()
+        parts = self._parts
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if self._first is not None:  # the role chunk goes out with the first tokens, as vLLM sends it, so a
@@ -482,28 +491,66 @@ class _SSEResponse(StreamingResponse):
                 parts.extend(_sse(self._first(s.index)) for s in sub.streams)
             try:
                 async with asyncio.timeout(self._timeout):
-                    while True:
-                        chunks = await sub.next_chunks()
-                        for index, c in chunks:
-                            completion_tokens += len(c.tokens)
-                            if c.text or c.tokens or c.finish_reason is not None:
-                                frame = self._make_chunk(index, c, c.finish_reason)
-                                parts.append(frame if isinstance(frame, bytes) else _sse(frame))
-                        if not chunks or sub.finished:
-                            break
-                        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
-                        parts.clear()
+                    sub.on_output(self._pump)
+                    self._pump()  # output of the steps before this response started
+                    await self._ended
+                    if self._writing is not None:
+                        await self._writing
             except TimeoutError:
                 parts.append(_sse({"error": {"code": "request_timeout",
                                              "message": f"no completion within {self._timeout} s",
                                              "hint": "lower max_tokens or raise server.request_timeout_s"}}))
+            finally:
+                sub.on_output(None)
+                if self._writing is not None and not self._writing.done():
+                    self._writing.cancel()  # still waiting on flow control, so nothing of it was written
+                    await asyncio.wait([self._writing])  # ended before the final write starts
             if self._usage is not None:
-                parts.append(_sse(self._usage(completion_tokens)))
+                parts.append(_sse(self._usage(self._completion_tokens)))
             parts.append(b"data: [DONE]\n\n")
             await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
         finally:
             watch.cancel()
             sub.cancel()
+
+    def _pump(self) -> None:
+        """Take the submission's new output and write it (on the loop; never raises)."""
+        ended = self._ended
+        if ended is None or ended.done() or (self._writing is not None and not self._writing.done()):
+            return  # a paused write is in flight: its end pumps again
+        self._writing = None
+        sub, parts = self._sub, self._parts
+        try:
+            for index, c in sub.take():
+                self._completion_tokens += len(c.tokens)
+                if c.text or c.tokens or c.finish_reason is not None:
+                    frame = self._make_chunk(index, c, c.finish_reason)
+                    parts.append(frame if isinstance(frame, bytes) else _sse(frame))
+            if sub.finished:  # the final write carries what is left
+                ended.set_result(None)
+                return
+            if not parts:
+                return
+            body = b"".join(parts)
+            parts.clear()
+            self._writing = start_eagerly(self._send({"type": "http.response.body", "body": body,
+                                                      "more_body": True}))
+            if self._writing is not None:
+                self._writing.add_done_callback(self._written)
+        except BaseException as exc:  # a failed write or chunk: the response ends with it
+            if not ended.done():
+                ended.set_exception(exc)
+
+    def _written(self, task: asyncio.Task) -> None:
+        ended = self._ended
+        if task.cancelled():
+            if ended is not None:
+                ended.cancel()
+        elif task.exception() is not None:
+            if ended is not None and not ended.done():
+                ended.set_exception(task.exception())
+        else:
+            self._pump()
 
 
 async def _no_body():  # placeholder body iterator: _SSEResponse writes its own body
@@ -832,13 +879,19 @@ class _Merged:
         for s in self._subs:
             s.cancel()
 
+    def take(self) -> list[tuple[int, Any]]:
+        return [(p * self._n + i, c) for p, sub in enumerate(self._subs) for i, c in sub.take()]
+
+    def on_output(self, callback: Callable[[], None] | None) -> None:
+        for s in self._subs:
+            s.on_output(callback)
+
     async def next_chunks(self) -> list[tuple[int, Any]]:
         while not self.finished:
             events = [sub.streams[0]._aevent for sub in self._subs if not sub.finished]
             for e in events:
                 e.clear()
-            out = [(p * self._n + s.index, c) for p, sub in enumerate(self._subs) for s in sub.streams
-                   if (c := s._take()) is not None]
+            out = self.take()
             if out:
                 return out
             waits = [asyncio.ensure_future(e.wait()) for e in events]
