@@ -26,6 +26,7 @@ the ratios, and ``--json`` if given.
     .venv/bin/python bench/serving.py --structured-only  # JSON-schema output vs unconstrained at c=8, mask cost
     .venv/bin/python bench/serving.py --shape qwen3-31m --mixed-only  # mixed_step_factor 0 vs default
     .venv/bin/python bench/serving.py --shape qwen3-31m --concurrency 1 8 --ab "--prefill-threads 1"  # A/B a flag
+    .venv/bin/python bench/serving.py --concurrency 8 32 --ab-rev HEAD~1   # A/B this tree against a revision
 
 ``--structured-only``: one ``kiln serve``, streaming chat at ``--structured-concurrency``
 (default 8), the same prompts unconstrained and with ``response_format: json_schema``
@@ -542,15 +543,16 @@ def mixed_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], concur
 # -- A/B of kiln serve settings ------------------------------------------------------------------------
 
 
-def ab_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], other: list[str], texts_by_c: dict,
+def ab_runs(model_dir: Path, workdir: Path, arms: list[tuple[str, list[str], dict]], texts_by_c: dict,
             max_tokens: int, rounds: int) -> list[dict]:
-    """``kiln serve`` with its defaults and with ``other`` (extra flags), interleaved ``rounds`` times
-    (a noisy neighbour hits both alike), each over every concurrency: tokens/s, TTFT and ITL, and
-    each round's TTFT p99 at c=8 / TTFT p50 at c=1 and ITL p99 / p50 at c=8."""
+    """Each arm (label, ``kiln serve`` command, environment) over every concurrency, interleaved
+    ``rounds`` times with the order flipped every round (a noisy neighbour hits both alike):
+    tokens/s, CPU per token, TTFT and ITL, and each round's TTFT p99 at c=8 / TTFT p50 at c=1 and
+    ITL p99 / p50 at c=8."""
     out = []
     for r in range(rounds):
-        for label, extra in (("default", []), ("other", other)):
-            rows = server_runs(f"kiln-{label}", cmd + extra, env, model_dir.name, texts_by_c, max_tokens, workdir, 300)
+        for label, cmd, env in (arms if r % 2 == 0 else arms[::-1]):
+            rows = server_runs(f"kiln-{label}", cmd, env, model_dir.name, texts_by_c, max_tokens, workdir, 300)
             by = {row["concurrency"]: row for row in rows}
             for row in rows:
                 row.update(setting=label, round=r)
@@ -558,6 +560,29 @@ def ab_runs(model_dir: Path, workdir: Path, env: dict, cmd: list[str], other: li
                 rows[-1]["ttft_ratio"] = by[8]["ttft_p99_ms"] / by[1]["ttft_p50_ms"]
                 rows[-1]["itl_ratio"] = by[8]["itl_p99_ms"] / by[8]["itl_p50_ms"]
             out += rows
+    return out
+
+
+def revision_tree(rev: str, workdir: Path) -> Path:
+    """A detached git worktree of ``rev`` under ``workdir`` (removed again at exit), whose ``src`` an
+    A/B arm puts first on ``PYTHONPATH``: the same venv then runs that revision's Kiln."""
+    import atexit
+
+    tree = workdir / f"rev-{re.sub(r'[^A-Za-z0-9._-]', '_', rev)}"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    atexit.register(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                    check=False)
+    return tree
+
+
+def revision_env(env: dict, tree: Path) -> dict:
+    """``env`` with ``tree``'s Kiln first on the import path; checked, since an install that finds
+    packages some other way would silently run this tree's code in both arms."""
+    out = dict(env, PYTHONPATH=str(tree / "src"))
+    found = subprocess.run([sys.executable, "-c", "import kiln; print(kiln.__file__)"], env=out, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    if not Path(found).resolve().is_relative_to((tree / "src").resolve()):
+        sys.exit(f"--ab-rev: kiln imports from {found}, not from {tree / 'src'}; install Kiln editable (pip -e)")
     return out
 
 
@@ -685,6 +710,8 @@ def main() -> None:
     ap.add_argument("--ab", metavar="FLAGS",
                     help="only kiln serve with its defaults vs with these extra flags (one quoted string), "
                          "interleaved --ab-rounds times over --concurrency")
+    ap.add_argument("--ab-rev", metavar="REV",
+                    help="A/B this working tree (default) against git revision REV (other), same flags")
     ap.add_argument("--ab-rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -741,23 +768,35 @@ def main() -> None:
             out = {"args": vars(args), "model": str(model_dir), "rows": runs}
             Path(args.json).write_text(json.dumps(out, indent=2))
         return
-    if args.ab:
-        other = args.ab.split()
-        runs = ab_runs(model_dir, workdir, kiln_env(workdir), kiln_command(model_dir, args.threads), other,
-                       texts_by_c, args.max_tokens, args.ab_rounds)
-        print(f"A/B: default vs {' '.join(other)}")
-        print(f"{'setting':<9}{'round':>6}{'c':>4}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-              f"{'ITL p99':>9}{'TTFT x':>8}{'ITL x':>7}  (ms)")
+    if args.ab or args.ab_rev:
+        env, cmd = kiln_env(workdir), kiln_command(model_dir, args.threads)
+        if args.ab_rev:
+            arms = [("default", cmd, env), ("other", cmd, revision_env(env, revision_tree(args.ab_rev, workdir)))]
+            print(f"A/B: this working tree (default) vs revision {args.ab_rev} (other)")
+        else:
+            arms = [("default", cmd, env), ("other", cmd + args.ab.split(), env)]
+            print(f"A/B: default vs {args.ab}")
+        runs = ab_runs(model_dir, workdir, arms, texts_by_c, args.max_tokens, args.ab_rounds)
+        print(f"{'setting':<9}{'round':>6}{'c':>4}{'tok/s':>8}{'CPU ms/tok':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'ITL p50':>9}{'ITL p99':>9}{'TTFT x':>8}{'ITL x':>7}  (ms)")
         for r in runs:
             ratios = (f"{r['ttft_ratio']:>8.2f}{r['itl_ratio']:>7.2f}" if "ttft_ratio" in r else "")
-            print(f"{r['setting']:<9}{r['round']:>6}{r['concurrency']:>4}{r['tok_s']:>8.0f}{r['ttft_p50_ms']:>10.1f}"
-                  f"{r['ttft_p99_ms']:>10.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}{ratios}")
+            print(f"{r['setting']:<9}{r['round']:>6}{r['concurrency']:>4}{r['tok_s']:>8.0f}{r['cpu_ms_per_tok']:>11.3f}"
+                  f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>10.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>9.2f}"
+                  f"{ratios}")
         for label in ("default", "other"):
             mine = [r for r in runs if r["setting"] == label]
             best = {c: max(r["tok_s"] for r in mine if r["concurrency"] == c) for c in args.concurrency}
             ratios = sorted(r["ttft_ratio"] for r in mine if "ttft_ratio" in r)
             print(f"  {label}: best tok/s " + ", ".join(f"c={c} {v:.0f}" for c, v in best.items())
                   + (f"; TTFT p99(c=8)/p50(c=1) per round {', '.join(f'{x:.2f}' for x in ratios)}" if ratios else ""))
+        for c in args.concurrency:
+            pairs = [(d, o) for d in runs for o in runs if d["setting"] == "default" and o["setting"] == "other"
+                     and d["round"] == o["round"] and d["concurrency"] == o["concurrency"] == c]
+            print(f"  c={c}: default / other tok/s per round " + ", ".join(f"{d['tok_s'] / o['tok_s']:.2f}"
+                                                                        for d, o in pairs)
+                  + "; CPU per token " + ", ".join(f"{d['cpu_ms_per_tok'] / o['cpu_ms_per_tok']:.2f}"
+                                                   for d, o in pairs))
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "model": str(model_dir), "rows": runs},
                                                   indent=2))

@@ -156,6 +156,7 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> "Engine":
+        self.tokens.warm()
         self._scheduler.start()
         return self
 

@@ -289,6 +289,7 @@ class VllmEngine:
         from kiln.runtime.vllm_process import VllmProcess
 
         self._stop.clear()
+        self.tokens.warm()
         self.process = VllmProcess(self.plan)
         self.incarnation = self.process.token
         self._state, self._why = "starting", "vLLM is starting"
