@@ -155,10 +155,10 @@ def _prompt(engine) -> list[int]:
     return engine.encode_chat([{"role": "user", "content": "Tell me about the river."}])
 
 
-async def _stream(engine, send, timeout_s: float = 60.0, n: int = 1) -> None:
+async def _stream(engine, send, timeout_s: float = 60.0, n: int = 1, first=None) -> None:
     params = [SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)] * n
     sub = engine.submit(_prompt(engine), params, loop=asyncio.get_running_loop())
-    response = _SSEResponse(sub, timeout_s, _frame, None, None, {})
+    response = _SSEResponse(sub, timeout_s, _frame, first, None, {})
     await response({"type": "http"}, _never_disconnect, send)
 
 
@@ -233,3 +233,17 @@ def _wait_idle(engine, limit_s: float = 10.0) -> None:
     while engine.stats()["active_rows"] or engine.stats()["queued_rows"]:
         assert time.monotonic() < deadline, f"rows never ended: {engine.stats()}"
         time.sleep(0.01)
+
+
+def test_the_role_chunk_goes_out_with_the_first_tokens_not_before(engine):
+    """A client times its first token from the first event: the role chunk alone must not come first."""
+    async def main():
+        send = HoldingSend(hold_at=None)
+        await _stream(engine, send, first=lambda i: {"role": "assistant", "index": i})
+        return send
+
+    send = asyncio.run(main())
+    bodies = [m["body"] for m in send.messages if m["type"] == "http.response.body"]
+    assert b'"role":"assistant"' in bodies[0]
+    assert FRAME.search(bodies[0]), "the first write carried the role chunk without any token"
+    assert _texts(send.body())[1] == ["length"]

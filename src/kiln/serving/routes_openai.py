@@ -521,7 +521,8 @@ class _SSEResponse(StreamingResponse):
         self._writing = None
         sub, parts = self._sub, self._parts
         try:
-            for index, c in sub.take():
+            chunks = sub.take()
+            for index, c in chunks:
                 self._completion_tokens += len(c.tokens)
                 if c.text or c.tokens or c.finish_reason is not None:
                     frame = self._make_chunk(index, c, c.finish_reason)
@@ -529,7 +530,7 @@ class _SSEResponse(StreamingResponse):
             if sub.finished:  # the final write carries what is left
                 ended.set_result(None)
                 return
-            if not parts:
+            if not chunks:  # nothing new (the role chunks wait for the first tokens)
                 return
             body = b"".join(parts)
             parts.clear()
