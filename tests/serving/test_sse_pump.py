@@ -93,6 +93,25 @@ def test_cancelling_the_task_cancels_the_coroutine_where_it_waits():
     asyncio.run(main())
 
 
+def test_a_resumed_coroutine_can_also_be_awaited_directly():
+    from kiln.serving.eager import _Resumed
+
+    async def main():
+        gate = asyncio.get_running_loop().create_future()
+
+        async def work():
+            await gate
+            return "done"
+
+        coro = work()
+        pending = coro.send(None)
+        assert pending is gate
+        asyncio.get_running_loop().call_later(0.01, gate.set_result, None)
+        assert await _Resumed(coro, pending) == "done"
+
+    asyncio.run(main())
+
+
 def test_an_exception_after_suspending_is_the_tasks():
     async def main():
         async def work():

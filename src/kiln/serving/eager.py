@@ -40,8 +40,11 @@ class _Resumed(Coroutine):
         self._pending = None
         self._coro.close()
 
-    def __await__(self):  # pragma: no cover - the protocol asks for it; tasks call send/throw
-        return self
+    def __await__(self):
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            yield pending
+        return (yield from self._coro.__await__())
 
 
 def start_eagerly(coro: Coroutine) -> asyncio.Task | None:
