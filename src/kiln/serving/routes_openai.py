@@ -493,9 +493,7 @@ class _SSEResponse(StreamingResponse):
                 async with asyncio.timeout(self._timeout):
                     sub.on_output(self._pump)
                     self._pump()  # output of the steps before this response started
-                    await self._ended
-                    if self._writing is not None:
-                        await self._writing
+                    await self._ended  # the pump ends it only with no write in flight
             except TimeoutError:
                 parts.append(_sse({"error": {"code": "request_timeout",
                                              "message": f"no completion within {self._timeout} s",
@@ -542,13 +540,13 @@ class _SSEResponse(StreamingResponse):
             if not ended.done():
                 ended.set_exception(exc)
 
-    def _written(self, task: asyncio.Task) -> None:
+    def _written(self, task: asyncio.Task) -> None:  # a paused write ended; _pump started it, after _ended
         ended = self._ended
+        assert ended is not None
         if task.cancelled():
-            if ended is not None:
-                ended.cancel()
+            ended.cancel()
         elif task.exception() is not None:
-            if ended is not None and not ended.done():
+            if not ended.done():
                 ended.set_exception(task.exception())
         else:
             self._pump()
