@@ -93,6 +93,8 @@ class LimitsSettings(_Section):
     max_stop_sequences: int = Field(8, ge=0, le=64)
     max_logprobs: int = Field(20, ge=0, le=1000)
     max_prompt_logprobs: int = Field(20, ge=0, le=1000)
+    grammar_compile_timeout_s: float = Field(2.0, gt=0.0, le=60.0)  # structured output: compile deadline
+    grammar_cache_mib: int = Field(64, ge=0, le=65_536)  # compiled grammars kept (estimated resident MiB)
 
 
 class TrainingSettings(_Section):

@@ -423,3 +423,13 @@ def test_one_rule_each_for_names_ranks_and_the_revision_header():
         defining = [p.relative_to(src).as_posix() for p in src.rglob("*.py")
                     if std_re.search(pattern, p.read_text(encoding="utf-8"), std_re.M)]
         assert defining == ["adapters/manifest.py"], (pattern, defining)
+
+
+def test_head_and_manifest_are_private(make_lora, publish_copy, store):
+    """Everything under $KILN_HOME is 0600/0700 (docs); HEAD and the manifest were created 0644."""
+    import stat
+
+    rec = publish_copy(make_lora(seed=5), name="private")
+    for path in (store.root / "private" / "HEAD", rec.path / "kiln-manifest.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((store.root / "private" / "revisions").stat().st_mode) == 0o700

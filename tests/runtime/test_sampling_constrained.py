@@ -141,3 +141,78 @@ def test_prefetched_masks_follow_the_rows_real_history(compiler):
         fresh.mask_rows(logits, [(0, fresh, row.generated)])
         assert torch.equal(masked_row(), torch.isfinite(logits[0]))
     assert {t for t in torch.nonzero(masked_row()).flatten().tolist()} <= allowed | {tok.eos_token_id}
+
+
+BOMB = "(y{1000}){1000}"  # a 15-byte regex whose lexer, unbounded, takes seconds and ~200 MB
+
+
+@pytest.mark.parametrize("build", [
+    lambda c: c.regex(BOMB, "guided_regex"),
+    lambda c: c.json_schema({"type": "string", "pattern": f"^{BOMB}$"}, "guided_json"),
+    lambda c: c.json_schema({"$ref": "#"}, "guided_json"),  # admits no value at all
+    lambda c: c.json_schema({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                            "guided_json"),  # every value is infinite
+])
+def test_grammars_that_cannot_complete_are_refused_before_generation(compiler, build):
+    import asyncio
+
+    from kiln.runtime.constrained import GrammarTooComplex
+
+    _, comp = compiler
+    before = comp.cached
+    with pytest.raises(GrammarTooComplex) as exc:
+        asyncio.run(comp.compile(lambda: build(comp), "guided_json"))
+    assert exc.value.status == 400 and exc.value.code == "grammar_too_complex"
+    assert comp.cached == before  # nothing of a refused grammar is kept
+
+
+def test_a_grammar_that_gives_up_mid_generation_ends_the_row_marked(compiler):
+    """A grammar whose limit is reached only after some tokens: the row is told to end (only the end
+    token is left) and its constraint says why, so the engine reports an error finish, not ``stop``."""
+    tok, comp = compiler
+    grammar = comp.regex("a{0,40}" + BOMB, "guided_regex")  # the probe walks 'a's and passes
+    p = SamplingParams(max_tokens=50, temperature=0, constraint=comp.matcher(grammar))
+    row = Row(tok.eos_token_id)
+    y = tok.convert_tokens_to_ids("y")
+    for _ in range(20):
+        logits = torch.zeros(1, len(tok))
+        logits[0, y] = 5.0  # the model wants 'y': the lexer must grow for it
+        t = select_tokens(logits, [p], [None], None, [row])[0].token_id
+        if t == tok.eos_token_id:
+            break
+        row.generated.append(t)
+    assert t == tok.eos_token_id and 0 < len(row.generated) < 20
+    assert p.constraint.error and "lexer" in p.constraint.error
+
+
+def test_compile_deadline_queue_and_byte_bounded_cache(builtin_model_dir):
+    import asyncio
+    import time
+
+    from transformers import AutoTokenizer
+
+    from kiln.errors import Unavailable
+    from kiln.runtime.constrained import MAX_PENDING_COMPILES, GrammarCompiler, GrammarTooComplex
+
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir)
+    comp = GrammarCompiler(tok, len(tok), [tok.eos_token_id], timeout_s=0.2, cache_bytes=300_000)
+
+    def slow() -> str:  # stands in for a grammar whose compilation outlasts the deadline
+        time.sleep(0.5)
+        return comp.regex("abc", "guided_regex")
+
+    async def crowd() -> list:
+        jobs = [comp.compile(slow, "guided_regex") for _ in range(MAX_PENDING_COMPILES + 1)]
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    out = asyncio.run(crowd())
+    assert sum(isinstance(e, Unavailable) and e.retry_after for e in out) == 1
+    assert all(isinstance(e, (GrammarTooComplex, Unavailable)) for e in out)
+    assert any(isinstance(e, GrammarTooComplex) and "grammar_compile_timeout_s" in e.message for e in out)
+    time.sleep(0.5 * MAX_PENDING_COMPILES)  # let the compile thread drain the abandoned jobs
+    comp.timeout_s = 5.0
+    for i in range(40):
+        asyncio.run(comp.compile(lambda i=i: comp.regex(f"x{i}[a-c]+", "guided_regex"), "guided_regex"))
+        count, nbytes = comp.cached
+        assert nbytes <= 300_000 and count <= 40
+    assert comp.stats["compiled"] >= 40 and count < 40  # least recently used grammars were dropped

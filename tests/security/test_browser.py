@@ -118,6 +118,20 @@ def test_api_key_required(auth_server):
     assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
 
 
+def test_only_the_dashboards_static_shell_is_open_without_the_key(auth_server):
+    """As docs/serving.md says: the shell (package HTML/JS/CSS) loads without the key and holds no
+    server data (no model ID, no base-model hash); every API call it makes needs the key."""
+    base = auth_server.base_url
+    shell = httpx.get(f"{base}/ui/")
+    assert shell.status_code == 200 and "text/html" in shell.headers["content-type"]
+    health = httpx.get(f"{base}/health").json()
+    for secret in (auth_server.model_id, health.get("base_model_sha256") or auth_server.model_id, API_KEY):
+        assert secret not in shell.text
+    for path in ("/v1/models", "/v1/adapters", "/v1/train/jobs", "/v1/config", "/metrics"):
+        _error(httpx.get(f"{base}{path}"), 401, "unauthorized")
+    _error(httpx.post(f"{base}/ui/", json={}), 401, "unauthorized")  # only GET/HEAD of the shell are open
+
+
 def test_api_key_covers_the_fast_path(auth_server):
     body = {"model": auth_server.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     _error(httpx.post(f"{auth_server.base_url}/v1/chat/completions", json=body), 401, "unauthorized")

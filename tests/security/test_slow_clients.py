@@ -144,6 +144,32 @@ def test_oversized_head_is_431(secure_server):
     assert received == b"" or received.startswith(b"HTTP/1.1 431 "), received[:200]
 
 
+def _one_segment(srv, head_bytes: int) -> bytes:
+    """A request whose head (``head_bytes`` in all) and small JSON body go out in one write."""
+    body = b'{"model": "x", "prompt": "a", "max_tokens": 1}'
+    start = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\nConnection: close\r\n" % len(body))
+    pad = head_bytes - len(start) - len(b"X-Pad: \r\n\r\n")
+    with _connect(srv) as sock:
+        sock.settimeout(20)
+        sock.sendall(start + b"X-Pad: " + b"p" * pad + b"\r\n\r\n" + body)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except OSError:
+            pass
+    return received
+
+
+def test_head_limit_is_exactly_64_kib_even_in_one_segment(secure_server):
+    """A head over 64 KiB arriving whole with its body was parsed and served (70-131 KB got 200)."""
+    for size in (64 * 1024 + 1, 70_000, 131_000):
+        received = _one_segment(secure_server, size)
+        assert received == b"" or received.startswith(b"HTTP/1.1 431 "), (size, received[:100])
+    assert not _one_segment(secure_server, 64 * 1024).startswith(b"HTTP/1.1 431 ")
+
+
 def test_large_body_in_first_segment_is_not_mistaken_for_a_head(client, secure_server):
     """A big JSON body arriving with its head is a body, not an oversized head (400: prompt too long)."""
     body = {"model": secure_server.model_id, "prompt": "a" * 300_000, "max_tokens": 1}

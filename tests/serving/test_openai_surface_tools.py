@@ -259,3 +259,21 @@ def test_hermes_parser_results():
     assert HermesParser().parse(TEXTS[2]) == (TEXTS[2], [])
     with pytest.raises(ValueError):
         get_tool_parser("nope")
+
+
+def test_forced_tool_parameters_with_local_refs(oai, server):
+    """What pydantic emits for nested models (``$defs`` + ``$ref``) forces calls as it constrains
+    ``response_format``: each tool's arguments are a JSON document of their own."""
+    params = {"$defs": {"C": {"type": "object", "properties": {"n": {"enum": ["x", "y"]}}, "required": ["n"],
+                              "additionalProperties": False}},
+              "type": "object", "properties": {"c": {"$ref": "#/$defs/C"}}, "required": ["c"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": params}}]
+    for choice in ("required", {"type": "function", "function": {"name": "w"}}):
+        out = oai.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "Where?"}],
+                                          tools=tools, tool_choice=choice, max_tokens=64, temperature=0)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        call = c.message.tool_calls[0].function
+        assert call.name == "w"
+        jsonschema.validate(json.loads(call.arguments), params)

@@ -328,7 +328,7 @@ class AdapterStore:
                 inputs_sha256=inputs_sha256,
                 parent_revision=parent_revision,
             )
-            atomic_write_bytes(staging.path / MANIFEST_FILE, manifest.to_bytes())
+            atomic_write_bytes(staging.path / MANIFEST_FILE, manifest.to_bytes(), mode=0o600)
             fault_point("after_manifest")
 
             with self._locked():
@@ -338,14 +338,14 @@ class AdapterStore:
                 if final.is_dir():
                     shutil.rmtree(staging.path)  # identical content is already stored
                 else:
-                    (name_dir / REVISIONS_DIR).mkdir(parents=True, exist_ok=True)
+                    (name_dir / REVISIONS_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
                     atomic_publish_dir(staging.path, final)
                     fault_point("after_rename")
                 history: list[str] = []
                 if old is not None:
                     history = [r for r in [old[0], *old[1]] if r != manifest.revision]
                 head = {"revision": manifest.revision, "history": history[:KEEP_PREVIOUS_REVISIONS]}
-                atomic_write_json(name_dir / HEAD_FILE, head)
+                atomic_write_json(name_dir / HEAD_FILE, head, mode=0o600)
                 fault_point("after_head")
                 self._prune_revisions(name_dir, {head["revision"], *head["history"]})
         except BaseException:

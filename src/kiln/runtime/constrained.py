@@ -17,28 +17,78 @@ tells it the picked tokens after; nothing else in the engine has to know about i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from kiln.errors import InvalidRequest
+from kiln.errors import InvalidRequest, Unavailable
 
 MAX_GRAMMAR_CHARS = 200_000  # serialized schema/regex/choices; bounded before compiling
-MAX_CACHED_GRAMMARS = 64  # initial matchers kept per compiler, least recently used dropped
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept per compiler (and at most GRAMMAR_CACHE_BYTES of them)
+GRAMMAR_CACHE_BYTES = 64 << 20  # estimated resident bytes of the cached grammars, least recently used dropped
+COMPILE_TIMEOUT_S = 2.0  # a request's grammar compilation (queue wait included) past this is refused
+MAX_PENDING_COMPILES = 8  # compilations queued on the one compile thread; more are refused with 503
+PROBE_TOKENS = 32  # tokens a new grammar is walked at compile time (lowest allowed token each step)
+# llguidance's resource limits (its defaults: 1e6, 2e5, 250k states, 5e5 symbols). A counted repetition
+# such as ``(y{1000}){1000}`` spends the initial fuel building its regex: at the default 1e6 it took
+# 2.2 s and ~200 MB on this project's machines, at 1e5 ~40 ms and ~20 MB. Realistic schemas (nested
+# pydantic models with $defs, formats, maxLength 10000, 200 properties) need < 1e5 on Qwen3's vocabulary.
+INITIAL_LEXER_FUEL = 100_000
+STEP_LEXER_FUEL = 200_000  # one mask (~14 ms at most): a 150k-token vocabulary's masks need most of it
+MAX_LEXER_STATES = 20_000  # ~1-2 kB each: ~40 MB per grammar at most
+MAX_GRAMMAR_SIZE = 200_000  # symbols in the grammar's productions
 
 log = logging.getLogger(__name__)
 
 
-class GrammarCompiler:
-    """Compiles request grammars for one tokenizer (built once per served model)."""
+class GrammarTooComplex(InvalidRequest):
+    """The grammar hit a resource limit (compile time, lexer fuel, states, items): a 400 naming it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message, code="grammar_too_complex", param=param,
+                         hint="simplify the schema/regex (nested counted repetitions such as (a{100}){100}, "
+                              "deep recursion or huge alternations)")
+
+
+def _first_line(text: str) -> str:
+    return (text or "").strip().split("\n", 1)[0][:300]
+
+
+class CompiledGrammar:
+    """A grammar built and probed once: its initial matcher, copied for every row that uses it."""
+
+    __slots__ = ("grammar", "base", "nbytes", "_compiler")
+
+    def __init__(self, grammar: str, base: Any, nbytes: int, compiler: "GrammarCompiler"):
+        self.grammar, self.base, self.nbytes, self._compiler = grammar, base, nbytes, compiler
+
+    def row(self) -> "RowConstraint":
+        """A fresh row state: a copy of the initial matcher (a few microseconds; creating one ~0.5 ms)."""
+        c = self._compiler
+        return RowConstraint(self.base.deep_copy(), self.base, c.eos_ids, c.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles request grammars for one tokenizer (built once per served model).
+
+    ``json_schema``/``regex``/``lark``/``choice`` turn a request's constraint into llguidance
+    grammar text (checked, cheap); :meth:`prepare` builds its matcher under llguidance's resource
+    limits and walks it a few tokens (a grammar that fails there, or admits no output, is a 400
+    before any generation) and caches it, bounded by count and estimated bytes. The HTTP layer
+    calls :meth:`compile`, which does all of that on one compile thread with a deadline, so a
+    grammar never runs on the event loop or the engine's thread.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
+                 timeout_s: float = COMPILE_TIMEOUT_S, cache_bytes: int = GRAMMAR_CACHE_BYTES):
         import llguidance
         import llguidance.hf
 
@@ -47,7 +97,17 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
         self.vocab_size = vocab_size
         self.eos_ids = eos
-        self._bases: dict[str, Any] = {}  # grammar -> its initial matcher, least recently used first
+        self.timeout_s, self.cache_bytes = timeout_s, cache_bytes
+        self._limits = llguidance.LLParserLimits(
+            initial_lexer_fuel=INITIAL_LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL,
+            max_lexer_states=MAX_LEXER_STATES, max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)
+        self._cache: dict[str, CompiledGrammar] = {}  # grammar -> compiled, least recently used first
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # the cache: prepare runs on the compile thread and in line
+        self._pending = 0  # compilations submitted and not finished (event loop only)
+        self.stats = {"compiled": 0, "cache_hits": 0, "refused": 0, "timeouts": 0, "busy": 0}
+
+    # -- request constraint -> grammar text ----------------------------------------------------
 
     def json_schema(self, schema: dict | bool | None, param: str) -> str:
         """``None``: any JSON object (``response_format: json_object``)."""
@@ -84,19 +144,91 @@ class GrammarCompiler:
     def choice(self, options: Sequence[str], param: str) -> str:
         return self.regex("(" + "|".join(re.escape(o) for o in options) + ")", param)
 
+    # -- grammar text -> probed matcher ----------------------------------------------------------
+
+    async def compile(self, build: Callable[[], str], param: str) -> CompiledGrammar:
+        """``build()`` (one of the methods above) then :meth:`prepare`, on the compile thread, within
+        ``timeout_s`` (queue wait included). Refused with 503 when too many wait, 400 past the deadline."""
+        if self._pending >= MAX_PENDING_COMPILES:
+            self.stats["busy"] += 1
+            raise Unavailable(f"{self._pending} grammar compilations are already waiting (at most "
+                              f"{MAX_PENDING_COMPILES})", code="grammar_compile_busy", retry_after=1,
+                              hint="retry shortly; repeated schemas are cached after their first compilation")
+        self._pending += 1
+        job = _compile_pool().submit(lambda: self.prepare(build(), param))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
+        except TimeoutError:
+            self.stats["timeouts"] += 1
+            job.cancel()  # not started yet: never runs; running: bounded by the lexer fuel, its result dropped
+            raise GrammarTooComplex(f"compiling {param} took longer than the grammar compile limit "
+                                    f"({self.timeout_s:g} s, limits.grammar_compile_timeout_s)", param) from None
+        finally:
+            self._pending -= 1
+
+    def prepare(self, grammar: str, param: str = "grammar") -> CompiledGrammar:
+        """The grammar's matcher, from the cache or built, probed and cached (any thread)."""
+        with self._lock:
+            hit = self._cache.pop(grammar, None)
+            if hit is not None:
+                self._cache[grammar] = hit  # most recently used last
+                self.stats["cache_hits"] += 1
+                return hit
+        before = _rss_bytes()
+        base = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
+        self._probe(base, param)
+        nbytes = max(_rss_bytes() - before, 64 << 10) + len(grammar)
+        compiled = CompiledGrammar(grammar, base, nbytes, self)
+        with self._lock:
+            self.stats["compiled"] += 1
+            if nbytes <= self.cache_bytes and grammar not in self._cache:
+                self._cache[grammar] = compiled
+                self._cached_bytes += nbytes
+                while len(self._cache) > MAX_CACHED_GRAMMARS or self._cached_bytes > self.cache_bytes:
+                    self._cached_bytes -= self._cache.pop(next(iter(self._cache))).nbytes
+        return compiled
+
     def matcher(self, grammar: str) -> "RowConstraint":
-        """A fresh row state: a copy of the grammar's cached initial matcher (creating a matcher costs
-        ~0.5 ms on the built-in model, copying one a few microseconds)."""
-        base = self._bases.pop(grammar, None)
-        if base is None:
-            base = self._ll.LLMatcher(self.tokenizer, grammar)
-        self._bases[grammar] = base  # most recently used last
-        while len(self._bases) > MAX_CACHED_GRAMMARS:
-            self._bases.pop(next(iter(self._bases)))
-        return RowConstraint(base.deep_copy(), base, self.eos_ids, self.vocab_size)
+        """A fresh row state for ``grammar`` (prepared in line on the caller's thread)."""
+        return self.prepare(grammar).row()
+
+    @property
+    def cached(self) -> tuple[int, int]:
+        """(grammars, estimated bytes) in the cache."""
+        with self._lock:
+            return len(self._cache), self._cached_bytes
+
+    def _probe(self, base: Any, param: str) -> None:
+        """Walk a copy of ``base`` up to :data:`PROBE_TOKENS` tokens (the lowest allowed non-end token
+        each step): an error there (a resource limit, or a schema that admits nothing, such as
+        ``{"$ref": "#"}``) is refused now instead of ending a generation with invalid output."""
+        m = base.deep_copy()
+        words = (self.vocab_size + 31) // 32
+        mask = np.zeros(words, dtype=np.int32)
+        eos = [e for e in self.eos_ids if e < 32 * words]
+        for step in range(PROBE_TOKENS):
+            if m.is_error():
+                break
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
+            if m.is_error() or m.is_stopped():
+                break
+            bits = np.unpackbits(mask.view(np.uint8), count=self.vocab_size, bitorder="little")
+            bits[eos] = 0
+            allowed = np.flatnonzero(bits)
+            if not len(allowed):
+                if step == 0 and not m.is_accepting():
+                    raise GrammarTooComplex(f"{param} admits no output", param)
+                break
+            m.consume_token(int(allowed[0]))
+        if m.is_error():
+            self.stats["refused"] += 1
+            raise GrammarTooComplex(f"{param} cannot be used for constrained decoding: "
+                                    f"{_first_line(m.get_error())} (limits: lexer fuel {INITIAL_LEXER_FUEL}, "
+                                    f"{MAX_LEXER_STATES} lexer states, grammar size {MAX_GRAMMAR_SIZE})", param)
 
     def _validated(self, grammar: str, param: str) -> str:
-        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        is_error, messages = self._ll.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer,
+                                                                               limits=self._limits)
         if is_error:
             raise InvalidRequest(f"the grammar is not usable: {'; '.join(messages)}", code="invalid_schema",
                                  param=param, hint="fix or simplify the schema/regex")
@@ -109,12 +241,25 @@ class GrammarCompiler:
                                  code="limit_exceeded", param=param, hint="send a smaller schema")
 
 
+def _rss_bytes() -> int:
+    """This process's resident set (Linux ``/proc``; 0 elsewhere): a grammar's cache estimate is the
+    growth across its build on the one compile thread."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class RowConstraint:
     """One row's grammar state.
 
     The sampler calls :meth:`mask_rows` for every constrained row of a step before the
     tokens are picked, and :meth:`advance_rows` with the picked tokens after. ``advance_rows``
-    hands the matchers to one background thread (:class:`_MaskWorker`) that consumes each
+    hands the matchers to one background thread (``_worker``) that consumes each
     row's token and computes its next bitmask while the model runs the next forward
     (llguidance releases the GIL), so at the next step ``mask_rows`` usually finds every mask
     ready (a job the worker has not started by then is cancelled and done in line: on a busy
@@ -136,6 +281,7 @@ class RowConstraint:
         self._job: Future | None = None  # the worker's job that consumes the last token and fills _ready
         self._done_words: np.ndarray | None = None  # the end-tokens-only bitmask, built once
         self.mask_calls = 0  # masks computed while the grammar was live (not complete)
+        self.error: str | None = None  # why the grammar engine gave up on this row (it then allows only the end)
 
     def _settle(self, generated: Sequence[int]) -> None:
         """Wait for this row's prefetch, then make the matcher's history equal ``generated``."""
@@ -166,6 +312,7 @@ class RowConstraint:
             bitmask[j] = self._ready
             self._ready = None
         elif self._m.is_stopped():  # done (or broken: is_stopped includes errors): only an end token
+            self._note_error()
             if self._done_words is None:
                 words = np.zeros(self._words, dtype=np.uint32)
                 for e in self._eos:
@@ -176,6 +323,12 @@ class RowConstraint:
         else:
             self._m.unsafe_compute_mask_ptr(ptr, 4 * self._words)
             self.mask_calls += 1
+            self._note_error()
+
+    def _note_error(self) -> None:
+        """Record why the grammar engine gave up (its mask then allows only the end token), once."""
+        if self.error is None and self._m.is_error():
+            self.error = _first_line(self._m.get_error()) or "the grammar engine stopped"
 
     @staticmethod
     def mask_rows(logits: torch.Tensor, items: Sequence[tuple[int, "RowConstraint", Sequence[int]]]) -> None:
@@ -246,22 +399,24 @@ def _advance(batch: Sequence[tuple[RowConstraint, int]]) -> None:
     for j, c in enumerate(live):
         c._m.unsafe_compute_mask_ptr(base + 4 * words * j, 4 * words)
         c.mask_calls += 1
+        c._note_error()
         c._ready = bitmask[j]
 
 
-class _MaskWorker:
-    """The one thread that advances matchers for :meth:`RowConstraint.advance_rows`."""
+class _OneThread:
+    """A lazily started single-thread pool (one per use, named by ``prefix``)."""
 
-    _lock = threading.Lock()
-    _pool: ThreadPoolExecutor | None = None
+    def __init__(self, prefix: str):
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
-    @classmethod
-    def get(cls) -> ThreadPoolExecutor:
-        with cls._lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-grammar")
-            return cls._pool
+    def __call__(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._prefix)
+            return self._pool
 
 
-def _worker() -> ThreadPoolExecutor:
-    return _MaskWorker.get()
+_worker = _OneThread("kiln-grammar")  # advances matchers for RowConstraint.advance_rows
+_compile_pool = _OneThread("kiln-grammar-compile")  # GrammarCompiler.compile: off the loop and the engine

@@ -771,7 +771,8 @@ class Scheduler:
             row.generated.append(tok)
             reason = None
             if (tok in row.eos_ids and not row.params.ignore_eos) or tok in row.params.stop_token_ids:
-                reason = "stop"
+                c = row.params.constraint
+                reason = "grammar_error" if c is not None and c.error is not None else "stop"
                 text = ""
             else:
                 text = row.text.push(tok)

@@ -7,6 +7,7 @@ chat is rendered, how text becomes IDs and how an ID is shown in a logprob entry
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 ENCODE_HOLDING_GIL_MAX_CHARS = 1000  # ~1 ms of tokenizing at most while holding the GIL
@@ -51,6 +52,23 @@ class Tokenization:
         if self._backend is not None and len(text) <= ENCODE_HOLDING_GIL_MAX_CHARS:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the text bytes one token covers: the longest vocabulary entry's UTF-8
+        bytes (a byte-level or SentencePiece piece spells its bytes with at least as many), doubled
+        for normalizers that expand text. A text of ``b`` bytes has at least ``b / max_token_bytes``
+        tokens, so :meth:`too_long` can refuse it without tokenizing."""
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in self.tokenizer.get_vocab()), default=1)
+        return 2 * max(longest, 1)
+
+    def too_long(self, text: str, limit: int) -> int | None:
+        """A lower bound on ``text``'s token count when that bound alone exceeds ``limit``, else ``None``
+        (cheap: a length and, for long texts, one UTF-8 encode)."""
+        if len(text) <= limit:  # every token covers at least one character
+            return None
+        least = len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes
+        return least if least > limit else None
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)

@@ -106,6 +106,24 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
                           param=params[0] if params else None)
 
 
+def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> str:
+    """Every method some route serves at ``scope``'s path (``/v1/adapters/merge`` is both the merge
+    route, POST, and ``/v1/adapters/{name}``, GET and DELETE), for a 405's ``Allow``."""
+    from starlette.routing import Match
+
+    def leaves(routes):  # FastAPI keeps an included router as one entry (``original_router``); Kiln's
+        for route in routes:  # routers are included without a prefix, so their routes match the scope as is
+            inner = getattr(route, "original_router", None)
+            yield from leaves(inner.routes) if inner is not None else (route,)
+
+    methods: set[str] = set()
+    for route in leaves(app.router.routes):
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(scope)[0] in (Match.FULL, Match.PARTIAL):
+            methods |= set(route_methods)
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> None:
     """Map every exception to the envelope; ``redact`` keeps server paths out of messages."""
 
@@ -118,7 +136,9 @@ def install_error_handlers(app: FastAPI, redact: Callable[[str], str] = str) -> 
         return validation_error_response(list(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 405:  # Starlette names only the first route whose path matched
+            exc.headers = {**(exc.headers or {}), "Allow": allowed_methods(app, request.scope)}
         return http_error_response(exc)
 
     @app.exception_handler(Exception)

@@ -21,6 +21,7 @@ Errors the handler raises get the same envelopes as the app's exception handlers
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 from typing import Any, Awaitable, Callable
@@ -38,6 +39,9 @@ from kiln.serving.errors import (
 )
 
 Handler = Callable[[Any, Any, Receive], Awaitable[Response]]
+Precheck = Callable[[Any, Any], None]  # (state, the parsed JSON) -> raises a KilnError before validation
+
+PARSE_OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed and validated on a worker thread
 
 JSON_MEDIA_TYPE = b"application/json"
 MAX_JSON_DEPTH = 64  # nesting levels of arrays/objects; Kiln's request schemas need fewer than 10
@@ -90,10 +94,12 @@ def replaying(messages: list[Message], receive: Receive) -> Receive:
 
 
 class FastRoutes:
-    """Serve ``routes`` (path -> (request model, handler)) directly; hand anything else to ``app``.
+    """Serve ``routes`` (path -> (request model, handler[, precheck])) directly; hand anything else to ``app``.
 
     A handler is called as ``await handler(state, validated_request, receive)`` and
-    returns the response to send.
+    returns the response to send. A precheck sees the parsed JSON before the model validates it,
+    so a count limit refuses a huge body before pydantic builds it (a KilnError it raises is the
+    answer). Bodies over ``PARSE_OFF_LOOP_BYTES`` are parsed and validated off the event loop.
     """
 
     def __init__(self, app: ASGIApp, state: Any, routes: dict[str, tuple[type[BaseModel], Handler]]):
@@ -118,15 +124,25 @@ class FastRoutes:
                     break
         except HTTPException as exc:  # the body-limit middleware refusing a chunked body mid-stream
             return await http_error_response(exc)(scope, receive, send)
-        model, handler = route
+        model, handler, precheck = route if len(route) == 3 else (*route, None)
         body = b"".join(chunks)
         if json_depth_exceeds(body):  # json.loads would recurse into a RecursionError (a 500)
             error = InvalidRequest(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels",
                                    code="invalid_json", hint="flatten the request body")
             return await kiln_error_response(error)(scope, receive, send)
+        off_loop = len(body) > PARSE_OFF_LOOP_BYTES
         try:
-            request = model.model_validate(json.loads(body))
-        except (ValueError, ValidationError):  # not JSON (JSONDecodeError, UnicodeDecodeError) or invalid
+            data = await asyncio.to_thread(json.loads, body) if off_loop else json.loads(body)
+        except ValueError:  # not JSON (JSONDecodeError, UnicodeDecodeError): FastAPI's answer
+            return await self.app(scope, replaying(messages, receive), send)
+        if precheck is not None:
+            try:
+                precheck(self.state, data)
+            except KilnError as exc:
+                return await kiln_error_response(exc)(scope, receive, send)
+        try:
+            request = await asyncio.to_thread(model.model_validate, data) if off_loop else model.model_validate(data)
+        except ValidationError:
             return await self.app(scope, replaying(messages, receive), send)
         try:
             response = await handler(self.state, request, receive)

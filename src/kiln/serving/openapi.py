@@ -113,6 +113,9 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/train/kd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     **_teacher_docs(),
     **_openenv_docs(),
+    # evals: 404 an unknown stored suite, run or adapter; 409 a state conflict; 503 the worker is down
+    **{("post", f"/v1/evals/{kind}"): RouteDoc(None, (400, 404, 409, 503), status=202)
+       for kind in ("runs", "comparisons", "replays", "gate")},
 }
 
 

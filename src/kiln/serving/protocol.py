@@ -39,7 +39,7 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "5", 5.0 and true are not integers
 
 
 class StreamOptions(_Request):

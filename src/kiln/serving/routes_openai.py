@@ -32,7 +32,7 @@ from starlette.types import Receive
 
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER as ADAPTER_HEADER
 from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
-from kiln.runtime.constrained import GrammarCompiler
+from kiln.runtime.constrained import GrammarCompiler, GrammarTooComplex
 from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.submission import Admission
 from kiln.runtime.sampling import SamplingParams, TokenChoice
@@ -164,12 +164,16 @@ def _grammar_compiler(state) -> GrammarCompiler:
         tokens = state.engine.tokens
         config = getattr(state.model.model, "config", None)
         vocab = max(int(getattr(config, "vocab_size", 0) or 0), tokens.vocab_size)
-        comp = state.extras["grammar_compiler"] = GrammarCompiler(tokens.tokenizer, vocab, tokens.eos_ids)
+        lim = state.settings.limits
+        comp = state.extras["grammar_compiler"] = GrammarCompiler(
+            tokens.tokenizer, vocab, tokens.eos_ids, timeout_s=lim.grammar_compile_timeout_s,
+            cache_bytes=lim.grammar_cache_mib << 20)
     return comp
 
 
-def _grammar(state, req) -> str | None:
-    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``), compiled."""
+def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
+    """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``): a builder of
+    its grammar text (run on the compile thread by :meth:`GrammarCompiler.compile`) and the field it came from."""
     rf = req.response_format
     forced = _forced_tools(req)
     asked = [name for name, v in (("response_format", rf if rf is not None and rf.type != "text" else None),
@@ -188,9 +192,11 @@ def _grammar(state, req) -> str | None:
     comp = _grammar_compiler(state)
     if asked[0] == "tool_choice":
         tools, parallel = forced
-        return comp.lark(_tool_parser(state).forcing_grammar(tools, parallel), "tool_choice")
+        parser = _tool_parser(state)
+        return (lambda: comp.lark(parser.forcing_grammar(tools, parallel), "tool_choice")), "tool_choice"
     if asked[0] == "response_format":
-        return comp.json_schema(rf.json_schema.schema_ if rf.type == "json_schema" else None, "response_format")
+        schema = rf.json_schema.schema_ if rf.type == "json_schema" else None
+        return (lambda: comp.json_schema(schema, "response_format")), "response_format"
     if asked[0] == "guided_json":
         schema = req.guided_json
         if isinstance(schema, str):
@@ -199,10 +205,10 @@ def _grammar(state, req) -> str | None:
             except ValueError as exc:
                 raise InvalidRequest(f"guided_json is not JSON: {exc}", code="invalid_schema", param="guided_json",
                                      hint="send the schema as an object or as JSON text") from exc
-        return comp.json_schema(schema, "guided_json")
+        return (lambda: comp.json_schema(schema, "guided_json")), "guided_json"
     if asked[0] == "guided_regex":
-        return comp.regex(req.guided_regex, "guided_regex")
-    return comp.choice(req.guided_choice, "guided_choice")
+        return (lambda: comp.regex(req.guided_regex, "guided_regex")), "guided_regex"
+    return (lambda: comp.choice(req.guided_choice, "guided_choice")), "guided_choice"
 
 
 def _tool_parser(state) -> ToolParser:
@@ -245,18 +251,20 @@ def _check_tools(req) -> None:
                              hint="give every function a distinct name")
 
 
-def _params(state, req, max_tokens: int, logprobs: int | None, count: int | None = None) -> list[SamplingParams]:
-    """``count`` rows (default ``n``); each gets its own grammar state when the output is constrained."""
+async def _params(state, req, max_tokens: int, logprobs: int | None,
+                  count: int | None = None) -> list[SamplingParams]:
+    """``count`` rows (default ``n``); each gets its own grammar state when the output is constrained
+    (the grammar compiled off the event loop, under the compiler's limits and deadline)."""
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
     extra = _controls(state, req, max_tokens)
-    grammar = _grammar(state, req)
-    comp = _grammar_compiler(state) if grammar is not None else None
+    asked = _grammar(state, req)
+    compiled = None if asked is None else await _grammar_compiler(state).compile(*asked)
     return [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
             seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
             logprobs=logprobs, ignore_eos=req.ignore_eos, **extra,
-            constraint=comp.matcher(grammar) if comp is not None else None,
+            constraint=compiled.row() if compiled is not None else None,
         )
         for i in range(req.n if count is None else count)
     ]
@@ -377,6 +385,9 @@ async def _until_done(receive: Receive, work: asyncio.Future, cancel: Callable[[
 
 
 def _raise_on_engine_error(reasons) -> None:
+    if "grammar_error" in reasons:
+        raise GrammarTooComplex("the grammar engine gave up during generation (a resource limit of the grammar); "
+                                "no valid output could be completed", None)
     if "error" in reasons:
         raise Internal("the engine failed while generating", code="engine_error", hint="see the server log; GET /health")
     if "abort" in reasons:
@@ -522,8 +533,14 @@ class _SSEResponse(StreamingResponse):
             chunks = sub.take()
             for index, c in chunks:
                 self._completion_tokens += len(c.tokens)
-                if c.text or c.tokens or c.finish_reason is not None:
-                    frame = self._make_chunk(index, c, c.finish_reason)
+                reason = c.finish_reason
+                if reason == "grammar_error":  # the grammar engine gave up: say so, and end the choice as an error
+                    parts.append(_sse({"error": {"code": "grammar_too_complex", "param": None, "message":
+                                                 "the grammar engine gave up during generation (a resource limit "
+                                                 "of the grammar); this choice is incomplete"}}))
+                    reason = "error"
+                if c.text or c.tokens or reason is not None:
+                    frame = self._make_chunk(index, c, reason)
                     parts.append(frame if isinstance(frame, bytes) else _sse(frame))
             if sub.finished:  # the final write carries what is left
                 ended.set_result(None)
@@ -629,7 +646,16 @@ def _check_messages(state, messages) -> None:
     lim = state.settings.limits
     if len(messages) > lim.max_messages:
         raise InvalidRequest(f"{len(messages)} messages exceed limits.max_messages="
-                       f"{lim.max_messages}", code="limit_exceeded", hint="send fewer messages")
+                             f"{lim.max_messages}", code="limit_exceeded", param="messages",
+                             hint="send fewer messages")
+
+
+def _precheck_chat(state, data: Any) -> None:
+    """The fast path's check of a chat body before validation: the message count (100,000 tiny
+    messages once took 2 s of the event loop to validate and render before being refused)."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(messages, list):
+        _check_messages(state, messages)
 
 
 def _template_messages(messages) -> list[dict[str, Any]]:
@@ -662,18 +688,30 @@ def _template_tools(req) -> list[dict[str, Any]] | None:
 
 
 async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt IDs: counts checked before rendering, the rendered text's size before
+    tokenizing (a prompt certainly over the context is refused without being tokenized); big
+    chats are rendered and tokenized off the event loop."""
     _check_messages(state, req.messages)
     messages = _template_messages(req.messages)
     size = sum(len(m["content"]) for m in messages)
     tools = _template_tools(req)
+    tokens = state.engine.tokens
+    big = bool(tools) or size > LARGE_PROMPT_CHARS
     try:
-        if tools:
-            return await asyncio.to_thread(state.engine.tokens.encode_chat, messages, tools)
-        if size > LARGE_PROMPT_CHARS:
-            return await asyncio.to_thread(state.engine.encode_chat, messages)
-        return state.engine.encode_chat(messages)
+        text = await asyncio.to_thread(tokens.render_chat, messages, tools) if big else tokens.render_chat(messages)
     except Exception as exc:  # template errors (e.g. a role the template rejects) are the caller's input
         raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error", hint="check message roles and order") from exc
+    _check_fits(state, text, "messages")
+    return await asyncio.to_thread(tokens.encode_text, text) if big else tokens.encode_text(text)
+
+
+def _check_fits(state, text: str, param: str) -> None:
+    """Refuse a prompt whose text alone proves it longer than the context, before tokenizing it."""
+    limit = state.engine.config.max_model_len
+    least = state.engine.tokens.too_long(text, limit)
+    if least is not None:
+        raise InvalidRequest(f"the prompt has at least {least} tokens ({len(text)} characters); the model's limit is "
+                             f"{limit}", code="context_length_exceeded", param=param, hint="shorten the prompt")
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -695,7 +733,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     parser = _tool_parser(state) if _tools_on(body) else None
     prompt = await _render_chat(state, body)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
-    sub = _submit(state, prompt, _params(state, body, max_tokens, logprobs), adapter, body.stream)
+    sub = _submit(state, prompt, await _params(state, body, max_tokens, logprobs), adapter, body.stream)
     headers = {**_revision_header(sub, adapter, state), **extra_headers}
     rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
@@ -801,6 +839,7 @@ def _prompt_ids(state, prompt: str | list[int], param: str = "prompt") -> list[i
         if not prompt:
             raise InvalidRequest("the prompt is empty", code="invalid_request", param=param,
                                  hint="send a non-empty prompt")
+        _check_fits(state, prompt, param)
         return state.engine.encode_text(prompt)
     vocab = state.engine.vocab_size
     bad = state.engine.tokens.first_out_of_vocab(prompt)
@@ -926,7 +965,11 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
             raise InvalidRequest("prompt_logprobs is not supported with stream=true", code="invalid_request", hint="send the scoring request with stream=false")
     raw_prompts = _prompt_list(body)
     many = len(raw_prompts) > 1
-    prompts = [_prompt_ids(state, p, f"prompt[{j}]" if many else "prompt") for j, p in enumerate(raw_prompts)]
+    prompts = []
+    for j, p in enumerate(raw_prompts):  # a long text prompt is checked, then tokenized off the event loop
+        param = f"prompt[{j}]" if many else "prompt"
+        big = isinstance(p, str) and len(p) > LARGE_PROMPT_CHARS
+        prompts.append(await asyncio.to_thread(_prompt_ids, state, p, param) if big else _prompt_ids(state, p, param))
     max_tokens = min(_max_tokens(state, body.max_tokens, len(p)) for p in prompts)
     rid = f"cmpl-{_request_id()}"
     created = int(time.time())
@@ -954,7 +997,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
     if max_tokens == 0:
         results = [("", [], "length")] * (n * len(prompts))
     else:
-        params = _params(state, body, max_tokens, body.logprobs, n * len(prompts))
+        params = await _params(state, body, max_tokens, body.logprobs, n * len(prompts))
         subs: list[Submission] = []
         try:
             for j, ids in enumerate(prompts):
@@ -1033,7 +1076,7 @@ def _trim_rows(rows: list[PromptLogprobRow | None], k: int) -> list[PromptLogpro
 
 # The generation routes, served by kiln.serving.fast_path ahead of FastAPI's routing (the
 # FastAPI routes above stay for the OpenAPI schema and for requests the fast path hands on).
-FAST_ROUTES: dict[str, tuple[type, Callable[[Any, Any, Receive], Awaitable[Response]]]] = {
-    "/v1/chat/completions": (ChatCompletionRequest, chat_response),
+FAST_ROUTES: dict[str, tuple] = {  # path -> (request model, handler[, precheck]): kiln.serving.fast_path
+    "/v1/chat/completions": (ChatCompletionRequest, chat_response, _precheck_chat),
     "/v1/completions": (CompletionRequest, completion_response),
 }

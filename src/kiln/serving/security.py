@@ -11,7 +11,8 @@ order, for each HTTP request:
    204 with CORS headers for an origin in ``server.allowed_origins``, else 403.
    CORS is off unless origins are configured.
 3. **Bearer token** (optional): when ``server.api_key_env`` names an environment
-   variable (read once at start-up), every path except ``/health`` needs
+   variable (read once at start-up), every path except ``/health`` and GETs of the dashboard's
+   static shell (``/``, ``/ui``, ``/ui/...``: package files, no data) needs
    ``Authorization: Bearer <key>`` -> else 401 ``unauthorized``.
 4. **Origin**: a state-changing request (any method but GET/HEAD/OPTIONS) that
    carries an ``Origin`` must come from the page's own origin or an allowed one
@@ -253,12 +254,14 @@ def header_timeout_protocol(base: type[asyncio.Protocol], header_timeout_s: floa
         _head_timer: asyncio.TimerHandle | None = None
         _head_cycle: object = None
         _head_bytes = 0
+        _head_tail = b""  # the last bytes of the head so far: its end may span two segments
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             self._head_cycle = self.cycle
             self._head_bytes = 0
+            self._head_tail = b""
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
 
         def _waiting_for_head(self) -> bool:
@@ -274,13 +277,19 @@ def header_timeout_protocol(base: type[asyncio.Protocol], header_timeout_s: floa
             self._arm_head_timer()
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            # Still no complete head after parsing this data: all of it was head bytes.
+            # Count the head's bytes before the parser sees them: up to the blank line that ends it
+            # (which may arrive in the same segment as the body), all of this data otherwise.
             if self._waiting_for_head() and not self.transport.is_closing():
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes:
+                seen = self._head_tail + data
+                end = seen.find(b"\r\n\r\n")
+                head = len(data) if end < 0 else end + 4 - len(self._head_tail)
+                if self._head_bytes + head > max_head_bytes:
                     self.transport.write(HEAD_TOO_LARGE)
                     self.transport.close()
+                    return
+                self._head_bytes += head
+                self._head_tail = seen[-3:] if end < 0 else b""
+            super().data_received(data)
 
         def connection_lost(self, exc) -> None:
             if self._head_timer is not None:

@@ -122,15 +122,21 @@ class HermesParser(ToolParser):
         return _HermesStream(self)
 
     def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
-        options = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                                     "arguments": t.get("parameters") or {"type": "object"}},
-                    "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-        schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room to ramble in whitespace
+        # Each tool's arguments are a JSON document of their own (``%json``), so the local references its
+        # schema makes (``#/$defs/...``, ``#``: what pydantic emits) resolve against its own root, exactly as
+        # they do in ``response_format``. Compact JSON: no room to ramble in whitespace.
+        rules, bodies = [], []
+        for i, t in enumerate(tools):
+            params = t.get("parameters") or {"type": "object"}
+            params = {**params, "x-guidance": {"whitespace_flexible": False}}
+            head = json.dumps('{"name":' + json.dumps(t["name"], ensure_ascii=False) + ',"arguments":',
+                              ensure_ascii=False)
+            rules.append(f'body{i}: {head} args{i} "}}"\nargs{i}: %json {json.dumps(params)}\n')
+            bodies.append(f"body{i}")
         repeat = ' ("\\n" call)*' if parallel else ""
         return (f"start: call{repeat}\n"
                 f'call: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
-                f"body: %json {json.dumps(schema)}\n")
+                f"body: {' | '.join(bodies)}\n" + "".join(rules))
 
 
 class _JsonValueScan:
