@@ -9,12 +9,11 @@ as an error, never as ``stop`` with invalid content. Real server, real openai cl
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
-import openai
 import pytest
+
+from tests.security.streams import stream_gaps_while
 
 BOMB = "(y{1000}){1000}"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -54,30 +53,10 @@ def test_bombs_beside_a_stream_leave_its_pace_and_the_servers_memory(secure_serv
     """Six distinct bombs while streams run: no stream waits a second between tokens (the bomb once
     paused every stream 3-5 s) and the server's RSS grows by far less than one unbounded bomb (110-225 MB)."""
     srv = secure_server
-    oai = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
     _post(srv, {"guided_regex": "[a-c]{2}"})  # warm the compiler once
     rss0 = _rss(srv.proc.pid)
-    codes: list[int] = []
-
-    def bombs() -> None:
-        for i in range(6):
-            codes.append(_post(srv, {"guided_regex": f"(y{{{1000 + i}}}){{1000}}"}).status_code)
-
-    thread = threading.Thread(target=bombs)
-    gaps: list[float] = []
-    thread.start()
-    try:
-        while thread.is_alive():
-            stream = oai.chat.completions.create(model=srv.model_id, messages=MESSAGES, max_tokens=32, stream=True,
-                                                 extra_body={"ignore_eos": True})
-            last = None
-            for _ in stream:
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-    finally:
-        thread.join()
+    gaps, codes = stream_gaps_while(srv, lambda: [_post(srv, {"guided_regex": f"(y{{{1000 + i}}}){{1000}}"})
+                                                  .status_code for i in range(6)])
     assert codes == [400] * 6
     assert gaps and max(gaps) < 1.0, f"a stream waited {max(gaps):.2f} s between chunks"
     grown = _rss(srv.proc.pid) - rss0

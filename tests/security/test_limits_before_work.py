@@ -9,38 +9,15 @@ longer than the context is refused without being tokenized. Real server, beside 
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
-import openai
 
-
-def _stream_gaps_while(srv, work) -> tuple[list[float], object]:
-    """Run ``work()`` on a thread while streaming completions; return the streams' inter-chunk gaps."""
-    oai = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(work()))
-    gaps: list[float] = []
-    thread.start()
-    try:
-        while thread.is_alive():
-            last = None
-            for _ in oai.completions.create(model=srv.model_id, prompt="The sky", max_tokens=32, stream=True,
-                                            extra_body={"ignore_eos": True}):
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-    finally:
-        thread.join()
-    return gaps, out[0]
+from tests.security.streams import stream_gaps_while
 
 
 def test_message_count_is_refused_before_validation(secure_server):
     srv = secure_server
     body = {"model": srv.model_id, "messages": [{"role": "user", "content": "x"}] * 100_000, "max_tokens": 4}
-    gaps, r = _stream_gaps_while(srv, lambda: httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,
+    gaps, r = stream_gaps_while(srv, lambda: httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,
                                                          timeout=60))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -53,7 +30,7 @@ def test_prompt_certainly_over_the_context_is_not_tokenized(secure_server):
     emoji = "\U0001F600" * 950_000  # 3.8 MB of UTF-8, under the 4 MiB body limit
     for path, body in (("/v1/completions", {"prompt": emoji}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": emoji}]})):
-        gaps, r = _stream_gaps_while(srv, lambda: httpx.post(f"{srv.base_url}{path}", timeout=60,
+        gaps, r = stream_gaps_while(srv, lambda: httpx.post(f"{srv.base_url}{path}", timeout=60,
                                                              json={"model": srv.model_id, "max_tokens": 4, **body}))
         assert r.status_code == 400, r.text
         err = r.json()["error"]
