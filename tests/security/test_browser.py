@@ -93,6 +93,39 @@ def test_local_hosts_are_accepted(secure_server, host):
     assert httpx.get(f"{secure_server.base_url}/v1/models", headers={"Host": host}).status_code == 200
 
 
+def _raw(server, head: bytes) -> bytes:
+    """Send a raw request head (no body) and return the status line."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(head)
+        data = b""
+        while b"\r\n" not in data and (chunk := sock.recv(4096)):
+            data += chunk
+    return data.split(b"\r\n", 1)[0]
+
+
+def test_host_header_must_be_single_and_present(secure_server):
+    """Only the first of two Host headers was checked, and HTTP/1.1 without Host was served."""
+    for head in (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n",
+                 b"GET /v1/models HTTP/1.1\r\nHost: evil.example\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                 b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n\r\n"):
+        assert _raw(secure_server, head).startswith(b"HTTP/1.1 400"), head
+    assert _raw(secure_server, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n") \
+        .startswith(b"HTTP/1.1 200")
+
+
+def test_same_origin_means_the_same_scheme(secure_server):
+    host = secure_server.base_url.split("://", 1)[1]
+    body = {"model": secure_server.model_id, "prompt": "hi", "max_tokens": 1}
+    r = httpx.post(f"{secure_server.base_url}/v1/completions", json=body, headers={"Origin": f"https://{host}"})
+    _error(r, 403, "origin_not_allowed")
+    ok = httpx.post(f"{secure_server.base_url}/v1/completions", json=body, headers={"Origin": f"http://{host}"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_no_cors_unless_configured(secure_server):
     pre = httpx.options(f"{secure_server.base_url}/v1/chat/completions",
                         headers={"Origin": EVIL, "Access-Control-Request-Method": "POST",

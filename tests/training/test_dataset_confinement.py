@@ -142,3 +142,14 @@ def test_symlinked_file_is_refused(dirs):
     data, outside = dirs
     os.symlink(outside / "d.jsonl", data / "link.jsonl")
     assert _code(lambda: load_sft_dataset(data, "link.jsonl", max_examples=10)) == (400, "dataset_symlink")
+
+
+def test_hard_link_to_a_file_outside_is_refused(dirs):
+    """A hard link inside the data directory names the outside file itself (no symlink to see):
+    files with more than one link are refused; the outside content is never read."""
+    data, outside = dirs
+    os.link(outside / "d.jsonl", data / "linked.jsonl")
+    assert _code(lambda: load_sft_dataset(data, "linked.jsonl", max_examples=10)) == (400, "dataset_hard_link")
+    os.unlink(outside / "d.jsonl")  # the data dir's name is now the file's only link: an ordinary file
+    examples, _ = load_sft_dataset(data, "linked.jsonl", max_examples=10)
+    assert examples[0].messages[0].content == "secret"

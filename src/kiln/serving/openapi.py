@@ -146,7 +146,7 @@ def complete_operation(method: str, path: str, op: dict[str, Any]) -> None:
         binary = {"schema": {"type": "string", "format": "binary"}}
         op["requestBody"] = {"required": True, "content": {doc.request_media: binary,
                                                            "application/octet-stream": binary}}
-    statuses = {403} if path == "/health" else {401, 403}
+    statuses = {400, 403} if path == "/health" else {400, 401, 403}  # 400: no single Host header (middleware)
     has_input = bool(op.get("parameters")) or "requestBody" in op
     if has_input:
         statuses.add(400)

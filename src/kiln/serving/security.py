@@ -140,7 +140,13 @@ class SecurityMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         policy = self.policy
-        host = _header(scope, b"host")
+        hosts = [value for key, value in scope["headers"] if key == b"host"]
+        if len(hosts) > 1 or (not hosts and scope.get("http_version") not in ("1.0", "0.9")):
+            # RFC 9112 3.2: an HTTP/1.1 request without exactly one Host is a 400 (a second one could
+            # carry the name the allowlist would refuse)
+            return await send_error(send, 400, "invalid_host", f"the request has {len(hosts)} Host headers",
+                                    "send exactly one Host header")
+        host = hosts[0] if hosts else None
         if host is not None and "*" not in policy.allowed_hosts:
             if host_name(host.decode("latin-1")) not in policy.allowed_hosts:
                 return await send_error(send, 403, "host_not_allowed", "this server does not answer to that Host name",
@@ -155,7 +161,7 @@ class SecurityMiddleware:
                                 "send Authorization: Bearer <key> (the key is in the variable server.api_key_env names)",
                                 extra_headers=[(b"www-authenticate", b"Bearer")])
         if method not in SAFE_METHODS:
-            if origin is not None and not self._origin_allowed(origin, host):
+            if origin is not None and not self._origin_allowed(origin, host, scope.get("scheme", "http")):
                 return await send_error(send, 403, "origin_not_allowed",
                                     f"cross-origin {method} requests from {origin} are refused",
                                     "add the origin to server.allowed_origins to allow it")
@@ -207,12 +213,12 @@ class SecurityMiddleware:
         scheme, _, token = value.decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.policy.api_key.encode())
 
-    def _origin_allowed(self, origin: str, host: bytes | None) -> bool:
+    def _origin_allowed(self, origin: str, host: bytes | None, scheme: str) -> bool:
         if origin in self.policy.allowed_origins:
             return True
-        # Same origin: a page this server served itself (the /docs "try it out" button).
-        return host is not None and origin in (f"http://{host.decode('latin-1').lower()}",
-                                               f"https://{host.decode('latin-1').lower()}")
+        # Same origin: a page this server served itself (the /docs "try it out" button), by the scheme
+        # this connection uses (an https page is another origin than this http server)
+        return host is not None and origin == f"{scheme}://{host.decode('latin-1').lower()}"
 
     async def _preflight(self, send: Send, origin: str) -> None:
         if origin not in self.policy.allowed_origins:

@@ -127,8 +127,14 @@ def open_dataset(data_dir: Path, relative: str) -> int:
     finally:
         os.close(fd)
     try:
-        if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        st = os.fstat(file_fd)
+        if not stat.S_ISREG(st.st_mode):
             raise TrainingDataError(f"dataset_path {relative!r} is not a regular file", code="dataset_not_file")
+        if st.st_nlink > 1:  # a hard link may name a file outside the data directory: refused like a symlink
+            raise TrainingDataError(f"dataset_path {relative!r} has {st.st_nlink} hard links; only files with one "
+                                    "link are read (another link may be a file outside the data directory)",
+                                    code="dataset_hard_link",
+                                    hint="copy the file into the data directory instead of linking it")
         os.set_blocking(file_fd, True)
     except BaseException:
         os.close(file_fd)
