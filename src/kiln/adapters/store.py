@@ -44,6 +44,7 @@ from kiln.adapters.manifest import (
     FileEntry,
     Manifest,
     check_name,
+    is_valid_name,
     check_revision,
 )
 from kiln.adapters.validate import (
@@ -402,6 +403,10 @@ class AdapterStore:
             if revision not in (head[0], *head[1]):
                 raise AdapterNotFound(f"adapter {name!r} has no retained revision {revision}")
         return self._load_record(name, revision or head[0])
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a stored adapter with a HEAD (a cheap check: no manifest read)."""
+        return is_valid_name(name) and (self.root / name / HEAD_FILE).is_file()
 
     def list(self) -> list[AdapterRecord]:
         records = []

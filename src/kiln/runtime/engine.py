@@ -116,6 +116,8 @@ def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, dev
 class Engine:
     """Continuous-batching engine over one loaded model (see the module docstring)."""
 
+    on_adapters_changed: Callable[[dict[str, str]], None] | None = None  # set by the composition root
+
     def __init__(
         self,
         loaded: Any,
@@ -183,9 +185,16 @@ class Engine:
     def activate_adapter(self, name: str, path: Path, revision: str) -> None:
         """Load ``path`` as the new revision of served adapter ``name`` (canary-checked, atomic)."""
         self.adapters.activate(name, Path(path), revision, self._canary)
+        self._adapters_changed()
 
     def deactivate_adapter(self, name: str) -> None:
         self.adapters.deactivate(name)
+        self._adapters_changed()
+
+    def _adapters_changed(self) -> None:
+        """Tell ``on_adapters_changed`` (the served-set recorder, set by the composition root) the new set."""
+        if self.on_adapters_changed is not None:
+            self.on_adapters_changed(self.active_adapters())
 
     def active_adapters(self) -> dict[str, str]:
         return self.adapters.active()

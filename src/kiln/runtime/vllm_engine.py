@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name
 from kiln.errors import InvalidRequest
@@ -255,6 +255,8 @@ class VllmEngine:
 
     backend = "vllm"
 
+    on_adapters_changed: Callable[[dict[str, str]], None] | None = None  # set by the composition root
+
     def __init__(self, loaded: Any, config: Any, plan: Any, *, observer: Observer | None = None,
                  ownership: AcceleratorOwnership | None = None):
         self.loaded = loaded
@@ -433,6 +435,7 @@ class VllmEngine:
         stale = self.loras.activate(name, key, revision)
         if stale is not None:
             self._unload_quietly(stale)
+        self._adapters_changed()
 
     def _canary(self, key: str) -> None:
         ids = self.encode_chat([{"role": "user", "content": "Hello"}])
@@ -452,6 +455,12 @@ class VllmEngine:
         stale = self.loras.deactivate(name)
         if stale is not None:
             self._unload_quietly(stale)
+        self._adapters_changed()
+
+    def _adapters_changed(self) -> None:
+        """Tell ``on_adapters_changed`` (the served-set recorder, set by the composition root) the new set."""
+        if self.on_adapters_changed is not None:
+            self.on_adapters_changed(self.active_adapters())
 
     def active_adapters(self) -> dict[str, str]:
         return self.loras.active()

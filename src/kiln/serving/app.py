@@ -27,6 +27,7 @@ from kiln.serving.security import SecurityMiddleware, SecurityPolicy
 from kiln.serving.state import (  # noqa: F401  (re-exported: build_state is the public entry)
     KilnState,
     build_state,
+    restore_served,
     default_fingerprint,
     load_configured_model,
 )
@@ -61,6 +62,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
         # Reclaim staging left by a publication that was killed mid-way.
         await asyncio.to_thread(kiln_state.store.cleanup)
         kiln_state.engine.start()
+        await asyncio.to_thread(restore_served, kiln_state)  # what was served before a restart, before requests
         evals.start()
         if kiln_state.trainer is not None:
             kiln_state.trainer.start()

@@ -538,6 +538,7 @@ class HealthResponse(_Response):
     engine_prefill: dict[str, int | None] = {}  # threads for prompt-only cycles (model.prefill_threads), wide_steps
     admitting: int = 0  # generation requests being parsed and rendered, not yet submitted
     adapters: dict[str, str]
+    adapters_not_restored: list[dict[str, str]] = []  # served before the restart, not restored: name, revision, error
     ownership: dict[str, float | int | bool]
     training_attached: bool
     memory: dict[str, int]

@@ -69,6 +69,8 @@ async def health(request: Request) -> JSONResponse:
         "engine_prefill": {"threads": stats.get("prefill_threads"), "wide_steps": stats.get("wide_prefill_steps", 0)},
         "admitting": stats.get("admitting", 0),  # requests being parsed and rendered, not yet submitted
         "adapters": engine.active_adapters(),
+        # served before the last restart but not restored (deleted, no longer verifying, another base): why
+        "adapters_not_restored": state.adapters_not_restored,
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
         "memory": _memory(state),

@@ -27,6 +27,7 @@ from kiln.serving.metrics import Metrics
 if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from fastapi import Request
 
+    from kiln.adapters.served import ServedSet
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
@@ -49,6 +50,8 @@ class KilnState:
     system_fingerprint: str
     started_at: float = field(default_factory=time.time)
     teachers: TeacherService | None = None  # this server's teacher identity and the teacher registry
+    served: ServedSet | None = None  # the served adapter set kept across restarts (restore_served)
+    adapters_not_restored: list[dict[str, str]] = field(default_factory=list)  # /health
     # Per-process caches of route modules (e.g. the token-text decoder); never services.
     extras: dict[str, object] = field(default_factory=dict)
 
@@ -102,7 +105,21 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     teachers = build_teachers(settings, model, engine, store)
     if trainer is not None and hasattr(trainer, "set_teachers"):
         trainer.set_teachers(teachers)
-    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers)
+    from kiln.adapters.served import ServedSet
+
+    served = ServedSet(store.root, public=lambda name: store.has(name))  # not an eval's private load
+    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers,
+                     served=served)
+
+
+def restore_served(state: KilnState) -> None:
+    """At start-up, before requests: serve again what was served before the restart (each at its
+    revision), then record every later change of the served set (blocking: run it off the loop)."""
+    if state.served is None:
+        return
+    state.adapters_not_restored = state.served.restore(state.store, state.engine, state.model.base_model_sha256)
+    state.engine.on_adapters_changed = state.served.save
+    state.served.save(state.engine.active_adapters())
 
 
 def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):

@@ -1,0 +1,82 @@
+"""The served set: which adapters (name -> revision) a server was serving, kept across restarts.
+
+``<adapter store>/.served.json`` (0600, written atomically after every change) holds the public
+adapters the engine serves, each pinned to the revision it served. ``kiln serve`` loads them
+again at start-up, before it answers requests, so clients that named an adapter keep getting
+it after a restart instead of a 404. An entry that cannot be restored (deleted meanwhile, files
+that no longer verify, another base model) is left out and reported in ``/health``
+(``adapters_not_restored``), never guessed at. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Mapping
+
+from kiln.adapters.manifest import is_valid_name
+from kiln.canonical import atomic_write_bytes, canonical_json_bytes, is_lower_hex64
+
+SERVED_SCHEMA = "kiln-served-adapters-v1"
+SERVED_FILE = ".served.json"  # a leading dot: never an adapter name
+MAX_SERVED = 1024  # entries read back; a larger file is refused whole
+MAX_SERVED_BYTES = 256 << 10
+
+log = logging.getLogger(__name__)
+
+
+class ServedSet:
+    """Reads and writes the served set of one adapter store."""
+
+    def __init__(self, store_root: Path, *, public: Callable[[str], bool] = lambda name: True):
+        self.path = Path(store_root) / SERVED_FILE
+        self._public = public  # names worth restoring (not an eval's private load)
+
+    def save(self, active: Mapping[str, str]) -> None:
+        entries = {n: r for n, r in sorted(active.items()) if self._public(n)}
+        atomic_write_bytes(self.path, canonical_json_bytes({"schema": SERVED_SCHEMA, "adapters": entries}) + b"\n",
+                           mode=0o600)
+
+    def load(self) -> dict[str, str]:
+        """The saved set; ``{}`` when there is none. A file that is not a valid set is logged and ignored."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("served adapter set %s unreadable (%s); starting with none", self.path, exc.strerror)
+            return {}
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_SERVED_BYTES + 1)
+        try:
+            doc = json.loads(raw) if len(raw) <= MAX_SERVED_BYTES else None
+            entries = doc["adapters"] if isinstance(doc, dict) and doc.get("schema") == SERVED_SCHEMA else None
+            if not isinstance(entries, dict) or len(entries) > MAX_SERVED or not all(
+                    is_valid_name(n) and is_lower_hex64(r) for n, r in entries.items()):
+                raise ValueError("not a kiln-served-adapters-v1 document")
+        except (ValueError, KeyError) as exc:
+            log.warning("served adapter set %s is invalid (%s); starting with none", self.path, exc)
+            return {}
+        return dict(entries)
+
+    def restore(self, store, engine, base_model_sha256: str) -> list[dict[str, str]]:
+        """Activate every saved adapter at its saved revision (verified against its manifest and the
+        served base); return the entries that could not be, with why. Call before ``engine`` gets this
+        set's ``save`` as its change hook, so a partial restore never rewrites the file midway; then
+        :meth:`save` the set actually served."""
+        failed: list[dict[str, str]] = []
+        for name, revision in self.load().items():
+            try:
+                record = store.verify(name, revision)
+                if record.manifest.base_model_sha256 != base_model_sha256:
+                    raise ValueError(f"trained on base {record.manifest.base_model_sha256[:12]}, this server serves "
+                                     f"{base_model_sha256[:12]}")
+                engine.activate_adapter(name, record.path, revision)
+            except Exception as exc:  # noqa: BLE001 - any refusal leaves this one out, reported, and goes on
+                reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+                log.warning("adapter %s@%s was served before the restart but cannot be restored: %s",
+                            name, revision[:12], reason)
+                failed.append({"name": name, "revision": revision, "error": reason[:300]})
+        return failed
