@@ -386,7 +386,7 @@ def check_packed(raw: bytes, name: str, plan) -> tuple[list[str], int, int]:
         if len(ids_seen) == 0:
             check_header_against_plan(header, plan, name)
         where = f"{name}: {eid!r}"
-        if not _EXAMPLE_ID_RE.match(eid):
+        if not _EXAMPLE_ID_RE.fullmatch(eid):
             raise ShardError(f"{where}: example_id is not a portable ID")
         v, k, limit = header["vocab_size"], header["top_k"], header["max_sequence_length"]
         t, c = len(forced), len(ctx)

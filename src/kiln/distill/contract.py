@@ -158,7 +158,7 @@ def _check_schema(found: object, expected: str) -> None:
         return
     if not isinstance(found, str):
         raise UnknownSchemaError(f"missing or non-string 'schema'; expected {expected!r}")
-    m, want = _SCHEMA_RE.match(found), _SCHEMA_RE.match(expected)
+    m, want = _SCHEMA_RE.fullmatch(found), _SCHEMA_RE.fullmatch(expected)
     if m and want and m.group(1) == want.group(1):
         raise UnknownSchemaError(
             f"unknown major version v{m.group(2)} of {SCHEMA_PREFIX}{m.group(1)}; this reader supports "
@@ -638,8 +638,8 @@ def parse_artifact(data: bytes | str | dict[str, Any]) -> _Model:
     found = obj.get("schema")
     if found in _BY_SCHEMA:
         return _BY_SCHEMA[found].parse(obj)
-    m = _SCHEMA_RE.match(found) if isinstance(found, str) else None
+    m = _SCHEMA_RE.fullmatch(found) if isinstance(found, str) else None
     for known in _BY_SCHEMA:
-        if m and _SCHEMA_RE.match(known).group(1) == m.group(1):  # type: ignore[union-attr]
+        if m and _SCHEMA_RE.fullmatch(known).group(1) == m.group(1):  # type: ignore[union-attr]
             _check_schema(found, known)
     raise UnknownSchemaError(f"unknown artifact schema {str(found)[:100]!r}")

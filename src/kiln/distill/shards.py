@@ -170,14 +170,14 @@ def read_manifest_chain(shard_dir: str | os.PathLike[str]) -> list[ShardManifest
 
 def _read_chain(shard_dir: Path) -> list[ShardManifest]:
     names = list_regular_files(shard_dir, MANIFEST_DIR, max_entries=MAX_CHAIN_LENGTH + 8)
-    names = [n for n in names if not _TEMP_NAME.match(n)]
+    names = [n for n in names if not _TEMP_NAME.fullmatch(n)]
     if not names:
         raise ShardError("no manifest: an interrupted transaction before its staging manifest")
     if len(names) > MAX_CHAIN_LENGTH:
         raise ShardError(f"more than {MAX_CHAIN_LENGTH} manifests")
     chain = []
     for i, name in enumerate(sorted(names)):
-        m = _MANIFEST_NAME.match(name)
+        m = _MANIFEST_NAME.fullmatch(name)
         if not m or int(m.group(1)) != i:
             raise ShardError(f"unexpected manifest file {name!r}; expected {i}-<state>.json")
         manifest = _read_json_artifact(shard_dir, f"{MANIFEST_DIR}/{name}", ShardManifest)
@@ -362,7 +362,7 @@ def _read_staged_payloads(root: Path, plan: Plan) -> list[tuple[str, bytes, int,
     """(relative path, exact bytes, row count, token count) of every whole staged payload, checked."""
     items = []
     for name in _payload_names(root):
-        if _TEMP_NAME.match(name):
+        if _TEMP_NAME.fullmatch(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
         items.append((rel, read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)))
@@ -439,7 +439,7 @@ def begin(root: str | os.PathLike[str], plan: Plan, shard_id: str, transaction_i
 
 def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[CaptureTokenRow]) -> None:
     """Write one payload of canonical rows (temp sibling, fsync, rename)."""
-    if not _PAYLOAD_NAME.match(name):
+    if not _PAYLOAD_NAME.fullmatch(name):
         raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
     target = Path(txn) / PAYLOAD_DIR / name
     if target.exists():
@@ -449,7 +449,7 @@ def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[Capture
 
 def write_payload_bytes(txn: str | os.PathLike[str], name: str, data: bytes) -> None:
     """Write one already encoded payload (e.g. a packed ``*.kdpack``) the same way."""
-    if not _PAYLOAD_NAME.match(name):
+    if not _PAYLOAD_NAME.fullmatch(name):
         raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
     target = Path(txn) / PAYLOAD_DIR / name
     if target.exists():
@@ -471,7 +471,7 @@ def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
     head = chain[-1]
     if head.state != "staging":
         raise ShardError(f"cannot complete a {head.state!r} transaction")
-    fragments = [n for n in _payload_names(txn) if _TEMP_NAME.match(n)]
+    fragments = [n for n in _payload_names(txn) if _TEMP_NAME.fullmatch(n)]
     if fragments:
         raise ShardError(f"uncommitted fragment {fragments[0]} present; resume the staging transaction first")
     plan = _read_json_artifact(txn, PLAN_FILE, Plan)
@@ -574,7 +574,7 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
     decision = verdict.decision
     if decision == "resume-staging":
         for name in _payload_names(shard_dir):
-            if _TEMP_NAME.match(name):
+            if _TEMP_NAME.fullmatch(name):
                 os.unlink(shard_dir / PAYLOAD_DIR / name)
     elif decision == "verify-then-publish":
         mark_verified(shard_dir)
