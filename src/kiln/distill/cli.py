@@ -203,7 +203,7 @@ def plan(
 
     def body() -> dict[str, Any]:
         from kiln.canonical import atomic_write_bytes
-        from kiln.distill.contract import complete_plan
+        from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, complete_plan
         from kiln.distill.errors import ContractError
 
         if config is None or out is None:
@@ -220,7 +220,7 @@ def plan(
         if target.is_symlink():
             raise _Refusal("unsafe_path", f"{target} is a symlink")
         if target.exists():
-            if target.read_bytes() != data:
+            if _read_bounded(target, MAX_ARTIFACT_JSON_BYTES) != data:
                 raise _Refusal(
                     "plan_exists", f"{target} holds a different plan; a changed plan is a new run, use a new --out"
                 )

@@ -62,6 +62,7 @@ __all__ = [
     "resume",
     "read_manifest_chain",
     "FOREIGN_RUN",
+    "foreign_transactions",
     "bytes_per_token",
     "run_bytes_per_token",
 ]
@@ -587,6 +588,28 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
         except (DistillError, OSError):
             pass  # unreadable chain: nothing can be chained; the directory is never reused
     return decision, shard_dir
+
+
+def foreign_transactions(root: str | os.PathLike[str], plan_sha256: str) -> list[str]:
+    """Transaction directories under a publication root (published or staging) whose manifests name
+    another plan. Read-only: a run that finds any refuses to write anything under that root (the spec's
+    threat model: a mixed run is refused and a new run is created). Directories whose chain cannot be
+    read are not counted here; the resume table deals with them under their own plan."""
+    root = Path(root)
+    found = []
+    for base in (root, root / STAGING_DIRNAME):
+        if base.is_symlink() or not base.is_dir():
+            continue
+        for entry in sorted(base.iterdir()):
+            if entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+                continue
+            try:
+                head = _read_chain(entry)[-1]
+            except (DistillError, OSError):
+                continue
+            if head.plan_sha256 != plan_sha256:
+                found.append(str(entry.relative_to(root)))
+    return found
 
 
 # ------------------------------------------------------------ bytes per token
