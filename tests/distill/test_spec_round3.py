@@ -247,3 +247,86 @@ def test_capture_with_a_fifo_plan_is_refused_without_blocking(tmp_path):
     rc, out = _distill("capture", str(fifo), "--teacher", str(tmp_path / "teacher"), "--dataset-root",
                        str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--device", "cpu")
     assert rc == 2 and "regular file" in out["error"]["message"]
+
+
+# ---- item 9 -------------------------------------------------------------------------------
+# "A worker request selects a half-open example range, but the complete dataset fingerprint and
+#  total planned target-token count are verified before that shard subset is accepted. Ranges
+#  never split one example trajectory." / publication step 5: "Reopen every payload, verify ...
+#  plan hash, and tokenizer/data fingerprints."
+
+
+def _dataset(plan) -> dict:
+    from kiln.distill.capture import load_examples
+
+    return {e.example_id: e for e in load_examples(FIXTURES, plan)}
+
+
+def _renamed(rows, example_id):
+    return [r.model_copy(update={"example_id": example_id}) for r in rows]
+
+
+def _recontexted(rows, first_context):
+    out, ctx = [], tuple(first_context)
+    for r in rows:
+        out.append(r.model_copy(update={"context_token_ids": ctx}))
+        ctx = ctx + (r.forced_token_id,)
+    return out
+
+
+def test_rows_of_the_dataset_publish(tmp_path, expert_plan, expert_rows):
+    from kiln.distill import shards
+
+    final = shards.capture_shard(tmp_path, expert_plan, "s0", "s0.t000", {"rows-00000.jsonl": expert_rows},
+                                 examples=_dataset(expert_plan))
+    assert shards.verify_shard(final, examples=_dataset(expert_plan)).ok
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [("absent example", "not in the plan's dataset"), ("contradicting context", "contradicts the dataset prompt"),
+     ("missing position", "not the dataset's target_token_ids")],
+)
+def test_rows_that_contradict_the_dataset_never_complete(tmp_path, expert_plan, expert_rows, case, match):
+    from kiln.distill import shards
+    from kiln.distill.errors import ShardError
+
+    rows = {
+        "absent example": lambda: _renamed(expert_rows, "ex-999"),
+        "contradicting context": lambda: _recontexted(expert_rows, (2, 2)),
+        "missing position": lambda: expert_rows[:1],
+    }[case]()
+    with pytest.raises(ShardError, match=match):
+        shards.capture_shard(tmp_path, expert_plan, "s0", "s0.t000", {"rows-00000.jsonl": rows},
+                             examples=_dataset(expert_plan))
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith(".")]  # nothing published
+
+
+def test_one_example_split_across_two_jsonl_payloads_is_refused_like_packed(tmp_path, expert_plan, expert_rows):
+    from kiln.distill import shards
+    from kiln.distill.errors import ShardError
+
+    with pytest.raises(ShardError, match="never split"):
+        shards.capture_shard(tmp_path, expert_plan, "s0", "s0.t000",
+                             {"rows-00000.jsonl": expert_rows[:1], "rows-00001.jsonl": expert_rows[1:]})
+
+
+def test_verify_with_the_dataset_reports_a_shard_whose_rows_are_not_dataset_examples(tmp_path, expert_plan,
+                                                                                     expert_rows):
+    from typer.testing import CliRunner
+
+    from kiln.distill import shards
+    from kiln.distill.cli import app
+
+    # Published through the low-level API without a dataset (it cannot know one) ...
+    final = shards.capture_shard(tmp_path, expert_plan, "s0", "s0.t000",
+                                 {"rows-00000.jsonl": _recontexted(expert_rows, (0, 0))})
+    assert shards.verify_shard(final).ok
+    # ... verify against the dataset finds it.
+    res = CliRunner().invoke(app, ["verify", str(final), "--dataset-root", str(FIXTURES)])
+    assert res.exit_code == 0, res.output
+    verdict = json.loads(res.output)["shards"][0]["verdict"]
+    assert verdict["ok"] is False and any("contradicts the dataset prompt" in p for p in verdict["problems"])
+    good = CliRunner().invoke(app, ["verify", str(FIXTURES / "shard-teacher-expert"), "--dataset-root",
+                                    str(FIXTURES)])
+    assert json.loads(good.output)["shards"][0]["verdict"]["ok"] is True

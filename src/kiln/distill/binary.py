@@ -253,6 +253,12 @@ def _iter_examples(raw: bytes, name: str):
         raise ShardError(f"{name}: header says {header['records']} records, found {total}")
 
 
+def packed_trajectories(raw: bytes, name: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(example ID, position-0 context, forced tokens) of every example of a packed payload."""
+    return [(eid, tuple(int(t) for t in ctx), tuple(int(t) for t in forced))
+            for _h, eid, ctx, forced, _r in _iter_examples(raw, name)]
+
+
 def decode_packed_header(raw: bytes, name: str) -> dict[str, Any]:
     return _read_header(_Reader(raw, name))
 

@@ -392,28 +392,29 @@ def _encode(plan: Plan, examples: list[PackedExample], layout: str) -> bytes:
 def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) -> dict[str, Any]:
     """Apply the resume table to one shard and finish it; return its status record."""
     chunks = [examples[j : j + req.examples_per_payload] for j in range(0, len(examples), req.examples_per_payload)]
+    mine = {e.example_id: e for e in examples}  # every trajectory of this shard must be one of these, whole
     txns = _transactions(root, shard_id)
     attempt = txns[-1][0] + 1 if txns else 0
     decision, txn, done = "new", None, 0
     if txns:
         _n, latest = txns[-1]
-        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest())
+        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest(), examples=mine)
         decision = verdict.decision
         if decision == shards.FOREIGN_RUN:
             raise ShardError(f"{latest} belongs to another plan; use a new --out for this run")
         if decision == "resume-staging":
-            decision, txn = shards.resume(latest, root, plan)
+            decision, txn = shards.resume(latest, root, plan, examples=mine)
             done = _staged_prefix_ok(txn, plan, chunks, req.layout)
             if done is None:
                 shards.quarantine(txn, "staged payloads are not the expected prefix of this shard's examples")
                 decision, txn, done = "quarantine-and-restart", None, 0
         elif decision in ("reuse", "publish", "verify-then-publish"):
-            decision, final = shards.resume(latest, root, plan)
+            decision, final = shards.resume(latest, root, plan, examples=mine)
             bar.update(sum(len(e.target_token_ids) for e in examples))
             return {"shard_id": shard_id, "transaction_id": final.name, "decision": decision}
         else:  # quarantined (refused for reuse) or corrupt: a new transaction
             if decision == "quarantine-and-restart":
-                shards.resume(latest, root, plan)
+                shards.resume(latest, root, plan, examples=mine)
     if txn is None:
         txn = shards.begin(root, plan, shard_id, _txn_id(shard_id, attempt))
         fault("capture_after_begin")
@@ -428,9 +429,9 @@ def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) 
         shards.write_payload_bytes(txn, _payload_name(j, req.layout), data)
         bar.update(sum(len(e.target_token_ids) for e in chunks[j]))
         fault("capture_after_payload")
-    shards.mark_complete(txn)
+    shards.mark_complete(txn, examples=mine)
     fault("capture_after_complete")
-    shards.mark_verified(txn)
+    shards.mark_verified(txn, examples=mine)
     fault("capture_after_verified")
     final = shards.publish(txn, root)
     fault("capture_after_available")
