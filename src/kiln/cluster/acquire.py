@@ -36,6 +36,8 @@ supervising a world, is cheap.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -50,9 +52,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, NoReturn, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from kiln.canonical import CanonicalJSONError, atomic_write_json, strict_json_loads
+from kiln.canonical import CanonicalJSONError, atomic_write_json, canonical_json_bytes, strict_json_loads
 from kiln.cluster.ranks import (
     MAX_IDENTIFIER_CHARS,
     MAX_WORLD_SIZE,
@@ -60,6 +62,7 @@ from kiln.cluster.ranks import (
     ObservationInputError,
     Participant,
     RankPopulationDecision,
+    canonical_host,
     decide_rank_population,
     parse_observation_json,
 )
@@ -181,6 +184,11 @@ class WorldPlan:
                 raise AcquisitionConfigError(
                     f"{what} {value!r} must be 1 to {MAX_IDENTIFIER_CHARS} characters long"
                 )
+        for host in self.selected_hosts:
+            try:
+                canonical_host(host)
+            except ValueError as exc:
+                raise AcquisitionConfigError(f"selected host: {exc}") from None
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise AcquisitionConfigError(f"timeout_s={self.timeout_s} must be in (0, {MAX_TIMEOUT_S}]")
 
@@ -276,6 +284,7 @@ def _new_groups_holding(rank: int, groups: list[list[int]]) -> Any:
 
 # Scalars are strict ("29500" is not a port); tuples are lax so that JSON arrays stand for them.
 _Identifier = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_IDENTIFIER_CHARS)]
+_Host = Annotated[str, Strict(), AfterValidator(canonical_host)]
 _Pid = Annotated[int, Strict(), Field(ge=1, le=MAX_PID)]
 _Group = Annotated[
     tuple[Annotated[int, Strict(), Field(ge=0, lt=MAX_WORLD_SIZE)], ...], Field(max_length=MAX_WORLD_SIZE)
@@ -318,7 +327,8 @@ class AcquisitionRecord(BaseModel):
     world_size: Annotated[int, Strict(), Field(ge=1, le=MAX_WORLD_SIZE)]
     nnodes: Annotated[int, Strict(), Field(ge=1, le=MAX_NNODES)]
     nproc_per_host: Annotated[int, Strict(), Field(ge=1, le=MAX_NPROC_PER_HOST)]
-    collector_host: _Identifier
+    collector_host: _Host
+    """Canonical host name (:func:`~kiln.cluster.ranks.canonical_host`), as participants' hosts are."""
     collector_pid: _Pid
     rank0_pid: _Pid
     tensor_parallel_groups: _Groups
@@ -441,32 +451,56 @@ def _record_observation_problems(record: AcquisitionRecord, obs: DeclaredObserva
 
 # -------------------------------------------------------------- outcome/receipt
 
-_MINT = object()
-"""Held by this module only: what :func:`acquire_rank_population` shows to mint."""
-
-
 class _Acquired:
     """An observation joined to the record of its acquisition and the law's decision.
 
-    Immutable; constructed only by this module's acquisition. Serialise with
-    :meth:`to_json_dict`; read back with :meth:`AcquisitionEvidence.from_json_dict`.
+    What it proves, precisely: that in *this process*, :func:`acquire_rank_population`
+    acquired exactly this record and this observation and the law made this decision
+    of them. How that is enforced:
+
+    * no constructor, keyword or module attribute mints one: minting lives in a
+      closure (:func:`_minting_authority`) together with a random per-process key;
+    * every instance carries an HMAC-SHA256 tag, under that key, over its class name
+      and the canonical JSON of record, observation and decision;
+    * every use (the three attributes, ``coherent``, :meth:`to_json_dict`, ``==``,
+      ``hash``) recomputes the canonical JSON and checks the tag, so an instance made
+      with ``object.__new__`` and ``object.__setattr__``, a field swapped or mutated in
+      place, an outcome re-typed as a receipt, or a tag copied onto other contents
+      raises :class:`ReceiptForgeryError`.
+
+    Not defended: code in the same interpreter that reads the key out of the closure
+    (``__closure__``, ``gc``, ``ctypes``, a debugger). Python has no in-process
+    capability isolation; a receipt guards against mistakes and casual forgery, not
+    against hostile code running in the same process. Serialise with
+    :meth:`to_json_dict`; a document read back is :class:`AcquisitionEvidence`.
     """
 
-    __slots__ = ("acquisition", "observation", "decision")
-    acquisition: AcquisitionRecord
-    observation: DeclaredObservation
-    decision: RankPopulationDecision
+    __slots__ = ("_sealed",)
 
-    def __init__(self, *args: Any, _mint: object = None, **kwargs: Any) -> None:
-        if _mint is not _MINT:
-            raise ReceiptForgeryError(
-                f"a {type(self).__name__} is minted only by kiln.cluster.acquire.acquire_rank_population; "
-                "an observation and record from anywhere else are evidence: use AcquisitionEvidence"
-            )
-        acquisition, observation, decision = args
-        object.__setattr__(self, "acquisition", acquisition)
-        object.__setattr__(self, "observation", observation)
-        object.__setattr__(self, "decision", decision)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ReceiptForgeryError(
+            f"a {type(self).__name__} is minted only by kiln.cluster.acquire.acquire_rank_population; "
+            "an observation and record from anywhere else are evidence: use AcquisitionEvidence"
+        )
+
+    def _contents(self) -> tuple[AcquisitionRecord, DeclaredObservation, RankPopulationDecision]:
+        return _verify_sealed(self)
+
+    @property
+    def acquisition(self) -> AcquisitionRecord:
+        return self._contents()[0]
+
+    @property
+    def observation(self) -> DeclaredObservation:
+        return self._contents()[1]
+
+    @property
+    def decision(self) -> RankPopulationDecision:
+        return self._contents()[2]
+
+    @property
+    def coherent(self) -> bool:
+        return self._contents()[2].coherent
 
     def __setattr__(self, name: str, value: Any) -> NoReturn:
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -488,19 +522,21 @@ class _Acquired:
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
-        return (self.acquisition, self.observation, self.decision) == (
-            other.acquisition, other.observation, other.decision  # type: ignore[attr-defined]
-        )
+        return self._contents() == other._contents()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((type(self), self.acquisition, self.observation, self.decision))
+        return hash((type(self), *self._contents()))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(decision={self.decision.decision!r}, world_size={self.observation.world_size})"
+        try:
+            _acq, obs, decision = self._contents()
+        except ReceiptForgeryError:
+            return f"<forged {type(self).__name__}>"
+        return f"{type(self).__name__}(decision={decision.decision!r}, world_size={obs.world_size})"
 
     def to_json_dict(self) -> dict[str, Any]:
         """The decision's own JSON (``decision``, ``findings``) followed by the record and observation."""
-        return _outcome_json(self.acquisition, self.observation, self.decision)
+        return _outcome_json(*self._contents())
 
     @classmethod
     def from_json_dict(cls, value: Any) -> NoReturn:
@@ -524,17 +560,70 @@ class AcquisitionOutcome(_Acquired):
     __slots__ = ()
 
     def receipt(self) -> "RankPopulationReceipt":
-        if not self.decision.coherent:
-            raise NotCoherentError(
-                f"no receipt: the law refused this population ({', '.join(self.decision.kinds)})"
-            )
-        return RankPopulationReceipt(self.acquisition, self.observation, self.decision, _mint=_MINT)
+        return _receipt_of(self)
 
 
 class RankPopulationReceipt(_Acquired):
     """A coherent decision joined to the record of the acquisition it decided."""
 
     __slots__ = ()
+
+
+def _minting_authority():  # type: ignore[no-untyped-def]
+    """The per-process key and the only two functions that mint with it, held in closures.
+
+    Returns (verify, receipt_of, mint_outcome); the module keeps ``verify`` and
+    ``receipt_of`` as plain functions and passes ``mint_outcome`` only into
+    :func:`acquire_rank_population`'s closure, so no module attribute mints.
+    """
+    key = secrets.token_bytes(32)
+
+    def tag(kind: str, record: Any, obs: Any, decision: Any) -> bytes:
+        body = canonical_json_bytes({"kind": kind, **_outcome_json(record, obs, decision)})
+        return hmac.new(key, body, hashlib.sha256).digest()
+
+    def mint(cls: type, record: AcquisitionRecord, obs: DeclaredObservation,
+             decision: RankPopulationDecision) -> Any:
+        instance = object.__new__(cls)
+        object.__setattr__(instance, "_sealed", (record, obs, decision, tag(cls.__name__, record, obs, decision)))
+        return instance
+
+    def verify(instance: _Acquired) -> tuple[AcquisitionRecord, DeclaredObservation, RankPopulationDecision]:
+        forged = ReceiptForgeryError(
+            f"this {type(instance).__name__} was not minted by acquire_rank_population in this process, or was "
+            "altered after minting"
+        )
+        try:
+            sealed = object.__getattribute__(instance, "_sealed")
+        except AttributeError:
+            raise forged from None
+        if not (isinstance(sealed, tuple) and len(sealed) == 4 and isinstance(sealed[0], AcquisitionRecord)
+                and isinstance(sealed[1], DeclaredObservation) and isinstance(sealed[2], RankPopulationDecision)
+                and isinstance(sealed[3], bytes)):
+            raise forged
+        record, obs, decision, seal = sealed
+        try:
+            expected = tag(type(instance).__name__, record, obs, decision)
+        except Exception:  # noqa: BLE001 - contents mutated into something unserialisable
+            raise forged from None
+        if not hmac.compare_digest(seal, expected):
+            raise forged
+        return record, obs, decision
+
+    def receipt_of(outcome: AcquisitionOutcome) -> RankPopulationReceipt:
+        record, obs, decision = verify(outcome)
+        if not decision.coherent:
+            raise NotCoherentError(f"no receipt: the law refused this population ({', '.join(decision.kinds)})")
+        return mint(RankPopulationReceipt, record, obs, decision)
+
+    def mint_outcome(record: AcquisitionRecord, obs: DeclaredObservation,
+                     decision: RankPopulationDecision) -> AcquisitionOutcome:
+        return mint(AcquisitionOutcome, record, obs, decision)
+
+    return verify, receipt_of, mint_outcome
+
+
+_verify_sealed, _receipt_of, _mint_outcome_once = _minting_authority()
 
 
 @dataclass(frozen=True)
@@ -601,16 +690,33 @@ def _free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
-def acquire_rank_population(plan: WorldPlan, layout: Optional[Layout] = None) -> AcquisitionOutcome | None:
-    """Start this host's share of the world and, on node 0, decide what it reports.
+def _acquirer(mint_outcome: Callable[..., AcquisitionOutcome]):  # type: ignore[no-untyped-def]
+    """Bind the outcome minter into :func:`acquire_rank_population`'s closure only."""
 
-    ``layout`` creates the process groups in every rank (default: pure tensor
-    parallelism over the whole world, ``GridLayout(plan.world_size)``). Returns
-    the outcome on node 0 and ``None`` on every other node (their reports travel
-    to rank 0 through the gather). Raises :class:`AcquisitionError` when the
-    world does not form, a worker fails, or the groups the ranks report are not
-    a decomposition the observation can express.
-    """
+    def acquire_rank_population(plan: WorldPlan, layout: Optional[Layout] = None) -> AcquisitionOutcome | None:
+        """Start this host's share of the world and, on node 0, decide what it reports.
+
+        ``layout`` creates the process groups in every rank (default: pure tensor
+        parallelism over the whole world, ``GridLayout(plan.world_size)``). Returns
+        the outcome on node 0 and ``None`` on every other node (their reports travel
+        to rank 0 through the gather). Raises :class:`AcquisitionError` when the
+        world does not form, a worker fails, or the groups the ranks report are not
+        a decomposition the observation can express.
+        """
+        acquired = _acquire(plan, layout)
+        return None if acquired is None else mint_outcome(*acquired)
+
+    return acquire_rank_population
+
+
+acquire_rank_population = _acquirer(_mint_outcome_once)
+del _mint_outcome_once
+
+
+def _acquire(
+    plan: WorldPlan, layout: Optional[Layout]
+) -> tuple[AcquisitionRecord, DeclaredObservation, RankPopulationDecision] | None:
+    """The work of :func:`acquire_rank_population`, returning plain (record, observation, decision)."""
     layout = layout if layout is not None else GridLayout(plan.world_size)
     incarnation = plan.incarnation or secrets.token_hex(_INCARNATION_TOKEN_BYTES)
     port = plan.master_port or _free_port(plan.master_addr)
@@ -641,8 +747,7 @@ def acquire_rank_population(plan: WorldPlan, layout: Optional[Layout] = None) ->
     problems = _record_observation_problems(record, observation)
     if problems:
         raise AcquisitionError(f"the ranks' reports contradict each other: {'; '.join(problems)}")
-    decision = decide_rank_population(observation)
-    return AcquisitionOutcome(record, observation, decision, _mint=_MINT)
+    return record, observation, decide_rank_population(observation)
 
 
 def _project(

@@ -22,10 +22,12 @@ then by the details that locate each finding).
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections import Counter, defaultdict
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln.canonical import CanonicalJSONError, strict_json_loads
 
@@ -38,6 +40,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "FINDING_KINDS",
     "ObservationInputError",
+    "canonical_host",
     "Participant",
     "DeclaredObservation",
     "Finding",
@@ -69,6 +72,42 @@ class ObservationInputError(ValueError):
 # ------------------------------------------------------------------ observation
 
 _Identifier = Annotated[str, Field(min_length=1, max_length=MAX_IDENTIFIER_CHARS)]
+
+_HOST_CHARS = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*")
+
+
+def canonical_host(name: object) -> str:
+    """The host identity the law compares: one canonical spelling per machine name.
+
+    Host names are case-insensitive and a single trailing dot (the DNS root) names
+    the same host, so ``SPARK-3BD5``, ``spark-3bd5`` and ``spark-3bd5.`` are one
+    host: the canonical form is lowercase without the trailing dot. An IP address
+    literal (IPv4, or IPv6 with optional brackets) is written in its standard
+    compressed form. Anything else is refused with ``ValueError``: whitespace
+    (leading, trailing or inside), control characters, empty labels (``a..b``) and
+    characters outside letters, digits, ``-``, ``_`` and ``.``.
+    """
+    if not isinstance(name, str):
+        raise ValueError("a host is a string")
+    if not name or len(name) > MAX_IDENTIFIER_CHARS:
+        raise ValueError(f"a host name has 1 to {MAX_IDENTIFIER_CHARS} characters")
+    literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    try:
+        return str(ipaddress.ip_address(literal))
+    except ValueError:
+        pass
+    host = name.lower()
+    if host.endswith(".") and len(host) > 1:
+        host = host[:-1]
+    if not _HOST_CHARS.fullmatch(host):
+        raise ValueError(
+            f"host {name!r} is not a host name or IP address (letters, digits, '-', '_' and dot-separated "
+            "labels; no whitespace or control characters)"
+        )
+    return host
+
+
+_Host = Annotated[str, AfterValidator(canonical_host)]
 # A negative rank, or one at or beyond world_size, is a *finding*
 # (rank_out_of_range), not malformed input; the bound only keeps numbers sane.
 _Rank = Annotated[int, Field(ge=-MAX_RANK_MAGNITUDE, le=MAX_RANK_MAGNITUDE)]
@@ -84,7 +123,8 @@ class Participant(BaseModel):
 
     global_rank: _Rank
     tensor_parallel_rank: _Rank
-    host: _Identifier
+    host: _Host
+    """Canonicalised on input (:func:`canonical_host`): case, a trailing dot and IP spelling never make two hosts."""
     host_local_worker_process_key: _Identifier
     """Key of the worker process, meaningful only on its own host (a pid, say)."""
     incarnation: _Identifier
@@ -101,7 +141,7 @@ class DeclaredObservation(BaseModel):
     tensor_parallel_size: _Degree
     pipeline_parallel_size: _Degree
     data_parallel_size: _Degree
-    selected_hosts: Annotated[tuple[_Identifier, ...], Field(max_length=MAX_SELECTED_HOSTS)]
+    selected_hosts: Annotated[tuple[_Host, ...], Field(max_length=MAX_SELECTED_HOSTS)]
     participants: Annotated[tuple[Participant, ...], Field(max_length=MAX_PARTICIPANTS)]
 
 

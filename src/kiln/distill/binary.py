@@ -253,6 +253,12 @@ def _iter_examples(raw: bytes, name: str):
         raise ShardError(f"{name}: header says {header['records']} records, found {total}")
 
 
+def packed_trajectories(raw: bytes, name: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(example ID, position-0 context, forced tokens) of every example of a packed payload."""
+    return [(eid, tuple(int(t) for t in ctx), tuple(int(t) for t in forced))
+            for _h, eid, ctx, forced, _r in _iter_examples(raw, name)]
+
+
 def decode_packed_header(raw: bytes, name: str) -> dict[str, Any]:
     return _read_header(_Reader(raw, name))
 
@@ -386,7 +392,7 @@ def check_packed(raw: bytes, name: str, plan) -> tuple[list[str], int, int]:
         if len(ids_seen) == 0:
             check_header_against_plan(header, plan, name)
         where = f"{name}: {eid!r}"
-        if not _EXAMPLE_ID_RE.match(eid):
+        if not _EXAMPLE_ID_RE.fullmatch(eid):
             raise ShardError(f"{where}: example_id is not a portable ID")
         v, k, limit = header["vocab_size"], header["top_k"], header["max_sequence_length"]
         t, c = len(forced), len(ctx)

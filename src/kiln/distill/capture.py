@@ -29,11 +29,11 @@ from typing import Any, Protocol, Sequence
 from kiln.canonical import atomic_write_bytes, canonical_json_bytes, jsonl_c14n, sha256_hex, strict_json_loads
 from kiln.distill import shards
 from kiln.distill.binary import PACKED_SUFFIX, PackedExample, check_packable, encode_packed
-from kiln.distill.contract import Plan, TokenizedTeacherExample
+from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, TokenizedTeacherExample
 from kiln.distill.dataset import MAX_DATASET_FILE_BYTES, check_dataset
 from kiln.distill.errors import ContractError, DistillError, ShardError
 from kiln.distill.faults import fault
-from kiln.distill.paths import read_bytes_nofollow
+from kiln.distill.paths import read_bytes_nofollow, read_file_nofollow
 from kiln.errors import KilnError
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "CaptureRequest",
     "capture",
     "run_capture_child",
+    "refuse_foreign_root",
     "shard_status",
     "load_examples",
 ]
@@ -391,28 +392,29 @@ def _encode(plan: Plan, examples: list[PackedExample], layout: str) -> bytes:
 def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) -> dict[str, Any]:
     """Apply the resume table to one shard and finish it; return its status record."""
     chunks = [examples[j : j + req.examples_per_payload] for j in range(0, len(examples), req.examples_per_payload)]
+    mine = {e.example_id: e for e in examples}  # every trajectory of this shard must be one of these, whole
     txns = _transactions(root, shard_id)
     attempt = txns[-1][0] + 1 if txns else 0
     decision, txn, done = "new", None, 0
     if txns:
         _n, latest = txns[-1]
-        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest())
+        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest(), examples=mine)
         decision = verdict.decision
         if decision == shards.FOREIGN_RUN:
             raise ShardError(f"{latest} belongs to another plan; use a new --out for this run")
         if decision == "resume-staging":
-            decision, txn = shards.resume(latest, root, plan)
+            decision, txn = shards.resume(latest, root, plan, examples=mine)
             done = _staged_prefix_ok(txn, plan, chunks, req.layout)
             if done is None:
                 shards.quarantine(txn, "staged payloads are not the expected prefix of this shard's examples")
                 decision, txn, done = "quarantine-and-restart", None, 0
         elif decision in ("reuse", "publish", "verify-then-publish"):
-            decision, final = shards.resume(latest, root, plan)
+            decision, final = shards.resume(latest, root, plan, examples=mine)
             bar.update(sum(len(e.target_token_ids) for e in examples))
             return {"shard_id": shard_id, "transaction_id": final.name, "decision": decision}
         else:  # quarantined (refused for reuse) or corrupt: a new transaction
             if decision == "quarantine-and-restart":
-                shards.resume(latest, root, plan)
+                shards.resume(latest, root, plan, examples=mine)
     if txn is None:
         txn = shards.begin(root, plan, shard_id, _txn_id(shard_id, attempt))
         fault("capture_after_begin")
@@ -427,9 +429,9 @@ def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) 
         shards.write_payload_bytes(txn, _payload_name(j, req.layout), data)
         bar.update(sum(len(e.target_token_ids) for e in chunks[j]))
         fault("capture_after_payload")
-    shards.mark_complete(txn)
+    shards.mark_complete(txn, examples=mine)
     fault("capture_after_complete")
-    shards.mark_verified(txn)
+    shards.mark_verified(txn, examples=mine)
     fault("capture_after_verified")
     final = shards.publish(txn, root)
     fault("capture_after_available")
@@ -442,12 +444,42 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="tok", unit_scale=True, desc="capture", disable=not enabled, file=sys.stderr)
 
 
+def _read_plan(path: str) -> Plan:
+    return Plan.parse(read_file_nofollow(path, max_bytes=MAX_ARTIFACT_JSON_BYTES))
+
+
+def refuse_foreign_root(root: Path, plan: Plan) -> None:
+    """Refuse, before writing anything, a publication root that holds another plan's run.
+
+    Another plan's shard transactions, or receipts that name another plan, make the root
+    another run's: capturing into it would overwrite that run's request and receipts. The
+    spec's threat model: a mixed run "refuse[s] resume/consumption and create[s] a new run".
+    """
+    digest = plan.digest()
+    foreign = shards.foreign_transactions(root, digest)
+    for name in ("capture.json", "capture-child.json"):
+        path = root / RECEIPTS_DIR / name
+        if path.is_file() and not path.is_symlink():
+            try:
+                named = strict_json_loads(read_bytes_nofollow(root / RECEIPTS_DIR, name, max_bytes=1 << 20))
+            except (ValueError, OSError):
+                continue
+            if isinstance(named, dict) and named.get("plan_sha256") not in (None, digest):
+                foreign.append(f"{RECEIPTS_DIR}/{name}")
+    if foreign:
+        raise ShardError(
+            f"{root} holds another plan's run ({', '.join(foreign[:5])}); a changed plan is a new run: "
+            "use a new --out (nothing was written)"
+        )
+
+
 def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
     """The teacher-only child body: verify, load, score, publish; write the child receipt."""
     from kiln.distill.local import check_tokenizer_dir
 
     started = time.monotonic()
-    plan = Plan.parse(Path(req.plan).read_bytes())
+    plan = _read_plan(req.plan)
+    refuse_foreign_root(Path(req.out), plan)
     if req.layout not in ("packed", "jsonl"):
         raise ContractError(f"layout must be 'packed' or 'jsonl', not {req.layout!r}")
     check_packable(plan)  # the capture encodes packed columns first, for either layout
@@ -488,6 +520,7 @@ def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
 def capture(req: CaptureRequest, *, timeout: float | None = None) -> dict[str, Any]:
     """Controller: run the child in a fresh process, then reopen manifests and write the receipt."""
     root = Path(req.out)
+    refuse_foreign_root(root, _read_plan(req.plan))
     root.mkdir(parents=True, exist_ok=True)
     (root / RECEIPTS_DIR).mkdir(exist_ok=True)
     request_path = root / RECEIPTS_DIR / "capture-request.json"
@@ -506,14 +539,15 @@ def capture(req: CaptureRequest, *, timeout: float | None = None) -> dict[str, A
         raise ShardError(f"capture child exited with {proc.returncode}: {err}")
     raw = child_receipt.read_bytes()
     child = strict_json_loads(raw)
-    plan = Plan.parse(Path(req.plan).read_bytes())
-    reopened = []
+    plan = _read_plan(req.plan)
+    reopened, verdicts = [], []
     for rec in child["shards"]:
         verdict = shards.verify_shard(root / rec["transaction_id"], expected_plan_sha256=plan.digest())
         if not verdict.ok or verdict.state != "available":
             raise ShardError(f"{rec['transaction_id']} is not an intact available shard after capture: {verdict.problems}")
+        verdicts.append(verdict)
         reopened.append({**rec, "manifest_sha256": verdict.manifest_sha256, "tokens": verdict.tokens,
-                         "payload_bytes": verdict.payload_bytes})
+                         "payload_bytes": verdict.payload_bytes, "bytes_per_token": shards.bytes_per_token(verdict)})
     receipt = {
         "schema": RECEIPT_SCHEMA,
         "plan_sha256": plan.digest(),
@@ -522,6 +556,8 @@ def capture(req: CaptureRequest, *, timeout: float | None = None) -> dict[str, A
         "shards": reopened,
         "tokens": sum(r["tokens"] for r in reopened),
         "payload_bytes": sum(r["payload_bytes"] for r in reopened),
+        # The spec: "Actual output must report both planned and observed bytes/token."
+        "bytes_per_token": shards.run_bytes_per_token(verdicts)["bytes_per_token"],
         "dtype": child["declared_dtype"],
         "quantization": child["quantization"],
         "seconds": child["seconds"],
@@ -570,7 +606,7 @@ def _main(argv: Sequence[str]) -> int:
         print(json.dumps({"error": {"code": "usage_error", "message": "usage: python -m kiln.distill.capture REQUEST"}}))
         return 2
     try:
-        req = CaptureRequest.from_obj(strict_json_loads(Path(argv[0]).read_bytes()))
+        req = CaptureRequest.from_obj(strict_json_loads(read_file_nofollow(argv[0], max_bytes=1 << 20)))
         receipt = run_capture_child(req)
     except DistillError as exc:
         print(json.dumps({"error": {"code": exc.code, "message": str(exc)}}))

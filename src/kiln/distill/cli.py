@@ -203,7 +203,7 @@ def plan(
 
     def body() -> dict[str, Any]:
         from kiln.canonical import atomic_write_bytes
-        from kiln.distill.contract import complete_plan
+        from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, complete_plan
         from kiln.distill.errors import ContractError
 
         if config is None or out is None:
@@ -220,7 +220,7 @@ def plan(
         if target.is_symlink():
             raise _Refusal("unsafe_path", f"{target} is a symlink")
         if target.exists():
-            if target.read_bytes() != data:
+            if _read_bounded(target, MAX_ARTIFACT_JSON_BYTES) != data:
                 raise _Refusal(
                     "plan_exists", f"{target} holds a different plan; a changed plan is a new run, use a new --out"
                 )
@@ -264,6 +264,8 @@ def _shard_dirs(paths: list[Path]) -> list[Path]:
 def verify(
     paths: list[Path] = typer.Argument(..., help="shard transaction directories, or publication roots of a run"),
     plan_sha256: Optional[str] = typer.Option(None, "--plan-sha256", help="refuse a shard of any other plan"),
+    dataset_root: Optional[Path] = typer.Option(
+        None, "--dataset-root", help="also check every captured trajectory against the plan's dataset"),
 ) -> None:
     """Verify shards; print each verdict, resume decision and planned vs observed bytes/token, and the run's."""
 
@@ -273,7 +275,20 @@ def verify(
 
         if plan_sha256 is not None and not is_lower_hex64(plan_sha256):
             raise _Refusal("invalid_option", f"--plan-sha256 must be 64 lowercase hex digits, got {plan_sha256!r}")
-        verdicts = [verify_shard(d, expected_plan_sha256=plan_sha256) for d in _shard_dirs(paths)]
+        datasets: dict[str, Any] = {}
+
+        def one(shard: Path):  # type: ignore[no-untyped-def]
+            verdict = verify_shard(shard, expected_plan_sha256=plan_sha256)
+            if dataset_root is None or verdict.plan is None:
+                return verdict
+            from kiln.distill.capture import load_examples
+
+            key = verdict.plan.digest()
+            if key not in datasets:  # the dataset is verified against the shard's own plan first
+                datasets[key] = {e.example_id: e for e in load_examples(dataset_root, verdict.plan)}
+            return verify_shard(shard, expected_plan_sha256=plan_sha256, examples=datasets[key])
+
+        verdicts = [one(d) for d in _shard_dirs(paths)]
         return {
             "shards": [
                 {"verdict": v.to_obj(), "decision": v.decision, "bytes_per_token": bytes_per_token(v)}

@@ -14,7 +14,7 @@ non-finite numbers, names an unknown major version as such, and raises
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -90,6 +90,18 @@ ByteCount = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0, lt=_estimate.MAX_VOCAB_SIZE)]
 Width = Annotated[int, Field(ge=1, le=_estimate.MAX_WIDTH_BYTES)]
 
+# JSON numbers keep the form they were received in (docs/distill.md, "Numbers"): an
+# integer literal (no fraction, no exponent) stays an integer and is written back
+# digit for digit; any other literal is an IEEE-754 double, written back as Python's
+# shortest round-trip repr (1.0, 1e0 and 1.00 are all "1.0"; 1 stays "1"). Digests are
+# therefore SHA-256 of the canonical bytes of the document as received: a model never
+# rewrites 1 as 1.0. Integers in a number field are capped at 2^53 (beyond that an
+# integer is no longer exactly a double, which the float arithmetic downstream uses).
+MAX_EXACT_INT = 1 << 53
+Number = Union[Annotated[int, Field(ge=-MAX_EXACT_INT, le=MAX_EXACT_INT)], float]
+PositiveNumber = Union[Annotated[int, Field(gt=0, le=MAX_EXACT_INT)], Annotated[float, Field(gt=0)]]
+NonNegativeNumber = Union[Annotated[int, Field(ge=0, le=MAX_EXACT_INT)], Annotated[float, Field(ge=0)]]
+
 Trajectory = Literal["teacher-expert", "student-rollout"]
 ShardState = Literal["staging", "complete", "verified", "available", "quarantined"]
 ConsumptionState = Literal["available", "reserved", "committed"]
@@ -137,11 +149,20 @@ class _Model(BaseModel):
         try:
             # Round-trip through canonical JSON so strict validation sees JSON
             # arrays (accepted for tuples) exactly as a file reader would.
-            return cls.model_validate_json(canonical_json_bytes(data))
+            received = canonical_json_bytes(data)
+            model = cls.model_validate_json(received)
         except CanonicalJSONError as exc:
             raise ContractError(f"{cls.__name__}: {exc}") from exc
         except ValidationError as exc:
             raise ContractError(f"{cls.__name__} is invalid: {_describe(exc)}") from exc
+        # The digest is SHA-256 of the canonical bytes of the document as received:
+        # validation must not have rewritten any value (e.g. 1 into 1.0).
+        if model.canonical_bytes() != received:
+            raise ContractError(
+                f"{cls.__name__}: validation changed the document's canonical form; this is a Kiln bug, "
+                "please report it with the document"
+            )
+        return model
 
 
 def _describe(exc: ValidationError) -> str:
@@ -158,7 +179,7 @@ def _check_schema(found: object, expected: str) -> None:
         return
     if not isinstance(found, str):
         raise UnknownSchemaError(f"missing or non-string 'schema'; expected {expected!r}")
-    m, want = _SCHEMA_RE.match(found), _SCHEMA_RE.match(expected)
+    m, want = _SCHEMA_RE.fullmatch(found), _SCHEMA_RE.fullmatch(expected)
     if m and want and m.group(1) == want.group(1):
         raise UnknownSchemaError(
             f"unknown major version v{m.group(2)} of {SCHEMA_PREFIX}{m.group(1)}; this reader supports "
@@ -255,7 +276,7 @@ class CaptureSettings(_Model):
 
 class ProbabilityPolicy(_Model):
     top_k: Annotated[int, Field(ge=1, le=_estimate.MAX_TOP_K)]
-    temperature: Annotated[float, Field(gt=0)]
+    temperature: PositiveNumber
     renormalize_selected: Literal[False]
     id_bytes: Width
     logprob_bytes: Width
@@ -297,8 +318,8 @@ class ThroughputProfile(_Model):
     sequence_length_min: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_TOKENS)]
     sequence_length_max: Annotated[int, Field(ge=1, le=MAX_SEQUENCE_TOKENS)]
     hardware_class: Label
-    tokens_per_second_min: Annotated[float, Field(gt=0)]
-    tokens_per_second_max: Annotated[float, Field(gt=0)]
+    tokens_per_second_min: PositiveNumber
+    tokens_per_second_max: PositiveNumber
 
     @model_validator(mode="after")
     def _ranges(self) -> "ThroughputProfile":
@@ -313,8 +334,8 @@ class Estimate(_Model):
     dense_bytes: ByteCount
     sparse_ids_max: Count
     sparse_upper_bytes: ByteCount
-    seconds_min: Optional[Annotated[float, Field(ge=0)]]
-    seconds_max: Optional[Annotated[float, Field(ge=0)]]
+    seconds_min: Optional[NonNegativeNumber]
+    seconds_max: Optional[NonNegativeNumber]
     excludes_metadata: Literal[True]
 
 
@@ -472,10 +493,10 @@ class CaptureTokenRow(_Model):
     top_k_ids: Annotated[TokenIds, Field(min_length=1)]
     forced_ids: Annotated[TokenIds, Field(min_length=1, max_length=_estimate.MAX_FORCED_IDS)]
     selected_ids: Annotated[TokenIds, Field(min_length=1)]
-    selected_logprobs: Annotated[tuple[float, ...], Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
-    tail_mass: float
-    entropy: float
-    temperature: float
+    selected_logprobs: Annotated[tuple[Number, ...], Field(min_length=1, max_length=MAX_SEQUENCE_TOKENS)]
+    tail_mass: Number
+    entropy: Number
+    temperature: Number
 
     @model_validator(mode="after")
     def _semantics(self) -> "CaptureTokenRow":
@@ -638,8 +659,8 @@ def parse_artifact(data: bytes | str | dict[str, Any]) -> _Model:
     found = obj.get("schema")
     if found in _BY_SCHEMA:
         return _BY_SCHEMA[found].parse(obj)
-    m = _SCHEMA_RE.match(found) if isinstance(found, str) else None
+    m = _SCHEMA_RE.fullmatch(found) if isinstance(found, str) else None
     for known in _BY_SCHEMA:
-        if m and _SCHEMA_RE.match(known).group(1) == m.group(1):  # type: ignore[union-attr]
+        if m and _SCHEMA_RE.fullmatch(known).group(1) == m.group(1):  # type: ignore[union-attr]
             _check_schema(found, known)
     raise UnknownSchemaError(f"unknown artifact schema {str(found)[:100]!r}")

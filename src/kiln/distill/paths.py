@@ -22,6 +22,7 @@ __all__ = [
     "check_relative_path",
     "resolve_inside",
     "read_bytes_nofollow",
+    "read_file_nofollow",
     "list_regular_files",
 ]
 
@@ -110,7 +111,8 @@ def read_bytes_nofollow(root: str | os.PathLike[str], rel: str, *, max_bytes: in
     dir_fd = _open_dir_chain(root, parts[:-1])
     try:
         try:
-            fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+            fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         except OSError as exc:
             _raise_unsafe(exc, repr(rel))
             raise
@@ -126,6 +128,13 @@ def read_bytes_nofollow(root: str | os.PathLike[str], rel: str, *, max_bytes: in
     if len(data) > max_bytes:
         raise PathSafetyError(f"{rel!r} grew past the {max_bytes}-byte limit while being read")
     return data
+
+
+def read_file_nofollow(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:
+    """:func:`read_bytes_nofollow` for one file named by an operator's path: a regular file only
+    (a FIFO or device is refused at once instead of blocking), not a symlink, at most ``max_bytes``."""
+    path = Path(os.path.abspath(path))
+    return read_bytes_nofollow(path.parent, path.name, max_bytes=max_bytes)
 
 
 def list_regular_files(root: str | os.PathLike[str], rel_dir: str, *, max_entries: int) -> list[str]:

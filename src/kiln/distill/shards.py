@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from kiln.canonical import atomic_publish_dir, atomic_write_bytes, sha256_hex
 from kiln.distill.contract import (
@@ -33,6 +33,7 @@ from kiln.distill.contract import (
     PayloadCommitment,
     Plan,
     ShardManifest,
+    TokenizedTeacherExample,
 )
 from kiln.distill.errors import ContractError, DistillError, ShardError
 from kiln.distill.faults import fault
@@ -59,9 +60,11 @@ __all__ = [
     "verify_shard",
     "parse_payload",
     "check_rows_against_plan",
+    "check_trajectories_against_dataset",
     "resume",
     "read_manifest_chain",
     "FOREIGN_RUN",
+    "foreign_transactions",
     "bytes_per_token",
     "run_bytes_per_token",
 ]
@@ -170,14 +173,14 @@ def read_manifest_chain(shard_dir: str | os.PathLike[str]) -> list[ShardManifest
 
 def _read_chain(shard_dir: Path) -> list[ShardManifest]:
     names = list_regular_files(shard_dir, MANIFEST_DIR, max_entries=MAX_CHAIN_LENGTH + 8)
-    names = [n for n in names if not _TEMP_NAME.match(n)]
+    names = [n for n in names if not _TEMP_NAME.fullmatch(n)]
     if not names:
         raise ShardError("no manifest: an interrupted transaction before its staging manifest")
     if len(names) > MAX_CHAIN_LENGTH:
         raise ShardError(f"more than {MAX_CHAIN_LENGTH} manifests")
     chain = []
     for i, name in enumerate(sorted(names)):
-        m = _MANIFEST_NAME.match(name)
+        m = _MANIFEST_NAME.fullmatch(name)
         if not m or int(m.group(1)) != i:
             raise ShardError(f"unexpected manifest file {name!r}; expected {i}-<state>.json")
         manifest = _read_json_artifact(shard_dir, f"{MANIFEST_DIR}/{name}", ShardManifest)
@@ -268,14 +271,21 @@ def check_rows_against_plan(rows: Sequence[CaptureTokenRow], plan: Plan) -> None
         prev = row
 
 
-def verify_shard(shard_dir: str | os.PathLike[str], *, expected_plan_sha256: str | None = None) -> Verdict:
+def verify_shard(
+    shard_dir: str | os.PathLike[str],
+    *,
+    expected_plan_sha256: str | None = None,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+) -> Verdict:
     """Reopen a transaction directory and check every commitment.
 
     Checks the manifest chain, plan hash (and ``expected_plan_sha256`` when
     given), tokenizer and dataset fingerprints, and, from ``complete`` on,
     payload membership, byte counts, SHA-256, parseability, row/token counts and
-    row semantics against the plan. Raises ``ShardError`` only when the path is
-    not a real directory; every integrity problem is reported in the verdict.
+    row semantics against the plan, and with ``examples`` (the plan's dataset by
+    example ID, see :func:`load_dataset_examples`) every trajectory against the
+    dataset. Raises ``ShardError`` only when the path is not a real directory;
+    every integrity problem is reported in the verdict.
     """
     root = Path(shard_dir)
     if root.is_symlink() or not root.is_dir():
@@ -300,11 +310,11 @@ def verify_shard(shard_dir: str | os.PathLike[str], *, expected_plan_sha256: str
         _check_identity(head, plan)
         verdict.plan = plan
         if head.state == "staging":
-            _check_staged_payloads(root, plan)
+            _check_staged_payloads(root, plan, examples)
         else:
             # A quarantined manifest keeps its evidence; its payloads are checked too
             # but the resume decision refuses regardless.
-            _check_committed_payloads(root, head, plan)
+            _check_committed_payloads(root, head, plan, examples)
     except DistillError as exc:
         verdict.problems.append(str(exc))
     except OSError as exc:
@@ -326,54 +336,104 @@ def _payload_names(root: Path) -> list[str]:
     return list_regular_files(root, PAYLOAD_DIR, max_entries=MAX_PAYLOADS + 64)
 
 
-def _check_payload_set(items: Sequence[tuple[str, bytes]], plan: Plan) -> list[tuple[str, bytes, int, int]]:
+def _check_payload_set(
+    items: Sequence[tuple[str, bytes]], plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None = None
+) -> list[tuple[str, bytes, int, int]]:
     """Check payloads (in name order) as one shard; return (path, bytes, rows, tokens) each.
 
     JSONL rows are parsed and checked together with ``check_rows_against_plan``;
-    packed payloads are checked column-wise by ``binary.check_packed`` (same rules),
-    and their examples must not repeat across payloads. One shard uses one layout.
+    packed payloads are checked column-wise by ``binary.check_packed`` (same rules).
+    In both layouts an example lives in exactly one payload ("Ranges never split
+    one example trajectory"). One shard uses one layout. With ``examples`` (the
+    plan's dataset by example ID) every trajectory must also be one of them, whole:
+    see :func:`check_trajectories_against_dataset`.
     """
-    from kiln.distill.binary import PACKED_SUFFIX, check_packed
+    from kiln.distill.binary import PACKED_SUFFIX, check_packed, packed_trajectories
 
     kinds = {rel.endswith(PACKED_SUFFIX) for rel, _raw in items}
     if len(kinds) > 1:
         raise ShardError("a shard mixes JSONL and packed payloads; one shard uses one layout")
     out, rows, seen, tokens = [], [], set(), 0
+    trajectories: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
     for rel, raw in items:
         if rel.endswith(PACKED_SUFFIX):
             ids, n_rows, n_tokens = check_packed(raw, rel, plan)
-            if seen.intersection(ids):
-                raise ShardError(f"{rel}: an example reappears; trajectories are never split or repeated")
-            seen.update(ids)
+            if examples is not None:
+                trajectories += [(rel, *t) for t in packed_trajectories(raw, rel)]
         else:
             parsed = parse_payload(raw, rel)
             rows += parsed
             n_rows = n_tokens = len(parsed)
+            ids = list(dict.fromkeys(r.example_id for r in parsed))
+            trajectories += [(rel, *t) for t in _row_trajectories(parsed)]
+        if seen.intersection(ids):
+            raise ShardError(f"{rel}: an example reappears; trajectories are never split or repeated")
+        seen.update(ids)
         tokens += n_tokens
         out.append((rel, raw, n_rows, n_tokens))
     if rows:
         check_rows_against_plan(rows, plan)
     if tokens > plan.capture.planned_tokens:
         raise ShardError(f"{tokens} records exceed the plan's planned_tokens {plan.capture.planned_tokens}")
+    if examples is not None:
+        check_trajectories_against_dataset(trajectories, examples, plan)
     return out
 
 
-def _read_staged_payloads(root: Path, plan: Plan) -> list[tuple[str, bytes, int, int]]:
+def _row_trajectories(rows: Sequence[CaptureTokenRow]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(example ID, position-0 context, forced tokens) of each run of consecutive rows of one example."""
+    out: list[tuple[str, tuple[int, ...], list[int]]] = []
+    for row in rows:
+        if out and out[-1][0] == row.example_id:
+            out[-1][2].append(row.forced_token_id)
+        else:
+            out.append((row.example_id, tuple(row.context_token_ids), [row.forced_token_id]))
+    return [(eid, ctx, tuple(forced)) for eid, ctx, forced in out]
+
+
+def check_trajectories_against_dataset(
+    trajectories: Sequence[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
+    examples: Mapping[str, TokenizedTeacherExample],
+    plan: Plan,
+) -> None:
+    """Each captured trajectory (payload, example ID, position-0 context, forced tokens) must be a
+    dataset example, whole: its ID in the dataset, its first context the example's prompt (its last
+    ``max_sequence_length`` IDs, as capture records it) and its forced tokens exactly the example's
+    ``target_token_ids``, in order and complete."""
+    limit = plan.capture.max_sequence_length
+    for rel, eid, ctx, forced in trajectories:
+        ex = examples.get(eid)
+        if ex is None:
+            raise ShardError(f"{rel}: example {eid!r} is not in the plan's dataset (the examples this shard covers)")
+        if tuple(ctx) != tuple(ex.prompt_token_ids[-limit:]):
+            raise ShardError(f"{rel}: example {eid!r}: the captured context contradicts the dataset prompt")
+        if tuple(forced) != tuple(ex.target_token_ids):
+            raise ShardError(
+                f"{rel}: example {eid!r}: the captured tokens are not the dataset's target_token_ids "
+                f"({len(forced)} captured, {len(ex.target_token_ids)} in the dataset)"
+            )
+
+
+def _read_staged_payloads(
+    root: Path, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None = None
+) -> list[tuple[str, bytes, int, int]]:
     """(relative path, exact bytes, row count, token count) of every whole staged payload, checked."""
     items = []
     for name in _payload_names(root):
-        if _TEMP_NAME.match(name):
+        if _TEMP_NAME.fullmatch(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
         items.append((rel, read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)))
-    return _check_payload_set(items, plan)
+    return _check_payload_set(items, plan, examples)
 
 
-def _check_staged_payloads(root: Path, plan: Plan) -> None:
-    _read_staged_payloads(root, plan)
+def _check_staged_payloads(root: Path, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None) -> None:
+    _read_staged_payloads(root, plan, examples)
 
 
-def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> None:
+def _check_committed_payloads(
+    root: Path, head: ShardManifest, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None
+) -> None:
     on_disk = {f"{PAYLOAD_DIR}/{n}" for n in _payload_names(root)}
     committed = {p.path for p in head.payloads}
     if on_disk != committed:
@@ -387,7 +447,7 @@ def _check_committed_payloads(root: Path, head: ShardManifest, plan: Plan) -> No
         if sha256_hex(raw) != p.sha256:
             raise ShardError(f"{p.path}: SHA-256 differs from its commitment (tampering or bit rot)")
         items.append((p.path, raw))
-    for (rel, _raw, n_rows, n_tokens), p in zip(_check_payload_set(items, plan), head.payloads):
+    for (rel, _raw, n_rows, n_tokens), p in zip(_check_payload_set(items, plan, examples), head.payloads):
         if n_rows != p.rows or n_tokens != p.tokens:
             raise ShardError(f"{rel}: {n_rows}/{n_tokens} rows/tokens on disk, {p.rows}/{p.tokens} committed")
 
@@ -439,7 +499,7 @@ def begin(root: str | os.PathLike[str], plan: Plan, shard_id: str, transaction_i
 
 def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[CaptureTokenRow]) -> None:
     """Write one payload of canonical rows (temp sibling, fsync, rename)."""
-    if not _PAYLOAD_NAME.match(name):
+    if not _PAYLOAD_NAME.fullmatch(name):
         raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
     target = Path(txn) / PAYLOAD_DIR / name
     if target.exists():
@@ -449,7 +509,7 @@ def write_payload(txn: str | os.PathLike[str], name: str, rows: Iterable[Capture
 
 def write_payload_bytes(txn: str | os.PathLike[str], name: str, data: bytes) -> None:
     """Write one already encoded payload (e.g. a packed ``*.kdpack``) the same way."""
-    if not _PAYLOAD_NAME.match(name):
+    if not _PAYLOAD_NAME.fullmatch(name):
         raise ShardError(f"payload name {name!r} must match {_PAYLOAD_NAME.pattern}")
     target = Path(txn) / PAYLOAD_DIR / name
     if target.exists():
@@ -457,27 +517,30 @@ def write_payload_bytes(txn: str | os.PathLike[str], name: str, data: bytes) -> 
     atomic_write_bytes(target, data)
 
 
-def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
+def mark_complete(
+    txn: str | os.PathLike[str], *, examples: Mapping[str, TokenizedTeacherExample] | None = None
+) -> ShardManifest:
     """Check, hash and count the payload bytes on disk and chain the complete manifest.
 
     The rows must already satisfy the plan (``check_rows_against_plan``: whole,
     ordered trajectories, positions 0, 1, 2, ... with chained contexts, no
     duplicate or reordered record, at most ``planned_tokens``), so a shard that
-    violates its plan never reaches ``complete``. Commitments are computed from
-    the same bytes that were checked.
+    violates its plan never reaches ``complete``. With ``examples`` (the capture
+    worker always passes its dataset) each trajectory must also be a whole
+    dataset example. Commitments are computed from the same bytes that were checked.
     """
     txn = Path(txn)
     chain = _read_chain(txn)
     head = chain[-1]
     if head.state != "staging":
         raise ShardError(f"cannot complete a {head.state!r} transaction")
-    fragments = [n for n in _payload_names(txn) if _TEMP_NAME.match(n)]
+    fragments = [n for n in _payload_names(txn) if _TEMP_NAME.fullmatch(n)]
     if fragments:
         raise ShardError(f"uncommitted fragment {fragments[0]} present; resume the staging transaction first")
     plan = _read_json_artifact(txn, PLAN_FILE, Plan)
     _check_identity(head, plan)
     try:
-        staged = _read_staged_payloads(txn, plan)
+        staged = _read_staged_payloads(txn, plan, examples)
     except ShardError as exc:
         raise ShardError(
             f"cannot complete {txn.name}: {exc}; the staged rows violate the plan, "
@@ -502,10 +565,13 @@ def mark_complete(txn: str | os.PathLike[str]) -> ShardManifest:
     return _write_manifest(txn, len(chain), complete)
 
 
-def mark_verified(txn: str | os.PathLike[str]) -> ShardManifest:
-    """Reopen and verify every payload; chain the verified manifest only if all pass."""
+def mark_verified(
+    txn: str | os.PathLike[str], *, examples: Mapping[str, TokenizedTeacherExample] | None = None
+) -> ShardManifest:
+    """Reopen and verify every payload (against ``examples`` too when given); chain the verified
+    manifest only if all pass."""
     txn = Path(txn)
-    verdict = verify_shard(txn)
+    verdict = verify_shard(txn, examples=examples)
     if not verdict.ok or verdict.state != "complete":
         raise ShardError(f"cannot mark verified: state {verdict.state!r}, problems {verdict.problems}")
     chain = _read_chain(txn)
@@ -546,17 +612,26 @@ def capture_shard(
     shard_id: str,
     transaction_id: str,
     payloads: dict[str, Sequence[CaptureTokenRow]],
+    *,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
 ) -> Path:
-    """Run the whole write-last protocol for already captured rows."""
+    """Run the whole write-last protocol for already captured rows (checked against ``examples``
+    when given)."""
     txn = begin(root, plan, shard_id, transaction_id)
     for name in sorted(payloads):
         write_payload(txn, name, payloads[name])
-    mark_complete(txn)
-    mark_verified(txn)
+    mark_complete(txn, examples=examples)
+    mark_verified(txn, examples=examples)
     return publish(txn, root)
 
 
-def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan: Plan) -> tuple[str, Path]:
+def resume(
+    shard_dir: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+) -> tuple[str, Path]:
     """Apply the resume table to one transaction directory of ``plan``.
 
     Returns (decision, directory). ``resume-staging`` removes uncommitted temp
@@ -570,14 +645,14 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
     byte-for-byte as it was; the caller starts a new run under its own root.
     """
     shard_dir = Path(shard_dir)
-    verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest())
+    verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest(), examples=examples)
     decision = verdict.decision
     if decision == "resume-staging":
         for name in _payload_names(shard_dir):
-            if _TEMP_NAME.match(name):
+            if _TEMP_NAME.fullmatch(name):
                 os.unlink(shard_dir / PAYLOAD_DIR / name)
     elif decision == "verify-then-publish":
-        mark_verified(shard_dir)
+        mark_verified(shard_dir, examples=examples)
         shard_dir = publish(shard_dir, root)
     elif decision == "publish":
         shard_dir = publish(shard_dir, root)
@@ -587,6 +662,28 @@ def resume(shard_dir: str | os.PathLike[str], root: str | os.PathLike[str], plan
         except (DistillError, OSError):
             pass  # unreadable chain: nothing can be chained; the directory is never reused
     return decision, shard_dir
+
+
+def foreign_transactions(root: str | os.PathLike[str], plan_sha256: str) -> list[str]:
+    """Transaction directories under a publication root (published or staging) whose manifests name
+    another plan. Read-only: a run that finds any refuses to write anything under that root (the spec's
+    threat model: a mixed run is refused and a new run is created). Directories whose chain cannot be
+    read are not counted here; the resume table deals with them under their own plan."""
+    root = Path(root)
+    found = []
+    for base in (root, root / STAGING_DIRNAME):
+        if base.is_symlink() or not base.is_dir():
+            continue
+        for entry in sorted(base.iterdir()):
+            if entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+                continue
+            try:
+                head = _read_chain(entry)[-1]
+            except (DistillError, OSError):
+                continue
+            if head.plan_sha256 != plan_sha256:
+                found.append(str(entry.relative_to(root)))
+    return found
 
 
 # ------------------------------------------------------------ bytes per token

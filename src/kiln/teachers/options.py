@@ -168,12 +168,17 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
         if not tok.startswith("--") or tok == "--":
             raise OptionError(f"{tok!r}: extra vLLM options must be single '--key=value' tokens (no positional or short forms)")
         key, has_value, value = tok[2:].partition("=")
-        if not _NAME_RE.match(key):
+        if not _NAME_RE.fullmatch(key):
             raise OptionError(f"{tok!r}: option names are lowercase letters, digits, '-' and '_'")
         name = key.replace("_", "-")
-        if name in seen:
-            raise OptionError(f"--{name} is given twice")
-        seen.add(name)
+        # --x and --no-x set one option: both, or either twice, is ambiguous.
+        option = name[3:] if name.startswith("no-") else name
+        if option in seen:
+            raise OptionError(
+                f"--{name}: --{option} is given more than once (or with its --no- form); each option is one "
+                "unambiguous token"
+            )
+        seen.add(option)
         # The reviewed allowlist decides first: a reviewed option is never refused for a
         # word in its name (--kv-cache-dtype takes a dtype, not a cache path).
         if name in TRANSPORT_SWITCHES or name in INFERENCE_SWITCHES:
@@ -259,6 +264,21 @@ SECRET_ENV_TOKENS = frozenset({"TOKEN", "KEY", "SECRET", "PASSWORD"})
 TRANSPORT_ENV = frozenset({"VLLM_HOST_IP", "VLLM_PORT"})
 CACHE_ROOT_ENV = "VLLM_CACHE_ROOT"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Switches that open vLLM's mutable or control surfaces, so weights or engine state
+# could change under an unchanged fingerprint (the spec: "disables mutable model
+# surfaces"). VLLM_SERVER_DEV_MODE mounts /collective_rpc, /sleep, /wake_up, the
+# cache-reset and weight-update routes; VLLM_ALLOW_INSECURE_SERIALIZATION lets the
+# engine's message channel unpickle arbitrary objects; the profiler switches mount
+# /start_profile and /stop_profile (VLLM_TORCH_PROFILER_DIR, which does too, is refused
+# as a path). Each is refused unless unset or exactly "0".
+MUTATING_ENV = {
+    "VLLM_SERVER_DEV_MODE": "mounts /collective_rpc, /sleep, /wake_up and the weight-update routes",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "lets the engine unpickle arbitrary objects (code execution, weight changes)",
+    "VLLM_TORCH_CUDA_PROFILE": "mounts the /start_profile and /stop_profile control routes",
+}
+# Name tokens of a vLLM switch this table does not know yet but that names a
+# development, insecure or profiling mode: refused too (fail closed).
+MUTATING_ENV_TOKENS = frozenset({"DEV", "INSECURE", "PROFILE", "PROFILER", "PROFILING"})
 FORCED_ENV = {
     RUNTIME_LORA_ENV: "0",
     "PYTHONDONTWRITEBYTECODE": "1",
@@ -282,7 +302,7 @@ def _is_path_value(value: str) -> bool:
 
 
 def check_environment(env: Mapping[str, str]) -> None:
-    """Refuse shadow-code, path-naming, runtime-LoRA, resolver and plugin variables."""
+    """Refuse shadow-code, path-naming, runtime-LoRA, mutable-surface, resolver and plugin variables."""
     for name in sorted(env):
         upper = name.upper()
         tokens = set(upper.split("_"))
@@ -310,6 +330,12 @@ def check_environment(env: Mapping[str, str]) -> None:
                 f"{name} names a file, path, folder, directory, module, plugin, library, executable, home, root or "
                 "cache; unset it (its content could not be bound into the identity)"
             )
+        if upper in MUTATING_ENV or (upper.startswith("VLLM_") and tokens & MUTATING_ENV_TOKENS):
+            if env[name] != "0":
+                why = MUTATING_ENV.get(upper, "names a development, insecure or profiling mode of vLLM")
+                raise OptionError(
+                    f"{name} is set: it {why}, a mutable surface the teacher identity cannot cover; unset it"
+                )
         if _is_path_value(env[name]):
             raise OptionError(
                 f"{name} is set to a filesystem path; unset it (a path string cannot bind the content it names)"

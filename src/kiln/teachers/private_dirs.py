@@ -168,7 +168,7 @@ def recover_stale(parent: Path) -> StaleReport:
     removed, kept = [], []
     try:
         for entry in sorted(os.scandir(fd), key=lambda e: e.name):
-            m = STALE_CHILD_RE.match(entry.name)
+            m = STALE_CHILD_RE.fullmatch(entry.name)
             if not m:
                 continue
             if _pid_alive(int(m.group("pid"))):
