@@ -108,6 +108,8 @@ class TrainingSettings(_Section):
 class AdapterSettings(_Section):
     dir: str | None = None  # default: $KILN_HOME/adapters
     max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)
+    # the server default adapter at start-up, NAME or NAME@REVISION (docs/adapters.md); empty: keep the saved one
+    default: str = Field("", max_length=200, pattern=r"^([A-Za-z0-9._-]+(@[0-9a-f]{64})?)?$")
 
 
 class EvalSettings(_Section):

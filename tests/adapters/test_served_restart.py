@@ -56,3 +56,56 @@ def test_served_adapters_come_back_pinned_and_broken_ones_are_reported(builtin_m
     finally:
         stop_server(srv)
     assert json.loads(served.read_text())["adapters"] == {}  # the restore's outcome, then the unload, recorded
+
+
+def _chat_revision(srv, model: str) -> str:
+    r = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return r.headers["x-kiln-adapter-revision"]
+
+
+def test_default_adapter_serves_base_requests_pinned_and_survives_restart(builtin_model_dir, make_lora, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kiln = Path(sys.executable).with_name("kiln")
+    home = tmp_path / "home"
+    args = ["--threads", "1", "--no-training"]
+    srv = start_server(builtin_model_dir, home, extra_args=args, env_extra={}, config=None, log_dir=tmp_path)
+    base = srv.model_id
+    try:
+        assert httpx.get(f"{srv.base_url}/v1/adapters/default").json() == {"default": None}
+        assert _chat_revision(srv, base) == "base"
+        rev = _upload(srv, "house", make_lora(seed=51, scale=0.2), tmp_path)
+        out = subprocess.run([str(kiln), "adapters", "default", "house", "--url", srv.base_url],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and rev in out.stdout, out.stdout + out.stderr  # loaded it, pinned HEAD
+        assert _chat_revision(srv, base) == rev  # requests naming the base get the default
+        assert _chat_revision(srv, base + "@base") == "base"  # ... unless they ask for the bare base
+        assert httpx.get(f"{srv.base_url}/health").json()["default_adapter"]["revision"] == rev
+        newer = _upload(srv, "house", make_lora(seed=52, scale=0.2), tmp_path)
+        assert httpx.post(f"{srv.base_url}/v1/adapters/house/load", timeout=60).status_code == 200
+        d = httpx.get(f"{srv.base_url}/v1/adapters/default").json()["default"]
+        assert d == {"name": "house", "revision": rev, "serving": False, "served_revision": newer}
+        assert _chat_revision(srv, base) == "base"  # a swap never moves the default silently
+        r = httpx.put(f"{srv.base_url}/v1/adapters/default", json={"name": "house"}, timeout=60)
+        assert r.status_code == 200 and r.json()["default"]["revision"] == newer
+        bad = httpx.put(f"{srv.base_url}/v1/adapters/default", json={"name": "nope"}, timeout=60)
+        assert bad.status_code == 404
+    finally:
+        stop_server(srv)
+    srv = start_server(builtin_model_dir, home, extra_args=args, env_extra={}, config=None, log_dir=tmp_path)
+    try:
+        assert _chat_revision(srv, base) == newer  # the default came back with its pinned revision
+        assert httpx.delete(f"{srv.base_url}/v1/adapters/default").json() == {"default": None}
+        assert _chat_revision(srv, base) == "base"
+    finally:
+        stop_server(srv)
+    env = {"KILN_ADAPTERS_DEFAULT": f"house@{rev}"}  # the operator's start-up default, an older revision
+    srv = start_server(builtin_model_dir, home, extra_args=args, env_extra=env, config=None, log_dir=tmp_path)
+    try:
+        assert _chat_revision(srv, base) == rev
+    finally:
+        stop_server(srv)

@@ -59,3 +59,25 @@ def delete(name: str, url: str = UrlOpt) -> None:
     """Delete NAME and all its stored revisions (refused while it is being served)."""
     body = request("DELETE", f"{url}/v1/adapters/{name}")
     typer.echo(f"deleted {name} (revision {body['revision']})")
+
+
+@app.command()
+def default(name: str = typer.Argument(None, help="adapter to serve to requests naming the base model"),
+            revision: str = typer.Option(None, help="a retained revision (default: the adapter's HEAD)"),
+            clear: bool = typer.Option(False, "--clear", help="base-model requests get the bare base again"),
+            url: str = UrlOpt) -> None:
+    """Show, set (NAME) or clear (--clear) the server default adapter, pinned to one revision."""
+    if clear and name:
+        raise typer.BadParameter("give NAME or --clear, not both")
+    if clear:
+        body = request("DELETE", f"{url}/v1/adapters/default")
+    elif name:
+        body = request("PUT", f"{url}/v1/adapters/default", json={"name": name, "revision": revision})
+    else:
+        body = request("GET", f"{url}/v1/adapters/default")
+    d = body["default"]
+    if d is None:
+        typer.echo("no default adapter: requests naming the base model get the base")
+    else:
+        state = "serving" if d["serving"] else f"NOT serving (the name serves {str(d['served_revision'])[:12]})"
+        typer.echo(f"default adapter {d['name']} revision {d['revision']} ({state})")

@@ -1,4 +1,5 @@
-"""The served set: which adapters (name -> revision) a server was serving, kept across restarts.
+"""The served set: which adapters (name -> revision) a server was serving, and its default adapter,
+kept across restarts.
 
 ``<adapter store>/.served.json`` (0600, written atomically after every change) holds the public
 adapters the engine serves, each pinned to the revision it served. ``kiln serve`` loads them
@@ -33,11 +34,16 @@ class ServedSet:
     def __init__(self, store_root: Path, *, public: Callable[[str], bool] = lambda name: True):
         self.path = Path(store_root) / SERVED_FILE
         self._public = public  # names worth restoring (not an eval's private load)
+        self.saved_default: tuple[str, str] | None = None  # the default the last load() read
+
+    default: tuple[str, str] | None = None  # the server default adapter (name, pinned revision), saved with the set
 
     def save(self, active: Mapping[str, str]) -> None:
         entries = {n: r for n, r in sorted(active.items()) if self._public(n)}
-        atomic_write_bytes(self.path, canonical_json_bytes({"schema": SERVED_SCHEMA, "adapters": entries}) + b"\n",
-                           mode=0o600)
+        doc: dict = {"schema": SERVED_SCHEMA, "adapters": entries}
+        if self.default is not None:
+            doc["default"] = {"name": self.default[0], "revision": self.default[1]}
+        atomic_write_bytes(self.path, canonical_json_bytes(doc) + b"\n", mode=0o600)
 
     def load(self) -> dict[str, str]:
         """The saved set; ``{}`` when there is none. A file that is not a valid set is logged and ignored."""
@@ -56,9 +62,16 @@ class ServedSet:
             if not isinstance(entries, dict) or len(entries) > MAX_SERVED or not all(
                     is_valid_name(n) and is_lower_hex64(r) for n, r in entries.items()):
                 raise ValueError("not a kiln-served-adapters-v1 document")
+            default = doc.get("default")
+            if default is not None:
+                if not (isinstance(default, dict) and set(default) == {"name", "revision"}
+                        and is_valid_name(default["name"]) and is_lower_hex64(default["revision"])):
+                    raise ValueError("its default is not {name, revision}")
+                default = (default["name"], default["revision"])
         except (ValueError, KeyError) as exc:
             log.warning("served adapter set %s is invalid (%s); starting with none", self.path, exc)
             return {}
+        self.saved_default = default
         return dict(entries)
 
     def restore(self, store, engine, base_model_sha256: str) -> list[dict[str, str]]:
@@ -67,6 +80,7 @@ class ServedSet:
         set's ``save`` as its change hook, so a partial restore never rewrites the file midway; then
         :meth:`save` the set actually served."""
         failed: list[dict[str, str]] = []
+        self.saved_default = None
         for name, revision in self.load().items():
             try:
                 record = store.verify(name, revision)

@@ -21,6 +21,7 @@ from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterTooLarge
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHARS, MAX_LORA_RANK, check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
+from kiln.serving import default_adapter
 
 router = APIRouter(tags=["adapters"])
 
@@ -99,6 +100,32 @@ def list_adapters(request: Request) -> dict[str, Any]:
     records = _store(request).list()
     active = _active(request)
     return {"object": "list", "data": [_describe(r, active) for r in records]}
+
+
+class DefaultAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="a stored adapter")
+    revision: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="a retained revision; default: HEAD")
+
+
+# Registered before /v1/adapters/{name}: an adapter named "default" is reached through the list.
+@router.get("/v1/adapters/default")
+def get_default_adapter(request: Request) -> dict[str, Any]:
+    """The server default adapter: what requests naming the base model are served with."""
+    return default_adapter.describe(_state(request))
+
+
+@router.put("/v1/adapters/default")
+def put_default_adapter(body: DefaultAdapterRequest, request: Request) -> dict[str, Any]:
+    """Serve ``name`` (loading it if needed) to requests naming the base model, pinned to its revision."""
+    return default_adapter.set_default(_state(request), body.name, body.revision)
+
+
+@router.delete("/v1/adapters/default")
+def delete_default_adapter(request: Request) -> dict[str, Any]:
+    """Requests naming the base model get the bare base again."""
+    return default_adapter.clear_default(_state(request))
 
 
 @router.get("/v1/adapters/{name}")

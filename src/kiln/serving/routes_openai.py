@@ -33,6 +33,7 @@ from starlette.types import Receive
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER as ADAPTER_HEADER
 from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavailable
 from kiln.runtime.constrained import GrammarCompiler, GrammarTooComplex
+from kiln.serving.default_adapter import BARE_BASE_SUFFIX, adapter_for_base
 from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.submission import Admission
 from kiln.runtime.sampling import SamplingParams, TokenChoice
@@ -72,8 +73,11 @@ def _state(request: Request) -> KilnState:
 
 
 def _resolve_model(state, model: str) -> str | None:
-    """``None`` for the base model, else the adapter name; unknown -> 404."""
+    """``None`` for the bare base model, else the adapter name; unknown -> 404. The base model's ID
+    gets the server default adapter while it serves its pinned revision; ``<base>@base`` never does."""
     if model == state.model_id:
+        return adapter_for_base(state)
+    if model == state.model_id + BARE_BASE_SUFFIX:
         return None
     if model in state.engine.active_adapters():
         return model
@@ -81,7 +85,7 @@ def _resolve_model(state, model: str) -> str | None:
 
 
 def _unknown_model(state, message: str) -> NotFound:
-    known = [state.model_id, *state.engine.active_adapters()]
+    known = [state.model_id, state.model_id + BARE_BASE_SUFFIX, *state.engine.active_adapters()]
     return NotFound(message, code="model_not_found", param="model",
                     hint=f"use one of {known} (GET /v1/models lists them)")
 

@@ -10,6 +10,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from kiln.serving import default_adapter
 
 router = APIRouter()
 
@@ -71,6 +72,7 @@ async def health(request: Request) -> JSONResponse:
         "adapters": engine.active_adapters(),
         # served before the last restart but not restored (deleted, no longer verifying, another base): why
         "adapters_not_restored": state.adapters_not_restored,
+        "default_adapter": default_adapter.describe(state)["default"],  # requests naming the base model get it
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
         "memory": _memory(state),

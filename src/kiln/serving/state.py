@@ -117,9 +117,26 @@ def restore_served(state: KilnState) -> None:
     revision), then record every later change of the served set (blocking: run it off the loop)."""
     if state.served is None:
         return
-    state.adapters_not_restored = state.served.restore(state.store, state.engine, state.model.base_model_sha256)
-    state.engine.on_adapters_changed = state.served.save
-    state.served.save(state.engine.active_adapters())
+    served = state.served
+    state.adapters_not_restored = served.restore(state.store, state.engine, state.model.base_model_sha256)
+    state.engine.on_adapters_changed = served.save
+    configured = state.settings.adapters.default
+    if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
+        from kiln.serving.default_adapter import parse_setting, set_default
+
+        try:
+            set_default(state, *parse_setting(configured))
+        except Exception as exc:
+            raise RuntimeError(f"adapters.default = {configured!r} cannot be served: "
+                               f"{getattr(exc, 'message', None) or exc}") from exc
+    elif served.saved_default is not None and state.engine.active_adapters().get(served.saved_default[0]) \
+            == served.saved_default[1]:
+        served.default = served.saved_default  # restored with its pinned revision
+    elif served.saved_default is not None:
+        name, revision = served.saved_default
+        state.adapters_not_restored.append({"name": name, "revision": revision,
+                                            "error": "the default adapter's revision is not served; default cleared"})
+    served.save(state.engine.active_adapters())
 
 
 def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):
