@@ -134,6 +134,9 @@ class ServingSettings(_Section):
     """``[serving]``: which engine runs the model (docs/scale.md, "Serving with vLLM")."""
 
     engine: Literal["builtin", "vllm"] = "builtin"  # vllm: a supervised vLLM subprocess ([vllm])
+    # stable: serving only (training, OpenEnv training runs and adapter merges refused, training off);
+    # experimental: everything (docs/serving.md, "Serving profiles")
+    profile: Literal["experimental", "stable"] = "experimental"
     # how tool calls are read from the model's text (as vLLM's --tool-call-parser): "auto" picks by the
     # chat template's family; a name picks that parser (kiln.serving.tool_parsers; checked at start-up)
     tool_call_parser: str = Field("auto", min_length=1, max_length=64)
@@ -407,6 +410,12 @@ def load_settings(
             src = sources.get(dotted, "default")
             problems.append(f"{dotted} (from {src}): {err['msg']}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None
+    if settings.serving.profile == "stable" and settings.training.enabled:
+        if "training.enabled" in sources:
+            raise ConfigError(f"serving.profile = stable refuses training, but training.enabled = true (from "
+                              f"{sources['training.enabled']}); drop one of them")
+        settings = settings.model_copy(update={"training": settings.training.model_copy(update={"enabled": False})})
+        sources["training.enabled"] = "serving.profile"
     if settings.teachers.credentials:  # the secrets' variables must be usable now (read again per request)
         from kiln.teachers.credentials import validate_credentials
 

@@ -48,6 +48,9 @@ def serve(
     request_timeout_s: Optional[float] = typer.Option(None, help="per-request limit [server.request_timeout_s]"),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error [server.log_level]"),
     training: Optional[bool] = typer.Option(None, "--training/--no-training", help="[training.enabled]"),
+    profile: Optional[str] = typer.Option(
+        None, "--profile", help="experimental (everything) | stable (serving only: no training, no merges) "
+                                "[serving.profile]"),
     home: Optional[str] = typer.Option(None, help="Kiln home directory [home] (default $KILN_HOME, ~/.cache/kiln)"),
     engine: Optional[str] = typer.Option(None, "--engine", help="builtin | vllm (a vLLM subprocess) [serving.engine]"),
     tool_call_parser: Optional[str] = typer.Option(
@@ -63,6 +66,7 @@ def serve(
         "server.request_timeout_s": request_timeout_s,
         "server.log_level": log_level,
         "model.path": model,
+        "serving.profile": profile,
         "model.served_model_id": served_model_id,
         "model.device": device,
         "model.dtype": dtype,

@@ -85,6 +85,21 @@ def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
     }
 
 
+def _eval_docs() -> dict[tuple[str, str], RouteDoc]:
+    """``/v1/evals/*``: 404 an unknown suite, dataset, run or adapter; 409 a state conflict (a suite that
+    exists, a run still going); 413 a suite or import over its limits; 503 the eval worker is down."""
+    docs = {("post", f"/v1/evals/{kind}"): RouteDoc(None, (400, 404, 409, 413, 503), status=202)
+            for kind in ("runs", "comparisons", "replays", "gate")}
+    for path in ("/v1/evals/suites", "/v1/evals/suites/import"):
+        docs[("post", path)] = RouteDoc(None, (400, 404, 409, 413, 503), status=201)
+    for method, path in (("get", "/v1/evals/suites"), ("get", "/v1/evals/runs")):
+        docs[(method, path)] = RouteDoc(None, (503,))
+    for method, path in (("get", "/v1/evals/suites/{name}"), ("delete", "/v1/evals/suites/{name}"),
+                         ("get", "/v1/evals/runs/{run_id}"), ("delete", "/v1/evals/runs/{run_id}")):
+        docs[(method, path)] = RouteDoc(None, (404, 409, 503))
+    return docs
+
+
 ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
                                                stream_event=p.ChatCompletionChunk),
@@ -116,9 +131,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/train/kd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     **_teacher_docs(),
     **_openenv_docs(),
-    # evals: 404 an unknown stored suite, run or adapter; 409 a state conflict; 503 the worker is down
-    **{("post", f"/v1/evals/{kind}"): RouteDoc(None, (400, 404, 409, 503), status=202)
-       for kind in ("runs", "comparisons", "replays", "gate")},
+    **_eval_docs(),
 }
 
 

@@ -552,6 +552,8 @@ class SettingValue(_Response):
 
 
 class EffectiveLimits(_Response):
+    profile: str = Field(description="serving.profile in force: experimental (everything) or stable (serving only)")
+    training_enabled: bool = Field(description="whether training jobs are admitted (stable turns training off)")
     max_model_len: int = Field(description="prompt + output token limit in force: min(limits.max_model_len, "
                                            "the model's max_position_embeddings)")
     model_max_position_embeddings: int | None = Field(description="the model's own limit from config.json, if any")

@@ -22,6 +22,7 @@ from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHA
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
 from kiln.serving import default_adapter
+from kiln.serving.state import require_experimental
 
 router = APIRouter(tags=["adapters"])
 
@@ -251,6 +252,7 @@ async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
 def merge_adapters(body: MergeRequest, request: Request) -> dict[str, Any]:
     """Merge stored adapters (linear average, TIES, or rank concatenation) into a new adapter."""
     state = _state(request)
+    require_experimental(state, "an adapter merge")
     record = publish_merge(
         _store(request),
         name=check_name(body.name),

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kiln.openenv.schemas import ARTIFACT_SHA256_HEADER, OpenEnvPreflight, OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
-from kiln.serving.state import KilnState
+from kiln.serving.state import KilnState, get_state, require_experimental
 
 router = APIRouter(tags=["openenv"])
 ARTIFACT_CHUNK = 1 << 16
@@ -39,6 +39,7 @@ def _public(request: Request, body: Any) -> Any:
 @router.post("/v1/openenv/runs", status_code=202, response_model=OpenEnvRun)
 def start_run(body: OpenEnvRunRequest, request: Request) -> dict[str, Any]:
     """Preflight the GRPO fields, then queue a run: episodes on the environment, then a GRPO job."""
+    require_experimental(get_state(request), "an OpenEnv run")
     return _public(request, _service(request).submit(body))
 
 
@@ -64,6 +65,7 @@ def cancel_run(run_id: str, request: Request) -> dict[str, Any]:
 def preflight(body: OpenEnvRunRequest, request: Request) -> dict[str, Any]:
     """Materialise and validate the run's effective GRPO config and inspect the environment (discovery only):
     no episode is played, nothing is persisted, no capacity is reserved."""
+    require_experimental(get_state(request), "an OpenEnv run")
     return _public(request, _service(request).inspect(body))
 
 

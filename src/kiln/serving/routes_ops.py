@@ -94,6 +94,8 @@ async def config(request: Request) -> JSONResponse:
         "settings": loaded.effective(),
         # What the server actually enforces where it differs from a setting (e.g. the model's own length cap).
         "effective": {
+            "profile": state.settings.serving.profile,  # stable: serving only (docs/serving.md)
+            "training_enabled": state.trainer is not None,
             "max_model_len": state.engine.config.max_model_len,
             "model_max_position_embeddings": state.model.max_model_len,
         },

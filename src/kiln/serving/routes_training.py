@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from kiln.errors import NotFound, Unavailable
 from kiln.serving.protocol import TrainingJob, TrainingStatus
-from kiln.serving.state import get_state
+from kiln.serving.state import get_state, require_experimental
 from kiln.training.kd_schemas import KDRequest
 from kiln.training.opd_schemas import OPDRequest
 from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
@@ -27,7 +27,9 @@ router = APIRouter(tags=["training"])
 
 
 def _trainer(request: Request) -> TrainingService:
-    trainer = get_state(request).trainer
+    state = get_state(request)
+    require_experimental(state, "training")
+    trainer = state.trainer
     if trainer is None:
         raise Unavailable("training is not enabled on this server", code="training_disabled", hint="start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
     return trainer

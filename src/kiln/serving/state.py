@@ -68,6 +68,16 @@ class KilnState:
         return self.model.model_id
 
 
+def require_experimental(state: KilnState, what: str) -> None:
+    """Refuse ``what`` (403 ``stable_profile``) on a server whose ``serving.profile`` is ``stable``."""
+    if state.settings.serving.profile == "stable":
+        from kiln.errors import Forbidden
+
+        raise Forbidden(f"{what} is refused by this server's serving profile (serving.profile = stable)",
+                        code="stable_profile", hint="run training and experimental features on a server started "
+                                                    "with serving.profile = experimental (the default)")
+
+
 def get_state(request: Request) -> KilnState:
     """The app's :class:`KilnState` (``request.app.state.kiln``), typed."""
     state: KilnState = request.app.state.kiln
