@@ -14,6 +14,14 @@ blocks its positions of this step need (the scheduler allocates them). KV lives 
 ``len(blocks) * block_size`` positions wide, masked to its length. Every tensor is
 created on the model's device. The caller holds shared accelerator ownership and
 inference mode.
+
+Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run
+transformers' forward with the paged cache wrapped in a
+:class:`~kiln.runtime.linear_state.LinearStepState` (each row also has a ``state_slot``):
+decode steps batch every row as usual; prompt chunks are batched by equal length and by
+whether they start a row's state (one forward per group, no padding: the recurrence would
+run over padding), and the packed forward, the lean forward and the compiled decode are
+not used.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY
 from kiln.runtime.lean_forward import lean_forward_for
+from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
 # A packed forward's attention spans every row's keys: tokens x rows x kv_len scores, each costing
@@ -45,9 +54,12 @@ def bucket(n: int, cap: int) -> int:
 class Batches:
     def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int, *, compile_decode: bool = False,
                  max_rows: int = 1, max_blocks: int = 1, model: Any = None, lean: bool = True,
-                 packed_weights: bool = False, paged_attention: Any = None):
+                 packed_weights: bool = False, paged_attention: Any = None, states: LinearStatePool | None = None):
         self.kv = kv
         self.adapters = adapters
+        self.states = states
+        if states is not None:  # those paths implement attention layers only
+            lean = compile_decode = False
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
         # used for batches whose rows all run without an adapter (kiln.runtime.lean_forward)
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
@@ -69,8 +81,22 @@ class Batches:
         if self.lean is not None and all(k == BASE_KEY for k in keys):
             return self.lean(ids, pos, mask, cache, keep)
         extra = {"adapter_names": list(keys)} if self.adapters.wrapped else {}
-        return self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                                           use_cache=True, logits_to_keep=keep, **extra).logits
+        if self.states is not None:  # per layer type; chunks are never padded (see Batches.prefill)
+            mask = {"full_attention": mask, "linear_attention": None}
+        logits = self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                             past_key_values=cache, use_cache=True, logits_to_keep=keep,
+                                             **extra).logits
+        if self.states is not None:
+            cache.commit()
+        return logits
+
+    def _step(self, rows: list[Any], table: torch.Tensor, wb: torch.Tensor | None, wo: torch.Tensor | None,
+              **kw: Any) -> Any:
+        """The step cache of one forward over ``rows``: paged KV, plus the rows' linear state for a hybrid."""
+        cache = self.kv.step(table, wb, wo, **kw)
+        if self.states is None:
+            return cache
+        return self.states.step(cache, [r.state_slot for r in rows], fresh=rows[0].prefilled == 0)
 
     def _where(self, table: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of cache position ``pos`` of table row ``row``."""
@@ -87,8 +113,8 @@ class Batches:
         """One packed forward if every row uses the same adapter and the attention stays small
         (in place, each token reads only its own row's positions: always small enough)."""
         rows = decoding + [r for r, _ in chunks]
-        if len({r.adapter_key for r in rows}) != 1:
-            return False  # PEFT picks adapters per batch row; a packed batch has one row
+        if self.states is not None or len({r.adapter_key for r in rows}) != 1:
+            return False  # a hybrid's recurrence runs per row; PEFT picks adapters per batch row
         if self._in_place(rows) is not None:
             return True
         tokens = len(decoding) + sum(c for _, c in chunks)
@@ -184,20 +210,43 @@ class Batches:
         else:
             wb, wo = self._where(table, row, pos)
             mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-            cache = self.kv.step(table, wb[:, None], wo[:, None])
+            cache = self._step(rows, table, wb[:, None], wo[:, None])
         logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)
         for r in rows:
             r.pos += 1
         return logits[:, -1]
 
     def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
-        """Next prompt chunk of each row, right-padded into one forward.
+        """Next prompt chunk of each row, right-padded into one forward (a hybrid's: one forward per
+        group of equal chunk length and freshness, see the module docstring).
 
         Default: logits ``[m, vocab]`` at the last prompt token of the ``m`` rows whose
-        prefill completes in this chunk (in that order), and those rows. ``all_logits``:
+        prefill completes in this chunk, and those rows (in the same order). ``all_logits``:
         logits ``[rows, width, vocab]`` for every chunk position (row ``i``'s first
         ``c_i`` are real), and all the rows.
         """
+        if self.states is None:
+            return self._prefill(chunks, all_logits)
+        groups: dict[tuple[int, bool], list[Chunk]] = {}
+        for r, c in chunks:
+            groups.setdefault((c, r.prefilled == 0), []).append((r, c))
+        if len(groups) == 1:
+            return self._prefill(chunks, all_logits)
+        results = [self._prefill(g, all_logits) for g in groups.values()]
+        if not all_logits:
+            parts = [(lg, rows) for lg, rows in results if lg is not None]
+            if not parts:
+                return None, []
+            return torch.cat([lg for lg, _ in parts]), [r for _, rows in parts for r in rows]
+        first = results[0][0]
+        out = first.new_zeros((len(chunks), max(c for _, c in chunks), first.shape[-1]))
+        at = {id(r): i for i, (r, _) in enumerate(chunks)}
+        for lg, rows in results:
+            index = torch.tensor([at[id(r)] for r in rows], device=out.device)
+            out[index, :lg.shape[1]] = lg
+        return out, [r for r, _ in chunks]
+
+    def _prefill(self, chunks: list[Chunk], all_logits: bool) -> tuple[torch.Tensor | None, list[Any]]:
         dev = self.device
         rows = [r for r, _ in chunks]
         width = max(c for _, c in chunks)
@@ -215,7 +264,7 @@ class Batches:
         for i, (r, c) in enumerate(chunks):
             ids[i, :c] = torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev)
         mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
-        cache = self.kv.step(table, wb, wo)
+        cache = self._step(rows, table, wb, wo)
         logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache,
                                0 if all_logits else (lens - 1)[:, None])
         completing_idx = []
