@@ -86,3 +86,8 @@ def describe(model: Any, raw_config: dict[str, Any]) -> ModelFamily:
         linear_layers=linear,
         attention_layers=len(types) - linear,
     )
+
+
+def is_hybrid(config: Any) -> bool:
+    """Whether a model config has linear-attention layers (a per-sequence recurrence)."""
+    return LINEAR_ATTENTION in layer_types(config)
