@@ -243,3 +243,25 @@ def test_cancel_mid_stream_frees_rows_and_state_slots(server):
     assert during["linear_state"]["slots_used"] >= 1  # the row held its slot while streaming
     h = wait_idle(server)
     assert h["active_rows"] == 0 and h["linear_state"]["slots_used"] == 0
+
+
+def test_server_prompt_logprobs_equal_one_full_forward(server, hybrid):
+    """Scoring rows are prefilled in chunks too (different lengths side by side, so in per-length
+    groups): every position's logprob equals one unchunked transformers forward's."""
+    batch = [p for p in prompts(hybrid.model.config.vocab_size) if len(p) > CHUNK][:3]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": server.model_id, "prompt": p, "max_tokens": 0, "prompt_logprobs": 1}) for p in batch))
+
+    for prompt, r in zip(batch, asyncio.run(main())):
+        assert r.status_code == 200, r.text
+        rows = r.json()["choices"][0]["prompt_logprobs"]
+        with torch.no_grad():
+            want = torch.log_softmax(hybrid.model(torch.tensor([prompt])).logits[0].float(), -1)
+        assert rows[0] is None and len(rows) == len(prompt)
+        got = torch.tensor([rows[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i > 0])
+        torch.testing.assert_close(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])],
+                                   atol=1e-4, rtol=0)
+    assert wait_idle(server)["active_rows"] == 0
