@@ -10,11 +10,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def hybrid_text_kwargs(vocab_size: int, eos: int, pad: int) -> dict:
-    """3 linear-attention layers, then 1 full-attention layer (Qwen3.5's 3:1 pattern), grouped heads on both."""
-    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    """Linear-attention and full-attention layers 2:1, twice (a full-attention layer before linear ones:
+    its output at padded positions is not zero), grouped heads on both."""
+    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=4096,
+                layer_types=["linear_attention"] * 2 + ["full_attention"] + ["linear_attention"] * 2
+                + ["full_attention"], max_position_embeddings=4096,
                 initializer_range=0.1, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False)
 
 

@@ -82,7 +82,7 @@ def wait_released(engine: Engine) -> dict:
 
 def test_both_layouts_load_as_the_language_model(hybrid, builtin_model_dir, tmp_path):
     assert hybrid.family.kind == "hybrid" and hybrid.family.language_model_only is False
-    assert (hybrid.family.linear_layers, hybrid.family.attention_layers) == (3, 1)
+    assert (hybrid.family.linear_layers, hybrid.family.attention_layers) == (4, 2)
     mm = load_model(build_tiny_hybrid(tmp_path / "mm", builtin_model_dir, multimodal=True), device="cpu")
     assert mm.family.architecture == "Qwen3_5ForConditionalGeneration"
     assert mm.family.loaded_class == "Qwen3_5ForCausalLM" and mm.family.language_model_only is True
@@ -193,7 +193,7 @@ def test_server_reports_the_family_and_the_effective_prefix_cache(server):
     assert h["model_family"]["kind"] == "hybrid" and h["model_family"]["architecture"] == "Qwen3_5ForCausalLM"
     assert h["linear_state"]["slots_used"] == 0 and h["linear_state"]["slots_total"] > 0
     cards = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
-    assert cards[0]["model_family"]["linear_attention_layers"] == 3
+    assert cards[0]["model_family"]["linear_attention_layers"] == 4
     eff = httpx.get(f"{server.base_url}/v1/config", timeout=10).json()["effective"]
     assert eff["prefix_cache"] == {"requested": True, "effective": False}
 

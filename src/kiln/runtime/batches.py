@@ -18,10 +18,11 @@ inference mode.
 Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run
 transformers' forward with the paged cache wrapped in a
 :class:`~kiln.runtime.linear_state.LinearStepState` (each row also has a ``state_slot``):
-decode steps batch every row as usual; prompt chunks are batched by equal length and by
-whether they start a row's state (one forward per group, no padding: the recurrence would
-run over padding), and the packed forward, the lean forward and the compiled decode are
-not used.
+decode steps batch every row as usual; the chunks that start a row's state go left-padded
+into one forward (the linear layers zero the padding's inputs, and zero inputs before an
+empty state leave it empty), the others one forward per chunk length (the recurrence would
+run over padding after a state); the packed forward, the lean forward and the compiled
+decode are not used.
 """
 
 from __future__ import annotations
@@ -76,13 +77,15 @@ class Batches:
         self.compiled_shapes: set[tuple[int, int]] = set()
 
     def _forward(self, keys: Sequence[str], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any,
-                 keep: int | torch.Tensor) -> torch.Tensor:
-        """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``)."""
+                 keep: int | torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``).
+        ``padding``: a hybrid's left-padded fresh chunks, ``[rows, width]`` 1 for real tokens (the linear
+        layers zero the others' inputs)."""
         if self.lean is not None and all(k == BASE_KEY for k in keys):
             return self.lean(ids, pos, mask, cache, keep)
         extra = {"adapter_names": list(keys)} if self.adapters.wrapped else {}
-        if self.states is not None:  # per layer type; chunks are never padded (see Batches.prefill)
-            mask = {"full_attention": mask, "linear_attention": None}
+        if self.states is not None:  # per layer type (see Batches.prefill)
+            mask = {"full_attention": mask, "linear_attention": padding}
         logits = self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                              past_key_values=cache, use_cache=True, logits_to_keep=keep,
                                              **extra).logits
@@ -217,8 +220,9 @@ class Batches:
         return logits[:, -1]
 
     def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
-        """Next prompt chunk of each row, right-padded into one forward (a hybrid's: one forward per
-        group of equal chunk length and freshness, see the module docstring).
+        """Next prompt chunk of each row, right-padded into one forward. A hybrid's chunks that start a
+        row's state go left-padded into one forward (padding before an empty state leaves it empty:
+        the linear layers see zero inputs there); the others, one forward per chunk length.
 
         Default: logits ``[m, vocab]`` at the last prompt token of the ``m`` rows whose
         prefill completes in this chunk, and those rows (in the same order). ``all_logits``:
@@ -228,11 +232,12 @@ class Batches:
         if self.states is None:
             return self._prefill(chunks, all_logits)
         groups: dict[tuple[int, bool], list[Chunk]] = {}
-        for r, c in chunks:
-            groups.setdefault((c, r.prefilled == 0), []).append((r, c))
-        if len(groups) == 1:
-            return self._prefill(chunks, all_logits)
-        results = [self._prefill(g, all_logits) for g in groups.values()]
+        for r, c in chunks:  # scoring (all_logits) keeps every chunk right-aligned: grouped by length too
+            fresh = r.prefilled == 0
+            groups.setdefault((0 if fresh and not all_logits else c, fresh), []).append((r, c))
+        results = [self._prefill(g, all_logits, left=fresh and not all_logits) for (_, fresh), g in groups.items()]
+        if len(results) == 1:
+            return results[0]
         if not all_logits:
             parts = [(lg, rows) for lg, rows in results if lg is not None]
             if not parts:
@@ -246,15 +251,18 @@ class Batches:
             out[index, :lg.shape[1]] = lg
         return out, [r for r, _ in chunks]
 
-    def _prefill(self, chunks: list[Chunk], all_logits: bool) -> tuple[torch.Tensor | None, list[Any]]:
+    def _prefill(self, chunks: list[Chunk], all_logits: bool, *, left: bool = False
+                 ) -> tuple[torch.Tensor | None, list[Any]]:
+        """One forward over ``chunks``, right-padded (``left``: left-padded, the last column real in every row)."""
         dev = self.device
         rows = [r for r, _ in chunks]
         width = max(c for _, c in chunks)
         starts = torch.tensor([r.prefilled for r in rows], device=dev)
         lens = torch.tensor([c for _, c in chunks], device=dev)
         col = torch.arange(width, device=dev)[None, :]
-        qpos = starts[:, None] + torch.minimum(col, lens[:, None] - 1)
-        real = col < lens[:, None]
+        at = col - (width - lens[:, None]) if left else col  # each column's index in its row's chunk
+        qpos = starts[:, None] + at.clamp(min=0).minimum(lens[:, None] - 1)
+        real = (at >= 0) & (at < lens[:, None])
         table = self.kv.table([r.blocks for r in rows])
         kv_len = table.shape[1] * self.kv.block_size
         wb, wo = self._where(table, torch.arange(len(rows), device=dev)[:, None], qpos)
@@ -262,11 +270,13 @@ class Batches:
         wo = torch.where(real, wo, torch.zeros_like(wo))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
         for i, (r, c) in enumerate(chunks):
-            ids[i, :c] = torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev)
+            (ids[i, width - c:] if left else ids[i, :c]).copy_(
+                torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev))
         mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
         cache = self._step(rows, table, wb, wo)
-        logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache,
-                               0 if all_logits else (lens - 1)[:, None])
+        keep = 0 if all_logits else 1 if left else (lens - 1)[:, None]
+        padding = real.long() if left and width > int(lens.min()) else None
+        logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache, keep, padding)
         completing_idx = []
         for i, (r, c) in enumerate(chunks):
             r.prefilled += c

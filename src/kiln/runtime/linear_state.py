@@ -18,10 +18,11 @@ then reports no previous state, exactly as transformers' own cache does before t
 prefill, so a prompt split over several cycles runs the same operations as
 ``generate``'s prefill followed by its decode steps.
 
-transformers' layer runs the whole chunk through the recurrence, so a right-padded
-chunk would run the decay over its padding too: the batch builder therefore groups
-prompt chunks by length (:meth:`kiln.runtime.batches.Batches.prefill`), and a hybrid
-never uses the packed (one-sequence) forward.
+transformers' layer runs the whole chunk through the recurrence, so padding after a
+state would decay it: the batch builder left-pads only chunks that start a row's state
+(zeroed inputs before an empty state leave it empty) and batches the others by length
+(:meth:`kiln.runtime.batches.Batches.prefill`); a hybrid never uses the packed
+(one-sequence) forward.
 """
 
 from __future__ import annotations
