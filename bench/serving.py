@@ -77,6 +77,17 @@ SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed doe
                       num_key_value_heads=8, head_dim=64, vocab_size=8192, max_position_embeddings=1024),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096),
+    # Qwen3.5 hybrids (Qwen3_5TextConfig): 3 Gated DeltaNet layers to 1 full-attention layer
+    "qwen3.5-hybrid-25m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, vocab_size=8192,
+                               max_position_embeddings=1024),
+    "qwen3.5-0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, vocab_size=248320,
+                         max_position_embeddings=4096),
 }
 
 
@@ -84,7 +95,8 @@ SHAPE_MARKER = "kiln-bench-shape-v3"  # models built before it streamed mostly t
 
 
 def build_shape_model(shape: str, home: Path) -> Path:
-    """A Qwen3 model of ``SHAPES[shape]`` with the built-in tokenizer and random weights (cached).
+    """A Qwen3 model (a Qwen3.5 hybrid when the shape has ``layer_types``) of ``SHAPES[shape]`` with
+    the built-in tokenizer and random weights (cached).
 
     The embedding rows (tied to the LM head) of IDs without text of their own are zero: the IDs
     beyond the built-in tokenizer (the shape's vocabulary is larger), special tokens, and byte
@@ -98,7 +110,7 @@ def build_shape_model(shape: str, home: Path) -> Path:
     import shutil
 
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.runtime.builtin import ensure_builtin_model
 
@@ -106,10 +118,13 @@ def build_shape_model(shape: str, home: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(builtin)
     dims = dict(SHAPES[shape])
     dims["vocab_size"] = max(dims["vocab_size"], len(tok))
-    cfg = Qwen3Config(**dims, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    hybrid = "layer_types" in dims
+    config_cls, model_cls = (Qwen3_5TextConfig, Qwen3_5ForCausalLM) if hybrid else (Qwen3Config, Qwen3ForCausalLM)
+    rope = {} if hybrid else {"rope_theta": 1_000_000.0}  # hybrids: Qwen3_5TextConfig's own (partial) RoPE
+    cfg = config_cls(**dims, **rope, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
+    model = model_cls(cfg)
     textless = [i for i in range(len(tok))
                 if not tok.decode([i], skip_special_tokens=True) or "\ufffd" in tok.decode([i])]
     with torch.no_grad():
@@ -696,7 +711,8 @@ def structured_runs(model_dir: Path, workdir: Path, env: dict, kiln_cmd: list[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the built-in model, built if missing)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="build and use a Qwen3 shape with random weights")
+    ap.add_argument("--shape", choices=sorted(SHAPES),
+                    help="build and use a Qwen3 (or Qwen3.5 hybrid) shape with random weights")
     ap.add_argument("--prefix-only", action="store_true", help="only the prefix-cache TTFT run")
     ap.add_argument("--structured-only", action="store_true",
                     help="only the structured-output run (JSON schema vs unconstrained, mask cost per token)")

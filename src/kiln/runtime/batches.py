@@ -14,6 +14,15 @@ blocks its positions of this step need (the scheduler allocates them). KV lives 
 ``len(blocks) * block_size`` positions wide, masked to its length. Every tensor is
 created on the model's device. The caller holds shared accelerator ownership and
 inference mode.
+
+Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run
+transformers' forward with the paged cache wrapped in a
+:class:`~kiln.runtime.linear_state.LinearStepState` (each row also has a ``state_slot``):
+decode steps batch every row as usual; the chunks that start a row's state go left-padded
+into one forward (the linear layers zero the padding's inputs, and zero inputs before an
+empty state leave it empty), the others one forward per chunk length (the recurrence would
+run over padding after a state); the packed forward, the lean forward and the compiled
+decode are not used.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY
 from kiln.runtime.lean_forward import lean_forward_for
+from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
 # A packed forward's attention spans every row's keys: tokens x rows x kv_len scores, each costing
@@ -45,9 +55,12 @@ def bucket(n: int, cap: int) -> int:
 class Batches:
     def __init__(self, kv: BlockPool, adapters: Any, device: Any, pad_id: int, *, compile_decode: bool = False,
                  max_rows: int = 1, max_blocks: int = 1, model: Any = None, lean: bool = True,
-                 packed_weights: bool = False, paged_attention: Any = None):
+                 packed_weights: bool = False, paged_attention: Any = None, states: LinearStatePool | None = None):
         self.kv = kv
         self.adapters = adapters
+        self.states = states
+        if states is not None:  # those paths implement attention layers only
+            lean = compile_decode = False
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
         # used for batches whose rows all run without an adapter (kiln.runtime.lean_forward)
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
@@ -64,13 +77,29 @@ class Batches:
         self.compiled_shapes: set[tuple[int, int]] = set()
 
     def _forward(self, keys: Sequence[str], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any,
-                 keep: int | torch.Tensor) -> torch.Tensor:
-        """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``)."""
+                 keep: int | torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``).
+        ``padding``: a hybrid's left-padded fresh chunks, ``[rows, width]`` 1 for real tokens (the linear
+        layers zero the others' inputs)."""
         if self.lean is not None and all(k == BASE_KEY for k in keys):
             return self.lean(ids, pos, mask, cache, keep)
         extra = {"adapter_names": list(keys)} if self.adapters.wrapped else {}
-        return self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                                           use_cache=True, logits_to_keep=keep, **extra).logits
+        if self.states is not None:  # per layer type (see Batches.prefill)
+            mask = {"full_attention": mask, "linear_attention": padding}
+        logits = self.adapters.forward_model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                             past_key_values=cache, use_cache=True, logits_to_keep=keep,
+                                             **extra).logits
+        if self.states is not None:
+            cache.commit()
+        return logits
+
+    def _step(self, rows: list[Any], table: torch.Tensor, wb: torch.Tensor | None, wo: torch.Tensor | None,
+              **kw: Any) -> Any:
+        """The step cache of one forward over ``rows``: paged KV, plus the rows' linear state for a hybrid."""
+        cache = self.kv.step(table, wb, wo, **kw)
+        if self.states is None:
+            return cache
+        return self.states.step(cache, [r.state_slot for r in rows], fresh=rows[0].prefilled == 0)
 
     def _where(self, table: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of cache position ``pos`` of table row ``row``."""
@@ -87,8 +116,8 @@ class Batches:
         """One packed forward if every row uses the same adapter and the attention stays small
         (in place, each token reads only its own row's positions: always small enough)."""
         rows = decoding + [r for r, _ in chunks]
-        if len({r.adapter_key for r in rows}) != 1:
-            return False  # PEFT picks adapters per batch row; a packed batch has one row
+        if self.states is not None or len({r.adapter_key for r in rows}) != 1:
+            return False  # a hybrid's recurrence runs per row; PEFT picks adapters per batch row
         if self._in_place(rows) is not None:
             return True
         tokens = len(decoding) + sum(c for _, c in chunks)
@@ -184,28 +213,56 @@ class Batches:
         else:
             wb, wo = self._where(table, row, pos)
             mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-            cache = self.kv.step(table, wb[:, None], wo[:, None])
+            cache = self._step(rows, table, wb[:, None], wo[:, None])
         logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)
         for r in rows:
             r.pos += 1
         return logits[:, -1]
 
     def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
-        """Next prompt chunk of each row, right-padded into one forward.
+        """Next prompt chunk of each row, right-padded into one forward. A hybrid's chunks that start a
+        row's state go left-padded into one forward (padding before an empty state leaves it empty:
+        the linear layers see zero inputs there); the others, one forward per chunk length.
 
         Default: logits ``[m, vocab]`` at the last prompt token of the ``m`` rows whose
-        prefill completes in this chunk (in that order), and those rows. ``all_logits``:
+        prefill completes in this chunk, and those rows (in the same order). ``all_logits``:
         logits ``[rows, width, vocab]`` for every chunk position (row ``i``'s first
         ``c_i`` are real), and all the rows.
         """
+        if self.states is None:
+            return self._prefill(chunks, all_logits)
+        groups: dict[tuple[int, bool], list[Chunk]] = {}
+        for r, c in chunks:  # scoring (all_logits) keeps every chunk right-aligned: grouped by length too
+            fresh = r.prefilled == 0
+            groups.setdefault((0 if fresh and not all_logits else c, fresh), []).append((r, c))
+        results = [self._prefill(g, all_logits, left=fresh and not all_logits) for (_, fresh), g in groups.items()]
+        if len(results) == 1:
+            return results[0]
+        if not all_logits:
+            parts = [(lg, rows) for lg, rows in results if lg is not None]
+            if not parts:
+                return None, []
+            return torch.cat([lg for lg, _ in parts]), [r for _, rows in parts for r in rows]
+        first = results[0][0]
+        out = first.new_zeros((len(chunks), max(c for _, c in chunks), first.shape[-1]))
+        at = {id(r): i for i, (r, _) in enumerate(chunks)}
+        for lg, rows in results:
+            index = torch.tensor([at[id(r)] for r in rows], device=out.device)
+            out[index, :lg.shape[1]] = lg
+        return out, [r for r, _ in chunks]
+
+    def _prefill(self, chunks: list[Chunk], all_logits: bool, *, left: bool = False
+                 ) -> tuple[torch.Tensor | None, list[Any]]:
+        """One forward over ``chunks``, right-padded (``left``: left-padded, the last column real in every row)."""
         dev = self.device
         rows = [r for r, _ in chunks]
         width = max(c for _, c in chunks)
         starts = torch.tensor([r.prefilled for r in rows], device=dev)
         lens = torch.tensor([c for _, c in chunks], device=dev)
         col = torch.arange(width, device=dev)[None, :]
-        qpos = starts[:, None] + torch.minimum(col, lens[:, None] - 1)
-        real = col < lens[:, None]
+        at = col - (width - lens[:, None]) if left else col  # each column's index in its row's chunk
+        qpos = starts[:, None] + at.clamp(min=0).minimum(lens[:, None] - 1)
+        real = (at >= 0) & (at < lens[:, None])
         table = self.kv.table([r.blocks for r in rows])
         kv_len = table.shape[1] * self.kv.block_size
         wb, wo = self._where(table, torch.arange(len(rows), device=dev)[:, None], qpos)
@@ -213,11 +270,13 @@ class Batches:
         wo = torch.where(real, wo, torch.zeros_like(wo))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long, device=dev)
         for i, (r, c) in enumerate(chunks):
-            ids[i, :c] = torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev)
+            (ids[i, width - c:] if left else ids[i, :c]).copy_(
+                torch.tensor(r.tokens[r.prefilled : r.prefilled + c], device=dev))
         mask = (torch.arange(kv_len, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
-        cache = self.kv.step(table, wb, wo)
-        logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache,
-                               0 if all_logits else (lens - 1)[:, None])
+        cache = self._step(rows, table, wb, wo)
+        keep = 0 if all_logits else 1 if left else (lens - 1)[:, None]
+        padding = real.long() if left and width > int(lens.min()) else None
+        logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache, keep, padding)
         completing_idx = []
         for i, (r, c) in enumerate(chunks):
             r.prefilled += c

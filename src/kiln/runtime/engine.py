@@ -30,6 +30,8 @@ from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
 from kiln.runtime import paged_attention
+from kiln.runtime.linear_state import LinearStatePool, linear_layers
+from kiln.runtime.loader import ModelLoadError
 from kiln.runtime.memory import memory_total_bytes
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
@@ -90,10 +92,12 @@ def prompt_macs_per_token(model: Any) -> int:
     return max(0, total)
 
 
-def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any = "cpu") -> int:
+def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any = "cpu",
+                   reserved_bytes: int = 0) -> int:
     """Blocks in the KV pool (the scratch block included): ``kv_budget_bytes`` worth, or
-    ``kv_budget_fraction`` of the memory (RAM, or the CUDA device's), or by default enough for
-    ``max_running_rows`` rows of ``max_model_len`` (on CPU only touched blocks take memory).
+    ``kv_budget_fraction`` of the memory (RAM, or the CUDA device's), less ``reserved_bytes`` (a
+    hybrid's linear-state slots), or by default enough for ``max_running_rows`` rows of
+    ``max_model_len`` (on CPU only touched blocks take memory).
     A budget too small for one block is a :class:`ConfigError` naming its key."""
     per_block = block_bytes(shape, cfg.kv_block_size, dtype)
     if cfg.kv_budget_bytes and cfg.kv_budget_fraction:
@@ -107,10 +111,24 @@ def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, dev
         budget, key = cfg.kv_budget_bytes, "batching.kv_budget_bytes"
     else:
         return cfg.max_running_rows * -(-cfg.max_model_len // cfg.kv_block_size) + 1
+    budget -= reserved_bytes
     if budget < per_block:
-        raise ConfigError(f"{key} gives a KV budget of {budget} bytes, less than one KV block of "
-                          f"{cfg.kv_block_size} tokens ({per_block} bytes for this model); raise it")
+        raise ConfigError(f"{key} gives a KV budget of {budget} bytes (after {reserved_bytes} bytes of "
+                          f"linear-attention state), less than one KV block of {cfg.kv_block_size} tokens "
+                          f"({per_block} bytes for this model); raise it")
     return budget // per_block + 1
+
+
+class _ProbeRow:
+    """The fields the batch builders read of a row (kiln.runtime.batches), for :meth:`Engine._probe`."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self.blocks: list[int] = []
+        self.prefilled = self.pos = 0
+        self.generated: list[int] = []
+        self.adapter_key = BASE_KEY
+        self.state_slot: int | None = -1
 
 
 class Engine:
@@ -138,15 +156,58 @@ class Engine:
         dtype = next(self.model.parameters()).dtype
         cfg = self.config
         shape = cache_shape(self.model.config)
-        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device),
-                       cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
+        linear = linear_layers(self.model)
+        # a hybrid's rows each hold a linear-state slot (kiln.runtime.linear_state); its prefix cache is off:
+        # reusing attention blocks alone would skip the recurrent state at the prefix end
+        states = LinearStatePool(linear, cfg.max_running_rows, device=self.device, dtype=dtype) if linear else None
+        self.states = states
+        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device, states.nbytes() if states else 0),
+                       cfg.kv_block_size, device=self.device, dtype=dtype,
+                       prefix_cache=cfg.prefix_cache and states is None)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
                           model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
-                          paged_attention=self._paged_attention(dtype))
+                          paged_attention=self._paged_attention(dtype), states=states)
+        self._probe(batches)
         self._scheduler = Scheduler(cfg, kv, batches, self.adapters, self.ownership, self.observer, self.device,
                                     macs_per_token=prompt_macs_per_token(self.model))
+
+    @property
+    def prefix_cache(self) -> dict[str, bool]:
+        """``batching.prefix_cache`` as configured, and whether the engine uses it (never for a hybrid)."""
+        return {"requested": self.config.prefix_cache, "effective": self._kv.prefix_cache}
+
+    @property
+    def family(self) -> dict[str, Any] | None:
+        """The model family (kiln.runtime.model_family) when the loader recorded it."""
+        family = getattr(self.loaded, "family", None)
+        return family.as_dict() if family is not None else None
+
+    def _probe(self, batches: Batches) -> None:
+        """A two-cycle prompt (2 tokens, then 1 carried over) through the engine's own forward, so a
+        model the engine cannot run is refused at start-up, naming its architecture, instead of
+        failing the first request."""
+        kv, states = self._kv, self.states
+        row = _ProbeRow([self.tokens.pad_id] * 3)
+        try:
+            for _ in range(kv.blocks_for(3)):
+                row.blocks.append(kv.allocate())
+            row.state_slot = states.allocate() if states is not None else -1
+            with torch.inference_mode():
+                batches.prefill([(row, 2)])
+                logits, _ = batches.prefill([(row, 1)])
+            if logits is None or logits.shape[-1] < 1:
+                raise RuntimeError("the probe forward returned no logits")
+        except Exception as exc:
+            arch = self.family["architecture"] if self.family else type(self.model).__name__
+            raise ModelLoadError(f"Kiln's engine cannot run architecture {arch}: a probe forward failed "
+                                 f"({type(exc).__name__}: {exc})") from exc
+        finally:
+            kv.release([b for b in row.blocks if b is not None])
+            if row.state_slot is not None and row.state_slot >= 0:
+                states.release(row.state_slot)
+            kv.release_workspace()
 
     def _paged_attention(self, dtype: torch.dtype) -> Any:
         """The in-place attention kernel when configured and applicable (CPU, float32), else None."""

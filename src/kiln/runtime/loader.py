@@ -62,6 +62,7 @@ class LoadedModel:
     device: str
     dtype: str
     extra: dict[str, Any] = field(default_factory=dict)
+    family: Any = None  # kiln.runtime.model_family.ModelFamily (None for models not loaded by load_model)
 
     @property
     def base_model_sha256(self) -> str:
@@ -180,9 +181,13 @@ def load_model(
     model_id: str | None = None,
     info: ModelDirInfo | None = None,
 ) -> LoadedModel:
-    """Verify then load a model directory with transformers (safetensors only)."""
+    """Verify then load a model directory with transformers (safetensors only). A multimodal
+    checkpoint whose language model transformers can load alone (Qwen3.5's) loads as that; a model
+    the engine cannot run is refused here, naming its architecture (kiln.runtime.model_family)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kiln.runtime.model_family import describe
 
     info = info or inspect_model_dir(spec)
     dev = resolve_device(device)
@@ -202,7 +207,10 @@ def load_model(
             dtype=getattr(torch, dt),
         )
     except Exception as exc:
-        raise ModelLoadError(f"cannot load weights from {info.path}: {exc}") from exc
+        archs = info.config.get("architectures") or [info.model_type]
+        raise ModelLoadError(f"cannot load {info.path} (architecture {archs[0]}) as a causal language model: "
+                             f"{exc}") from exc
+    family = describe(model, info.config)
     model.to(dev)
     model.eval()
     if tokenizer.pad_token_id is None:
@@ -214,4 +222,5 @@ def load_model(
         model_id=model_id or info.path.name,
         device=dev,
         dtype=dt,
+        family=family,
     )

@@ -38,6 +38,9 @@ class CacheShape:
     kv_heads: int
     head_dim: int
     query_heads: int = 0  # attention heads of the queries (0: as many as kv_heads)
+    # the model's full-attention layers, in order (None: all ``layers`` of them, layer i stored at i); a
+    # hybrid's linear-attention layers keep no KV (kiln.runtime.linear_state)
+    layer_ids: tuple[int, ...] | None = None
 
     @property
     def query_channels(self) -> int:
@@ -46,14 +49,20 @@ class CacheShape:
 
 
 def cache_shape(config) -> CacheShape:
-    """KV geometry of a Hugging Face decoder config (text config for multimodal ones)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """KV geometry of a Hugging Face decoder config (text config for multimodal ones): blocks for its
+    full-attention layers only."""
+    from kiln.runtime.model_family import FULL_ATTENTION, layer_types, text_config
+
+    cfg = text_config(config)
     heads = cfg.num_attention_heads
+    types = layer_types(cfg)
+    attention = tuple(i for i, t in enumerate(types) if t == FULL_ATTENTION)
     return CacheShape(
-        layers=cfg.num_hidden_layers,
+        layers=len(attention),
         kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         query_heads=heads,
+        layer_ids=None if len(attention) == len(types) else attention,
     )
 
 
@@ -79,6 +88,9 @@ class BlockPool:
         dims = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
         self.keys = [torch.empty(dims, device=device, dtype=dtype) for _ in range(shape.layers)]
         self.values = [torch.empty(dims, device=device, dtype=dtype) for _ in range(shape.layers)]
+        # model layer index -> storage index (identity unless some layers keep no KV)
+        ids = shape.layer_ids if shape.layer_ids is not None else range(shape.layers)
+        self.kv_layer = {layer: i for i, layer in enumerate(ids)}
         self._zero(SCRATCH)
         self._free: list[int] = list(range(1, num_blocks))  # a heap: lowest id first
         self._fresh = [True] * num_blocks  # never handed out yet (contents undefined)
@@ -271,11 +283,13 @@ class PagedStepCache:
         ``layer_idx``'s blocks, in one kernel call -> ``[tokens, heads * head_dim]``. ``prepare``:
         the kernel's ``qk_norm``/``rope`` (applied to ``q`` and ``k`` first)."""
         kernel, row_of, pos_of = self.in_place
+        layer_idx = self.pool.kv_layer[layer_idx]
         return kernel.attend(q, self.pool.keys[layer_idx], self.pool.values[layer_idx], self._table, row_of, pos_of,
                              scale, new_keys=k, new_values=v, **prepare)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [batch, kv_heads, q_len, head_dim]
+        layer_idx = self.pool.kv_layer[layer_idx]
         kc, vc = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         kc[self._wb, self._wo] = key_states.transpose(1, 2).to(kc.dtype)
         vc[self._wb, self._wo] = value_states.transpose(1, 2).to(vc.dtype)

@@ -30,8 +30,13 @@ they land between two cycles. Nothing that needs exclusive ownership runs inside
 the shared section: retiring an adapter whose last row ended there is deferred to
 :meth:`~kiln.runtime.adapter_slots.AdapterSlots.reap`, between cycles.
 
-A row is *active* from admission until its cleanup (blocks released, adapter reference
-dropped, final event delivered) is done; ``stats()["active_rows"]`` counts exactly
+A hybrid model's row also owns a linear-state slot (:mod:`kiln.runtime.linear_state`)
+from admission until its blocks are released (finish, cancel, preemption, engine stop);
+a waiting row is admitted only while a slot is free. A preempted hybrid row recomputes
+its state from scratch, as its KV.
+
+A row is *active* from admission until its cleanup (blocks released, linear-state slot
+and adapter reference dropped, final event delivered) is done; ``stats()["active_rows"]`` counts exactly
 that, so a zero means nothing is held. Cancellation is settled by the actor at
 the next cycle boundary. A failure while sampling one row ends that row alone
 (finish reason ``error``); only a failure of the forward itself fails the engine.
@@ -128,7 +133,7 @@ class Row:
     __slots__ = (
         "stream", "prompt", "params", "gen", "adapter_key", "prefilled", "pos", "generated",
         "text", "cancelled", "t_submit", "t_last", "eos_ids", "tokens", "blocks", "seq", "t_wait",
-        "cache_uid", "registered", "cache_key",
+        "cache_uid", "registered", "cache_key", "state_slot",
     )
 
     def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
@@ -142,6 +147,7 @@ class Row:
         self.cache_key = cache_key or adapter_key
         self.tokens = prompt  # what prefill feeds: the prompt, plus the output so far after a preemption
         self.blocks: list[int] = []  # block table
+        self.state_slot = -1  # linear-state slot of a hybrid model's row while it runs (-1: none)
         self.seq = 0  # admission order (kept across preemptions): younger rows are preempted first
         self.t_wait = 0.0  # when it (re)entered the queue
         self.cache_uid = 0  # prefix-cache uid of its last published block
@@ -169,7 +175,7 @@ class ScoreRow:
 
     scoring = True
     __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
-                 "rows", "cancelled")
+                 "rows", "cancelled", "state_slot")
 
     def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future):
         self.prompt = prompt
@@ -178,6 +184,7 @@ class ScoreRow:
         self.adapter_key = adapter_key
         self.future = future
         self.blocks: list[int] = []
+        self.state_slot = -1
         self.seq = 0
         self.t_wait = 0.0
         self.prefilled = 0
@@ -305,6 +312,7 @@ class Scheduler:
                 "queue_oldest_wait_s": round(now - min(starts), 3) if starts else 0.0,
                 "preemptions": self.preemptions,
                 **self.kv.stats(),
+                **(self.batches.states.stats() if self.batches.states is not None else {}),
                 "failed": self._failed,
                 "busy_s": None if busy is None else round(busy, 3),
                 "step_cost": self.step_cost.snapshot(),
@@ -470,10 +478,13 @@ class Scheduler:
             row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, len(row.tokens) - 1)
             row.registered = len(row.blocks)
         need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
-        if need > kv.available() and self._running():
-            kv.release(row.blocks)  # wait for memory; rows running now will free theirs
+        states = self.batches.states
+        slot = None if need > kv.available() and self._running() else states.allocate() if states else -1
+        if slot is None:
+            kv.release(row.blocks)  # wait for memory (or a linear-state slot); rows running now will free theirs
             row.blocks = []
             return False
+        row.state_slot = slot
         if not row.seq:
             self._seq += 1
             row.seq = self._seq
@@ -505,6 +516,9 @@ class Scheduler:
             self._decoding.remove(row)
         self.kv.release(row.blocks)
         row.blocks = []
+        if row.state_slot >= 0:
+            self.batches.states.release(row.state_slot)
+            row.state_slot = -1
 
     def _preempt(self, row: Row | ScoreRow) -> None:
         """Back to the head of the queue (in admission order), its blocks released; recomputed later."""

@@ -434,6 +434,9 @@ class ModelCard(_Response):
     base_model_sha256: str
     revision: str | None = None
     permission: list[ModelPermission] = Field(default_factory=list)
+    # Kiln: kind (attention | hybrid), architecture, loaded_class, language_model_only (a multimodal
+    # checkpoint of which only the language model is served), linear/full attention layer counts
+    model_family: dict[str, Any] | None = None
 
 
 class ModelList(_Response):
@@ -544,6 +547,8 @@ class HealthResponse(_Response):
     training_attached: bool
     memory: dict[str, int]
     vllm: dict[str, Any] | None = None  # serving.engine = "vllm": state, pid, snapshot, fingerprint, rank decision
+    model_family: dict[str, Any] | None = None  # as in /v1/models (kiln.runtime.model_family)
+    linear_state: dict[str, int] | None = None  # hybrid models: slots_total, slots_used, bytes (per-row GDN state)
 
 
 class SettingValue(_Response):
@@ -557,6 +562,8 @@ class EffectiveLimits(_Response):
     max_model_len: int = Field(description="prompt + output token limit in force: min(limits.max_model_len, "
                                            "the model's max_position_embeddings)")
     model_max_position_embeddings: int | None = Field(description="the model's own limit from config.json, if any")
+    prefix_cache: dict[str, bool] | None = Field(None, description="batching.prefix_cache requested and effective "
+                                                 "(hybrid models run without prefix reuse)")
 
 
 class ConfigResponse(_Response):

@@ -596,8 +596,10 @@ async def list_models(request: Request) -> ModelList:
     def perm(model_id: str) -> list[ModelPermission]:
         return [ModelPermission(id=f"modelperm-{model_id}", created=created)]
 
+    family = getattr(state.model, "family", None)
     cards = [ModelCard(id=state.model_id, created=created, root=state.model_id, max_model_len=limit,
-                       base_model_sha256=state.model.base_model_sha256, permission=perm(state.model_id))]
+                       base_model_sha256=state.model.base_model_sha256, permission=perm(state.model_id),
+                       model_family=family.as_dict() if family is not None else None)]
     for name, rev in state.engine.active_adapters().items():
         cards.append(ModelCard(id=name, created=created, root=name, parent=state.model_id, max_model_len=limit,
                                base_model_sha256=state.model.base_model_sha256, revision=rev, permission=perm(name)))

@@ -36,6 +36,11 @@ def _memory(state) -> dict:
     return out
 
 
+def _family(state) -> dict | None:
+    family = getattr(state.model, "family", None)
+    return family.as_dict() if family is not None else None
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = request.app.state.kiln
@@ -50,6 +55,8 @@ async def health(request: Request) -> JSONResponse:
         **({"vllm": engine.describe()} if hasattr(engine, "describe") else {}),
         "device": state.model.device,
         "dtype": state.model.dtype,
+        # kind (attention | hybrid), architecture, and whether only a multimodal checkpoint's language model runs
+        "model_family": _family(state),
         "uptime_s": round(time.time() - state.started_at, 3),
         "queued_rows": stats["queued_rows"],
         "active_rows": stats["active_rows"],
@@ -62,6 +69,10 @@ async def health(request: Request) -> JSONResponse:
                                                                 "kv_blocks_cached", "kv_blocks_free") if k in stats}
         | {"block_size": stats.get("kv_block_size", 0), "preemptions": stats.get("preemptions", 0),
            "prefix_hit_blocks": stats.get("prefix_cache_hit_blocks", 0)},
+        # a hybrid's per-row Gated DeltaNet state slots (None for all-attention models)
+        "linear_state": {k[len("linear_state_"):]: stats[k] for k in ("linear_state_slots_total",
+                                                                      "linear_state_slots_used", "linear_state_bytes")}
+        if "linear_state_slots_total" in stats else None,
         "engine_error": why,
         "engine_busy_s": stats.get("busy_s"),
         "engine_steps": stats["steps"],
@@ -98,6 +109,8 @@ async def config(request: Request) -> JSONResponse:
             "training_enabled": state.trainer is not None,
             "max_model_len": state.engine.config.max_model_len,
             "model_max_position_embeddings": state.model.max_model_len,
+            # batching.prefix_cache as requested and as used (off for hybrid models: docs/serving.md, "Model families")
+            "prefix_cache": getattr(state.engine, "prefix_cache", None),
         },
     })
 

@@ -53,6 +53,9 @@ MAX_STEPS = 1_000_000
 DEFAULT_LEARNING_RATE = 1e-2
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the Gated DeltaNet projections of a Qwen3.5 hybrid (transformers 5.23 names): added to the default
+# targets of a model that has them, so its linear-attention layers are adapted too
+LINEAR_ATTENTION_TARGET_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
 DEFAULT_MIN_STEPS = 20  # when `epochs` is omitted: enough epochs for this many steps...
 DEFAULT_MAX_EPOCHS = 50  # ...but never more than this many epochs
 DEFAULT_SEQ_LEN = 1_024

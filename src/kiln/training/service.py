@@ -46,6 +46,7 @@ from kiln.training.schemas import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_STEPS,
     DEFAULT_TARGET_MODULES,
+    LINEAR_ATTENTION_TARGET_MODULES,
     MAX_EPOCHS,
     ROLLOUT_FIELDS,
     GRPORequest,
@@ -262,7 +263,7 @@ class TrainingService:
             return shape
         rank = request.lora_rank or DEFAULT_LORA_RANK
         alpha = float(request.lora_alpha if request.lora_alpha is not None else 2 * rank)
-        targets = request.lora_target_modules or sorted(DEFAULT_TARGET_MODULES)
+        targets = request.lora_target_modules or default_target_modules(self._linear_names)
         missing = [t for t in targets if t not in self._linear_names]
         if missing:
             raise InvalidRequest(f"the model has no linear modules named {missing}", code="unknown_target_modules", hint=f"choose among {sorted(self._linear_names)}")
@@ -450,6 +451,14 @@ def _changed_fields(old: dict[str, Any], new: dict[str, Any]) -> str:
         return repr(v) if v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) < 80) else "..."
 
     return f" ({', '.join(f'{k}: {show(old.get(k))} -> {show(new.get(k))}' for k in names[:8])})" if names else ""
+
+
+def default_target_modules(linear_names: set[str]) -> list[str]:
+    """The attention projections, plus the Gated DeltaNet ones when the model has those layers."""
+    targets = set(DEFAULT_TARGET_MODULES)
+    if {"in_proj_qkv", "in_proj_z"} <= linear_names:  # a Qwen3.5 hybrid's linear-attention layers
+        targets |= {m for m in LINEAR_ATTENTION_TARGET_MODULES if m in linear_names}
+    return sorted(targets)
 
 
 def _linear_module_suffixes(model: Any) -> set[str]:

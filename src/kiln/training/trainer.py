@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
+from kiln.runtime.model_family import is_hybrid
 from kiln.training.checkpoints import Checkpoint, save_checkpoint
 from kiln.training.chunked_loss import SplitLM, chunk_rows, linear_token_logprobs, sft_loss_from_hidden, split_causal_lm
 from kiln.training.data import Row, batches_per_epoch, collate, collate_packed, epoch_order
@@ -425,7 +426,8 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
     check = plan.until_learned
     split = split_causal_lm(peft_model)  # logits only at the target positions, a chunk at a time
-    packing = plan.packing and split is not None  # packed rows need the trunk's position_ids
+    # packed rows need the trunk's position_ids; a hybrid's recurrence would run across packed rows
+    packing = plan.packing and split is not None and not is_hybrid(peft_model.config)
     runner = TrunkRunner(peft_model, split, gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile)
     if packing:  # kept across a resume, like every stat
         loop.stats.setdefault("packed_sequences", 0)
