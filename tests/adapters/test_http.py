@@ -279,3 +279,27 @@ def test_concurrent_uploads_are_limited(client, server, make_lora, tmp_path):
     assert state.extras["adapter_upload_gate"].active() == set()
     up = client.post("/v1/adapters/slow0/upload", content=_archive(make_lora(seed=61), tmp_path))
     assert up.status_code == 201, up.text
+
+
+def test_a_failed_canary_quarantines_the_revision_until_cleared(client, server, make_lora, tmp_path):
+    """Finite weights so large the forward overflows: the canary fails, the load is refused (400), the
+    revision is marked (reason, time) and refused (409) until an operator clears it; nothing is served."""
+    _url, state = server
+    resp = client.post("/v1/adapters/hot/upload", content=_archive(make_lora(seed=61, scale=1e18), tmp_path),
+                       headers={"content-type": "application/gzip"})
+    assert resp.status_code == 201, resp.text
+    rev = resp.json()["revision"]
+    _error(client.post("/v1/adapters/hot/load"), 400, "adapter_rejected")
+    assert "hot" not in state.engine.active_adapters()
+    marks = client.get("/v1/adapters/hot").json()["quarantined"]
+    assert list(marks) == [rev] and "canary" in marks[rev]["reason"] and marks[rev]["at"].endswith("Z")
+    body = _error(client.post("/v1/adapters/hot/load"), 409, "adapter_quarantined")
+    assert "quarantine/clear" in body["hint"]
+    _error(client.put("/v1/adapters/default", json={"name": "hot"}), 409, "adapter_quarantined")
+    listed = {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}
+    assert list(listed["hot"]["quarantined"]) == [rev]
+    assert client.post("/v1/adapters/hot/quarantine/clear").json() == {"name": "hot", "cleared": [rev]}
+    _error(client.post("/v1/adapters/hot/load"), 400, "adapter_rejected")  # tried again (and marked again)
+    assert list(client.get("/v1/adapters/hot").json()["quarantined"]) == [rev]
+    assert client.post("/v1/adapters/hot/quarantine/clear").status_code == 200
+    assert client.delete("/v1/adapters/hot").status_code == 200

@@ -33,8 +33,10 @@ def list_cmd(url: str = UrlOpt) -> None:
         active = "yes" if a["active"] else ""
         if a["active"] and a["active_revision"] != a["revision"]:
             active = f"yes (older {a['active_revision'][:REVISION_CHARS]})"
+        if a.get("quarantined"):
+            active += f" quarantined: {', '.join(r[:REVISION_CHARS] for r in a['quarantined'])}"
         table.add_row(a["name"], a["revision"][:REVISION_CHARS], a["kind"], a["base_model_sha256"][:REVISION_CHARS],
-                      _size(a["size_bytes"]), a["created"], active)
+                      _size(a["size_bytes"]), a["created"], active.strip())
     Console(width=160).print(table)
     if not data:
         typer.echo("no adapters stored yet (train one with `kiln train sft`)")
@@ -81,3 +83,11 @@ def default(name: str = typer.Argument(None, help="adapter to serve to requests 
     else:
         state = "serving" if d["serving"] else f"NOT serving (the name serves {str(d['served_revision'])[:12]})"
         typer.echo(f"default adapter {d['name']} revision {d['revision']} ({state})")
+
+
+@app.command()
+def unquarantine(name: str, url: str = UrlOpt) -> None:
+    """Lift the quarantine of NAME's revisions whose load or canary failed (after fixing them)."""
+    body = request("POST", f"{url}/v1/adapters/{name}/quarantine/clear")
+    lifted = ", ".join(r[:REVISION_CHARS] for r in body["cleared"]) or "nothing was quarantined"
+    typer.echo(f"{name}: {lifted}")

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from kiln.adapters.manifest import is_valid_name
 from kiln.canonical import atomic_write_bytes, canonical_json_bytes, is_lower_hex64
@@ -74,9 +74,9 @@ class ServedSet:
         self.saved_default = default
         return dict(entries)
 
-    def restore(self, store, engine, base_model_sha256: str) -> list[dict[str, str]]:
-        """Activate every saved adapter at its saved revision (verified against its manifest and the
-        served base); return the entries that could not be, with why. Call before ``engine`` gets this
+    def restore(self, store, activate: Callable[[Any], None], base_model_sha256: str) -> list[dict[str, str]]:
+        """Activate (``activate(record)``) every saved adapter at its saved revision, verified against its
+        manifest and the served base; return the entries that could not be, with why. Call before ``engine`` gets this
         set's ``save`` as its change hook, so a partial restore never rewrites the file midway; then
         :meth:`save` the set actually served."""
         failed: list[dict[str, str]] = []
@@ -87,7 +87,7 @@ class ServedSet:
                 if record.manifest.base_model_sha256 != base_model_sha256:
                     raise ValueError(f"trained on base {record.manifest.base_model_sha256[:12]}, this server serves "
                                      f"{base_model_sha256[:12]}")
-                engine.activate_adapter(name, record.path, revision)
+                activate(record)
             except Exception as exc:  # noqa: BLE001 - any refusal leaves this one out, reported, and goes on
                 reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
                 log.warning("adapter %s@%s was served before the restart but cannot be restored: %s",

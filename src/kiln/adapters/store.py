@@ -46,6 +46,7 @@ from kiln.adapters.manifest import (
     check_name,
     is_valid_name,
     check_revision,
+    utc_now,
 )
 from kiln.adapters.validate import (
     CONFIG_FILE,
@@ -74,6 +75,9 @@ STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 LOCK_FILE = ".lock"
 HEAD_FILE = "HEAD"
+QUARANTINE_FILE = "quarantine.json"  # revisions whose load or canary failed: refused until cleared
+QUARANTINE_SCHEMA = "kiln-adapter-quarantine-v1"
+MAX_QUARANTINE_REASON = 500  # characters kept of the failure
 REVISIONS_DIR = "revisions"
 ADAPTER_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
 DROPPED_FILES = frozenset({"README.md"})  # the model card PEFT writes beside the weights
@@ -403,6 +407,52 @@ class AdapterStore:
             if revision not in (head[0], *head[1]):
                 raise AdapterNotFound(f"adapter {name!r} has no retained revision {revision}")
         return self._load_record(name, revision or head[0])
+
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(self, name: str, revision: str, reason: str) -> None:
+        """Mark ``revision`` of ``name`` quarantined (its load or canary failed): activation refuses it
+        until :meth:`clear_quarantine`. Kept in ``<name>/quarantine.json`` (0600, atomic, under the lock)."""
+        check_name(name)
+        check_revision(revision)
+        with self._locked():
+            marks = self.quarantined(name)
+            marks[revision] = {"reason": reason[:MAX_QUARANTINE_REASON], "at": utc_now()}
+            self._write_quarantine(name, marks)
+
+    def quarantined(self, name: str) -> dict[str, dict[str, str]]:
+        """``{revision: {"reason", "at"}}`` of ``name``'s quarantined revisions (``{}`` when none)."""
+        path = self.root / name / QUARANTINE_FILE
+        try:
+            data = path.read_bytes()[: MAX_HEAD_BYTES * 64 + 1]
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        try:
+            obj = strict_json_loads(data)
+        except CanonicalJSONError:
+            obj = None
+        marks = obj.get("revisions") if isinstance(obj, dict) and obj.get("schema") == QUARANTINE_SCHEMA else None
+        if not isinstance(marks, dict):
+            raise AdapterIntegrityError(f"{path} is corrupt")
+        return marks
+
+    def clear_quarantine(self, name: str, revision: str | None = None) -> list[str]:
+        """Lift the quarantine of ``revision`` (default: every revision of ``name``); returns those lifted."""
+        check_name(name)
+        with self._locked():
+            marks = self.quarantined(name)
+            lifted = [r for r in marks if revision is None or r == revision]
+            for r in lifted:
+                del marks[r]
+            if lifted:
+                self._write_quarantine(name, marks)
+        return lifted
+
+    def _write_quarantine(self, name: str, marks: dict[str, dict[str, str]]) -> None:
+        path = self.root / name / QUARANTINE_FILE
+        if not marks:
+            path.unlink(missing_ok=True)
+            return
+        atomic_write_json(path, {"schema": QUARANTINE_SCHEMA, "revisions": marks}, mode=0o600)
 
     def has(self, name: str) -> bool:
         """Whether ``name`` is a stored adapter with a HEAD (a cheap check: no manifest read)."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.adapters.errors import AdapterConflict
 from kiln.errors import InvalidRequest
+from kiln.serving.activation import activate
 
 BARE_BASE_SUFFIX = "@base"  # "<base model ID>@base": the base without the default adapter
 
@@ -51,7 +52,7 @@ def set_default(state: Any, name: str, revision: str | None = None) -> dict[str,
                               f"server serves {state.model.base_model_sha256}",
                               hint="Set a default trained on this server's base model.")
     if state.engine.active_adapters().get(name) != record.revision:
-        state.engine.activate_adapter(record.name, record.path, record.revision)  # canary-checked
+        activate(state, record)  # canary-checked; refuses (and makes) quarantined revisions
     state.served.default = (record.name, record.revision)
     state.served.save(state.engine.active_adapters())
     return describe(state)

@@ -126,6 +126,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/adapters/merge"): RouteDoc(p.AdapterMerged, (400, 404, 409, 500), status=201),
     ("get", "/v1/adapters/default"): RouteDoc(None, ()),
     ("put", "/v1/adapters/default"): RouteDoc(None, (400, 404, 409, 500, 503)),
+    ("post", "/v1/adapters/{name}/quarantine/clear"): RouteDoc(None, (400, 404, 500)),
     ("delete", "/v1/adapters/default"): RouteDoc(None, ()),
     ("post", "/v1/train/opd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),
     ("post", "/v1/train/kd"): RouteDoc(p.TrainingJob, (400, 404, 409, 503), status=202),

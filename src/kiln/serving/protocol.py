@@ -611,6 +611,7 @@ class AdapterInfo(_Response):
     created: str
     active: bool
     active_revision: str | None
+    quarantined: dict[str, dict[str, str]] = {}  # revision -> {reason, at}: its load or canary failed
 
 
 class AdapterDetail(AdapterInfo):

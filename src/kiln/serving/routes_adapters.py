@@ -22,6 +22,7 @@ from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHA
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
 from kiln.serving import default_adapter
+from kiln.serving.activation import activate
 from kiln.serving.state import require_experimental
 
 router = APIRouter(tags=["adapters"])
@@ -87,11 +88,12 @@ def _active(request: Request) -> dict[str, str]:
     return dict(_state(request).engine.active_adapters())
 
 
-def _describe(record: AdapterRecord, active: dict[str, str]) -> dict[str, Any]:
+def _describe(record: AdapterRecord, active: dict[str, str], store: AdapterStore) -> dict[str, Any]:
     return {
         **record.summary(),
         "active": record.name in active,
         "active_revision": active.get(record.name),
+        "quarantined": store.quarantined(record.name),  # revision -> {reason, at}: refused until cleared
     }
 
 
@@ -100,7 +102,7 @@ def list_adapters(request: Request) -> dict[str, Any]:
     """Every stored adapter at its current revision, with whether (and which revision) is being served."""
     records = _store(request).list()
     active = _active(request)
-    return {"object": "list", "data": [_describe(r, active) for r in records]}
+    return {"object": "list", "data": [_describe(r, active, _store(request)) for r in records]}
 
 
 class DefaultAdapterRequest(BaseModel):
@@ -133,7 +135,7 @@ def delete_default_adapter(request: Request) -> dict[str, Any]:
 def get_adapter(name: str, request: Request) -> dict[str, Any]:
     """One adapter, including its full manifest."""
     record = _store(request).get(name)
-    return {**_describe(record, _active(request)), "manifest": record.manifest.to_dict()}
+    return {**_describe(record, _active(request), _store(request)), "manifest": record.manifest.to_dict()}
 
 
 @router.post("/v1/adapters/{name}/load")
@@ -147,8 +149,14 @@ def load_adapter(name: str, request: Request) -> dict[str, Any]:
             f"serves {state.model.base_model_sha256}",
             hint="Load it on a server running its base model.",
         )
-    state.engine.activate_adapter(record.name, record.path, record.revision)  # AdapterError: 400 adapter_rejected
+    activate(state, record)  # 409 adapter_quarantined; a failed load or canary: 400 adapter_rejected, quarantined
     return {"name": record.name, "revision": record.revision, "active": True}
+
+
+@router.post("/v1/adapters/{name}/quarantine/clear")
+def clear_quarantine(name: str, request: Request) -> dict[str, Any]:
+    """Lift the quarantine of every revision of ``name`` (after fixing what failed); they load again."""
+    return {"name": name, "cleared": _store(request).clear_quarantine(name)}
 
 
 @router.post("/v1/adapters/{name}/unload")
@@ -245,7 +253,7 @@ async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
             record = await run_in_threadpool(_publish_upload, store, name, scratch, state)
         finally:
             await run_in_threadpool(scratch.discard)
-    return _describe(record, _active(request))
+    return _describe(record, _active(request), _store(request))
 
 
 @router.post("/v1/adapters/merge", status_code=201)
@@ -262,4 +270,4 @@ def merge_adapters(body: MergeRequest, request: Request) -> dict[str, Any]:
         density=body.density,
         rank=body.rank,
     )
-    return {**_describe(record, _active(request)), "notes": record.manifest.config.get("notes", [])}
+    return {**_describe(record, _active(request), _store(request)), "notes": record.manifest.config.get("notes", [])}

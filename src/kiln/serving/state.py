@@ -128,7 +128,10 @@ def restore_served(state: KilnState) -> None:
     if state.served is None:
         return
     served = state.served
-    state.adapters_not_restored = served.restore(state.store, state.engine, state.model.base_model_sha256)
+    from kiln.serving.activation import activate
+
+    state.adapters_not_restored = served.restore(state.store, lambda record: activate(state, record),
+                                                 state.model.base_model_sha256)
     state.engine.on_adapters_changed = served.save
     configured = state.settings.adapters.default
     if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
