@@ -33,11 +33,11 @@ class _Section(BaseModel):
 
 
 class ServerSettings(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)
-    request_timeout_s: float = Field(600.0, gt=0, le=86400)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = "127.0.0.1"  # address to bind (loopback by default; see docs/serving.md before binding elsewhere)
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)  # TCP port
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1024**3)  # request body limit (413 above it)
+    request_timeout_s: float = Field(600.0, gt=0, le=86400)  # a generation request's deadline (503 request_timeout)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # server log verbosity
     system_fingerprint: str | None = Field(None, min_length=1, max_length=512)  # default: kiln-<model sha256[:16]>
     # Browser and network exposure (kiln.serving.security). Lists also read "a,b" from the environment.
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides localhost and the bound address
@@ -46,9 +46,9 @@ class ServerSettings(_Section):
     expose_paths: bool = False  # show absolute server paths in responses (off: they are replaced by $KILN_HOME/...)
     # Slow-client bounds (seconds): request head, request body, idle keep-alive, graceful shutdown.
     header_timeout_s: float = Field(10.0, gt=0, le=3600)
-    body_timeout_s: float = Field(60.0, gt=0, le=86400)
-    keep_alive_timeout_s: int = Field(5, ge=1, le=3600)
-    graceful_shutdown_s: int = Field(5, ge=0, le=3600)
+    body_timeout_s: float = Field(60.0, gt=0, le=86400)  # request body read deadline (408)
+    keep_alive_timeout_s: int = Field(5, ge=1, le=3600)  # idle keep-alive connection lifetime
+    graceful_shutdown_s: int = Field(5, ge=0, le=3600)  # time running requests get on SIGTERM
 
     @field_validator("allowed_hosts", "allowed_origins", mode="before")
     @classmethod
@@ -62,16 +62,16 @@ class ModelSettings(_Section):
     path: str | None = None  # None: the built-in model under $KILN_HOME
     served_model_id: str | None = None  # default: the model directory's name
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA that supports it, float32 on CPU
     threads: int = Field(0, ge=0, le=1024)  # 0: every core but one (kiln.runtime.threads)
     prefill_threads: int = Field(0, ge=0, le=1024)  # prompt-only engine cycles; 0: every core when threads = 0
 
 
 class BatchingSettings(_Section):
-    token_budget: int = Field(512, ge=1, le=1_000_000)
-    max_running_rows: int = Field(32, ge=1, le=4096)
-    max_queued_rows: int = Field(256, ge=0, le=1_000_000)
-    prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)
+    token_budget: int = Field(512, ge=1, le=1_000_000)  # tokens (prompt chunks + decoding rows) per scheduling cycle
+    max_running_rows: int = Field(32, ge=1, le=4096)  # rows decoding at once
+    max_queued_rows: int = Field(256, ge=0, le=1_000_000)  # rows waiting for a slot (429 beyond)
+    prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)  # a long prompt is prefilled in chunks of this many tokens
     kv_budget_bytes: int = Field(0, ge=0)  # paged KV pool size; 0: max_running_rows x max_model_len worth
     kv_budget_fraction: float = Field(0.0, ge=0.0, le=0.9)  # or this fraction of RAM (CUDA: device memory)
     kv_block_size: int = Field(16, ge=1, le=4096)  # tokens per KV block
@@ -85,29 +85,29 @@ class BatchingSettings(_Section):
 
 
 class LimitsSettings(_Section):
-    max_model_len: int = Field(2048, ge=8, le=1_048_576)
-    default_max_tokens: int = Field(256, ge=1, le=1_048_576)
-    max_tokens_cap: int = Field(2048, ge=1, le=1_048_576)
-    max_n: int = Field(16, ge=1, le=256)
-    max_messages: int = Field(512, ge=1, le=100_000)
-    max_stop_sequences: int = Field(8, ge=0, le=64)
-    max_logprobs: int = Field(20, ge=0, le=1000)
-    max_prompt_logprobs: int = Field(20, ge=0, le=1000)
+    max_model_len: int = Field(2048, ge=8, le=1_048_576)  # prompt + output tokens (capped by the model's own limit)
+    default_max_tokens: int = Field(256, ge=1, le=1_048_576)  # max_tokens when a request omits it
+    max_tokens_cap: int = Field(2048, ge=1, le=1_048_576)  # largest max_tokens accepted
+    max_n: int = Field(16, ge=1, le=256)  # largest n (choices per request)
+    max_messages: int = Field(512, ge=1, le=100_000)  # messages per chat request (checked before parsing them)
+    max_stop_sequences: int = Field(8, ge=0, le=64)  # stop strings per request
+    max_logprobs: int = Field(20, ge=0, le=1000)  # top logprobs per generated token
+    max_prompt_logprobs: int = Field(20, ge=0, le=1000)  # top logprobs per prompt token (scoring; 0 disables the teacher fingerprint)
     grammar_compile_timeout_s: float = Field(2.0, gt=0.0, le=60.0)  # structured output: compile deadline
     grammar_cache_mib: int = Field(64, ge=0, le=65_536)  # compiled grammars kept (estimated resident MiB)
 
 
 class TrainingSettings(_Section):
-    enabled: bool = True
-    queue_max: int = Field(16, ge=1, le=10_000)
+    enabled: bool = True  # accept training jobs (serving.profile = stable turns this off)
+    queue_max: int = Field(16, ge=1, le=10_000)  # queued + running jobs (429 beyond)
     data_dir: str | None = None  # default: $KILN_HOME/data
-    max_examples: int = Field(10_000, ge=1, le=10_000_000)
+    max_examples: int = Field(10_000, ge=1, le=10_000_000)  # examples one job may read
     compile: bool = False  # torch.compile each SFT job's trunk (docs/training.md: pays only on long jobs)
 
 
 class AdapterSettings(_Section):
     dir: str | None = None  # default: $KILN_HOME/adapters
-    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)
+    max_upload_bytes: int = Field(512 * 1024 * 1024, ge=1024, le=64 * 1024**3)  # largest adapter archive accepted by POST /v1/adapters/{name}/upload
     # the server default adapter at start-up, NAME or NAME@REVISION (docs/adapters.md); empty: keep the saved one
     default: str = Field("", max_length=200, pattern=r"^([A-Za-z0-9._-]+(@[0-9a-f]{64})?)?$")
 
@@ -152,16 +152,16 @@ class VllmSettings(_Section):
     the teacher launcher's KILN_VLLM_SNAPSHOT_ROOT, ...) are not settings and are ignored here."""
 
     python: str | None = None  # the vLLM environment's interpreter; default <source root>/.vllm-venv/bin/python
-    tensor_parallel_size: int = Field(1, ge=1, le=1024)
-    pipeline_parallel_size: int = Field(1, ge=1, le=1024)
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)  # vLLM --tensor-parallel-size
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024)  # vLLM --pipeline-parallel-size
     ray_address: str | None = Field(None, min_length=1, max_length=512)  # set: --distributed-executor-backend=ray
     hosts: tuple[str, ...] = ()  # the hosts the world must span (rank law's selected hosts); default: this host
     max_loras: int = Field(4, ge=0, le=256)  # LoRAs in one batch; 0: vLLM without LoRA (faster, no adapters)
-    max_lora_rank: int = 16
+    max_lora_rank: int = 16  # vLLM --max-lora-rank (one of the ranks vLLM accepts)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the dtype Kiln loaded the model in
     kv_cache_gib: int = Field(1, ge=1, le=4096)  # VLLM_CPU_KVCACHE_SPACE (CPU backend) unless already set
     port: int = Field(0, ge=0, le=65535)  # loopback port of the child; 0: a free one
-    startup_timeout_s: float = Field(600.0, gt=0, le=86400)
+    startup_timeout_s: float = Field(600.0, gt=0, le=86400)  # how long the vLLM child may take to become healthy
     state_dir: str | None = None  # private parent of snapshots, caches and logs; default $KILN_HOME/vllm-engine
     extra_args: tuple[str, ...] = ()  # more vLLM options, each one "--key=value" token Kiln does not own
 
@@ -204,7 +204,7 @@ class TeacherCredential(_Section):
 class TeachersSettings(_Section):
     registry_path: str | None = None  # default: $KILN_HOME/teachers/registry.json
     credentials: dict[str, TeacherCredential] = {}  # [teachers.credentials.<id>] origin, api_key_env
-    request_timeout_s: float = Field(120.0, gt=0, le=3600)
+    request_timeout_s: float = Field(120.0, gt=0, le=3600)  # one request to a remote teacher
 
     @field_validator("credentials")
     @classmethod

@@ -94,3 +94,17 @@ def test_security_defaults_are_closed() -> None:
 def test_api_key_env_must_be_a_variable_name() -> None:
     with pytest.raises(ConfigError, match="server.api_key_env"):
         load_settings(environ={"KILN_SERVER_API_KEY_ENV": "not a name"})
+
+
+def test_configuration_reference_is_generated_and_current():
+    """docs/configuration.md and docs/kiln-config.schema.json come from the settings models: every key
+    listed with its type, default, environment name and a description; stale docs fail here."""
+    from kiln.config import SECTIONS
+    from kiln.config_reference import main, render_markdown
+
+    assert main(["--check"]) == 0, "run: python -m kiln.config_reference"
+    page = render_markdown()
+    for section, cls in SECTIONS.items():
+        for name in cls.model_fields:
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{section}.{name}` |"))
+            assert f"`KILN_{section.upper()}_{name.upper()}`" in row and not row.endswith("|  |"), row
