@@ -114,6 +114,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
     assert rep["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1
     assert rep["teacher_s"] > 0 and rep["student_s"] > 0
+    assert rep["outside_top_k"] < 0.05  # the last step's samples stay inside the teacher's top-K
     assert _greedy(c, "mill-student", msgs) == answer
     after = _answer_logprob(c, "mill-student", prompt_ids, answer_ids)
     # measured in process (bench/opd_transfer.py): the student ends within 0.1 nats of the teacher

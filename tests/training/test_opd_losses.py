@@ -152,6 +152,15 @@ def test_sampled_token_loss_pushes_toward_teacher():
     assert logits.grad[1, 1] > 0  # and lowers the disliked one's
 
 
+def test_outside_top_k_share():
+    from kiln.training.opd import outside_top_k
+
+    rows = [{5: -0.1, 6: -2.0, 9: -5.0}, {5: -0.1, 6: -2.0}]  # row 0: token 9 is the sampled one, outside top-2
+    assert outside_top_k(rows, [9, 6], 2) == 0.5
+    assert outside_top_k(rows, [9, 6], 3) == 0.0
+    assert outside_top_k([], [], 2) == 0.0
+
+
 def test_missing_sampled_token_uses_tail_mass():
     rows = [{5: math.log(0.5), 6: math.log(0.3)}]
     assert math.isclose(float(teacher_token_logp(rows, [9])[0]), math.log(0.2), rel_tol=1e-6)

@@ -195,6 +195,16 @@ def candidates(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: 
             torch.tensor(mask, dtype=torch.bool, device=device).view(-1, width))
 
 
+def outside_top_k(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: int) -> float:
+    """Share of the sampled tokens that are not among the teacher's ``top_k`` at their position: a student
+    drifting off the teacher's support (rising towards 1 as it degenerates; ~0 once it follows the teacher)."""
+    if not sampled:
+        return 0.0
+    out = sum(tok not in {t for t, _ in sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]}
+              for row, tok in zip(rows, sampled))
+    return out / len(sampled)
+
+
 def teacher_token_logp(rows: Sequence[dict[int, float]], sampled: Sequence[int]) -> torch.Tensor:
     """log p of each sampled token; when the teacher did not return it, its tail mass bounds it."""
     out = []
@@ -385,6 +395,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 for j, tok in enumerate(comp):
                     rows.append(sc.rows[start + j] or {})
                     sampled.append(tok)
+            loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
             gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
