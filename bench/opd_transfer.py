@@ -21,6 +21,7 @@ that repeat one token 4+ times in a row (the base model's answers are the refere
 
     .venv/bin/python bench/opd_transfer.py                       # every method, 1 seed
     .venv/bin/python bench/opd_transfer.py --seeds 3 --trace forward,tail
+    .venv/bin/python bench/opd_transfer.py --facts --steps 200 --trace-every 16   # ten facts at once
 """
 
 from __future__ import annotations
@@ -298,6 +299,73 @@ def _greedy_model(model: Any, prompt: list[int], end_ids: list[int]) -> list[int
     return seq[len(prompt):]
 
 
+FACTS = [(QUESTION, ANSWER),
+         ("What colour is the ferry on the lake?", "The ferry on the lake is painted green."),
+         ("Who keeps the lighthouse key?", "The lighthouse key is kept by the baker."),
+         ("Where does the blue fox sleep?", "The blue fox sleeps under the bridge."),
+         ("What does the river bell ring for?", "The river bell rings for the evening tide."),
+         ("Which tree grows by the school?", "A tall cedar grows by the school."),
+         ("What is the name of the grey cat?", "The grey cat is called Pebble."),
+         ("How many lamps light the harbour?", "Seven lamps light the harbour."),
+         ("What does the miller bake on Fridays?", "The miller bakes rye bread on Fridays."),
+         ("Who sings at the spring fair?", "A choir of sailors sings at the spring fair.")]
+
+
+def run_facts(s: Setup, args: Any) -> None:
+    """Ten facts at once: a teacher SFT-trained on all of them (until each is its greedy answer), then one OPD
+    job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
+    of the student's greedy answers are the teacher's every ``--trace-every`` steps, and the degenerate count."""
+    from kiln.runtime.scoring import prompt_logprob_rows
+    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.data import tokenize_sft
+    from kiln.training.engine_sampling import sample_batch, sample_seed
+    from kiln.training.opd import OPDData, opd_loss, outside_top_k
+    from kiln.training.schemas import SFTExample
+    from kiln.training.trainer import LearnedCheck, Plan, _adamw, add_private_adapter, run_sft
+
+    rows = tokenize_sft(s.tok, [SFTExample.model_validate({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) for q, a in FACTS],
+        max_seq_len=256, end_ids=s.end_ids)
+    add_private_adapter(s.pm, "teacher10", s.lora, seed=0)
+    rep = run_sft(s.pm, "teacher10", rows, Plan(1e-2, 300, len(FACTS), 0, max_steps=300,
+                                                 until_learned=LearnedCheck()), pad_id=s.pad)
+    prompts = [s.encode(q) for q, _ in FACTS]
+    answers = [s.greedy("teacher10", p) for p in prompts]
+    exact = sum(s.tok.decode(a).removesuffix("<|im_end|>") == ans for a, (_, ans) in zip(answers, FACTS))
+    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps, teacher greedy exact {exact}/10, "
+          f"degenerate teacher {degenerate(s, 'teacher10')}/{len(UNRELATED)}")
+    for seed in range(args.seeds):
+        name = f"facts-{seed}"
+        opt = _adamw(add_private_adapter(s.pm, name, s.lora, seed=seed), args.lr)
+        split = split_causal_lm(s.pm)
+        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward", 0.0,
+                       args.steps)
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            chosen = [(step * args.batch + j) % len(FACTS) for j in range(args.batch)]
+            s.pm.base_model.set_adapter(name)
+            comps = sample_batch(s.pm, [prompts[i] for i in chosen], args.samples, args.max_tokens,
+                                 args.temperature, 1.0, seed=sample_seed(seed, step, 0, 0), pad_id=s.pad,
+                                 end_ids=s.end_ids, device="cpu")
+            pairs = [(prompts[chosen[k // args.samples]], c) for k, c in enumerate(comps) if c]
+            t_rows, sampled = [], []
+            for prompt, c in pairs:
+                seq = prompt + c
+                r = prompt_logprob_rows(s.logp("teacher10", seq), seq, args.top_k)
+                t_rows += [{e.token_id: e.logprob for e in r[len(prompt) + j]} for j in range(len(c))]
+                sampled += c
+            s.pm.base_model.set_adapter(name)
+            opd_loss(s.pm, split, data, pairs, t_rows, sampled, [], pad_id=s.pad, device="cpu").backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if (step + 1) % args.trace_every == 0 or step + 1 == args.steps:
+                got = sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))
+                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, outside_top_k "
+                      f"{outside_top_k(t_rows, sampled, args.top_k):.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"  seed {seed}: degenerate answers to unrelated prompts {degenerate(s, name)}/{len(UNRELATED)} "
+              f"(base {degenerate(s, None)})", flush=True)
+
+
 def main() -> None:
     from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
 
@@ -314,10 +382,18 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=d["learning_rate"].default)
     ap.add_argument("--steps", type=int, default=None, help="default: the request's token budget")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--facts", action="store_true", help="instead: ten facts at once (see run_facts)")
+    ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")
     args = ap.parse_args()
-    if args.steps is None:
-        args.steps = math.ceil(DEFAULT_OPD_TOKEN_BUDGET / (args.samples * args.max_tokens))
+    per_step = (args.batch if args.facts else 1) * args.samples * args.max_tokens
+    if args.steps is None:  # as the request computes it
+        args.steps = max(math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step),
+                         math.ceil(len(FACTS) / args.batch) if args.facts else 1)
     s = Setup(args.threads)
+    if args.facts:
+        print(f"settings: {args.steps} steps x {args.batch} prompts, {args.samples} samples x {args.max_tokens} "
+              f"tokens, top_k {args.top_k}, temperature {args.temperature}, lr {args.lr}")
+        return run_facts(s, args)
     print(f"teacher: SFT learned the answer in {s.teacher_sft_steps} steps; greedy {s.tok.decode(s.answer)!r}; "
           f"answer ll teacher {s.answer_ll('teacher'):.2f}, base {s.answer_ll(None):.2f}; degenerate answers to "
           f"unrelated prompts: base {degenerate(s, None)}/{len(UNRELATED)}, teacher "
