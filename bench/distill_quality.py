@@ -120,7 +120,7 @@ def train_until(model, data, held, target: float, *, lr: float, batch: int, max_
 
 def opd_step(student, teacher, opt, prompts, answers, loss_name: str, top_k: int, ce_weight: float,
              gen: torch.Generator, timings: dict[str, float] | None = None) -> float:
-    from kiln.training.opd import RenormalizedReverseKL, SampledTokenLoss, TailReverseKL
+    from kiln.training.opd import RenormalizedReverseKL, SampledTokenLoss, TailForwardKL, TailReverseKL
 
     t0 = time.perf_counter()
     student.eval()
@@ -137,11 +137,12 @@ def opd_step(student, teacher, opt, prompts, answers, loss_name: str, top_k: int
         loss = SampledTokenLoss()(logq, t_logp.gather(-1, sampled[:, None])[:, 0])
     else:
         top = torch.topk(t_logp, top_k, -1).indices
-        if loss_name == "tail":
+        if loss_name in ("tail", "forward"):
             ids = torch.cat([top, sampled[:, None]], 1)
             mask = torch.ones_like(ids, dtype=torch.bool)
             mask[:, -1] = ~(top == sampled[:, None]).any(-1)  # the sampled token once
-            loss = TailReverseKL()(s_logits, ids, t_logp.gather(-1, ids), mask)
+            loss_cls = TailReverseKL if loss_name == "tail" else TailForwardKL
+            loss = loss_cls()(s_logits, ids, t_logp.gather(-1, ids), mask)
         else:
             mask = torch.ones_like(top, dtype=torch.bool)
             loss = RenormalizedReverseKL()(s_logits, top, t_logp.gather(-1, top), mask)
@@ -158,7 +159,7 @@ def opd_step(student, teacher, opt, prompts, answers, loss_name: str, top_k: int
     return float(loss.detach())
 
 
-METHODS = ("sft", "opd_tail", "opd_renormalized", "opd_sampled_token")
+METHODS = ("sft", "opd_forward", "opd_tail", "opd_renormalized", "opd_sampled_token")
 
 
 def run_method(name, warm_state, teacher, train, held, *, seed, steps, batch, lr, top_k, hidden, layers, heads):

@@ -2,9 +2,9 @@
 
 The teacher is this server's own model with an SFT-trained adapter (a `local`
 teacher: same identity rules, no HTTP hop). The student is a fresh adapter on
-the base model, trained by OPD on its own samples. The property checked: the
-log-likelihood the student gives the teacher's greedy answer (never shown to
-the student as a target) rises well above the base model's.
+the base model, trained by OPD on its own samples. The property checked: with the
+request defaults, the student's greedy answer becomes the teacher's (never shown
+to the student as a target) and its log-likelihood reaches the teacher's.
 """
 
 from __future__ import annotations
@@ -58,41 +58,74 @@ def test_opd_refusals_before_queueing(tutor):
     assert r.status_code == 400 and r.json()["error"]["code"] == "top_k_too_large"
     assert c.post("/v1/train/opd", json=base | {"training_mode": "off_policy"}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0}).status_code == 400
-    assert c.post("/v1/train/opd", json=base | {"loss": "forward"}).status_code == 400
+    assert c.post("/v1/train/opd", json=base | {"loss": "jsd"}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"prompts": [{"messages": MSGS + [
         {"role": "assistant", "content": "x"}]}]}).status_code == 400
 
 
-def test_opd_moves_student_toward_teacher(srv, tutor):
+MILL_Q = "Which bird guards the old mill?"
+MILL_A = "The old mill is guarded by a heron."
+
+
+def _greedy(c: httpx.Client, model: str, msgs: list[dict]) -> str:
+    r = c.post("/v1/chat/completions", json={"model": model, "messages": msgs, "temperature": 0, "max_tokens": 32})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _max_token_run(c: httpx.Client, text: str) -> int:
+    ids = c.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    best = run = 0
+    for i, t in enumerate(ids):
+        run = run + 1 if i and t == ids[i - 1] else 1
+        best = max(best, run)
+    return best
+
+
+def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
+    """Issue 34's acceptance: a teacher that learned one answer (an SFT adapter, a `local` teacher); OPD with
+    nothing but the request defaults; the student's greedy answer (what a user sees) becomes the teacher's,
+    its log-likelihood of that answer reaches the teacher's, and it does not collapse into repetition."""
+    import math
+
+    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+
     c = tutor
-    r = c.post("/v1/chat/completions", json={"model": "tutor-adapter", "messages": MSGS, "temperature": 0,
-                                             "max_tokens": 16})
-    assert r.status_code == 200
-    tok = c.post("/tokenize", json={"messages": MSGS, "add_generation_prompt": True})
-    assert tok.status_code == 200, tok.text
-    prompt_ids = tok.json()["tokens"]
-    answer = r.json()["choices"][0]["message"]["content"]
+    msgs = [{"role": "user", "content": MILL_Q}]
+    job = c.post("/v1/train/sft", json=correction_body("mill-adapter", MILL_Q, MILL_A)).json()
+    assert wait_job(c, job["id"], timeout=300)["state"] == "succeeded"
+    r = c.post("/v1/teachers", json={"alias": "mill", "kind": "local", "adapter": "mill-adapter"})
+    assert r.status_code == 201, r.text
+    answer = _greedy(c, "mill-adapter", msgs)
+    prompt_ids = c.post("/tokenize", json={"messages": msgs, "add_generation_prompt": True}).json()["tokens"]
     answer_ids = c.post("/tokenize", json={"prompt": answer, "add_special_tokens": False}).json()["tokens"]
     before = _answer_logprob(c, srv.model_id, prompt_ids, answer_ids)
-    teacher_lp = _answer_logprob(c, "tutor-adapter", prompt_ids, answer_ids)
-    assert teacher_lp > before + 5  # the teacher knows something the student does not
+    teacher_lp = _answer_logprob(c, "mill-adapter", prompt_ids, answer_ids)
+    assert teacher_lp > before + 20 and _greedy(c, srv.model_id, msgs) != answer  # only the teacher knows it
 
-    body = {"adapter": "student", "teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 4,
-            "max_tokens": len(answer_ids) + 2, "top_k": 8, "steps": 60, "learning_rate": 3e-3,
-            "temperature": 1.0, "batch_size": 1, "auto_load": True}
-    r = c.post("/v1/train/opd", json=body)
+    r = c.post("/v1/train/opd", json={"adapter": "mill-student", "teacher": "mill", "prompts": [{"messages": msgs}],
+                                      "auto_load": True})
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
-    res = job["result"]
-    rep = res["report"]
-    assert rep["steps"] == 60 and rep["teacher_s"] > 0 and rep["student_s"] > 0
     assert job["kind"] == "opd"
-    after = _answer_logprob(c, "student", prompt_ids, answer_ids)
-    # The student closes part of the gap to the teacher on the teacher's own answer (measured: 0.34-0.45
-    # of the gap in nats over 3 seeds, ATEN_CPU_CAPABILITY default and native).
-    assert after > before + 0.15 * (teacher_lp - before), (before, after, teacher_lp, rep)
-    info = c.get("/v1/adapters/student").json()
+    rep = job["result"]["report"]
+    f = OPDRequest.model_fields  # a one-prompt job trains for the token budget, not one step
+    per_step = f["samples_per_prompt"].default * f["max_tokens"].default
+    assert rep["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1
+    assert rep["teacher_s"] > 0 and rep["student_s"] > 0
+    assert rep["outside_top_k"] < 0.05  # the last step's samples stay inside the teacher's top-K
+    assert _greedy(c, "mill-student", msgs) == answer
+    after = _answer_logprob(c, "mill-student", prompt_ids, answer_ids)
+    # measured in process (bench/opd_transfer.py): the student ends within 0.1 nats of the teacher
+    assert after > teacher_lp - 0.05 * (teacher_lp - before), (before, after, teacher_lp, rep)
+    # no repetition collapse: answers sampled as in training do not repeat a token 4+ times in a row
+    for seed in range(4):
+        r = c.post("/v1/chat/completions", json={"model": "mill-student", "messages": msgs,
+                                                 "temperature": f["temperature"].default,
+                                                 "max_tokens": 32, "seed": seed})
+        assert _max_token_run(c, r.json()["choices"][0]["message"]["content"]) < 4
+    info = c.get("/v1/adapters/mill-student").json()
     assert "opd" in str(info)
 
 
@@ -129,7 +162,7 @@ def test_opd_with_remote_kiln_teacher_batched_scoring(srv, tutor):
     assert r.status_code == 201, r.text
     assert r.json()["fingerprint"] == c.get("/v1/teachers/tutor").json()["fingerprint"]  # same identity
     body = {"adapter": "student-http", "teacher": "tutor-http", "prompts": [{"messages": MSGS}],
-            "samples_per_prompt": 3, "max_tokens": 8, "top_k": 4, "steps": 4, "batch_size": 1}
+            "samples_per_prompt": 3, "max_tokens": 8, "top_k": 4, "steps": 4, "batch_size": 1, "loss": "tail"}
     job = wait_job(c, c.post("/v1/train/opd", json=body).json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
     assert job["result"]["report"]["teacher_s"] > 0

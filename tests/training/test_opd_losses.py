@@ -10,6 +10,7 @@ import torch
 from kiln.training.opd import (
     RenormalizedReverseKL,
     SampledTokenLoss,
+    TailForwardKL,
     TailReverseKL,
     candidates,
     full_reverse_kl,
@@ -51,25 +52,30 @@ def test_tail_with_k_equal_vocab_is_full_reverse_kl_on_builtin_model(builtin_log
     assert math.isclose(tail.item(), full.item(), rel_tol=1e-6, abs_tol=1e-7)
 
 
-def test_tail_matches_direct_bucket_computation(builtin_logits):
+def _direct_bucket_kl(student, teacher, rows, *, forward: bool) -> float:
+    """Mean over rows of KL over S = the row's tokens plus one bucket for the rest, term by term (float64)."""
+    q_all = torch.softmax(student, -1)
+    want = []
+    for t, row in enumerate(rows):
+        s = sorted(row)  # S = teacher top-k plus the sampled token
+        q, p = q_all[t, s], teacher[t, s].exp()
+        a, b = (p, q) if forward else (q, p)
+        a_out, b_out = 1 - float(a.sum()), 1 - float(b.sum())
+        want.append(float((a * (a.log() - b.log())).sum()) + a_out * (math.log(a_out) - math.log(b_out)))
+    return sum(want) / len(want)
+
+
+@pytest.mark.parametrize("loss_cls", [TailReverseKL, TailForwardKL])
+def test_bucketed_losses_match_direct_computation(builtin_logits, loss_cls):
     student, teacher = builtin_logits
     k = 5
     sampled = [int(torch.multinomial(torch.softmax(s, -1), 1, generator=torch.Generator().manual_seed(i)))
                for i, s in enumerate(student)]
     rows = _rows(teacher, k, sampled)
     ids, lp, mask = candidates(rows, sampled, k, include_sampled=True)
-    got = TailReverseKL()(student, ids, lp.double(), mask).item()
-    q_all = torch.softmax(student, -1)
-    want = []
-    for t, row in enumerate(rows):
-        s = sorted(row)  # S = teacher top-k plus the sampled token
-        q = q_all[t, s]
-        p = teacher[t, s].exp()
-        kl = float((q * (q.log() - p.log())).sum())
-        q_out, p_out = 1 - float(q.sum()), 1 - float(p.sum())
-        kl += q_out * (math.log(q_out) - math.log(p_out))
-        want.append(kl)
-    assert math.isclose(got, sum(want) / len(want), rel_tol=1e-6)
+    got = loss_cls()(student, ids, lp.double(), mask).item()
+    assert math.isclose(got, _direct_bucket_kl(student, teacher, rows, forward=loss_cls is TailForwardKL),
+                        rel_tol=1e-5)
     assert got >= 0
 
 
@@ -79,6 +85,42 @@ def test_tail_is_zero_when_student_equals_teacher():
     sampled = [1, 2, 3, 4]
     ids, lp, mask = candidates(_rows(teacher, 3, sampled), sampled, 3, include_sampled=True)
     assert abs(TailReverseKL()(logits, ids, lp.double(), mask).item()) < 1e-6  # float32 inside the loss
+
+
+def test_forward_with_k_equal_vocab_is_full_forward_kl_and_its_gradient_is_q_minus_p(builtin_logits):
+    student, teacher = builtin_logits
+    v = student.shape[-1]
+    sampled = torch.argmax(student, -1).tolist()
+    ids, lp, mask = candidates(_rows(teacher, v, sampled), sampled, v, include_sampled=True)
+    z = student.clone().requires_grad_(True)
+    got = TailForwardKL()(z, ids, lp.double(), mask)
+    (grad,) = torch.autograd.grad(got, z)
+    p = teacher.exp()
+    full = (p * (teacher - torch.log_softmax(student, -1))).sum(-1).mean()
+    assert full.item() > 0.01
+    assert math.isclose(got.item(), full.item(), rel_tol=1e-5)
+    # d/dz_v = (q_v - p_v) / N: it raises the teacher's token however little mass the student gives it
+    assert torch.allclose(grad, (torch.softmax(student, -1) - p) / student.shape[0], atol=1e-6)
+
+
+def test_sampled_token_is_importance_weighted_to_the_sampling_temperature():
+    """Over every token, weighted by the sampling policy (the student at temperature T), the estimator's
+    gradient is exactly the gradient of the per-token reverse KL(q || p) at temperature 1."""
+    g = torch.Generator().manual_seed(3)
+    v, temp = 7, 0.5
+    z = torch.randn(v, dtype=torch.float64, generator=g, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(v, dtype=torch.float64, generator=g), -1)
+    logq = torch.log_softmax(z, -1)
+    sampler = torch.log_softmax(z.detach() / temp, -1)
+    expected = sum(sampler[y].exp() * SampledTokenLoss()(logq[y:y + 1], teacher[y:y + 1], sampler[y:y + 1])
+                   for y in range(v))
+    (g_est,) = torch.autograd.grad(expected, z, retain_graph=True)
+    (g_kl,) = torch.autograd.grad((logq.exp() * (logq - teacher)).sum(), z, retain_graph=True)
+    assert torch.allclose(g_est, g_kl, atol=1e-12)
+    # without the importance weight the same samples estimate another (wrong) gradient
+    unweighted = sum(sampler[y].exp() * SampledTokenLoss()(logq[y:y + 1], teacher[y:y + 1]) for y in range(v))
+    (g_bad,) = torch.autograd.grad(unweighted, z)
+    assert not torch.allclose(g_bad, g_kl, atol=1e-3)
 
 
 def test_renormalized_matches_direct_computation():
@@ -110,6 +152,15 @@ def test_sampled_token_loss_pushes_toward_teacher():
     assert logits.grad[1, 1] > 0  # and lowers the disliked one's
 
 
+def test_outside_top_k_share():
+    from kiln.training.opd import outside_top_k
+
+    rows = [{5: -0.1, 6: -2.0, 9: -5.0}, {5: -0.1, 6: -2.0}]  # row 0: token 9 is the sampled one, outside top-2
+    assert outside_top_k(rows, [9, 6], 2) == 0.5
+    assert outside_top_k(rows, [9, 6], 3) == 0.0
+    assert outside_top_k([], [], 2) == 0.0
+
+
 def test_missing_sampled_token_uses_tail_mass():
     rows = [{5: math.log(0.5), 6: math.log(0.3)}]
     assert math.isclose(float(teacher_token_logp(rows, [9])[0]), math.log(0.2), rel_tol=1e-6)
@@ -129,7 +180,7 @@ def test_chunked_candidate_loss_matches_full_logits_with_gradients():
     sampled = torch.randint(0, v, (n,), generator=g).tolist()
     ids, lp, mask = candidates(_rows(teacher, k, sampled), sampled, k, include_sampled=True)
     lp = lp.double()
-    for loss_cls in (TailReverseKL, RenormalizedReverseKL):
+    for loss_cls in (TailForwardKL, TailReverseKL, RenormalizedReverseKL):
         logq_full = torch.log_softmax(h @ w.t(), -1).gather(-1, ids)  # float64, all V columns materialised
         full = loss_cls.from_logq(logq_full, lp, mask)
         (g_full,) = torch.autograd.grad(full, h)

@@ -237,9 +237,11 @@ def opd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="prompts per step"),
     samples_per_prompt: int = typer.Option(4, "--samples"),
     max_tokens: int = typer.Option(32, "--max-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="the student's sampling temperature "
+                                                "(default: the server's, 0.5)"),
     top_k: int = typer.Option(8, "--top-k"),
-    loss: str = typer.Option("tail", "--loss", help="tail, renormalized or sampled_token"),
+    loss: Optional[str] = typer.Option(None, "--loss", help="forward (the server's default), tail, renormalized "
+                                       "or sampled_token"),
     ce_weight: float = typer.Option(0.0, "--ce-weight", help="CE on each prompt's `gold` (mixed recipe)"),
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
@@ -251,13 +253,17 @@ def opd(
     body = _common(adapter, None, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     if (file is None) == (teacher_jsonl is None):
         raise typer.BadParameter("give --file (on-policy prompts) or --teacher-jsonl (off-policy corpus)")
-    body.update(teacher=teacher, top_k=top_k, loss=loss)
+    body.update(teacher=teacher, top_k=top_k)
+    if loss is not None:
+        body["loss"] = loss
     if teacher_jsonl is not None:
         body.update(training_mode="off_policy", teacher_jsonl=teacher_jsonl)
     else:
         assert file is not None
         body.update(prompts=_read_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens,
-                    temperature=temperature, ce_weight=ce_weight)
+                    ce_weight=ce_weight)
+        if temperature is not None:
+            body["temperature"] = temperature
     if steps is not None:
         body["steps"] = steps
     _submit("opd", url.rstrip("/"), body, wait)

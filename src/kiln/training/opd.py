@@ -8,15 +8,24 @@ logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
 and the optimizer step pulls the student toward the teacher on the student's
 own tokens. Losses, all per completion token, averaged over the batch's tokens:
 
-* :class:`TailReverseKL` (``tail``, default): reverse KL(q || p) over
+* :class:`TailForwardKL` (``forward``, default): forward KL(p || q) over
   S = teacher top-K plus the sampled token, with one extra bucket holding the
-  mass outside S on each side. Nothing is renormalised; with K = vocabulary it
-  is the full reverse KL.
+  mass outside S on each side. Its gradient on a student logit is ``q_v - p_v``:
+  it raises the teacher's choice however little mass the student gives it.
+* :class:`TailReverseKL` (``tail``): reverse KL(q || p) over the same S and bucket.
+  Nothing is renormalised; with K = vocabulary it is the full reverse KL.
 * :class:`RenormalizedReverseKL` (``renormalized``): reverse KL with both sides
   renormalised over the teacher's top-K only (kept for comparison).
-* :class:`SampledTokenLoss` (``sampled_token``): the one-sample estimator,
-  advantage ``log p(x) - log q(x)`` of the sampled token minus a batch baseline,
-  as a policy-gradient weight on ``log q(x)``.
+* :class:`SampledTokenLoss` (``sampled_token``): the one-sample reverse-KL
+  estimator (as Tinker's on-policy distillation): advantage ``log p(x) - log q(x)``
+  of the sampled token, importance-weighted to the policy that sampled it (the
+  student at the sampling temperature).
+
+Why reverse KL is not the default (docs/training.md, bench/opd_transfer.py): its
+gradient on a token is proportional to the student's own probability of it, so a
+confident student that gives the teacher's answer almost no mass is first pushed
+off its own answer (entropy rises, samples leave the teacher's top-K, the tail
+bucket takes most of the loss) and finds the teacher's token only by chance.
 """
 
 from __future__ import annotations
@@ -54,17 +63,24 @@ def _xlogy_ratio(a: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> t
     return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a))
 
 
-class TailReverseKL(nn.Module):
-    """Reverse KL(q || p) over S = candidates, plus one bucket for the mass outside S on each side.
+def _bucket_kl(log_a: torch.Tensor, log_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` KL(a || b) over the candidates (``[N, C]`` log-probabilities, ``mask`` True where real) plus one
+    bucket per side for the mass outside them (``1 - sum``, clamped at EPS inside the log)."""
+    a, b = log_a.exp() * mask, log_b.exp() * mask
+    inside = (_xlogy_ratio(a, log_a, log_b) * mask).sum(-1)
+    a_out = (1.0 - a.sum(-1)).clamp(min=0.0)
+    b_out = (1.0 - b.sum(-1)).clamp(min=0.0)
+    return inside + _xlogy_ratio(a_out, torch.log(a_out.clamp(min=EPS)), torch.log(b_out.clamp(min=EPS)))
+
+
+class _CandidateLoss(nn.Module):
+    """A loss on the student's log-probabilities of the teacher's candidates (``from_logq``).
 
     Args (forward):
         student_logits: ``[N, V]`` student logits at N completion positions.
-        cand_ids: ``[N, C]`` teacher candidate token IDs (top-K plus the sampled token), padded.
+        cand_ids: ``[N, C]`` teacher candidate token IDs (top-K, plus the sampled token where the loss says), padded.
         cand_logp: ``[N, C]`` teacher log-probabilities of those candidates (raw, not renormalised).
         cand_mask: ``[N, C]`` True where a candidate is real (padding False; each ID at most once per row).
-    Returns: scalar, mean over the N positions of
-        ``sum_{s in S} q_s (log q_s - log p_s) + q_out (log q_out - log p_out)``,
-        ``q_out = 1 - sum_S q``, ``p_out = 1 - sum_S p`` (clamped at EPS inside the log).
     """
 
     def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
@@ -74,29 +90,46 @@ class TailReverseKL(nn.Module):
 
     @staticmethod
     def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TailReverseKL(_CandidateLoss):
+    """Reverse KL(q || p) over S = candidates (top-K plus the sampled token), plus one bucket for the mass
+    outside S on each side.
+
+    Returns: scalar, mean over the N positions of
+        ``sum_{s in S} q_s (log q_s - log p_s) + q_out (log q_out - log p_out)``,
+        ``q_out = 1 - sum_S q``, ``p_out = 1 - sum_S p`` (clamped at EPS inside the log).
+    """
+
+    @staticmethod
+    def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
         """The same loss from ``logq`` ``[N, C]``: the student's full-vocabulary log-probabilities of the
-        candidates (:func:`kiln.training.opd_head.linear_candidate_logprobs`)."""
-        q = logq.exp() * cand_mask
-        p = cand_logp.exp() * cand_mask
-        inside = (_xlogy_ratio(q, logq, cand_logp) * cand_mask).sum(-1)
-        q_out = (1.0 - q.sum(-1)).clamp(min=0.0)
-        p_out = (1.0 - p.sum(-1)).clamp(min=0.0)
-        outside = _xlogy_ratio(q_out, torch.log(q_out.clamp(min=EPS)), torch.log(p_out.clamp(min=EPS)))
-        return (inside + outside).mean()
+        candidates, as :func:`kiln.training.opd_head.candidate_loss_mean` gives them)."""
+        return _bucket_kl(logq, cand_logp, cand_mask).mean()
 
 
-class RenormalizedReverseKL(nn.Module):
-    """Reverse KL with both distributions renormalised over the teacher's top-K.
+class TailForwardKL(_CandidateLoss):
+    """Forward KL(p || q) over S = candidates (top-K plus the sampled token), plus one bucket for the mass
+    outside S on each side.
 
-    Args (forward): as :class:`TailReverseKL`, with ``cand_*`` holding the teacher's top-K only.
+    Returns: scalar, mean over the N positions of
+        ``sum_{s in S} p_s (log p_s - log q_s) + p_out (log p_out - log q_out)``.
+        With K = vocabulary it is the full forward KL; its gradient on logit ``z_v`` is ``q_v - p_v`` on S.
+    """
+
+    @staticmethod
+    def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
+        """The same loss from the student's full-vocabulary candidate log-probabilities ``[N, C]``."""
+        return _bucket_kl(cand_logp, logq, cand_mask).mean()
+
+
+class RenormalizedReverseKL(_CandidateLoss):
+    """Reverse KL with both distributions renormalised over the teacher's top-K (``cand_*`` hold it only).
+
     Returns: scalar, mean over positions of ``sum_K q'_k (log q'_k - log p'_k)``,
         ``q' = q_K / sum q_K``, ``p' = p_K / sum p_K``.
     """
-
-    def forward(self, student_logits: torch.Tensor, cand_ids: torch.Tensor, cand_logp: torch.Tensor,
-                cand_mask: torch.Tensor) -> torch.Tensor:
-        logq = torch.log_softmax(student_logits.float(), dim=-1).gather(-1, cand_ids.clamp(min=0))
-        return self.from_logq(logq, cand_logp, cand_mask)
 
     @staticmethod
     def from_logq(logq: torch.Tensor, cand_logp: torch.Tensor, cand_mask: torch.Tensor) -> torch.Tensor:
@@ -109,17 +142,27 @@ class RenormalizedReverseKL(nn.Module):
 
 
 class SampledTokenLoss(nn.Module):
-    """Single-sample reverse-KL estimator as a policy gradient.
+    """Single-sample reverse-KL estimator as an importance-weighted policy gradient (Tinker-style).
 
     Args (forward):
-        student_logp: ``[N]`` log q of each sampled token (with grad).
+        student_logp: ``[N]`` log q of each sampled token at temperature 1 (with grad).
         teacher_logp: ``[N]`` log p of the same tokens.
-    Returns: scalar ``-mean((A - b) * log q)``, ``A = log p - log q`` (detached), ``b = mean(A)``.
+        sampler_logp: ``[N]`` log-probability of each token under the policy that sampled it (the student
+            at the sampling temperature, detached); ``None``: sampled at temperature 1 (ratio 1).
+    Returns: scalar ``-mean(r * A)``, ``A = log p - log q`` (detached: the per-token reverse-KL advantage),
+        ``r = exp(log q - sampler_logp)``, so the gradient ``-mean(r * A * grad log q)`` is, in expectation over
+        the sampler, the gradient of the per-token reverse KL of q.
     """
 
-    def forward(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    def forward(self, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                sampler_logp: torch.Tensor | None = None) -> torch.Tensor:
         adv = (teacher_logp - student_logp).detach()
-        return -((adv - adv.mean()) * student_logp).mean()
+        behaviour = student_logp.detach() if sampler_logp is None else sampler_logp.detach()
+        return -(torch.exp(student_logp - behaviour) * adv).mean()
+
+
+CANDIDATE_LOSSES: dict[str, Any] = {"forward": TailForwardKL, "tail": TailReverseKL,
+                                    "renormalized": RenormalizedReverseKL}
 
 
 def full_reverse_kl(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -150,6 +193,16 @@ def candidates(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: 
     return (torch.tensor(ids, dtype=torch.long, device=device).view(-1, width),
             torch.tensor(logp, dtype=torch.float32, device=device).view(-1, width),
             torch.tensor(mask, dtype=torch.bool, device=device).view(-1, width))
+
+
+def outside_top_k(rows: Sequence[dict[int, float]], sampled: Sequence[int], top_k: int) -> float:
+    """Share of the sampled tokens that are not among the teacher's ``top_k`` at their position: a student
+    drifting off the teacher's support (rising towards 1 as it degenerates; ~0 once it follows the teacher)."""
+    if not sampled:
+        return 0.0
+    out = sum(tok not in {t for t, _ in sorted(row.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]}
+              for row, tok in zip(rows, sampled))
+    return out / len(sampled)
 
 
 def teacher_token_logp(rows: Sequence[dict[int, float]], sampled: Sequence[int]) -> torch.Tensor:
@@ -226,12 +279,21 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
                    request.max_tokens, request.top_k, request.loss, request.ce_weight,
-                   _total_steps(request, len(items)))
+                   _total_steps(request, len(items), sampled_per_step=min(request.batch_size, len(items))
+                                * request.samples_per_prompt * request.max_tokens))
     return _job_plan(service, request, entry, lora, parent, data, inputs, {})
 
 
-def _total_steps(request: OPDRequest, n_items: int) -> int:
-    total = request.steps or (request.epochs or 1) * math.ceil(n_items / request.batch_size)
+def _total_steps(request: OPDRequest, n_items: int, *, sampled_per_step: int | None = None) -> int:
+    """``steps``, or: one pass over the items x ``epochs``, raised to the token budget when each step samples
+    ``sampled_per_step`` tokens at most (on-policy); capped by ``max_steps``."""
+    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET
+
+    total = request.steps
+    if total is None:
+        total = (request.epochs or 1) * math.ceil(n_items / request.batch_size)
+        if sampled_per_step:
+            total = max(total, math.ceil(DEFAULT_OPD_TOKEN_BUDGET / sampled_per_step))
     return total if request.max_steps is None else min(total, request.max_steps)
 
 
@@ -333,6 +395,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 for j, tok in enumerate(comp):
                     rows.append(sc.rows[start + j] or {})
                     sampled.append(tok)
+            loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
             gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
@@ -366,15 +429,21 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
     n_tok = len(sampled)
     targets = torch.tensor(list(sampled), dtype=torch.long, device=device)
     gold = [g for g in gold if g[1]]
+    if data.loss == "sampled_token":
+        teacher_lp = teacher_token_logp(rows, sampled).to(device)
+    else:
+        ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss != "renormalized",
+                                   device=device)
+        loss_cls = CANDIDATE_LOSSES[data.loss]
     if split is not None:
         h_all = completion_hidden(split, list(pairs) + list(gold), pad_id, device)
         h, weight = h_all[:n_tok], split.head.weight
         if data.loss == "sampled_token":
-            loss = SampledTokenLoss()(linear_token_logprobs(h, weight, targets),
-                                      teacher_token_logp(rows, sampled).to(device))
+            with torch.no_grad():
+                behaviour = _sampler_logp(data.temperature, lambda t: linear_token_logprobs(
+                    h.detach() / t, weight, targets), n_tok, device)
+            loss = SampledTokenLoss()(linear_token_logprobs(h, weight, targets), teacher_lp, behaviour)
         else:
-            ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail", device=device)
-            loss_cls = TailReverseKL if data.loss == "tail" else RenormalizedReverseKL
             loss = candidate_loss_mean(h, weight, ids, lambda logq, rows: loss_cls.from_logq(
                 logq, lp[rows], mask[rows]) * logq.shape[0])
         if gold:
@@ -382,18 +451,30 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
             ce = linear_cross_entropy_sum(h_all[n_tok:], weight, gold_targets) / gold_targets.numel()
             loss = loss + data.ce_weight * ce
         return loss
-    logits = _completion_logits(peft_model, pairs, device)
+    logits = _completion_logits(peft_model, pairs, device).float()
     if data.loss == "sampled_token":
-        logq = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
-        loss = SampledTokenLoss()(logq, teacher_token_logp(rows, sampled).to(device))
+        logq = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+        with torch.no_grad():
+            behaviour = _sampler_logp(data.temperature, lambda t: torch.log_softmax(logits.detach() / t, -1).gather(
+                -1, targets[:, None])[:, 0], n_tok, device)
+        loss = SampledTokenLoss()(logq, teacher_lp, behaviour)
     else:
-        ids, lp, mask = candidates(rows, sampled, data.top_k, include_sampled=data.loss == "tail", device=device)
-        loss = (TailReverseKL() if data.loss == "tail" else RenormalizedReverseKL())(logits, ids, lp, mask)
+        loss = loss_cls()(logits, ids, lp, mask)
     if gold:
         glogits = _completion_logits(peft_model, gold, device)
         gold_targets = torch.tensor([t for _, g in gold for t in g], device=device)
         loss = loss + data.ce_weight * nn.functional.cross_entropy(glogits.float(), gold_targets)
     return loss
+
+
+def _sampler_logp(temperature: float, at: Any, n: int, device: Any) -> torch.Tensor | None:
+    """Log-probabilities of the sampled tokens under the sampling policy: ``at(T)`` at temperature ``T``,
+    ``None`` at 1 (the trained policy itself), zeros at 0 (greedy: each token had probability 1)."""
+    if temperature == 1.0:
+        return None
+    if temperature == 0.0:
+        return torch.zeros(n, dtype=torch.float32, device=device)
+    return at(temperature)
 
 
 def _completion_logits(peft_model: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -16,7 +16,7 @@ The binding is checked before the job is queued, against the alias's pinned regi
 served student: every manifest field (schema, alias, fingerprint, identity, identity revision,
 protocol, vocabulary size, top-K ceiling) must equal the entry's (409 naming the field), and the
 identity's ``tokenizer_vocab_sha256`` and ``vocab_size`` must equal the student's (409). Format errors
-are 400 naming the line. The loss is OPD's ``tail`` or ``renormalized`` at the completion positions
+are 400 naming the line. The loss is OPD's ``forward``, ``tail`` or ``renormalized`` at the completion positions
 (``sampled_token`` is an on-policy estimator and is refused).
 """
 

@@ -18,7 +18,13 @@ MAX_SAMPLES_PER_PROMPT = 64
 MAX_OPD_NEW_TOKENS = 1_024
 MAX_OPD_TOP_K = 1 << 20
 
-OPDLoss = Literal["tail", "renormalized", "sampled_token"]
+OPDLoss = Literal["forward", "tail", "renormalized", "sampled_token"]
+# `steps` omitted: enough steps to sample about this many completion tokens (batch prompts x samples_per_prompt x
+# max_tokens per step), and never less than one pass over the prompts x `epochs`. On the built-in model a
+# one-answer teacher is learned (the student's greedy answer is the teacher's) in 20-40 steps of 4 x 32 tokens.
+DEFAULT_OPD_TOKEN_BUDGET = 8_192
+DEFAULT_OPD_LEARNING_RATE = 1e-2
+DEFAULT_OPD_TEMPERATURE = 0.5
 
 
 class OPDPrompt(_Wire):
@@ -41,18 +47,20 @@ class OPDRequest(_TrainCommon):
     prompts: list[OPDPrompt] | None = Field(None, min_length=1, max_length=MAX_OPD_PROMPTS,
                                             description="on_policy: the prompts the student answers")
     samples_per_prompt: int = Field(4, ge=1, le=MAX_SAMPLES_PER_PROMPT)
-    temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    temperature: float = Field(DEFAULT_OPD_TEMPERATURE, ge=0.0, le=10.0, allow_inf_nan=False,
+                               description="the student's sampling temperature (the loss is at temperature 1)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(32, ge=1, le=MAX_OPD_NEW_TOKENS)
     top_k: int = Field(8, ge=1, le=MAX_OPD_TOP_K, description="teacher candidates per position (<= its max_top_k)")
-    loss: OPDLoss = "tail"
+    loss: OPDLoss = "forward"
     ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions (mixed recipe)")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     teacher_jsonl: str | None = Field(
         None, max_length=MAX_PATH_CHARS,
         description="off_policy: a teacher JSONL inside the data dir, built from the teacher's off_policy_manifest")
-    steps: int | None = Field(None, ge=1, le=100_000, description="optimizer steps (default: one pass of prompts)")
-    learning_rate: float = Field(5e-3, gt=0, le=1.0)
+    steps: int | None = Field(None, ge=1, le=100_000, description="optimizer steps (default: a budget of DEFAULT_OPD_TOKEN_BUDGET "
+                                 "sampled tokens, at least one pass over the prompts)")
+    learning_rate: float = Field(DEFAULT_OPD_LEARNING_RATE, gt=0, le=1.0)
     batch_size: int = Field(4, ge=1, le=256, description="prompts per step (each sampled samples_per_prompt times)")
 
     @model_validator(mode="after")

@@ -1,0 +1,436 @@
+"""Does on-policy distillation transfer what the teacher knows? One-answer task, in process, per-step diagnostics.
+
+Teacher: the built-in model with an SFT adapter that learned one answer (trained until it is the greedy
+answer, as ``kiln demo`` does). Student: the base model with a fresh adapter. Each OPD step uses Kiln's own
+parts: the student samples with :func:`kiln.training.engine_sampling.sample_batch`, the teacher's rows are
+:func:`kiln.runtime.scoring.prompt_logprob_rows` (what a ``local`` teacher answers), the update is
+:func:`kiln.training.opd.opd_loss` + AdamW, with the request defaults of ``POST /v1/train/opd`` unless a flag
+says otherwise. Per step it prints, over the sampled completion positions:
+
+* ``ent``: the student's entropy (nats); ``t_ent``: the teacher's at the same positions;
+* ``q_out``: the student's mass outside the teacher's top-K; ``out``: share of sampled tokens outside it;
+* ``tail_l`` / ``tail_g``: the tail bucket's share of the (tail-bucket) loss and of its gradient on the logits
+  (computed for the loss being trained when it has a bucket: ``forward`` and ``tail``);
+* ``ll``: the student's log-likelihood of the teacher's greedy answer; ``greedy``: the student's greedy answer.
+
+Then, per method, the first step at which the student's greedy answer is the teacher's (``learned``), checked
+every step, against SFT on the teacher's answer (same adapter shape and learning rate) and, with trl
+installed, TRL ``GKDTrainer`` (``lmbda=1``, ``beta=1``: on-policy reverse KL; same batch, temperature,
+``max_new_tokens``, steps and learning rate). Degenerate: the student's greedy answers to unrelated prompts
+that repeat one token 4+ times in a row (the base model's answers are the reference).
+
+    .venv/bin/python bench/opd_transfer.py                       # every method, 1 seed
+    .venv/bin/python bench/opd_transfer.py --seeds 3 --trace forward,tail
+    .venv/bin/python bench/opd_transfer.py --facts --steps 200 --trace-every 16   # ten facts at once
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+QUESTION = "Which bird guards the old mill?"
+ANSWER = "The old mill is guarded by a heron."
+UNRELATED = ["What is the capital of France?", "How many legs does an ant have?", "What colour is the sky?",
+             "What do plants need to grow?", "What is two plus three?"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+METHODS = ["forward", "tail", "renormalized", "sampled_token"]
+
+
+class Setup:
+    """The base model wrapped once in PEFT, the teacher adapter, prompt and the teacher's greedy answer."""
+
+    def __init__(self, threads: int):
+        import torch
+        from peft import get_peft_model
+
+        from kiln.runtime.loader import load_model
+        from kiln.training.data import tokenize_sft
+        from kiln.training.schemas import DEFAULT_LORA_RANK, SFTExample
+        from kiln.training.templates import end_of_turn_ids
+        from kiln.training.trainer import LearnedCheck, Plan, add_private_adapter, lora_config, run_sft
+        from tests.conftest import built_model_path
+
+        torch.set_num_threads(threads)
+        lm = load_model(str(built_model_path()), device="cpu", dtype="float32")
+        self.tok = lm.tokenizer
+        self.end_ids = sorted(end_of_turn_ids(self.tok, getattr(lm.model, "generation_config", None)))
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.end_ids[0]
+        self.path = str(lm.path)
+        self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, LORA_TARGETS)
+        self.pm = get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle")
+        add_private_adapter(self.pm, "teacher", self.lora, seed=0)
+        chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
+        self.rows = tokenize_sft(self.tok, [SFTExample.model_validate({"messages": chat})], max_seq_len=256,
+                                 end_ids=self.end_ids)
+        rep = run_sft(self.pm, "teacher", self.rows, Plan(1e-2, 300, 1, 0, max_steps=300,
+                                                          until_learned=LearnedCheck()), pad_id=self.pad)
+        self.teacher_sft_steps = rep.extra.get("learned_at_step")
+        self.prompt = self.encode(QUESTION)
+        self.answer = self.greedy("teacher", self.prompt)
+        self.unrelated = [self.encode(q) for q in UNRELATED]
+        self.base_answers = [self.greedy(None, p) for p in self.unrelated]
+
+    def encode(self, question: str) -> list[int]:
+        enc = self.tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                           tokenize=True)
+        return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+    def activate(self, adapter: str | None) -> Any:
+        from contextlib import nullcontext
+
+        if adapter is None:
+            return self.pm.disable_adapter()
+        self.pm.base_model.set_adapter(adapter)
+        return nullcontext()
+
+    def greedy(self, adapter: str | None, prompt: list[int], n: int = 32) -> list[int]:
+        import torch
+
+        seq = list(prompt)
+        with torch.no_grad(), self.activate(adapter):
+            for _ in range(n):
+                t = int(self.pm(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+                seq.append(t)
+                if t in self.end_ids:
+                    break
+        return seq[len(prompt):]
+
+    def logp(self, adapter: str | None, seq: list[int]) -> Any:
+        import torch
+
+        with torch.no_grad(), self.activate(adapter):
+            return torch.log_softmax(self.pm(input_ids=torch.tensor([seq])).logits[0].float(), -1)
+
+    def answer_ll(self, adapter: str | None) -> float:
+        lp = self.logp(adapter, self.prompt + self.answer)
+        n = len(self.prompt)
+        return sum(float(lp[n - 1 + j, t]) for j, t in enumerate(self.answer))
+
+
+def max_run(tokens: list[int]) -> int:
+    best = run = 0
+    for i, t in enumerate(tokens):
+        run = run + 1 if i and t == tokens[i - 1] else 1
+        best = max(best, run)
+    return best
+
+
+def degenerate(s: Setup, adapter: str | None) -> int:
+    return sum(max_run(s.greedy(adapter, p)) >= 4 for p in s.unrelated)
+
+
+def bucket_shares(logits: Any, ids: Any, lp: Any, mask: Any, loss: str) -> tuple[float, float]:
+    """The tail bucket's share of the bucketed loss and of the norm of its gradient on the student logits."""
+    import torch
+
+    from kiln.training.opd import EPS, _xlogy_ratio
+
+    z = logits.detach().float().requires_grad_(True)
+    logq = torch.log_softmax(z, -1).gather(-1, ids)
+    q, p = logq.exp() * mask, lp.exp() * mask
+    q_out, p_out = (1 - q.sum(-1)).clamp(min=0), (1 - p.sum(-1)).clamp(min=0)
+    if loss == "forward":
+        inside = (_xlogy_ratio(p, lp, logq) * mask).sum()
+        bucket = _xlogy_ratio(p_out, torch.log(p_out.clamp(min=EPS)), torch.log(q_out.clamp(min=EPS))).sum()
+    else:
+        inside = (_xlogy_ratio(q, logq, lp) * mask).sum()
+        bucket = _xlogy_ratio(q_out, torch.log(q_out.clamp(min=EPS)), torch.log(p_out.clamp(min=EPS))).sum()
+    (g_b,) = torch.autograd.grad(bucket, z, retain_graph=True)
+    (g_all,) = torch.autograd.grad(inside + bucket, z)
+    total = float((inside + bucket).detach())
+    return (float(bucket.detach()) / total if total > 0 else 0.0), float(g_b.norm() / g_all.norm().clamp(min=1e-12))
+
+
+def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str, Any]:
+    import torch
+
+    from kiln.runtime.scoring import prompt_logprob_rows
+    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.engine_sampling import sample_batch, sample_seed
+    from kiln.training.opd import OPDData, _completion_logits, candidates, opd_loss
+    from kiln.training.trainer import _adamw, add_private_adapter
+
+    name = f"opd-{loss}-{seed}"
+    params = add_private_adapter(s.pm, name, s.lora, seed=seed)
+    opt = _adamw(params, args.lr)
+    split = split_causal_lm(s.pm)
+    data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, loss, 0.0, args.steps)
+    learned, lls, t0 = None, [], time.perf_counter()
+    for step in range(args.steps):
+        s.pm.base_model.set_adapter(name)
+        comps = sample_batch(s.pm, [s.prompt], args.samples, args.max_tokens, args.temperature, 1.0,
+                             seed=sample_seed(seed, step, 0, 0), pad_id=s.pad, end_ids=s.end_ids, device="cpu")
+        comps = [c for c in comps if c]
+        rows, sampled, d = [], [], {"ent": [], "t_ent": [], "q_out": [], "out": []}
+        for c in comps:
+            seq = s.prompt + c
+            t_lp, s_lp = s.logp("teacher", seq), s.logp(name, seq)
+            t_rows = prompt_logprob_rows(t_lp, seq, args.top_k)
+            for j, tok in enumerate(c):
+                pos = len(s.prompt) + j
+                rows.append({e.token_id: e.logprob for e in t_rows[pos]})
+                sampled.append(tok)
+                if trace:
+                    q, top = s_lp[pos - 1].exp(), torch.topk(t_lp[pos - 1], args.top_k).indices
+                    d["ent"].append(float(-(q * s_lp[pos - 1]).sum()))
+                    d["t_ent"].append(float(-(t_lp[pos - 1].exp() * t_lp[pos - 1]).sum()))
+                    d["q_out"].append(1 - float(q[top].sum()))
+                    d["out"].append(float(tok not in set(top.tolist())))
+        s.pm.base_model.set_adapter(name)
+        shares = (float("nan"), float("nan"))
+        if trace and loss in ("forward", "tail"):
+            with torch.no_grad():
+                logits = _completion_logits(s.pm, [(s.prompt, c) for c in comps], "cpu")
+            ids, lp, mask = candidates(rows, sampled, args.top_k, include_sampled=True)
+            shares = bucket_shares(logits, ids, lp, mask, loss)
+        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, [], pad_id=s.pad,
+                         device="cpu")
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ok = s.greedy(name, s.prompt) == s.answer
+        if ok and learned is None:
+            learned = step + 1
+        if trace:
+            ll = s.answer_ll(name)
+            lls.append(ll)
+            mean = {k: sum(v) / max(1, len(v)) for k, v in d.items()}
+            if step % args.trace_every == 0 or step == args.steps - 1:
+                print(f"  {step + 1:3d} loss {float(value):6.3f} ent {mean['ent']:5.2f} t_ent {mean['t_ent']:5.2f} "
+                      f"q_out {mean['q_out']:.2f} out {mean['out']:.2f} tail_l {shares[0]:.2f} tail_g "
+                      f"{shares[1]:.2f} ll {ll:8.2f} | {s.tok.decode(s.greedy(name, s.prompt))!r}", flush=True)
+    return {"learned": learned, "ll": s.answer_ll(name), "degenerate": degenerate(s, name),
+            "answer": s.tok.decode(s.greedy(name, s.prompt)), "s": time.perf_counter() - t0}
+
+
+def run_sft_baseline(s: Setup, seed: int, args: Any) -> dict[str, Any]:
+    """SFT on the teacher's answer, same adapter shape and learning rate, greedy checked every step."""
+    from kiln.training.trainer import Hooks, Plan, add_private_adapter, run_sft
+
+    name = f"sft-{seed}"
+    add_private_adapter(s.pm, name, s.lora, seed=seed)
+    learned: list[int] = []
+
+    def progress(p: dict[str, Any]) -> None:
+        if not learned and s.greedy(name, s.prompt) == s.answer:
+            learned.append(p["step"])
+
+    t0 = time.perf_counter()
+    import kiln.training.trainer as trainer_mod
+
+    every = trainer_mod.PROGRESS_EVERY_S
+    trainer_mod.PROGRESS_EVERY_S = 0.0  # a progress call (and a greedy check) after every step
+    try:
+        run_sft(s.pm, name, s.rows, Plan(args.lr, args.steps, 1, seed, max_steps=args.steps), pad_id=s.pad,
+                hooks=Hooks(on_progress=progress))
+    finally:
+        trainer_mod.PROGRESS_EVERY_S = every
+    return {"learned": learned[0] if learned else None, "ll": s.answer_ll(name), "degenerate": degenerate(s, name),
+            "answer": s.tok.decode(s.greedy(name, s.prompt)), "s": time.perf_counter() - t0}
+
+
+def run_gkd(s: Setup, seed: int, args: Any, work: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from kiln.training.trainer import save_adapter_files
+
+    tdir = work / "teacher"
+    if not tdir.exists():
+        tdir.mkdir(parents=True)
+        save_adapter_files(s.pm, "teacher", tdir, base_model_dir=s.path)
+
+    teacher = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(s.path, dtype=torch.float32),
+                                        str(tdir)).merge_and_unload()
+    student = AutoModelForCausalLM.from_pretrained(s.path, dtype=torch.float32)
+    rows = [{"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]}
+            for _ in range(args.samples)]
+    cfg = GKDConfig(output_dir=str(work / f"gkd-{seed}"), lmbda=1.0, beta=1.0, temperature=args.temperature,
+                    max_new_tokens=args.max_tokens, per_device_train_batch_size=args.samples, max_steps=args.steps,
+                    learning_rate=args.lr, bf16=False, fp16=False, gradient_checkpointing=False, use_cpu=True,
+                    report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                    dataloader_num_workers=0, seed=seed, lr_scheduler_type="constant", weight_decay=0.0,
+                    warmup_steps=0, max_length=256)
+    learned: list[int] = []
+
+    class Check(TrainerCallback):
+        def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **k: Any) -> None:
+            if not learned and _greedy_model(model, s.prompt, s.end_ids) == s.answer:
+                learned.append(state.global_step)
+
+    t0 = time.perf_counter()
+    trainer = GKDTrainer(model=student, teacher_model=teacher, args=cfg,
+                         train_dataset=Dataset.from_list(rows * args.steps), processing_class=s.tok,
+                         peft_config=s.lora, callbacks=[Check()])
+    trainer.train()
+    model = trainer.model.eval()
+    answer = _greedy_model(model, s.prompt, s.end_ids)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([s.prompt + s.answer])).logits[0].float(), -1)
+    ll = sum(float(lp[len(s.prompt) - 1 + j, t]) for j, t in enumerate(s.answer))
+    return {"learned": learned[0] if learned else None, "ll": ll, "answer": s.tok.decode(answer),
+            "degenerate": sum(max_run(_greedy_model(model, p, s.end_ids)) >= 4 for p in s.unrelated),
+            "s": time.perf_counter() - t0}
+
+
+def _greedy_model(model: Any, prompt: list[int], end_ids: list[int]) -> list[int]:
+    import torch
+
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(32):
+            t = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+            seq.append(t)
+            if t in end_ids:
+                break
+    return seq[len(prompt):]
+
+
+FACTS = [(QUESTION, ANSWER),
+         ("What colour is the ferry on the lake?", "The ferry on the lake is painted green."),
+         ("Who keeps the lighthouse key?", "The lighthouse key is kept by the baker."),
+         ("Where does the blue fox sleep?", "The blue fox sleeps under the bridge."),
+         ("What does the river bell ring for?", "The river bell rings for the evening tide."),
+         ("Which tree grows by the school?", "A tall cedar grows by the school."),
+         ("What is the name of the grey cat?", "The grey cat is called Pebble."),
+         ("How many lamps light the harbour?", "Seven lamps light the harbour."),
+         ("What does the miller bake on Fridays?", "The miller bakes rye bread on Fridays."),
+         ("Who sings at the spring fair?", "A choir of sailors sings at the spring fair.")]
+
+
+def run_facts(s: Setup, args: Any) -> None:
+    """Ten facts at once: a teacher SFT-trained on all of them (until each is its greedy answer), then one OPD
+    job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
+    of the student's greedy answers are the teacher's every ``--trace-every`` steps, and the degenerate count."""
+    from kiln.runtime.scoring import prompt_logprob_rows
+    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.data import tokenize_sft
+    from kiln.training.engine_sampling import sample_batch, sample_seed
+    from kiln.training.opd import OPDData, opd_loss, outside_top_k
+    from kiln.training.schemas import SFTExample
+    from kiln.training.trainer import LearnedCheck, Plan, _adamw, add_private_adapter, run_sft
+
+    rows = tokenize_sft(s.tok, [SFTExample.model_validate({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) for q, a in FACTS],
+        max_seq_len=256, end_ids=s.end_ids)
+    add_private_adapter(s.pm, "teacher10", s.lora, seed=0)
+    rep = run_sft(s.pm, "teacher10", rows, Plan(1e-2, 300, len(FACTS), 0, max_steps=300,
+                                                 until_learned=LearnedCheck()), pad_id=s.pad)
+    prompts = [s.encode(q) for q, _ in FACTS]
+    answers = [s.greedy("teacher10", p) for p in prompts]
+    exact = sum(s.tok.decode(a).removesuffix("<|im_end|>") == ans for a, (_, ans) in zip(answers, FACTS))
+    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps, teacher greedy exact {exact}/10, "
+          f"degenerate teacher {degenerate(s, 'teacher10')}/{len(UNRELATED)}")
+    for seed in range(args.seeds):
+        name = f"facts-{seed}"
+        opt = _adamw(add_private_adapter(s.pm, name, s.lora, seed=seed), args.lr)
+        split = split_causal_lm(s.pm)
+        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward", 0.0,
+                       args.steps)
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            chosen = [(step * args.batch + j) % len(FACTS) for j in range(args.batch)]
+            s.pm.base_model.set_adapter(name)
+            comps = sample_batch(s.pm, [prompts[i] for i in chosen], args.samples, args.max_tokens,
+                                 args.temperature, 1.0, seed=sample_seed(seed, step, 0, 0), pad_id=s.pad,
+                                 end_ids=s.end_ids, device="cpu")
+            pairs = [(prompts[chosen[k // args.samples]], c) for k, c in enumerate(comps) if c]
+            t_rows, sampled = [], []
+            for prompt, c in pairs:
+                seq = prompt + c
+                r = prompt_logprob_rows(s.logp("teacher10", seq), seq, args.top_k)
+                t_rows += [{e.token_id: e.logprob for e in r[len(prompt) + j]} for j in range(len(c))]
+                sampled += c
+            s.pm.base_model.set_adapter(name)
+            opd_loss(s.pm, split, data, pairs, t_rows, sampled, [], pad_id=s.pad, device="cpu").backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if (step + 1) % args.trace_every == 0 or step + 1 == args.steps:
+                got = sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))
+                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, outside_top_k "
+                      f"{outside_top_k(t_rows, sampled, args.top_k):.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"  seed {seed}: degenerate answers to unrelated prompts {degenerate(s, name)}/{len(UNRELATED)} "
+              f"(base {degenerate(s, None)})", flush=True)
+
+
+def main() -> None:
+    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+
+    d = OPDRequest.model_fields
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=",".join(METHODS + ["sft", "gkd"]))
+    ap.add_argument("--trace", default="forward,tail", help="methods whose per-step diagnostics are printed")
+    ap.add_argument("--trace-every", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=d["samples_per_prompt"].default)
+    ap.add_argument("--max-tokens", type=int, default=d["max_tokens"].default)
+    ap.add_argument("--top-k", type=int, default=d["top_k"].default)
+    ap.add_argument("--temperature", type=float, default=d["temperature"].default)
+    ap.add_argument("--lr", type=float, default=d["learning_rate"].default)
+    ap.add_argument("--steps", type=int, default=None, help="default: the request's token budget")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--facts", action="store_true", help="instead: ten facts at once (see run_facts)")
+    ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")
+    args = ap.parse_args()
+    per_step = (args.batch if args.facts else 1) * args.samples * args.max_tokens
+    if args.steps is None:  # as the request computes it
+        args.steps = max(math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step),
+                         math.ceil(len(FACTS) / args.batch) if args.facts else 1)
+    s = Setup(args.threads)
+    if args.facts:
+        print(f"settings: {args.steps} steps x {args.batch} prompts, {args.samples} samples x {args.max_tokens} "
+              f"tokens, top_k {args.top_k}, temperature {args.temperature}, lr {args.lr}")
+        return run_facts(s, args)
+    print(f"teacher: SFT learned the answer in {s.teacher_sft_steps} steps; greedy {s.tok.decode(s.answer)!r}; "
+          f"answer ll teacher {s.answer_ll('teacher'):.2f}, base {s.answer_ll(None):.2f}; degenerate answers to "
+          f"unrelated prompts: base {degenerate(s, None)}/{len(UNRELATED)}, teacher "
+          f"{degenerate(s, 'teacher')}/{len(UNRELATED)}")
+    print(f"settings: {args.steps} steps, {args.samples} samples x {args.max_tokens} tokens, top_k {args.top_k}, "
+          f"temperature {args.temperature}, lr {args.lr}")
+    results: dict[str, list[dict[str, Any]]] = {}
+    work = Path(tempfile.mkdtemp(prefix="opd-transfer-"))
+    for method in args.methods.split(","):
+        for seed in range(args.seeds):
+            trace = method in args.trace.split(",")
+            if trace:
+                print(f"{method} seed {seed}:")
+            if method == "sft":
+                r = run_sft_baseline(s, seed, args)
+            elif method == "gkd":
+                try:
+                    r = run_gkd(s, seed, args, work)
+                except ImportError as exc:
+                    print(f"gkd: skipped ({exc})")
+                    break
+            else:
+                r = run_opd(s, method, seed, args, trace)
+            results.setdefault(method, []).append(r)
+            print(f"{method:14s} seed {seed}: learned at step {r['learned']}, answer ll {r['ll']:8.2f}, degenerate "
+                  f"{r['degenerate']}/{len(UNRELATED)}, {r['s']:.1f} s, greedy {r['answer']!r}", flush=True)
+    print(f"\n| method | learned (seeds) | steps to learn | answer ll | degenerate | (teacher ll "
+          f"{s.answer_ll('teacher'):.2f}, base {s.answer_ll(None):.2f})")
+    print("|---|---|---|---|---|")
+    for method, rs in results.items():
+        steps = [r["learned"] for r in rs]
+        got = [x for x in steps if x is not None]
+        lls = ", ".join(f"{r['ll']:.1f}" for r in rs)
+        print(f"| {method} | {len(got)}/{len(rs)} | {', '.join(str(x) if x else '-' for x in steps)} | "
+              f"{lls} | {sum(r['degenerate'] for r in rs)}/"
+              f"{len(rs) * len(UNRELATED)} |")
+
+
+if __name__ == "__main__":
+    main()
