@@ -209,9 +209,10 @@ def _tool_parser(state) -> ToolParser:
     """The tool-call parser ``serving.tool_call_parser`` selects (``auto``: by the chat template's family)."""
     parser = state.extras.get("tool_parser")
     if parser is None:
-        template = getattr(state.engine.tokens.tokenizer, "chat_template", None)
+        tok = state.engine.tokens.tokenizer
+        template = getattr(tok, "chat_template", None)
         parser = state.extras["tool_parser"] = tool_parser_for(state.settings.serving.tool_call_parser,
-                                                               template if isinstance(template, str) else None)
+                                                               template if isinstance(template, str) else None, tok)
     return parser
 
 

@@ -6,7 +6,9 @@ asks the model to write a call, turns finished text into ``(content, calls)``, f
 stream incrementally (content passes through as it comes; a call's name and id go out as
 soon as they are written, then its arguments in fragments as they are generated, as
 OpenAI streams ``delta.tool_calls``), and writes the grammar that forces a call when ``tool_choice`` is
-``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it).
+``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it). A parser is bound to the
+served tokenizer (:class:`~kiln.serving.tags.TagSpelling`): where a tag such as Qwen3's ``<tool_call>``
+is one added token, the forcing grammar names that token, so the model writes it as the template does.
 
 ``hermes`` (Hermes, Qwen2.5/Qwen3 templates): each call is a
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block. A block whose body is not
@@ -25,6 +27,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from kiln.serving.tags import TagSpelling
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class StreamState:
 
 class ToolParser:
     name = ""
+
+    def __init__(self, tokenizer: Any | None = None):
+        self.tags = TagSpelling(tokenizer)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
@@ -129,7 +136,7 @@ class HermesParser(ToolParser):
         schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON: no room to ramble in whitespace
         repeat = ' ("\\n" call)*' if parallel else ""
         return (f"start: call{repeat}\n"
-                f'call: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
+                f'call: {self.tags.lark(self.OPEN)} "\\n" body "\\n" {self.tags.lark(self.CLOSE)}\n'
                 f"body: %json {json.dumps(schema)}\n")
 
 
@@ -269,9 +276,9 @@ SETTING = "serving.tool_call_parser"
 TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),)
 
 
-def get_tool_parser(name: str = DEFAULT_TOOL_PARSER) -> ToolParser:
+def get_tool_parser(name: str = DEFAULT_TOOL_PARSER, tokenizer: Any | None = None) -> ToolParser:
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](tokenizer)
     except KeyError:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
 
@@ -285,12 +292,13 @@ def check_tool_parser_setting(name: str) -> None:
                           f"{[AUTO, *sorted(TOOL_PARSERS)]}")
 
 
-def tool_parser_for(setting: str, chat_template: str | None) -> ToolParser:
-    """The parser ``serving.tool_call_parser`` names, or with ``auto`` the one for the template's family."""
+def tool_parser_for(setting: str, chat_template: str | None, tokenizer: Any | None = None) -> ToolParser:
+    """The parser ``serving.tool_call_parser`` names, or with ``auto`` the one for the template's family,
+    bound to ``tokenizer`` (how it spells the family's tags)."""
     check_tool_parser_setting(setting)
     if setting != AUTO:
-        return get_tool_parser(setting)
+        return get_tool_parser(setting, tokenizer)
     for marker, name in TEMPLATE_FAMILIES:
         if chat_template and marker in chat_template:
-            return get_tool_parser(name)
-    return get_tool_parser(DEFAULT_TOOL_PARSER)
+            return get_tool_parser(name, tokenizer)
+    return get_tool_parser(DEFAULT_TOOL_PARSER, tokenizer)
