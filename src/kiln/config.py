@@ -133,6 +133,9 @@ class ServingSettings(_Section):
     # how tool calls are read from the model's text (as vLLM's --tool-call-parser): "auto" picks by the
     # chat template's family; a name picks that parser (kiln.serving.tool_parsers; checked at start-up)
     tool_call_parser: str = Field("auto", min_length=1, max_length=64)
+    # how reasoning is told apart from the answer (as vLLM's --reasoning-parser): "auto" picks by the chat
+    # template's family, "none" turns it off, a name picks that parser (kiln.serving.reasoning; checked at start-up)
+    reasoning_parser: str = Field("auto", min_length=1, max_length=64)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

@@ -43,3 +43,12 @@ class TagSpelling:
         single added token, else the quoted text."""
         tid = self.single_token(tag)
         return f"<[{tid}]>" if tid is not None else json.dumps(tag)
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: text a stream holds back,
+    since the next piece may complete the tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

@@ -28,7 +28,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kiln.serving.tags import TagSpelling
+from kiln.serving.tags import TagSpelling, partial_suffix
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class _HermesStream(StreamState):
             if not self._in_call:
                 i = self._buf.find(self._p.OPEN)
                 if i < 0:
-                    hold = _partial_suffix(self._buf, self._p.OPEN)
+                    hold = partial_suffix(self._buf, self._p.OPEN)
                     out.append(self._content(self._buf[: len(self._buf) - hold]))
                     self._buf = self._buf[len(self._buf) - hold:]
                     break
@@ -238,7 +238,7 @@ class _HermesStream(StreamState):
                 self._in_call = True
             j = self._buf.find(self._p.CLOSE)
             if j < 0:
-                hold = _partial_suffix(self._buf, self._p.CLOSE)
+                hold = partial_suffix(self._buf, self._p.CLOSE)
                 self._body += self._buf[: len(self._buf) - hold]
                 self._buf = self._buf[len(self._buf) - hold:]
                 self._progress(deltas)
@@ -257,14 +257,6 @@ class _HermesStream(StreamState):
             self._close(False, out, deltas)
             return "".join(out), deltas
         return self._content(rest), deltas
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (held back)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
