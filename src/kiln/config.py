@@ -136,6 +136,9 @@ class ServingSettings(_Section):
     # how reasoning is told apart from the answer (as vLLM's --reasoning-parser): "auto" picks by the chat
     # template's family, "none" turns it off, a name picks that parser (kiln.serving.reasoning; checked at start-up)
     reasoning_parser: str = Field("auto", min_length=1, max_length=64)
+    # reasoning tokens a chat answer may spend before the span is closed for it (requests' thinking_token_budget
+    # when they omit it); None: unlimited. Only with a reasoning parser.
+    thinking_token_budget: int | None = Field(None, ge=0, le=1_048_576)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

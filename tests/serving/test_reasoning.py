@@ -157,9 +157,12 @@ def test_training_examples_render_reasoning_content_through_the_template():
 # -- served -----------------------------------------------------------------------------------------------
 
 
-def _serve(model: Path, tmp_path_factory, name: str):
+R1_DEFAULT_BUDGET = 6
+
+
+def _serve(model: Path, tmp_path_factory, name: str, env: dict[str, str] | None = None):
     home = tmp_path_factory.mktemp(name)
-    return start_server(model, home, extra_args=["--no-training", "--max-model-len", "2048"], env_extra={},
+    return start_server(model, home, extra_args=["--no-training", "--max-model-len", "2048"], env_extra=env or {},
                         config=None)
 
 
@@ -173,7 +176,7 @@ def qwen3_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def r1_server(tmp_path_factory):
     srv = _serve(real_model_dir("deepseek_v3", chat_template=r1_template(), tag="r1"), tmp_path_factory,
-                 "reason-r1")
+                 "reason-r1", {"KILN_SERVING_THINKING_TOKEN_BUDGET": str(R1_DEFAULT_BUDGET)})
     yield srv
     stop_server(srv)
 
@@ -191,10 +194,12 @@ def _raw(srv, messages, **kw) -> str:
 
 
 def test_open_span_makes_the_answer_reasoning_stream_and_whole(r1_server):
-    """The R1-style prompt opens ``<think>``: a random model never closes it, so its whole answer is
-    reasoning, read by the official client through ``model_extra`` and streamed as ``delta.reasoning_content``."""
+    """The R1-style prompt opens ``<think>``: a random model never closes it, so with an unlimited budget
+    (JSON null) its whole answer is reasoning, read by the official client through ``model_extra`` and
+    streamed as ``delta.reasoning_content``."""
     client = _client(r1_server)
-    kw = dict(model=r1_server.model_id, messages=MESSAGES, max_tokens=24, temperature=0)
+    kw = dict(model=r1_server.model_id, messages=MESSAGES, max_tokens=24, temperature=0,
+              extra_body={"thinking_token_budget": None})
     whole = client.chat.completions.create(**kw).choices[0]
     raw = _raw(r1_server, MESSAGES, max_tokens=24, temperature=0)
     assert whole.message.model_extra["reasoning_content"] == raw.strip("\n") and raw.strip("\n")
@@ -257,3 +262,51 @@ def test_assistant_reasoning_content_goes_back_through_the_template(qwen3_server
                      json={"model": qwen3_server.model_id, "max_tokens": 2,
                            "messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]})
     assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("budget", [None, 2])  # None: omitted, the server default applies
+def test_thinking_budget_closes_the_span_and_the_answer_follows(r1_server, budget):
+    client = _client(r1_server)
+    n = R1_DEFAULT_BUDGET if budget is None else budget
+    extra = {} if budget is None else {"extra_body": {"thinking_token_budget": budget}}
+    kw = dict(model=r1_server.model_id, messages=MESSAGES, max_tokens=n + 20, temperature=0, **extra)
+    whole = client.chat.completions.create(**kw).choices[0]
+    raw = _raw(r1_server, MESSAGES, max_tokens=n, temperature=0)  # the model's own first n tokens
+    assert whole.message.model_extra["reasoning_content"] == (raw.strip("\n") or None)
+    assert whole.message.content  # the answer continues after the closing sequence
+    streamed_r, streamed_c = "", ""
+    for ev in client.chat.completions.create(**kw, stream=True):
+        d = ev.choices[0].delta
+        streamed_r += (d.model_extra or {}).get("reasoning_content") or ""
+        streamed_c += d.content or ""
+    assert (streamed_r or None, streamed_c) == (whole.message.model_extra["reasoning_content"], whole.message.content)
+
+
+def test_forced_tool_call_after_budgeted_reasoning(r1_server):
+    """The forcing grammar starts where the answer does: reasoning first, then a parsed, valid call."""
+    import jsonschema
+
+    tool = {"type": "function", "function": {"name": "is_prime", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"], "additionalProperties": False}}}
+    r = _client(r1_server).chat.completions.create(
+        model=r1_server.model_id, messages=MESSAGES, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=80, temperature=0, extra_body={"thinking_token_budget": 3})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    assert c.message.model_extra["reasoning_content"]
+    call = c.message.tool_calls[0]
+    assert call.function.name == "is_prime"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_budget_without_a_reasoning_parser_is_400(http, server):
+    r = http.post("/v1/chat/completions", json={"model": server.model_id, "messages": MESSAGES, "max_tokens": 2,
+                                                "thinking_token_budget": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    ok = http.post("/v1/chat/completions", json={"model": server.model_id, "messages": MESSAGES, "max_tokens": 2,
+                                                 "thinking_token_budget": None})
+    assert ok.status_code == 200
+    neg = http.post("/v1/chat/completions", json={"model": server.model_id, "messages": MESSAGES, "max_tokens": 2,
+                                                  "thinking_token_budget": -1})
+    assert neg.status_code == 400

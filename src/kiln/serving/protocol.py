@@ -278,6 +278,11 @@ class ChatCompletionRequest(_Sampling):
         None, description="vLLM: extra variables for the chat template (e.g. Qwen3's enable_thinking: false); "
                           f"at most {MAX_TEMPLATE_KWARGS} keys, scalar values, names the server passes itself refused")
 
+    thinking_token_budget: int | None = Field(
+        None, ge=0, le=MAX_TOKENS, description="reasoning tokens the answer may spend before the server closes "
+        "the reasoning span and the answer follows; omitted: serving.thinking_token_budget; null: unlimited. Needs "
+        "a reasoning parser")
+
     _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
 

@@ -20,8 +20,10 @@ runs the same state machine, so the two never disagree. Tool-call parsing runs o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from kiln.errors import InvalidRequest
 from kiln.serving.tags import partial_suffix
 
 AUTO, NONE = "auto", "none"
@@ -32,6 +34,7 @@ PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens decoded to see whether it le
 class ReasoningParser:
     name = ""
     START, END = "<think>", "</think>"
+    CLOSING = "\n</think>\n\n"  # what a thinking budget writes to close the span (as the templates render it)
     starts_open = False  # the answer begins inside the span unless the prompt closed one
 
     def opened_by(self, prompt_tail: str) -> bool:
@@ -166,6 +169,32 @@ def reasoning_parser_for(setting: str, chat_template: str | None) -> ReasoningPa
         if chat_template and all(m in chat_template for m in markers):
             return REASONING_PARSERS[name]()
     return None
+
+
+def closing_ids(parser: ReasoningParser, tokens: Any) -> list[int]:
+    """The token IDs a thinking budget writes to close ``parser``'s span: its :attr:`~ReasoningParser.CLOSING`
+    text (else the bare end tag) as the tokenizer encodes it, validated by decoding it back to the same text."""
+    for text in (parser.CLOSING, parser.END):
+        ids = list(tokens.encode_text(text))
+        if ids and tokens.decode(ids) == text:
+            return ids
+    raise InvalidRequest(f"this tokenizer cannot write {parser.END!r} so that it decodes back to itself, so a "
+                         "thinking budget cannot close the reasoning span", code="invalid_request",
+                         param="thinking_token_budget", hint="drop thinking_token_budget")
+
+
+def with_thinking_budget(params: list[Any], parser: ReasoningParser | None, opened: bool, budget: int | None,
+                         tokens: Any) -> list[Any]:
+    """``params`` (``SamplingParams``) with each row's :class:`~kiln.runtime.thinking.ThinkingBudget`, when it
+    has work: a budget to enforce, or a grammar that must wait until a span the prompt opened has closed."""
+    if parser is None or (budget is None and not (opened and any(p.constraint is not None for p in params))):
+        return params
+    from kiln.runtime.thinking import ThinkingBudget
+
+    closing = closing_ids(parser, tokens)
+    return [dataclasses.replace(p, constraint=ThinkingBudget(
+        budget=budget, opened=opened, closing=closing, start_tag=parser.START, end_tag=parser.END,
+        token_text=tokens.token_text, inner=p.constraint)) for p in params]
 
 
 def prompt_opens_span(parser: ReasoningParser, tokens: Any, prompt_ids: list[int]) -> bool:

@@ -54,7 +54,7 @@ from kiln.serving.protocol import (
     TokenizeResponse,
 )
 from kiln.serving.state import KilnState, get_state
-from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, reasoning_parser_for
+from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, reasoning_parser_for, with_thinking_budget
 from kiln.serving.tool_parsers import ToolParser, tool_parser_for
 
 router = APIRouter()
@@ -224,6 +224,17 @@ def _reasoning_parser(state) -> ReasoningParser | None:
         state.extras["reasoning_parser"] = reasoning_parser_for(state.settings.serving.reasoning_parser,
                                                                 template if isinstance(template, str) else None)
     return state.extras["reasoning_parser"]
+
+
+def _thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
+    """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
+    if "thinking_token_budget" not in req.model_fields_set:
+        return state.settings.serving.thinking_token_budget if reasoner is not None else None
+    if req.thinking_token_budget is not None and reasoner is None:
+        raise InvalidRequest("thinking_token_budget needs a reasoning parser, and this server has none for its "
+                             "chat template", code="invalid_request", param="thinking_token_budget",
+                             hint="drop thinking_token_budget, or start the server with --reasoning-parser")
+    return req.thinking_token_budget
 
 
 def _tools_on(req) -> bool:
@@ -712,7 +723,9 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     prompt = await _render_chat(state, body)
     opened = reasoner is not None and prompt_opens_span(reasoner, state.engine.tokens, prompt)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
-    sub = _submit(state, prompt, _params(state, body, max_tokens, logprobs), adapter, body.stream)
+    params = with_thinking_budget(_params(state, body, max_tokens, logprobs), reasoner, opened,
+                                  _thinking_budget(state, body, reasoner), state.engine.tokens)
+    sub = _submit(state, prompt, params, adapter, body.stream)
     headers = {**_revision_header(sub, adapter, state), **extra_headers}
     rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
