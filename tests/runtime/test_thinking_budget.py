@@ -83,3 +83,35 @@ def test_grammar_starts_after_the_budget_closed_the_span(engine):
     reasoning, content = parser.split(out.text, True)
     assert out.finish_reason == "stop", out.text
     assert json.loads(content) in ({"ok": True}, {"ok": False})
+
+
+def test_span_the_answer_opens_is_budgeted_too():
+    """Without an open prompt, a Qwen3 answer that starts with ``<think>`` (one added token, after optional
+    whitespace) opens the span; the budget counts from the token after it, and an answer that starts with
+    anything else is never touched."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.thinking import ThinkingBudget
+    from kiln.runtime.tokenization import Tokenization
+
+    tokens = Tokenization(AutoTokenizer.from_pretrained(real_model_dir("qwen3")))
+    parser = Qwen3ReasoningParser()
+    closing = closing_ids(parser, tokens)
+
+    def forced_after(text: str, budget: int) -> int | None:
+        ids = tokens.encode_text(text)
+        b = ThinkingBudget(budget=budget, opened=False, closing=closing, start_tag=parser.START,
+                           end_tag=parser.END, token_text=tokens.token_text)
+        for k in range(len(ids) + 1):
+            logits = torch.zeros(1, tokens.vocab_size)
+            ThinkingBudget.mask_rows(logits, [(0, b, ids[:k])])
+            if torch.isinf(logits).any():
+                assert int(logits.argmax()) == closing[0] and torch.isfinite(logits).sum() == 1
+                return k
+        return None
+
+    opened_at = len(tokens.encode_text("\n<think>"))
+    assert forced_after("\n<think>\nsome careful thought about it", 3) == opened_at + 3
+    assert forced_after("<think>\nshort</think>\n\nthe answer goes on and on", 3) is None  # closed by the model
+    assert forced_after("no span here, just an answer that goes on", 1) is None

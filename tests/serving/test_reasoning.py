@@ -310,3 +310,14 @@ def test_budget_without_a_reasoning_parser_is_400(http, server):
     neg = http.post("/v1/chat/completions", json={"model": server.model_id, "messages": MESSAGES, "max_tokens": 2,
                                                   "thinking_token_budget": -1})
     assert neg.status_code == 400
+
+
+def test_tool_calls_are_read_from_the_content_part():
+    from kiln.serving.tool_parsers import get_tool_parser
+
+    text = ('<think>\nThe user wants <tool_call> syntax? No, a call.\n</think>\n\n'
+            '<tool_call>\n{"name": "is_prime", "arguments": {"n": 7}}\n</tool_call>')
+    reasoning, content = Qwen3ReasoningParser().split(text, False)
+    assert reasoning == "The user wants <tool_call> syntax? No, a call."
+    rest, calls = get_tool_parser("hermes").parse(content)
+    assert rest is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("is_prime", {"n": 7})]
