@@ -93,6 +93,7 @@ class LimitsSettings(_Section):
     max_stop_sequences: int = Field(8, ge=0, le=64)
     max_logprobs: int = Field(20, ge=0, le=1000)
     max_prompt_logprobs: int = Field(20, ge=0, le=1000)
+    max_batch_prompts: int = Field(64, ge=1, le=256)  # prompts in one POST /v1/completions/batch
 
 
 class TrainingSettings(_Section):

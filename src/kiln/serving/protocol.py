@@ -311,6 +311,16 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class BatchCompletionRequest(_Sampling):
+    """``POST /v1/completions/batch``: a bounded set of prompts (strings or token-ID lists, mixed), each with ``n``
+    choices, answered in one response once every row has finished."""
+
+    prompts: Annotated[list[PromptText | PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+        description=f"at most limits.max_batch_prompts (default 64, never more than {MAX_PROMPTS})")
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
 class TokenizeCompletionRequest(_Request):
     """``POST /tokenize`` with a text prompt (vLLM's shape)."""
 
@@ -433,6 +443,28 @@ class CompletionResponse(_Response):
     model: str
     system_fingerprint: str
     choices: list[CompletionChoice]
+    usage: Usage
+
+
+class BatchChoice(_Response):
+    index: int = Field(description="the choice's index among its prompt's n choices")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class BatchResult(_Response):
+    index: int = Field(description="the prompt's position in the request's prompts")
+    choices: list[BatchChoice]
+
+
+class BatchCompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion.batch"] = "text_completion.batch"
+    created: int
+    model: str
+    system_fingerprint: str
+    results: list[BatchResult]
     usage: Usage
 
 
