@@ -139,3 +139,18 @@ def test_template_rendered_calls_parse_after_token_decoding(family):
                 got[d.index] = [d.name, ""]
             got[d.index][1] += d.arguments
     assert [(n, json.loads(a)) for n, a in got.values()] == calls
+
+
+def test_streamed_text_matches_the_whole_answer(family_server, client):
+    """A random model's output is full of multi-byte characters cut across tokens: streamed, the pieces still
+    add up to the non-streamed answer (reasoning and content alike)."""
+    _, srv = family_server
+    kw = dict(model=srv.model_id, messages=[{"role": "user", "content": "Grüße aus Köln 🙂"}], max_tokens=40,
+              temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message
+    content, reasoning = "", ""
+    for ev in client.chat.completions.create(**kw, stream=True):
+        content += ev.choices[0].delta.content or ""
+        reasoning += (ev.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+    assert content == (whole.content or "")
+    assert reasoning == ((whole.model_extra or {}).get("reasoning_content") or "")
