@@ -42,7 +42,7 @@ class TagSpelling:
         """A Lark (llguidance) expression matching ``tag`` as the model writes it: ``<[id]>`` for a
         single added token, else the quoted text."""
         tid = self.single_token(tag)
-        return f"<[{tid}]>" if tid is not None else json.dumps(tag)
+        return f"<[{tid}]>" if tid is not None else json.dumps(tag, ensure_ascii=False)
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -259,13 +259,99 @@ class _HermesStream(StreamState):
         return self._content(rest), deltas
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
+class DeepSeekV3Parser(ToolParser):
+    """DeepSeek V3/R1 templates: calls in one ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`` section, each
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the arguments in a fenced ``json`` block and
+    ``<｜tool▁call▁end｜>``, calls apart by a newline (the tags are single added tokens in DeepSeek's tokenizer).
+    The content is the text before the section; a section with no well-formed call stays content whole. A
+    stream sends each call whole once its end tag arrives."""
+
+    name = "deepseek_v3"
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>([^\n<]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>",
+                       re.DOTALL)
+
+    @classmethod
+    def calls_in(cls, section: str) -> list[tuple[int, ParsedCall]]:
+        """The well-formed calls in ``section`` (the text after the opening tag), each with where it ends."""
+        out = []
+        for m in cls._CALL.finditer(section):
+            try:
+                args = json.loads(m.group(3))
+            except ValueError:
+                continue
+            if m.group(1) == "function" and isinstance(args, dict):
+                out.append((m.end(), ParsedCall(m.group(2).strip(), m.group(3))))
+        return out
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        i = text.find(self.OPEN)
+        calls = [c for _, c in self.calls_in(text[i + len(self.OPEN):])] if i >= 0 else []
+        if not calls:
+            return (text or None), []
+        return (text[:i].strip() or None), calls
+
+    def stream(self) -> StreamState:
+        return _DeepSeekStream(self)
+
+    def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        t = self.tags.lark
+        rules = []
+        for k, tool in enumerate(tools):
+            schema = dict(tool.get("parameters") or {"type": "object"})
+            schema["x-guidance"] = {"whitespace_flexible": False}
+            rules.append(f'call{k}: {t(self.CALL)} "function" {t(self.SEP)} {json.dumps(tool["name"] + chr(10), ensure_ascii=False)} '
+                         f'"```json\\n" args{k} "\\n```" {t(self.CALL_END)}\n'
+                         f"args{k}: %json {json.dumps(schema)}\n")
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (f"start: {t(self.OPEN)} call{repeat} {t(self.CLOSE)}\n"
+                f"call: {' | '.join(f'call{k}' for k in range(len(tools)))}\n" + "".join(rules))
+
+
+class _DeepSeekStream(StreamState):
+    def __init__(self, parser: DeepSeekV3Parser):
+        self._p = parser
+        self._buf = ""  # before the section: text held back (a possible opening tag)
+        self._section: str | None = None  # the section's text so far, once opened
+        self._sent = 0  # calls sent
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self._section is None:
+            self._buf += text
+            i = self._buf.find(self._p.OPEN)
+            if i < 0:
+                hold = partial_suffix(self._buf, self._p.OPEN)
+                out, self._buf = self._buf[:len(self._buf) - hold], self._buf[len(self._buf) - hold:]
+                return out, []
+            out, self._section, self._buf = self._buf[:i], self._buf[i + len(self._p.OPEN):], ""
+            return out, self._new_calls()
+        self._section += text
+        return "", self._new_calls()
+
+    def _new_calls(self) -> list[CallDelta]:
+        found = self._p.calls_in(self._section or "")
+        out = [CallDelta(k, c.arguments, c.id, c.name) for k, (_, c) in enumerate(found) if k >= self._sent]
+        self._sent = self.calls = len(found)
+        return out
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._section is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        if not self._sent:  # no well-formed call: the section was content after all
+            return self._p.OPEN + self._section, []
+        return "", []
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser, DeepSeekV3Parser.name: DeepSeekV3Parser}
 DEFAULT_TOOL_PARSER = HermesParser.name
 AUTO = "auto"
 SETTING = "serving.tool_call_parser"
 # template families for ``auto``: a marker the chat template writes -> the parser that reads it, first
 # match wins; a template with none of them (or no tools section) gets DEFAULT_TOOL_PARSER
-TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),)
+TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),
+                                                  (DeepSeekV3Parser.OPEN, DeepSeekV3Parser.name))
 
 
 def get_tool_parser(name: str = DEFAULT_TOOL_PARSER, tokenizer: Any | None = None) -> ToolParser:
