@@ -18,6 +18,8 @@ it); a body that does not start ``{"name": "...", "arguments": {`` is sent whole
 block closes. Streaming cannot take back what was sent: a block whose arguments began to
 stream but that does not end as valid JSON stays a call with the text sent so far (with
 ``required`` or a named ``tool_choice`` the grammar rules that out).
+
+``deepseek_v3`` (DeepSeek V3 and R1 templates): see :class:`DeepSeekV3Parser`.
 """
 
 from __future__ import annotations
