@@ -793,6 +793,8 @@ def _parsed_chunks(parser: ToolParser | None, reasoner: ReasoningParser | None, 
     the choice called a tool."""
     states = [parser.stream() for _ in range(n)] if parser is not None else None
     splits = [reasoner.stream(opened) for _ in range(n)] if reasoner is not None else None
+    fast_content = _DeltaFrame(base, '"delta":{"content":')
+    fast_reasoning = _DeltaFrame(base, '"delta":{"reasoning_content":')
 
     def event(i: int, delta: dict, lp: dict | None = None, reason: str | None = None) -> bytes:
         return _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
@@ -810,6 +812,10 @@ def _parsed_chunks(parser: ToolParser | None, reasoner: ReasoningParser | None, 
             if reason is not None:
                 tail, more = states[i].finish()
                 text, deltas = text + tail, deltas + more
+        if reason is None and logprobs is None and not deltas and not (thought and text):
+            if thought:  # the per-token path while reasoning, then while answering: pre-encoded frames
+                return fast_reasoning(i, thought)
+            return fast_content(i, text) if text else b""
         lp = _chat_logprobs(c.tokens, tt) if logprobs is not None else None
         frames = []
         if thought:

@@ -48,6 +48,8 @@ class TagSpelling:
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: text a stream holds back,
     since the next piece may complete the tag."""
+    if tag[:1] not in text[-(len(tag) - 1):]:  # the common case: no tag can be starting
+        return 0
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
