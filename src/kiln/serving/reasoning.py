@@ -77,8 +77,6 @@ class ReasoningStream:
         self._state = _THINK if opened else _START
         self._fresh = True  # in _THINK: no reasoning text released yet (its leading newlines are dropped)
         self._buf = ""
-        self.ended = False  # the span closed (an answer follows)
-        self.in_reasoning = opened
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -89,7 +87,7 @@ class ReasoningStream:
                 head = self._buf.lstrip()
                 if head.startswith(self._p.START):
                     self._buf = head[len(self._p.START):]
-                    self._state, self.in_reasoning = _THINK, True
+                    self._state = _THINK
                     continue
                 if self._p.START.startswith(head):  # whitespace, or a tag still arriving
                     break
@@ -104,7 +102,7 @@ class ReasoningStream:
                 if j >= 0:
                     reasoning.append(self._release(self._buf[:j].rstrip("\n")))
                     self._buf = self._buf[j + len(self._p.END):]
-                    self._state, self.in_reasoning, self.ended = _AFTER, False, True
+                    self._state = _AFTER
                     continue
                 hold = partial_suffix(self._buf, self._p.END)
                 body = self._buf[:len(self._buf) - hold]
