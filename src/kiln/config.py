@@ -95,6 +95,7 @@ class LimitsSettings(_Section):
     max_prompt_logprobs: int = Field(20, ge=0, le=1000)  # top logprobs per prompt token (scoring; 0 disables the teacher fingerprint)
     grammar_compile_timeout_s: float = Field(2.0, gt=0.0, le=60.0)  # structured output: compile deadline
     grammar_cache_mib: int = Field(64, ge=0, le=65_536)  # compiled grammars kept (estimated resident MiB)
+    max_batch_prompts: int = Field(64, ge=1, le=256)  # prompts in one POST /v1/completions/batch
 
 
 class TrainingSettings(_Section):
@@ -140,6 +141,12 @@ class ServingSettings(_Section):
     # how tool calls are read from the model's text (as vLLM's --tool-call-parser): "auto" picks by the
     # chat template's family; a name picks that parser (kiln.serving.tool_parsers; checked at start-up)
     tool_call_parser: str = Field("auto", min_length=1, max_length=64)
+    # how reasoning is told apart from the answer (as vLLM's --reasoning-parser): "auto" picks by the chat
+    # template's family, "none" turns it off, a name picks that parser (kiln.serving.reasoning; checked at start-up)
+    reasoning_parser: str = Field("auto", min_length=1, max_length=64)
+    # reasoning tokens a chat answer may spend before the span is closed for it (requests' thinking_token_budget
+    # when they omit it); None: unlimited. Only with a reasoning parser.
+    thinking_token_budget: int | None = Field(None, ge=0, le=1_048_576)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts

@@ -62,6 +62,13 @@ def test_completion_json(client, secure_server, variant):
     p.CompletionResponse.model_validate(r.json())
 
 
+def test_batch_completion_json(client, secure_server):
+    r = client.post("/v1/completions/batch", json={"model": secure_server.model_id, "prompts": ["a", [5, 6]],
+                                                    "n": 2, "max_tokens": 3, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    p.BatchCompletionResponse.model_validate(r.json())
+
+
 STREAM_VARIANTS = [{}, {"stream_options": {"include_usage": True}}, {"n": 2, "seed": 4, "temperature": 1.0},
                    {"logprobs_variant": True}, {"tools_variant": True}]
 
@@ -93,6 +100,7 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 999}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, 400),
+    ("/v1/completions/batch", {"model": "m", "prompts": []}, 400),
     ("/v1/train/sft", {"adapter": "bad name!"}, 400),
     ("/v1/train/grpo", {"adapter": "g", "groups": []}, 400),
     ("/v1/train/kd", {"adapter": "k"}, 400),

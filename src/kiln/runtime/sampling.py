@@ -190,8 +190,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], rows: 
             x -= counts * p.frequency_penalty + (counts > 0).to(out.dtype) * p.presence_penalty
         if p.constraint is not None:
             constrained.append((i, p.constraint, generated))
-    if constrained:  # last, all rows at once: penalties cannot revive a token the grammar forbids
-        type(constrained[0][1]).mask_rows(out, constrained)
+    # last, all rows of a kind at once (grammars, thinking budgets): penalties cannot revive a token they forbid
+    for kind, items in _by_kind(constrained, 1).items():
+        kind.mask_rows(out, items)
     return out
 
 
@@ -244,9 +245,18 @@ def select_tokens(
             if k:
                 out[i].top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
     advance = [(p.constraint, ids[i]) for i, p in enumerate(params) if p.constraint is not None]
-    if advance:  # grammar rows: consume the picked tokens and prepare the next masks off this thread
-        type(advance[0][0]).advance_rows(advance)
+    # constrained rows: consume the picked tokens (grammars prepare their next masks off this thread)
+    for kind, items in _by_kind(advance, 0).items():
+        kind.advance_rows(items)
     return out
+
+
+def _by_kind(items: list[tuple], at: int) -> dict[type, list[tuple]]:
+    """``items`` grouped by the type of their constraint (``item[at]``), order kept within each group."""
+    groups: dict[type, list[tuple]] = {}
+    for item in items:
+        groups.setdefault(type(item[at]), []).append(item)
+    return groups
 
 
 def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator | None:

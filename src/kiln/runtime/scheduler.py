@@ -786,7 +786,7 @@ class Scheduler:
             reason = None
             if (tok in row.eos_ids and not row.params.ignore_eos) or tok in row.params.stop_token_ids:
                 c = row.params.constraint
-                reason = "grammar_error" if c is not None and c.error is not None else "stop"
+                reason = "grammar_error" if getattr(c, "error", None) is not None else "stop"
                 text = ""
             else:
                 text = row.text.push(tok)

@@ -23,13 +23,15 @@ class Tokenization:
         self.eos_ids = self._eos_ids(model)
         self._token_text: dict[int, str] = {}
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template's text for ``messages`` (and ``tools``, OpenAI's tool list, for templates
-        that show them), ready for the assistant's turn."""
+        that show them; ``template_kwargs``, extra template variables such as ``enable_thinking``), ready
+        for the assistant's turn."""
+        extra = dict(template_kwargs or {})
         if tools:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            extra["tools"] = tools
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
     def warm(self) -> None:
         """Render a one-message chat once, so the chat template is compiled (jinja, ~20-25 ms for a
@@ -40,9 +42,10 @@ class Tokenization:
         except Exception:  # the template's own checks (roles, order): compiled before they ran
             pass
 
-    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat template's text, tokenized as ``apply_chat_template(tokenize=True)`` would."""
-        return self.encode_text(self.render_chat(messages, tools))
+        return self.encode_text(self.render_chat(messages, tools, template_kwargs))
 
     def encode_text(self, text: str) -> list[int]:
         """Short texts go straight to the Rust tokenizer's single ``encode``: ~80 us less than the

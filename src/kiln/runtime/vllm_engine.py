@@ -160,6 +160,11 @@ class LoraTable:
 def completion_body(model: str, prompt_ids: list[int], p: SamplingParams) -> dict[str, Any]:
     """vLLM ``/v1/completions`` body for one row; Kiln-only features are refused first."""
     if p.constraint is not None:
+        from kiln.runtime.thinking import ThinkingBudget  # only with a constraint (a grammar imports torch too)
+
+        if isinstance(p.constraint, ThinkingBudget):
+            raise UnsupportedOnVllm("thinking budgets are not forwarded to the vLLM engine",
+                                    param="thinking_token_budget")
         raise UnsupportedOnVllm("structured output (response_format, tool_choice, guided_*) is not forwarded to "
                                 "the vLLM engine", param="response_format")
     if p.bad_words:

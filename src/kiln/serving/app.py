@@ -93,6 +93,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_teachers.router,)
     from kiln.serving import routes_openenv  # noqa: E402  (OpenEnv runs -> GRPO; docs/openenv.md)
     routers += (routes_openenv.router,)
+    from kiln.serving import routes_batch  # noqa: E402  (POST /v1/completions/batch)
+    routers += (routes_batch.router,)
     for router in routers:
         app.include_router(router)
     install_openapi(app, kiln_state.model_id)

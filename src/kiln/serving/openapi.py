@@ -104,6 +104,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
                                                stream_event=p.ChatCompletionChunk),
     ("post", "/v1/completions"): RouteDoc(p.CompletionResponse, _GENERATION_ERRORS, stream_event=p.CompletionChunk),
+    ("post", "/v1/completions/batch"): RouteDoc(p.BatchCompletionResponse, _GENERATION_ERRORS),
     ("get", "/v1/models"): RouteDoc(p.ModelList, ()),
     ("post", "/tokenize"): RouteDoc(p.TokenizeResponse, (400, 404)),
     ("post", "/detokenize"): RouteDoc(p.DetokenizeResponse, (400, 404)),
@@ -212,6 +213,9 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("post", "/v1/completions"): {
         "completion": {"prompt": "The river", "max_tokens": 8, "presence_penalty": 0.5},
         "batch": {"prompt": ["The river", "Once upon"], "max_tokens": 4, "echo": True, "logprobs": 1},
+    },
+    ("post", "/v1/completions/batch"): {
+        "batch": {"prompts": ["The river", [5, 6, 7]], "max_tokens": 4, "n": 2},
     },
 }
 

@@ -129,11 +129,15 @@ class ChatMessage(_Request):
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(
         None, description="assistant messages: the calls the model made")
     tool_call_id: ToolCallId | None = Field(None, description="tool messages: the call this result answers")
+    reasoning_content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = Field(
+        None, description="assistant messages (vLLM): the turn's reasoning, rendered by templates that show it")
 
     @model_validator(mode="after")
     def _roles(self) -> "ChatMessage":
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
@@ -235,6 +239,28 @@ class _Sampling(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+MAX_TEMPLATE_KWARGS = 16
+TemplateKwargName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateKwargValue = bool | int | float | Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None
+# apply_chat_template's own parameters and the variables it sets itself: a request cannot override them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now", "bos_token",
+    "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+})
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    bad = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise ValueError(f"chat_template_kwargs cannot set {bad}: the server sets them itself")
+    return value
+
+
+ChatTemplateKwargs = Annotated[dict[TemplateKwargName, TemplateKwargValue], Field(max_length=MAX_TEMPLATE_KWARGS)]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
@@ -248,6 +274,16 @@ class ChatCompletionRequest(_Sampling):
                           "function: enforced by constrained decoding")
     parallel_tool_calls: bool | None = Field(None, description="with required: allow more than one call "
                                                                "(default true)")
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(
+        None, description="vLLM: extra variables for the chat template (e.g. Qwen3's enable_thinking: false); "
+                          f"at most {MAX_TEMPLATE_KWARGS} keys, scalar values, names the server passes itself refused")
+
+    thinking_token_budget: int | None = Field(
+        None, ge=0, le=MAX_TOKENS, description="reasoning tokens the answer may spend before the server closes "
+        "the reasoning span and the answer follows; omitted: serving.thinking_token_budget; null: unlimited. Needs "
+        "a reasoning parser")
+
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
@@ -275,6 +311,16 @@ class CompletionRequest(_Sampling):
         return v
 
 
+class BatchCompletionRequest(_Sampling):
+    """``POST /v1/completions/batch``: a bounded set of prompts (strings or token-ID lists, mixed), each with ``n``
+    choices, answered in one response once every row has finished."""
+
+    prompts: Annotated[list[PromptText | PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+        description=f"at most limits.max_batch_prompts (default 64, never more than {MAX_PROMPTS})")
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
 class TokenizeCompletionRequest(_Request):
     """``POST /tokenize`` with a text prompt (vLLM's shape)."""
 
@@ -291,8 +337,11 @@ class TokenizeChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: ChatTemplateKwargs | None = Field(None, description="as on /v1/chat/completions")
     add_special_tokens: bool = False
     return_token_strs: bool = False
+
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
 
 class DetokenizeRequest(_Request):
@@ -344,6 +393,8 @@ class ToolCall(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, description="with a reasoning parser (serving.reasoning_parser): "
+                                                           "the answer's reasoning, apart from content (vLLM)")
     tool_calls: list[ToolCall] | None = None
 
 
@@ -392,6 +443,28 @@ class CompletionResponse(_Response):
     model: str
     system_fingerprint: str
     choices: list[CompletionChoice]
+    usage: Usage
+
+
+class BatchChoice(_Response):
+    index: int = Field(description="the choice's index among its prompt's n choices")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class BatchResult(_Response):
+    index: int = Field(description="the prompt's position in the request's prompts")
+    choices: list[BatchChoice]
+
+
+class BatchCompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion.batch"] = "text_completion.batch"
+    created: int
+    model: str
+    system_fingerprint: str
+    results: list[BatchResult]
     usage: Usage
 
 
@@ -459,6 +532,7 @@ class DeltaToolCall(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

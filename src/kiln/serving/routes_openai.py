@@ -55,6 +55,7 @@ from kiln.serving.protocol import (
     TokenizeResponse,
 )
 from kiln.serving.state import KilnState, get_state
+from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, reasoning_parser_for, with_thinking_budget
 from kiln.serving.tool_parsers import ToolParser, tool_parser_for
 
 router = APIRouter()
@@ -219,10 +220,31 @@ def _tool_parser(state) -> ToolParser:
     """The tool-call parser ``serving.tool_call_parser`` selects (``auto``: by the chat template's family)."""
     parser = state.extras.get("tool_parser")
     if parser is None:
-        template = getattr(state.engine.tokens.tokenizer, "chat_template", None)
+        tok = state.engine.tokens.tokenizer
+        template = getattr(tok, "chat_template", None)
         parser = state.extras["tool_parser"] = tool_parser_for(state.settings.serving.tool_call_parser,
-                                                               template if isinstance(template, str) else None)
+                                                               template if isinstance(template, str) else None, tok)
     return parser
+
+
+def _reasoning_parser(state) -> ReasoningParser | None:
+    """The reasoning parser ``serving.reasoning_parser`` selects (``auto``: by the chat template's family)."""
+    if "reasoning_parser" not in state.extras:
+        template = getattr(state.engine.tokens.tokenizer, "chat_template", None)
+        state.extras["reasoning_parser"] = reasoning_parser_for(state.settings.serving.reasoning_parser,
+                                                                template if isinstance(template, str) else None)
+    return state.extras["reasoning_parser"]
+
+
+def _thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
+    """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
+    if "thinking_token_budget" not in req.model_fields_set:
+        return state.settings.serving.thinking_token_budget if reasoner is not None else None
+    if req.thinking_token_budget is not None and reasoner is None:
+        raise InvalidRequest("thinking_token_budget needs a reasoning parser, and this server has none for its "
+                             "chat template", code="invalid_request", param="thinking_token_budget",
+                             hint="drop thinking_token_budget, or start the server with --reasoning-parser")
+    return req.thinking_token_budget
 
 
 def _tools_on(req) -> bool:
@@ -615,7 +637,8 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
     tok = state.engine.tokens.tokenizer
     if isinstance(body, TokenizeChatRequest):
         text = await _render_chat_text(state, body.messages, body.add_generation_prompt,
-                                       [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
+                                       [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                                       body.chat_template_kwargs)
     else:
         text = body.prompt
     ids = await asyncio.to_thread(lambda: list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"]))
@@ -635,11 +658,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
 
 
 async def _render_chat_text(state, messages_in, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
     """The chat template's text (``/tokenize``); template errors are the caller's input."""
     _check_messages(state, messages_in)
     messages = _template_messages(messages_in)
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
         return await asyncio.to_thread(state.engine.tokens.tokenizer.apply_chat_template, messages, tokenize=False,
                                        add_generation_prompt=add_generation_prompt, **extra)
@@ -676,6 +700,8 @@ def _template_messages(messages) -> list[dict[str, Any]]:
                                for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
         out.append(d)
     return out
 
@@ -702,9 +728,10 @@ async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
     size = sum(len(m["content"]) for m in messages)
     tools = _template_tools(req)
     tokens = state.engine.tokens
-    big = bool(tools) or size > LARGE_PROMPT_CHARS
+    big = bool(tools) or bool(req.chat_template_kwargs) or size > LARGE_PROMPT_CHARS
     try:
-        text = await asyncio.to_thread(tokens.render_chat, messages, tools) if big else tokens.render_chat(messages)
+        text = (await asyncio.to_thread(tokens.render_chat, messages, tools, req.chat_template_kwargs) if big
+                else tokens.render_chat(messages))
     except Exception as exc:  # template errors (e.g. a role the template rejects) are the caller's input
         raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error", hint="check message roles and order") from exc
     _check_fits(state, text, "messages")
@@ -737,9 +764,13 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     _check_limits(state, body, logprobs, body.stop_list())
     _check_tools(body)
     parser = _tool_parser(state) if _tools_on(body) else None
+    reasoner = _reasoning_parser(state)
     prompt = await _render_chat(state, body)
+    opened = reasoner is not None and prompt_opens_span(reasoner, state.engine.tokens, prompt)
     max_tokens = _max_tokens(state, body.max_completion_tokens or body.max_tokens, len(prompt))
-    sub = _submit(state, prompt, await _params(state, body, max_tokens, logprobs), adapter, body.stream)
+    params = with_thinking_budget(await _params(state, body, max_tokens, logprobs), reasoner, opened,
+                                  _thinking_budget(state, body, reasoner), state.engine.tokens)
+    sub = _submit(state, prompt, params, adapter, body.stream)
     headers = {**_revision_header(sub, adapter, state), **extra_headers}
     rid = f"chatcmpl-{_request_id()}"
     created = int(time.time())
@@ -762,8 +793,8 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
             delta = {"content": c.text} if c.text or reason is None else {}
             return {**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
 
-        if parser is not None:
-            chunk = _tool_chunks(parser, base, logprobs, tt, body.n)
+        if parser is not None or reasoner is not None:
+            chunk = _parsed_chunks(parser, reasoner, opened, base, logprobs, tt, body.n)
 
         usage = None
         if body.stream_options is not None and body.stream_options.include_usage:
@@ -775,10 +806,13 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     choices = []
     for i, (text, toks, reason) in enumerate(results):
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoner is not None:
+            thought, text = reasoner.split(text, opened)
+            message = {"role": "assistant", "content": text, "reasoning_content": thought}
         if parser is not None:
-            content, calls = parser.parse(text)
+            content, calls = parser.parse(text or "")
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [
+                message = {**message, "content": content, "tool_calls": [
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                     for c in calls]}
                 reason = "tool_calls" if reason == "stop" else reason
@@ -793,25 +827,45 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     }, headers=headers)
 
 
-def _tool_chunks(parser: ToolParser, base: dict, logprobs: int | None, tt: Callable[[int], str],
-                 n: int) -> Callable[[int, Any, str | None], bytes]:
-    """Stream chunks for choices whose text is parsed for tool calls: content deltas as the text
+def _parsed_chunks(parser: ToolParser | None, reasoner: ReasoningParser | None, opened: bool, base: dict,
+                   logprobs: int | None, tt: Callable[[int], str], n: int) -> Callable[[int, Any, str | None], bytes]:
+    """Stream chunks for choices whose text is parsed for reasoning and/or tool calls: with ``reasoner``,
+    ``delta.reasoning_content`` while the reasoning span lasts (``opened``: the prompt left it open), then
+    the rest as content; with ``parser``, the content is read for calls: content deltas as the text
     arrives (a possible ``<tool_call>`` opening held back), ``delta.tool_calls`` as OpenAI sends
     them (a call's first piece with index, id, type and name, then its arguments in fragments as
     they are generated; one event per call per engine step), ``finish_reason: "tool_calls"`` when
     the choice called a tool."""
-    states = [parser.stream() for _ in range(n)]
+    states = [parser.stream() for _ in range(n)] if parser is not None else None
+    splits = [reasoner.stream(opened) for _ in range(n)] if reasoner is not None else None
+    fast_content = _DeltaFrame(base, '"delta":{"content":')
+    fast_reasoning = _DeltaFrame(base, '"delta":{"reasoning_content":')
 
     def event(i: int, delta: dict, lp: dict | None = None, reason: str | None = None) -> bytes:
         return _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
 
     def chunk(i: int, c, reason: str | None) -> bytes:
-        text, deltas = states[i].feed(c.text)
-        if reason is not None:
-            tail, more = states[i].finish()
-            text, deltas = text + tail, deltas + more
+        thought, text = "", c.text
+        if splits is not None:
+            thought, text = splits[i].feed(text)
+            if reason is not None:
+                more_thought, tail = splits[i].finish()
+                thought, text = thought + more_thought, text + tail
+        deltas: list = []
+        if states is not None:
+            text, deltas = states[i].feed(text)
+            if reason is not None:
+                tail, more = states[i].finish()
+                text, deltas = text + tail, deltas + more
+        if reason is None and logprobs is None and not deltas and not (thought and text):
+            if thought:  # the per-token path while reasoning, then while answering: pre-encoded frames
+                return fast_reasoning(i, thought)
+            return fast_content(i, text) if text else b""
         lp = _chat_logprobs(c.tokens, tt) if logprobs is not None else None
         frames = []
+        if thought:
+            frames.append(event(i, {"reasoning_content": thought}, lp))
+            lp = None
         if text or lp is not None:
             frames.append(event(i, {"content": text} if text else {}, lp))
         merged: list[dict] = []
@@ -826,7 +880,8 @@ def _tool_chunks(parser: ToolParser, base: dict, logprobs: int | None, tt: Calla
             merged.append(wire)
         frames.extend(event(i, {"tool_calls": [w]}) for w in merged)
         if reason is not None:
-            frames.append(event(i, {}, None, "tool_calls" if states[i].calls and reason == "stop" else reason))
+            called = states is not None and states[i].calls
+            frames.append(event(i, {}, None, "tool_calls" if called and reason == "stop" else reason))
         return b"".join(frames)
 
     return chunk

@@ -6,7 +6,9 @@ asks the model to write a call, turns finished text into ``(content, calls)``, f
 stream incrementally (content passes through as it comes; a call's name and id go out as
 soon as they are written, then its arguments in fragments as they are generated, as
 OpenAI streams ``delta.tool_calls``), and writes the grammar that forces a call when ``tool_choice`` is
-``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it).
+``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it). A parser is bound to the
+served tokenizer (:class:`~kiln.serving.tags.TagSpelling`): where a tag such as Qwen3's ``<tool_call>``
+is one added token, the forcing grammar names that token, so the model writes it as the template does.
 
 ``hermes`` (Hermes, Qwen2.5/Qwen3 templates): each call is a
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block. A block whose body is not
@@ -16,6 +18,8 @@ it); a body that does not start ``{"name": "...", "arguments": {`` is sent whole
 block closes. Streaming cannot take back what was sent: a block whose arguments began to
 stream but that does not end as valid JSON stays a call with the text sent so far (with
 ``required`` or a named ``tool_choice`` the grammar rules that out).
+
+``deepseek_v3`` (DeepSeek V3 and R1 templates): see :class:`DeepSeekV3Parser`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from kiln.serving.tags import TagSpelling, partial_suffix
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,9 @@ class StreamState:
 
 class ToolParser:
     name = ""
+
+    def __init__(self, tokenizer: Any | None = None):
+        self.tags = TagSpelling(tokenizer)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
@@ -135,7 +144,7 @@ class HermesParser(ToolParser):
             bodies.append(f"body{i}")
         repeat = ' ("\\n" call)*' if parallel else ""
         return (f"start: call{repeat}\n"
-                f'call: "{self.OPEN}\\n" body "\\n{self.CLOSE}"\n'
+                f'call: {self.tags.lark(self.OPEN)} "\\n" body "\\n" {self.tags.lark(self.CLOSE)}\n'
                 f"body: {' | '.join(bodies)}\n" + "".join(rules))
 
 
@@ -228,7 +237,7 @@ class _HermesStream(StreamState):
             if not self._in_call:
                 i = self._buf.find(self._p.OPEN)
                 if i < 0:
-                    hold = _partial_suffix(self._buf, self._p.OPEN)
+                    hold = partial_suffix(self._buf, self._p.OPEN)
                     out.append(self._content(self._buf[: len(self._buf) - hold]))
                     self._buf = self._buf[len(self._buf) - hold:]
                     break
@@ -237,7 +246,7 @@ class _HermesStream(StreamState):
                 self._in_call = True
             j = self._buf.find(self._p.CLOSE)
             if j < 0:
-                hold = _partial_suffix(self._buf, self._p.CLOSE)
+                hold = partial_suffix(self._buf, self._p.CLOSE)
                 self._body += self._buf[: len(self._buf) - hold]
                 self._buf = self._buf[len(self._buf) - hold:]
                 self._progress(deltas)
@@ -258,26 +267,104 @@ class _HermesStream(StreamState):
         return self._content(rest), deltas
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (held back)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+class DeepSeekV3Parser(ToolParser):
+    """DeepSeek V3/R1 templates: calls in one ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`` section, each
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the arguments in a fenced ``json`` block and
+    ``<｜tool▁call▁end｜>``, calls apart by a newline (the tags are single added tokens in DeepSeek's tokenizer).
+    The content is the text before the section; a section with no well-formed call stays content whole. A
+    stream sends each call whole once its end tag arrives."""
+
+    name = "deepseek_v3"
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(\w+)<｜tool▁sep｜>([^\n<]+)\n```(?:json)?\n(.*?)\n```<｜tool▁call▁end｜>",
+                       re.DOTALL)
+
+    @classmethod
+    def calls_in(cls, section: str) -> list[tuple[int, ParsedCall]]:
+        """The well-formed calls in ``section`` (the text after the opening tag), each with where it ends."""
+        out = []
+        for m in cls._CALL.finditer(section):
+            try:
+                args = json.loads(m.group(3))
+            except ValueError:
+                continue
+            if m.group(1) == "function" and isinstance(args, dict):
+                out.append((m.end(), ParsedCall(m.group(2).strip(), m.group(3))))
+        return out
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        i = text.find(self.OPEN)
+        calls = [c for _, c in self.calls_in(text[i + len(self.OPEN):])] if i >= 0 else []
+        if not calls:
+            return (text or None), []
+        return (text[:i].strip() or None), calls
+
+    def stream(self) -> StreamState:
+        return _DeepSeekStream(self)
+
+    def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        t = self.tags.lark
+        rules = []
+        for k, tool in enumerate(tools):
+            schema = dict(tool.get("parameters") or {"type": "object"})
+            schema["x-guidance"] = {"whitespace_flexible": False}
+            rules.append(f'call{k}: {t(self.CALL)} "function" {t(self.SEP)} {json.dumps(tool["name"] + chr(10), ensure_ascii=False)} '
+                         f'"```json\\n" args{k} "\\n```" {t(self.CALL_END)}\n'
+                         f"args{k}: %json {json.dumps(schema)}\n")
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (f"start: {t(self.OPEN)} call{repeat} {t(self.CLOSE)}\n"
+                f"call: {' | '.join(f'call{k}' for k in range(len(tools)))}\n" + "".join(rules))
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser}
+class _DeepSeekStream(StreamState):
+    def __init__(self, parser: DeepSeekV3Parser):
+        self._p = parser
+        self._buf = ""  # before the section: text held back (a possible opening tag)
+        self._section: str | None = None  # the section's text so far, once opened
+        self._sent = 0  # calls sent
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self._section is None:
+            self._buf += text
+            i = self._buf.find(self._p.OPEN)
+            if i < 0:
+                hold = partial_suffix(self._buf, self._p.OPEN)
+                out, self._buf = self._buf[:len(self._buf) - hold], self._buf[len(self._buf) - hold:]
+                return out, []
+            out, self._section, self._buf = self._buf[:i], self._buf[i + len(self._p.OPEN):], ""
+            return out, self._new_calls()
+        self._section += text
+        return "", self._new_calls()
+
+    def _new_calls(self) -> list[CallDelta]:
+        found = self._p.calls_in(self._section or "")
+        out = [CallDelta(k, c.arguments, c.id, c.name) for k, (_, c) in enumerate(found) if k >= self._sent]
+        self._sent = self.calls = len(found)
+        return out
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._section is None:
+            rest, self._buf = self._buf, ""
+            return rest, []
+        if not self._sent:  # no well-formed call: the section was content after all
+            return self._p.OPEN + self._section, []
+        return "", []
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser, DeepSeekV3Parser.name: DeepSeekV3Parser}
 DEFAULT_TOOL_PARSER = HermesParser.name
 AUTO = "auto"
 SETTING = "serving.tool_call_parser"
 # template families for ``auto``: a marker the chat template writes -> the parser that reads it, first
 # match wins; a template with none of them (or no tools section) gets DEFAULT_TOOL_PARSER
-TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),)
+TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),
+                                                  (DeepSeekV3Parser.OPEN, DeepSeekV3Parser.name))
 
 
-def get_tool_parser(name: str = DEFAULT_TOOL_PARSER) -> ToolParser:
+def get_tool_parser(name: str = DEFAULT_TOOL_PARSER, tokenizer: Any | None = None) -> ToolParser:
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](tokenizer)
     except KeyError:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
 
@@ -291,12 +378,13 @@ def check_tool_parser_setting(name: str) -> None:
                           f"{[AUTO, *sorted(TOOL_PARSERS)]}")
 
 
-def tool_parser_for(setting: str, chat_template: str | None) -> ToolParser:
-    """The parser ``serving.tool_call_parser`` names, or with ``auto`` the one for the template's family."""
+def tool_parser_for(setting: str, chat_template: str | None, tokenizer: Any | None = None) -> ToolParser:
+    """The parser ``serving.tool_call_parser`` names, or with ``auto`` the one for the template's family,
+    bound to ``tokenizer`` (how it spells the family's tags)."""
     check_tool_parser_setting(setting)
     if setting != AUTO:
-        return get_tool_parser(setting)
+        return get_tool_parser(setting, tokenizer)
     for marker, name in TEMPLATE_FAMILIES:
         if chat_template and marker in chat_template:
-            return get_tool_parser(name)
-    return get_tool_parser(DEFAULT_TOOL_PARSER)
+            return get_tool_parser(name, tokenizer)
+    return get_tool_parser(DEFAULT_TOOL_PARSER, tokenizer)

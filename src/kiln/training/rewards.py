@@ -119,7 +119,7 @@ def _scorer_reward(spec: ScorerReward, prompts: Sequence[RolloutPrompt], *, allo
         if missing:
             raise _refuse(f"the {scorer.type} scorer needs a reference; prompt(s) {missing[:10]} have none",
                           "missing_reference", "give every prompt a `reference`")
-    examples = [es.EvalExample(messages=[es.ChatMessage(**m.model_dump()) for m in p.messages],
+    examples = [es.EvalExample(messages=[es.ChatMessage(role=m.role, content=m.content) for m in p.messages],
                                reference=p.reference or "") for p in prompts]
     suite = es.SuiteSpec(name="grpo-reward", examples=examples, scorers=[scorer])
     validate_suite(suite, allow_code_execution=allow_code_execution)  # regexes compile, schemas valid...

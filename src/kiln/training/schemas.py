@@ -70,6 +70,22 @@ class _Wire(BaseModel):
 class ChatMessage(_Wire):
     role: Literal["system", "user", "assistant"]
     content: str = Field(max_length=MAX_MESSAGE_CHARS)
+    # assistant turns (vLLM's field): the turn's reasoning, rendered by templates that show it (Qwen3's
+    # <think> block); left out of dumps when unset, so recipes and digests of turns without it do not change
+    reasoning_content: str | None = Field(None, max_length=MAX_MESSAGE_CHARS)
+
+    @model_validator(mode="after")
+    def _reasoning_on_assistant(self) -> ChatMessage:
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_reasoning(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content", "") is None:
+            del out["reasoning_content"]
+        return out
 
 
 class SFTExample(_Wire):
