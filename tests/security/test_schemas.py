@@ -248,6 +248,37 @@ def test_openenv_runs(client):
     assert client.get(f"/v1/openenv/runs/{run_id}/artifacts/replay.json").status_code == 404
 
 
+def test_eval_and_default_adapter_routes_answer_as_documented(client, secure_server):
+    """Every /v1/evals route, the default adapter and the quarantine route, through the checked client
+    (a status or body the OpenAPI document does not have fails the hook)."""
+    jsonl = '{"id": "a", "messages": [{"role": "user", "content": "2+2?"}], "reference": "4"}\n'
+    suite = {"name": "schema-suite", "jsonl": jsonl, "scorers": [{"type": "exact"}],
+             "generation": {"max_tokens": 2}}
+    r = client.post("/v1/evals/suites/import", json=suite)
+    assert r.status_code == 201, r.text
+    assert client.post("/v1/evals/suites/import", json=suite).status_code == 409  # exists
+    assert client.post("/v1/evals/suites", json={"name": "x"}).status_code == 400
+    assert "schema-suite" in str(client.get("/v1/evals/suites").json())
+    assert client.get("/v1/evals/suites/schema-suite").status_code == 200
+    run = client.post("/v1/evals/runs", json={"suite": "schema-suite"})
+    assert run.status_code == 202, run.text
+    run_id = run.json()["id"]
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/evals/runs/{run_id}").json()["state"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert run_id in str(client.get("/v1/evals/runs").json())
+    assert client.post("/v1/evals/comparisons", json={"suite": "schema-suite", "targets": [{}]}).status_code == 400
+    assert client.post("/v1/evals/replays", json={"run_id": "eval-0000000000000000"}).status_code == 404
+    assert client.post("/v1/evals/gate", json={}).status_code == 400
+    assert client.delete(f"/v1/evals/runs/{run_id}").status_code in (200, 409)
+    assert client.delete("/v1/evals/suites/schema-suite").status_code == 200
+    assert client.get("/v1/adapters/default").json() == {"default": None}
+    assert client.put("/v1/adapters/default", json={"name": "no-such-adapter"}).status_code == 404
+    assert client.delete("/v1/adapters/default").json() == {"default": None}
+    assert client.post("/v1/adapters/no-such-adapter/quarantine/clear").status_code in (200, 404)
+
+
 def test_every_operation_was_exercised(checker):
     """Runs last in this module: the scenarios above reached every operation of kiln.serving.openapi.ROUTE_DOCS."""
     from kiln.serving.openapi import ROUTE_DOCS
