@@ -21,6 +21,7 @@ PURE_MODULES = [
     "kiln.config_reference",
     "kiln.adapters.served",
     "kiln.serving.default_adapter",
+    "kiln.runtime.serving_engine",
     "kiln.cli",
     "kiln.client",
     "kiln.runtime.loader",

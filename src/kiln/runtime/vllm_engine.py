@@ -523,8 +523,13 @@ class VllmEngine:
         return Admission()
 
     def submit(self, prompt_ids: list[int], params: list[SamplingParams], *, adapter: str | None = None,
-               loop: asyncio.AbstractEventLoop | None = None, incremental: bool = True) -> Submission:
-        """Queue one row per entry of ``params`` (each its own vLLM request with ``n=1``)."""
+               loop: asyncio.AbstractEventLoop | None = None, incremental: bool = True,
+               private_revision: str | None = None) -> Submission:
+        """Queue one row per entry of ``params`` (each its own vLLM request with ``n=1``). A trainer's
+        private adapter (``private_revision``) lives in this process, not in vLLM: refused."""
+        if private_revision is not None:
+            raise UnsupportedOnVllm("sampling from a trainer's private adapter runs on the built-in engine, not "
+                                    "through vLLM")
         self._check_running()
         self._check_len(prompt_ids, max(p.max_tokens for p in params))
         bodies = [completion_body("", prompt_ids, p) for p in params]  # refusals before anything is held

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
     from kiln.runtime.ownership import AcceleratorOwnership
+    from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.vllm_engine import VllmEngine
     from kiln.teachers.service import TeacherService
     from kiln.training.service import TrainingService
@@ -43,7 +44,7 @@ class KilnState:
 
     loaded_settings: LoadedSettings
     model: LoadedModel
-    engine: Engine | VllmEngine  # serving.engine: builtin | vllm
+    engine: ServingEngine  # serving.engine: builtin (Engine) | vllm (VllmEngine), one seam
     store: AdapterStore
     trainer: TrainingService | None  # None when training.enabled is false
     metrics: Metrics

@@ -350,10 +350,7 @@ class TrainingService:
                 self._running = None
 
     def _serving_busy(self) -> bool:
-        stats = getattr(self.engine, "stats", None)
-        if stats is None:
-            return False
-        st = stats()
+        st = self.engine.stats()  # every engine has it (kiln.runtime.serving_engine.ServingEngine)
         return bool(st.get("active_rows") or st.get("queued_rows"))
 
     @contextmanager
