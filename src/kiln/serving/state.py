@@ -138,13 +138,13 @@ def restore_served(state: KilnState) -> None:
     state.engine.on_adapters_changed = served.save
     configured = state.settings.adapters.default
     if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
+        from kiln.errors import KilnError
         from kiln.serving.default_adapter import parse_setting, set_default
 
         try:
             set_default(state, *parse_setting(configured))
-        except Exception as exc:
-            raise RuntimeError(f"adapters.default = {configured!r} cannot be served: "
-                               f"{getattr(exc, 'message', None) or exc}") from exc
+        except KilnError as exc:
+            raise RuntimeError(f"adapters.default = {configured!r} cannot be served: {exc.message}") from exc
     elif served.saved_default is not None and state.engine.active_adapters().get(served.saved_default[0]) \
             == served.saved_default[1]:
         served.default = served.saved_default  # restored with its pinned revision
