@@ -1,8 +1,9 @@
 """Shared fixtures.
 
-``builtin_model_dir`` builds Kiln's built-in model once and caches it, keyed by
-the builder's source, under ``$KILN_TEST_CACHE`` (default: the system temp dir),
-so every test session and every helper process reuses the same bytes.
+``builtin_model_dir`` builds Kiln's built-in model (from the weights that ship in
+the package) once and caches it, keyed by the builder's source, under
+``$KILN_TEST_CACHE`` (default: the system temp dir), so every test session, every
+xdist worker and every helper process reuses the same directory.
 """
 
 from __future__ import annotations
@@ -18,15 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _builder_key() -> str:
-    """The builder's source and the floating-point path it trains on: the built-in model is byte-identical
-    on rebuild for one CPU code path (torch version and ATen capability: AVX2, AVX-512, default), and a
-    different path trains to slightly different weights, so each path gets its own cached build."""
-    import torch
+    """The builder's source (which pins the shipped files' SHA-256) and the transformers version (which
+    writes the config files): the built-in model is the same bytes on every CPU."""
+    from importlib.metadata import version
 
-    h = hashlib.sha256()
-    for rel in ("src/kiln/runtime/builtin.py", "src/kiln/runtime/corpus/builtin.txt"):
-        h.update((ROOT / rel).read_bytes())
-    h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    h = hashlib.sha256((ROOT / "src/kiln/runtime/builtin.py").read_bytes())
+    h.update(version("transformers").encode())
     return h.hexdigest()[:16]
 
 
