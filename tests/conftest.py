@@ -29,16 +29,19 @@ def _builder_key() -> str:
 
 
 def built_model_path() -> Path:
-    """Build (or reuse) the built-in model for tests; safe under concurrent sessions."""
+    """Build (or reuse) the built-in model for tests; safe under concurrent sessions and xdist workers."""
+    import fcntl
+
     from kiln.runtime.builtin import build_builtin_model
 
     cache = Path(os.environ.get("KILN_TEST_CACHE") or Path(tempfile.gettempdir()) / "kiln-test-cache")
     target = cache / f"builtin-{_builder_key()}"
     if not (target / "config.json").is_file():
-        try:
-            build_builtin_model(target)
-        except FileExistsError:
-            pass  # another session published it first
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then reuse its directory
+            if not (target / "config.json").is_file():
+                build_builtin_model(target)
     return target
 
 
