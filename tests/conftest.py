@@ -1,8 +1,9 @@
 """Shared fixtures.
 
-``builtin_model_dir`` builds Kiln's built-in model once and caches it, keyed by
-the builder's source, under ``$KILN_TEST_CACHE`` (default: the system temp dir),
-so every test session and every helper process reuses the same bytes.
+``builtin_model_dir`` builds Kiln's built-in model (from the weights that ship in
+the package) once and caches it, keyed by the builder's source, under
+``$KILN_TEST_CACHE`` (default: the system temp dir), so every test session, every
+xdist worker and every helper process reuses the same directory.
 """
 
 from __future__ import annotations
@@ -18,29 +19,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _builder_key() -> str:
-    """The builder's source and the floating-point path it trains on: the built-in model is byte-identical
-    on rebuild for one CPU code path (torch version and ATen capability: AVX2, AVX-512, default), and a
-    different path trains to slightly different weights, so each path gets its own cached build."""
-    import torch
+    """The builder's source (which pins the shipped files' SHA-256) and the transformers version (which
+    writes the config files): the built-in model is the same bytes on every CPU."""
+    from importlib.metadata import version
 
-    h = hashlib.sha256()
-    for rel in ("src/kiln/runtime/builtin.py", "src/kiln/runtime/corpus/builtin.txt"):
-        h.update((ROOT / rel).read_bytes())
-    h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    h = hashlib.sha256((ROOT / "src/kiln/runtime/builtin.py").read_bytes())
+    h.update(version("transformers").encode())
     return h.hexdigest()[:16]
 
 
 def built_model_path() -> Path:
-    """Build (or reuse) the built-in model for tests; safe under concurrent sessions."""
+    """Build (or reuse) the built-in model for tests; safe under concurrent sessions and xdist workers."""
+    import fcntl
+
     from kiln.runtime.builtin import build_builtin_model
 
     cache = Path(os.environ.get("KILN_TEST_CACHE") or Path(tempfile.gettempdir()) / "kiln-test-cache")
     target = cache / f"builtin-{_builder_key()}"
     if not (target / "config.json").is_file():
-        try:
-            build_builtin_model(target)
-        except FileExistsError:
-            pass  # another session published it first
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / f".{target.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then reuse its directory
+            if not (target / "config.json").is_file():
+                build_builtin_model(target)
     return target
 
 

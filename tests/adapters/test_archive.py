@@ -245,7 +245,8 @@ def test_weights_cap_comes_from_the_base_model(dirs, base_info):
         unpack(arc, dest, max_weights=4096)
 
 
-@pytest.mark.parametrize("payload", [b"not gzip at all", gzip.compress(b"not a tar" * 100)])
+@pytest.mark.parametrize("payload", [b"not gzip at all", gzip.compress(b"not a tar" * 100, mtime=0)],
+                         ids=["not-gzip", "gzip-not-tar"])
 def test_garbage_is_refused(payload, dirs):
     tmp, dest, scratch = dirs
     (tmp / "g.tar.gz").write_bytes(payload)

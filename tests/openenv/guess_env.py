@@ -1,6 +1,8 @@
 """A tiny OpenEnv environment for Kiln's tests, served by openenv-core's ``create_app``.
 
-``python -m tests.openenv.guess_env <port> <mode>`` serves it on 127.0.0.1. The game: guess
+``python -m tests.openenv.guess_env PORT:MODE [PORT:MODE ...]`` serves one app per mode on
+127.0.0.1, all in one process (openenv-core imports gradio: seconds per process), each app on
+its own thread and event loop so a slow step blocks only its own server. The game: guess
 a digit; the reward is 1 for TARGET and falls off with the distance. Modes change one
 thing each, so every termination kind and refusal has a server to meet:
 
@@ -23,7 +25,6 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 TARGET = 0
-MODE = "guess"
 
 
 class GuessAction(Action):
@@ -37,6 +38,8 @@ class GuessObservation(Observation):
 
 
 class GuessEnv(Environment):
+    mode = "guess"  # set per served app by build_app
+
     def __init__(self) -> None:
         super().__init__()
         self._state = State(episode_id=None, step_count=0)
@@ -47,14 +50,14 @@ class GuessEnv(Environment):
 
     def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs) -> GuessObservation:
         self._state.step_count += 1
-        if MODE == "error":
+        if self.mode == "error":
             raise RuntimeError("the environment failed on purpose")
-        if MODE == "slow":
+        if self.mode == "slow":
             time.sleep(3)
         reward = 1.0 - abs(action.guess - TARGET) / 9.0
-        text = "x" * (2 * 1024 * 1024) if MODE == "huge" else ""
+        text = "x" * (2 * 1024 * 1024) if self.mode == "huge" else ""
         return GuessObservation(prompt="again", last_guess=action.guess, text=text,
-                                done=MODE != "counter", reward=reward)
+                                done=self.mode != "counter", reward=reward)
 
     @property
     def state(self) -> State:
@@ -62,9 +65,8 @@ class GuessEnv(Environment):
 
 
 def build_app(mode: str):
-    global MODE
-    MODE = mode
-    app = create_app(GuessEnv, GuessAction, GuessObservation, env_name="guess")
+    env_class = type(f"GuessEnv_{mode}", (GuessEnv,), {"mode": mode})
+    app = create_app(env_class, GuessAction, GuessObservation, env_name="guess")
     if mode == "drift":
         calls = [0]
 
@@ -75,7 +77,23 @@ def build_app(mode: str):
     return app
 
 
-if __name__ == "__main__":
+def serve(pairs: list[str]) -> None:
+    """Serve ``PORT:MODE`` apps until the process is terminated, each on its own thread."""
+    import threading
+
     import uvicorn
 
-    uvicorn.run(build_app(sys.argv[2]), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    threads = []
+    for pair in pairs:
+        port, mode = pair.split(":")
+        server = uvicorn.Server(uvicorn.Config(build_app(mode), host="127.0.0.1", port=int(port),
+                                               log_level="warning"))
+        threads.append(threading.Thread(target=server.run, name=f"guess-{mode}", daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

@@ -139,7 +139,7 @@ def _adapter_scores(c: httpx.Client, model: str) -> list[float]:
 def test_opd_resume_equals_uninterrupted(tutor):
     c = tutor
     body = {"teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2, "max_tokens": 8,
-            "top_k": 4, "steps": 200, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
+            "top_k": 4, "steps": 60, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
             "auto_load": True}
     whole = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "whole"}).json()["id"], timeout=600)
     assert whole["state"] == "succeeded", whole.get("error")

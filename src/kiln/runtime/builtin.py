@@ -1,22 +1,30 @@
-"""Kiln's built-in model: a tiny Qwen3 built offline and deterministically.
+"""Kiln's built-in model: a tiny Qwen3 that ships inside the package.
 
-``build_builtin_model(out_dir)`` trains a byte-level BPE tokenizer on text that
-ships inside the package, gives it a ChatML chat template (with ``{% generation %}``
-markers so assistant-token masks work, and a Hermes/Qwen tools section), creates a
-small Qwen3 model with fixed seeds, trains it briefly on the same text rendered as
-chats and on the corpus's few tool-call examples (a ``get_weather(city)`` tool, so
-asked about the weather with that tool offered it answers with a ``<tool_call>``
-block), and saves everything as safetensors. ``<tool_call>`` is no added token: the
-byte-level BPE spells it in a few pieces, so every other text tokenizes as it did
-before the tools section existed. The result is bit-for-bit reproducible for one CPU code path (the
-torch version and its ATen capability: AVX-512, AVX2 or ``ATEN_CPU_CAPABILITY=default``;
-training runs on one thread); another path trains to slightly different weights, so
-two machines may serve different ``base_model_sha256`` values for the built-in model.
-It loads in transformers, PEFT and vLLM (head size 32).
+Its two trained parts ship in ``builtin_weights/`` with their SHA-256 pinned in
+:data:`SHIPPED`: ``tokenizer.json`` (a byte-level BPE tokenizer) and
+``model.safetensors`` (float32, 1.5 MB). ``build_builtin_model(out_dir)`` checks
+both digests, writes them beside the config, generation config and chat template
+it derives from the constants here (a ChatML template with ``{% generation %}``
+markers so assistant-token masks work, and a Hermes/Qwen tools section), and
+publishes the directory in one rename. It trains nothing and needs no network,
+so every machine builds the same bytes and serves the same ``base_model_sha256``
+and the same greedy answers.
+
+:mod:`kiln.runtime.builtin_train` is the recipe that trained the shipped files
+from the corpus beside them (``corpus/builtin.txt``: plain text, questions and
+answers, and a few ``get_weather(city)`` tool-call examples, so asked about the
+weather with that tool offered the model answers with a ``<tool_call>`` block).
+Training is bit-for-bit reproducible only on one CPU code path (ATen's
+AVX-512, AVX2 and default kernels sum in different orders), which is why the
+result ships instead of being trained at build time; the shipped files were
+trained under ``ATEN_CPU_CAPABILITY=default``, which any x86-64 CPU can run.
+``<tool_call>`` is no added token: the byte-level BPE spells it in a few pieces.
+The model loads in transformers, PEFT and vLLM (head size 32).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -24,15 +32,15 @@ from importlib import resources
 from pathlib import Path
 
 from kiln.canonical import atomic_publish_dir
+from kiln.errors import Internal
 
 BUILTIN_NAME = "kiln-builtin-v1"
-VOCAB_SIZE = 2048
-SEED = 20261130
-PRETRAIN_STEPS = 240
-PRETRAIN_SEQ = 64
-PRETRAIN_BATCH = 8
-TOOL_STEPS = 50  # the tool-call phase after pretraining (see _pretrain)
-TOOL_LR = 1e-3
+WEIGHTS_DIR = "builtin_weights"  # inside the kiln.runtime package
+# SHA-256 of each shipped file; build_builtin_model refuses files that do not match.
+SHIPPED = {
+    "tokenizer.json": "ebac59a19588e4a257c5d973e49c058284f4741556d4a34d17fe7dc625dd4677",
+    "model.safetensors": "7a481c9926df16f100d5684a2b7c7f3e75c098acd1d05d44ca22ac4e4a7ba041",
+}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CALL_PREFIX = "Call: "  # corpus lines that are tool-call examples, not plain text
@@ -116,53 +124,34 @@ def tool_call_examples() -> list[tuple[str, str, dict]]:
     return examples
 
 
-def _tool_chats() -> list[list[dict]]:
-    return [
-        [{"role": "user", "content": q},
-         {"role": "assistant", "content": None,
-          "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]}]
-        for q, name, args in tool_call_examples()
-    ]
+class BuiltinModelError(Internal):
+    """The built-in model's files are not the ones this Kiln ships."""
+
+    code = "builtin_model_mismatch"
 
 
-def _qa_pairs(text: str) -> list[tuple[str, str]]:
-    pairs = []
-    for line in text.splitlines():
-        if line.startswith("Question:") and " Answer: " in line:
-            q, a = line[len("Question:"):].split(" Answer: ", 1)
-            pairs.append((q.strip(), a.strip()))
-    for line in text.splitlines():
-        if line.startswith("The capital of "):
-            for sent in line.split(". "):
-                sent = sent.strip().rstrip(".")
-                if sent.startswith("The capital of ") and " is " in sent:
-                    country = sent[len("The capital of "):].split(" is ")[0]
-                    pairs.append((f"What is the capital of {country}?", sent + "."))
-    return pairs
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def _arithmetic_lines() -> list[str]:
-    return [f"{a} + {b} = {a + b}" for a in range(0, 10) for b in range(0, 10, 3)]
+def shipped_bytes(name: str) -> bytes:
+    """One shipped file (``tokenizer.json`` or ``model.safetensors``), its SHA-256 checked."""
+    data = resources.files("kiln.runtime").joinpath(f"{WEIGHTS_DIR}/{name}").read_bytes()
+    digest = _sha256(data)
+    if digest != SHIPPED[name]:
+        raise BuiltinModelError(
+            f"the packaged built-in model file {name} has SHA-256 {digest}, expected {SHIPPED[name]}",
+            hint="reinstall Kiln: the package's files were changed")
+    return data
 
 
-def _train_tokenizer(text: str, out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def tokenizer_from_json(tokenizer_json: str):
+    """The built-in tokenizer (special tokens, chat template, left padding) around a tokenizers JSON."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(text.splitlines(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
@@ -170,94 +159,46 @@ def _train_tokenizer(text: str, out_dir: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
-    fast.save_pretrained(out_dir)
+    return fast
 
 
-def _pretrain(model, tokenizer, text: str) -> None:
-    import torch
+def model_config(tokenizer):
+    """The built-in model's ``Qwen3Config`` for ``tokenizer``."""
+    from transformers import Qwen3Config
 
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
-        )
-        for q, a in _qa_pairs(text)
-    ]
-    stream: list[int] = []
-    for piece in [text] + chats * 4 + _arithmetic_lines():
-        stream.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
-        stream.append(tokenizer.pad_token_id)
-    data = torch.tensor(stream, dtype=torch.long)
-    gen = torch.Generator().manual_seed(SEED)
-
-    def window_loss():
-        starts = torch.randint(0, len(data) - PRETRAIN_SEQ - 1, (PRETRAIN_BATCH,), generator=gen)
-        batch = torch.stack([data[s : s + PRETRAIN_SEQ] for s in starts.tolist()])
-        return model(input_ids=batch, labels=batch).loss
-
-    def train(steps: int, lr: float, loss_fn) -> None:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        for _ in range(steps):
-            loss_fn().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    model.train()
-    train(PRETRAIN_STEPS, 3e-3, window_loss)
-    # A short second phase teaches the tool calls: each step adds the loss of the whole tool-call
-    # chats (a few hundred tokens each, far longer than the text windows, so the model learns to
-    # call with the whole tools section in view; only the assistant's call is trained) to a text
-    # window's, at a lower rate, so the rest of what the model says barely moves.
-    rows = [tokenizer.apply_chat_template(chat, tools=[WEATHER_TOOL], return_dict=True,
-                                          return_assistant_tokens_mask=True) for chat in _tool_chats()]
-    width = max(len(r["input_ids"]) for r in rows)
-    tool_batch = torch.tensor([r["input_ids"] + [tokenizer.pad_token_id] * (width - len(r["input_ids"]))
-                               for r in rows])
-    tool_labels = torch.tensor([[t if m else -100 for t, m in zip(r["input_ids"], r["assistant_masks"])]
-                                + [-100] * (width - len(r["input_ids"])) for r in rows])
-    train(TOOL_STEPS, TOOL_LR, lambda: window_loss() + model(input_ids=tool_batch, labels=tool_labels).loss)
-    model.eval()
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        architectures=["Qwen3ForCausalLM"],
+        **MODEL_SHAPE,
+    )
 
 
-def build_builtin_model(out_dir: Path, *, progress: bool = False) -> Path:
-    """Build the built-in model into ``out_dir`` (which must not exist) and return it.
+def write_model_dir(out_dir: Path, tokenizer_json: bytes, weights: bytes) -> Path:
+    """Publish a built-in model directory at ``out_dir`` (which must not exist) from its tokenizer JSON
+    and safetensors weights; the other files derive from them and the constants above.
 
-    The build happens in a sibling temporary directory that is renamed into place
-    only when complete, so an interrupted build never leaves a half-written model.
+    The files are written in a sibling temporary directory that is renamed into place only when
+    complete, so an interrupted build never leaves a half-written model.
     """
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
-    threads = torch.get_num_threads()
     try:
-        text = corpus_text()
-        _train_tokenizer(text + "\n" + "\n".join(_arithmetic_lines()), staging)
-        tokenizer = AutoTokenizer.from_pretrained(staging)
-        # One thread and deterministic kernels: the same bytes on every run.
-        torch.set_num_threads(1)
-        torch.manual_seed(SEED)
-        config = Qwen3Config(
-            vocab_size=len(tokenizer),
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            torch_dtype="float32",
-            **MODEL_SHAPE,
-        )
-        model = Qwen3ForCausalLM(config)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            _pretrain(model, tokenizer, text)
-        model.generation_config = GenerationConfig(
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
-        )
-        model.save_pretrained(staging, safe_serialization=True)
-        for leftover in staging.glob("*.bin"):
-            leftover.unlink()
+        tokenizer = tokenizer_from_json(tokenizer_json.decode("utf-8"))
+        tokenizer.save_pretrained(staging)
+        (staging / "tokenizer.json").write_bytes(tokenizer_json)  # the exact bytes, not a re-serialization
+        model_config(tokenizer).save_pretrained(staging)
+        GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         do_sample=False).save_pretrained(staging)
+        (staging / "model.safetensors").write_bytes(weights)
         for f in staging.iterdir():
             os.chmod(f, 0o644)
         os.chmod(staging, 0o755)
@@ -265,9 +206,25 @@ def build_builtin_model(out_dir: Path, *, progress: bool = False) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    finally:
-        torch.set_num_threads(threads)
     return out_dir
+
+
+def build_builtin_model(out_dir: Path) -> Path:
+    """Build the built-in model into ``out_dir`` (which must not exist) from the shipped files and return it."""
+    return write_model_dir(out_dir, shipped_bytes("tokenizer.json"), shipped_bytes("model.safetensors"))
+
+
+def verify_builtin_model(path: Path) -> Path:
+    """Check that a built-in model directory holds the shipped tokenizer and weights; return it."""
+    for name, expected in SHIPPED.items():
+        f = Path(path) / name
+        digest = _sha256(f.read_bytes()) if f.is_file() else "missing"
+        if digest != expected:
+            raise BuiltinModelError(
+                f"{f} has SHA-256 {digest}, but this Kiln's built-in model has {expected} "
+                "(an earlier Kiln trained the model on the local CPU, so its weights differed between machines)",
+                hint=f"rebuild it: kiln model init --force {path}")
+    return Path(path)
 
 
 def builtin_model_dir(home: Path) -> Path:
@@ -275,8 +232,8 @@ def builtin_model_dir(home: Path) -> Path:
 
 
 def ensure_builtin_model(home: Path) -> Path:
-    """Return the built-in model under ``home``, building it first if missing."""
+    """Return the built-in model under ``home``, building it first if missing and checking it if present."""
     path = builtin_model_dir(home)
     if not (path / "config.json").is_file():
         build_builtin_model(path)
-    return path
+    return verify_builtin_model(path)
