@@ -81,8 +81,12 @@ def test_ensure_checks_an_existing_builtin_model(builtin_model_dir: Path, tmp_pa
     data[-1] ^= 0x01
     weights.write_bytes(bytes(data))
     with pytest.raises(BuiltinModelError) as err:
-        ensure_builtin_model(tmp_path / "home")
+        builtin.verify_builtin_model(target)
     assert "kiln model init --force" in err.value.hint
+    # kiln serve after an upgrade: the stale copy is set aside and the shipped model built in its place
+    assert ensure_builtin_model(tmp_path / "home") == target
+    assert {name: _sha256(target / name) for name in SHIPPED} == SHIPPED
+    assert (target.with_name(target.name + ".stale") / "model.safetensors").read_bytes() == bytes(data)
 
 
 def test_ensure_builds_when_missing(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ The model loads in transformers, PEFT and vLLM (head size 32).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -33,6 +34,8 @@ from pathlib import Path
 
 from kiln.canonical import atomic_publish_dir
 from kiln.errors import Internal
+
+log = logging.getLogger(__name__)
 
 BUILTIN_NAME = "kiln-builtin-v1"
 WEIGHTS_DIR = "builtin_weights"  # inside the kiln.runtime package
@@ -232,8 +235,22 @@ def builtin_model_dir(home: Path) -> Path:
 
 
 def ensure_builtin_model(home: Path) -> Path:
-    """Return the built-in model under ``home``, building it first if missing and checking it if present."""
+    """Return the built-in model under ``home``, building it first if missing and checking it if present.
+
+    The directory is Kiln's own copy of a shipped artifact: one that does not match (an earlier Kiln
+    trained it on the local CPU) is moved aside to ``<dir>.stale`` (replacing an older one there) and
+    built again from the shipped files, so ``kiln serve`` keeps working after an upgrade. Adapters
+    trained on the old weights name the old base hash and are refused by it, as they should be."""
     path = builtin_model_dir(home)
     if not (path / "config.json").is_file():
         build_builtin_model(path)
-    return verify_builtin_model(path)
+    try:
+        return verify_builtin_model(path)
+    except BuiltinModelError as exc:
+        stale = path.with_name(path.name + ".stale")
+        log.warning("%s; moving it to %s and building the shipped model", exc.message, stale)
+        if stale.exists():
+            shutil.rmtree(stale)
+        path.rename(stale)
+        build_builtin_model(path)
+        return verify_builtin_model(path)
