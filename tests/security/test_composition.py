@@ -15,7 +15,7 @@ def test_kiln_state_fields_are_typed():
     from kiln.serving.state import KilnState
 
     annotations = KilnState.__annotations__
-    assert annotations["engine"] == "Engine | VllmEngine"  # serving.engine: builtin | vllm
+    assert annotations["engine"] == "ServingEngine"  # serving.engine: builtin | vllm, one seam (runtime/serving_engine.py)
     assert annotations["model"] == "LoadedModel"
     assert annotations["store"] == "AdapterStore"
     assert annotations["trainer"] == "TrainingService | None"
