@@ -257,6 +257,15 @@ def test_adapter_unload_load_and_delete(page, server, artifacts):
     assert merged["kind"] == "merge" and merged["revision"][:12] in page.text_content(f"{merge} .ok")
     page.wait_for_selector("#adapters-table tr[data-adapter='ui-merged']")
 
+    # the server default adapter: made and cleared from the row; the header shows the serving profile
+    page.click(f"{row} button.make-default")
+    page.wait_for_selector(f"{row} .badge.default")
+    assert c.get("/v1/adapters/default").json()["default"]["name"] == "ui-adapter"
+    assert page.text_content("#profile-pill") == "experimental"
+    page.click(f"{row} button.clear-default")
+    page.wait_for_selector(f"{row} button.make-default")
+    assert c.get("/v1/adapters/default").json() == {"default": None}
+
     page.click(f"{row} button.unload")
     page.wait_for_selector(f"{row}[data-active='false']")
     page.click(f"{row} button.delete")

@@ -309,6 +309,20 @@
     pill.className = `pill ${ok ? 'ok' : 'bad'}`;
   }
 
+  async function showProfile() { // serving.profile: fixed at start-up, so read once
+    try {
+      const { data } = await api('GET', '/v1/config');
+      const profile = (data.effective || {}).profile;
+      if (profile) {
+        const pill = $('#profile-pill');
+        pill.textContent = profile;
+        pill.title = profile === 'stable' ? 'serving.profile = stable: serving only (no training, no merges)'
+          : 'serving.profile = experimental: serving, training and merges';
+        pill.hidden = false;
+      }
+    } catch (e) { /* no key yet, or an old server: no pill */ }
+  }
+
   async function pollHealth() {
     let data;
     try {
@@ -794,6 +808,14 @@
         onclick: (ev) => adapterAction(ev.target, 'POST', `/v1/adapters/${name}/unload`),
       }));
     }
+    const isDefault = defaultAdapter && defaultAdapter.name === a.name;
+    actions.append(h('button', {
+      type: 'button', class: isDefault ? 'secondary clear-default' : 'secondary make-default',
+      text: isDefault ? 'Clear default' : 'Make default',
+      title: 'the default adapter answers requests that name the base model (pinned to one revision)',
+      onclick: (ev) => (isDefault ? adapterAction(ev.target, 'DELETE', '/v1/adapters/default')
+        : adapterAction(ev.target, 'PUT', '/v1/adapters/default', { name: a.name })),
+    }));
     const download = h('a', { class: 'download', href: `/v1/adapters/${name}/download`, download: '', text: 'Download' });
     download.addEventListener('click', downloadWithKey);
     actions.append(download);
@@ -820,7 +842,13 @@
       h('td', { text: a.created }),
       gateCell(a),
       h('td', {}, a.active ? h('span', { class: 'badge serving', text: `serving ${short(a.active_revision)}` })
-        : h('span', { class: 'badge', text: 'stored' })),
+        : h('span', { class: 'badge', text: 'stored' }),
+        isDefault ? h('span', { class: `badge default ${defaultAdapter.serving ? 'serving' : 'bad'}`,
+          text: `default ${short(defaultAdapter.revision)}${defaultAdapter.serving ? '' : ' (not served)'}`,
+          title: 'requests naming the base model get this revision' }) : '',
+        ...Object.entries(a.quarantined || {}).map(([rev, mark]) => h('span', {
+          class: 'badge bad quarantined', text: `quarantined ${short(rev)}`,
+          title: `${mark.reason} (since ${mark.at}); clear: POST /v1/adapters/{name}/quarantine/clear` }))),
       h('td', {}, actions));
   }
 
@@ -876,9 +904,12 @@
     return h('td', { class: 'gate-cell', dataset: { gate: g.gate.verdict, job: g.job } }, link);
   }
 
+  let defaultAdapter = null; // GET /v1/adapters/default: {name, revision, serving, served_revision} or null
+
   async function pollAdapters() {
     if (Date.now() < confirmingUntil) return 1000;
     const data = await getOrShow('/v1/adapters', $('#adapters-error'));
+    try { defaultAdapter = (await api('GET', '/v1/adapters/default')).data.default; } catch (e) { defaultAdapter = null; }
     await resolveGates(data.data || []);
     if (Date.now() < confirmingUntil) return 1000;
     const rows = (data.data || []).map(adapterRow);
@@ -1310,6 +1341,7 @@
       const value = keyInput.value.trim();
       if (value) sessionStorage.setItem(KEY_STORE, value); else sessionStorage.removeItem(KEY_STORE);
       show($('#banner'), '');
+      showProfile();
       route();
     });
     $('#chat-form').addEventListener('submit', sendChat);
@@ -1330,6 +1362,7 @@
     window.addEventListener('hashchange', route);
     window.addEventListener('resize', () => { if (currentPage === 'status') renderTpsChart(); if (currentPage === 'training') renderCharts(); });
     statusPoller.start();
+    showProfile();
     route();
     document.body.dataset.ready = 'true';
   }
