@@ -89,3 +89,26 @@ def test_grammar_giving_up_mid_generation_is_an_error_finish_never_stop(secure_s
                 reasons += [c["finish_reason"] for c in ev.get("choices", []) if c.get("finish_reason")]
     assert any("error" in ev and ev["error"]["code"] == "grammar_too_complex" for ev in events), [json.dumps(e)[-200:] for e in events]
     assert reasons == ["error"]
+
+
+def test_grammar_preparation_is_in_metrics_by_outcome(secure_server):
+    """/metrics kiln_grammar_compile_seconds{outcome}: a fixed label set (compiled, cached, refused, ...)."""
+    import re
+
+    srv = secure_server
+
+    def count(outcome: str) -> float:
+        text = httpx.get(f"{srv.base_url}/metrics").text
+        m = re.search(rf'kiln_grammar_compile_seconds_count{{outcome="{outcome}"}} ([0-9.e+]+)', text)
+        assert m, text[-2000:]
+        return float(m.group(1))
+
+    before = {o: count(o) for o in ("compiled", "cached", "refused", "timeout", "busy")}
+    regex = "[a-c]{2}x[0-9]{3}"  # a grammar no other test uses
+    assert _post(srv, {"guided_regex": regex}).status_code == 200
+    assert _post(srv, {"guided_regex": regex}).status_code == 200
+    assert _post(srv, {"guided_regex": "(y{1000}){999}"}).status_code == 400
+    assert count("compiled") == before["compiled"] + 1
+    assert count("cached") == before["cached"] + 1
+    assert count("refused") == before["refused"] + 1
+    assert count("timeout") == before["timeout"] and count("busy") == before["busy"]

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -106,6 +107,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the cache: prepare runs on the compile thread and in line
         self._pending = 0  # compilations submitted and not finished (event loop only)
         self.stats = {"compiled": 0, "cache_hits": 0, "refused": 0, "timeouts": 0, "busy": 0}
+        self.observer: Callable[[str, float], None] | None = None  # e.g. Metrics.grammar_compile
 
     # -- request constraint -> grammar text ----------------------------------------------------
 
@@ -148,23 +150,43 @@ class GrammarCompiler:
 
     async def compile(self, build: Callable[[], str], param: str) -> CompiledGrammar:
         """``build()`` (one of the methods above) then :meth:`prepare`, on the compile thread, within
-        ``timeout_s`` (queue wait included). Refused with 503 when too many wait, 400 past the deadline."""
+        ``timeout_s`` (queue wait included). Refused with 503 when too many wait, 400 past the deadline.
+        ``observer(outcome, seconds)``, when set, sees each call (compiled, cached, refused, timeout, busy)."""
+        t0 = time.perf_counter()
         if self._pending >= MAX_PENDING_COMPILES:
             self.stats["busy"] += 1
+            self._observe("busy", t0)
             raise Unavailable(f"{self._pending} grammar compilations are already waiting (at most "
                               f"{MAX_PENDING_COMPILES})", code="grammar_compile_busy", retry_after=1,
                               hint="retry shortly; repeated schemas are cached after their first compilation")
         self._pending += 1
-        job = _compile_pool().submit(lambda: self.prepare(build(), param))
+
+        def work() -> tuple[CompiledGrammar, bool]:
+            grammar = build()
+            with self._lock:
+                hit = grammar in self._cache
+            return self.prepare(grammar, param), hit
+
+        job = _compile_pool().submit(work)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
+            compiled, hit = await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
         except TimeoutError:
             self.stats["timeouts"] += 1
+            self._observe("timeout", t0)
             job.cancel()  # not started yet: never runs; running: bounded by the lexer fuel, its result dropped
             raise GrammarTooComplex(f"compiling {param} took longer than the grammar compile limit "
                                     f"({self.timeout_s:g} s, limits.grammar_compile_timeout_s)", param) from None
+        except InvalidRequest:
+            self._observe("refused", t0)
+            raise
         finally:
             self._pending -= 1
+        self._observe("cached" if hit else "compiled", t0)
+        return compiled
+
+    def _observe(self, outcome: str, t0: float) -> None:
+        if self.observer is not None:
+            self.observer(outcome, time.perf_counter() - t0)
 
     def prepare(self, grammar: str, param: str = "grammar") -> CompiledGrammar:
         """The grammar's matcher, from the cache or built, probed and cached (any thread)."""

@@ -12,6 +12,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -33,6 +34,10 @@ class Metrics:
         self.duration = Histogram("kiln_request_duration_seconds", "HTTP request duration by endpoint",
                                   ["endpoint"], buckets=DURATION_BUCKETS, registry=r)
         self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+        grammar = Histogram("kiln_grammar_compile_seconds", "Structured-output grammar preparation per request, "
+                            "queue wait included, by outcome (compiled, cached, refused, timeout, busy)",
+                            ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self._grammar = {o: grammar.labels(outcome=o) for o in GRAMMAR_OUTCOMES}
         active = Gauge("kiln_active_rows", "Rows admitted to the engine and not yet cleaned up", registry=r)
         queued = Gauge("kiln_queued_rows", "Rows waiting for an engine slot", registry=r)
         active.set_function(lambda: row_stats()["active_rows"])
@@ -68,6 +73,10 @@ class Metrics:
 
     def queue_wait(self, wait_s: float) -> None:
         self.queue_wait_s.observe(wait_s)
+
+    def grammar_compile(self, outcome: str, seconds: float) -> None:
+        """kiln.runtime.constrained.GrammarCompiler's observer (event loop)."""
+        self._grammar[outcome].observe(seconds)
 
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
         # ``labels()`` costs a lock and a tuple build per call: keep the children (endpoints are

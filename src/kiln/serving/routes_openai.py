@@ -173,6 +173,7 @@ def _grammar_compiler(state) -> GrammarCompiler:
         comp = state.extras["grammar_compiler"] = GrammarCompiler(
             tokens.tokenizer, vocab, tokens.eos_ids, timeout_s=lim.grammar_compile_timeout_s,
             cache_bytes=lim.grammar_cache_mib << 20)
+        comp.observer = state.metrics.grammar_compile  # /metrics kiln_grammar_compile_seconds{outcome}
     return comp
 
 
