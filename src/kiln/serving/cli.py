@@ -160,7 +160,8 @@ def _uvicorn_http_protocol() -> type:
 def _print_ready(host: str, port: int, model_id: str) -> None:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     base = f"http://{shown}:{port}" if ":" not in shown else f"http://[{shown}]:{port}"
-    body = '{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}]}' % model_id
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"temperature": 0}' % model_id)
     lines = [
         f"Kiln is ready: serving {model_id!r}",
         f"  OpenAI base URL: {base}/v1",
