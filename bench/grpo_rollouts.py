@@ -74,7 +74,7 @@ def main() -> None:
     from kiln.runtime.loader import load_model
     from kiln.runtime.threads import default_threads
     from kiln.training.service import attach_training
-    from tests.conftest import built_model_path
+    from kiln.runtime.builtin import bench_model_path as built_model_path
 
     home = Path(tempfile.mkdtemp(prefix="kiln-grpo-bench-"))
     settings = load_settings(cli={"home": str(home)}, environ={}).settings

@@ -39,7 +39,7 @@ def load(shape: str, work: Path) -> Any:
     from kiln.runtime.loader import load_model
 
     if shape == "builtin":
-        from tests.conftest import built_model_path
+        from kiln.runtime.builtin import bench_model_path as built_model_path
 
         return load_model(str(built_model_path()), device="cpu", dtype="float32")
     sys.path.insert(0, str(ROOT / "bench"))

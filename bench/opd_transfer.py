@@ -58,7 +58,7 @@ class Setup:
         from kiln.training.schemas import DEFAULT_LORA_RANK, SFTExample
         from kiln.training.templates import end_of_turn_ids
         from kiln.training.trainer import LearnedCheck, Plan, add_private_adapter, lora_config, run_sft
-        from tests.conftest import built_model_path
+        from kiln.runtime.builtin import bench_model_path as built_model_path
 
         torch.set_num_threads(threads)
         lm = load_model(str(built_model_path()), device="cpu", dtype="float32")

@@ -254,3 +254,9 @@ def ensure_builtin_model(home: Path) -> Path:
         path.rename(stale)
         build_builtin_model(path)
         return verify_builtin_model(path)
+
+
+def bench_model_path() -> Path:
+    """The built-in model for benchmarks and scripts outside a Kiln home: built once (from the shipped files,
+    in well under a second) under the system temp dir and checked on every use."""
+    return ensure_builtin_model(Path(tempfile.gettempdir()) / "kiln-bench-home")

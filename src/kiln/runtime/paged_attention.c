@@ -1,8 +1,8 @@
 /* Paged attention over a block-table KV pool, read in place (CPU, float32).
  *
  * Built and loaded by kiln/runtime/paged_attention.py (the C compiler at first use, cached
- * under $KILN_HOME/kernels). One call computes one layer's attention for every query
- * token of a forward:
+ * under $KILN_KERNEL_DIR, else $XDG_CACHE_HOME/kiln/kernels: ~/.cache/kiln/kernels). One call
+ * computes one layer's attention for every query token of a forward:
  *
  *   q      token i, query head j at q[i * q_token_stride + j * q_head_stride + c]
  *   k, v   the pool's layer tensors [blocks, block_size, kv_heads, head_dim], contiguous
