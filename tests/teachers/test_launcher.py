@@ -492,13 +492,15 @@ def test_candidate_limit_in_range_reaches_staging(fixed_runtime, tiny_model, roo
     assert calls == ["stage"]
 
 
-def test_environment_is_checked_for_an_identity_input_too(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("name, value", [("VLLM_TUNED_CONFIG_FOLDER", "tuned"),
+                                         ("VLLM_SERVER_DEV_MODE", "1")])  # a mutable-surface switch (round 3)
+def test_environment_is_checked_for_an_identity_input_too(tmp_path, monkeypatch, capsys, name, value):
     path = tmp_path / "input.json"
     path.write_text(json.dumps(_INPUT))
-    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "tuned")
+    monkeypatch.setenv(name, value)
     code = launcher.main([f"--identity-input={path}", "--served-model-id=t", "--max-top-k=4", "--max-model-len=64",
                           "--manifest-only"])
-    assert code == 2 and "VLLM_TUNED_CONFIG_FOLDER" in capsys.readouterr().err
+    assert code == 2 and name in capsys.readouterr().err
 
 
 # ------------------------------------------------- reviewed values are usable and bound

@@ -41,15 +41,6 @@ def test_mutable_surface_switches_are_refused_before_anything_is_copied(tiny_mod
     assert os.listdir(roots["snapshot"]) == [] and os.listdir(roots["cache"]) == []
 
 
-def test_mutable_surface_switches_refused_for_an_identity_input_too(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps(_INPUT))
-    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    code = launcher.main([f"--identity-input={path}", "--served-model-id=t", "--max-top-k=4", "--max-model-len=64",
-                          "--manifest-only"])
-    assert code == 2 and "VLLM_SERVER_DEV_MODE" in capsys.readouterr().err
-
-
 def test_mutable_surface_switch_explicitly_off_is_accepted():
     # "0" is the value vLLM reads as off; it opens nothing.
     check_environment({"VLLM_SERVER_DEV_MODE": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "0"})

@@ -34,9 +34,7 @@ class ServedSet:
     def __init__(self, store_root: Path, *, public: Callable[[str], bool] = lambda name: True):
         self.path = Path(store_root) / SERVED_FILE
         self._public = public  # names worth restoring (not an eval's private load)
-        self.saved_default: tuple[str, str] | None = None  # the default the last load() read
-
-    default: tuple[str, str] | None = None  # the server default adapter (name, pinned revision), saved with the set
+        self.default: tuple[str, str] | None = None  # the server default adapter (name, pinned revision)
 
     def save(self, active: Mapping[str, str]) -> None:
         entries = {n: r for n, r in sorted(active.items()) if self._public(n)}
@@ -45,15 +43,16 @@ class ServedSet:
             doc["default"] = {"name": self.default[0], "revision": self.default[1]}
         atomic_write_bytes(self.path, canonical_json_bytes(doc) + b"\n", mode=0o600)
 
-    def load(self) -> dict[str, str]:
-        """The saved set; ``{}`` when there is none. A file that is not a valid set is logged and ignored."""
+    def load(self) -> tuple[dict[str, str], tuple[str, str] | None]:
+        """The saved set and default; ``({}, None)`` when there is none. A file that is not a valid set is
+        logged and ignored."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            return {}
+            return {}, None
         except OSError as exc:
             log.warning("served adapter set %s unreadable (%s); starting with none", self.path, exc.strerror)
-            return {}
+            return {}, None
         with os.fdopen(fd, "rb") as f:
             raw = f.read(MAX_SERVED_BYTES + 1)
         try:
@@ -70,27 +69,23 @@ class ServedSet:
                 default = (default["name"], default["revision"])
         except (ValueError, KeyError) as exc:
             log.warning("served adapter set %s is invalid (%s); starting with none", self.path, exc)
-            return {}
-        self.saved_default = default
-        return dict(entries)
+            return {}, None
+        return dict(entries), default
 
-    def restore(self, store, activate: Callable[[Any], None], base_model_sha256: str) -> list[dict[str, str]]:
-        """Activate (``activate(record)``) every saved adapter at its saved revision, verified against its
-        manifest and the served base; return the entries that could not be, with why. Call before ``engine`` gets this
-        set's ``save`` as its change hook, so a partial restore never rewrites the file midway; then
-        :meth:`save` the set actually served."""
+    def restore(self, store, activate: Callable[[Any], None]) -> tuple[list[dict[str, str]], tuple[str, str] | None]:
+        """Activate (``activate(record)``: base, quarantine and canary checked there) every saved adapter at its
+        saved revision, verified against its manifest; return the entries that could not be, with why, and the
+        saved default. Call before ``engine`` gets this set's ``save`` as its change hook, so a partial restore
+        never rewrites the file midway; then :meth:`save` the set actually served."""
         failed: list[dict[str, str]] = []
-        self.saved_default = None
-        for name, revision in self.load().items():
+        entries, default = self.load()
+        for name, revision in entries.items():
             try:
                 record = store.verify(name, revision)
-                if record.manifest.base_model_sha256 != base_model_sha256:
-                    raise ValueError(f"trained on base {record.manifest.base_model_sha256[:12]}, this server serves "
-                                     f"{base_model_sha256[:12]}")
                 activate(record)
             except Exception as exc:  # noqa: BLE001 - any refusal leaves this one out, reported, and goes on
                 reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
                 log.warning("adapter %s@%s was served before the restart but cannot be restored: %s",
                             name, revision[:12], reason)
                 failed.append({"name": name, "revision": revision, "error": reason[:300]})
-        return failed
+        return failed, default

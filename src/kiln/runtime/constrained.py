@@ -106,7 +106,6 @@ class GrammarCompiler:
         self._cached_bytes = 0
         self._lock = threading.Lock()  # the cache: prepare runs on the compile thread and in line
         self._pending = 0  # compilations submitted and not finished (event loop only)
-        self.stats = {"compiled": 0, "cache_hits": 0, "refused": 0, "timeouts": 0, "busy": 0}
         self.observer: Callable[[str, float], None] | None = None  # e.g. Metrics.grammar_compile
 
     # -- request constraint -> grammar text ----------------------------------------------------
@@ -154,24 +153,16 @@ class GrammarCompiler:
         ``observer(outcome, seconds)``, when set, sees each call (compiled, cached, refused, timeout, busy)."""
         t0 = time.perf_counter()
         if self._pending >= MAX_PENDING_COMPILES:
-            self.stats["busy"] += 1
             self._observe("busy", t0)
             raise Unavailable(f"{self._pending} grammar compilations are already waiting (at most "
                               f"{MAX_PENDING_COMPILES})", code="grammar_compile_busy", retry_after=1,
                               hint="retry shortly; repeated schemas are cached after their first compilation")
         self._pending += 1
 
-        def work() -> tuple[CompiledGrammar, bool]:
-            grammar = build()
-            with self._lock:
-                hit = grammar in self._cache
-            return self.prepare(grammar, param), hit
-
-        job = _compile_pool().submit(work)
+        job = _compile_pool().submit(lambda: self._prepare(build(), param))
         try:
             compiled, hit = await asyncio.wait_for(asyncio.wrap_future(job), self.timeout_s)
         except TimeoutError:
-            self.stats["timeouts"] += 1
             self._observe("timeout", t0)
             job.cancel()  # not started yet: never runs; running: bounded by the lexer fuel, its result dropped
             raise GrammarTooComplex(f"compiling {param} took longer than the grammar compile limit "
@@ -190,25 +181,27 @@ class GrammarCompiler:
 
     def prepare(self, grammar: str, param: str = "grammar") -> CompiledGrammar:
         """The grammar's matcher, from the cache or built, probed and cached (any thread)."""
+        return self._prepare(grammar, param)[0]
+
+    def _prepare(self, grammar: str, param: str) -> tuple[CompiledGrammar, bool]:
+        """:meth:`prepare`, and whether the cache had it."""
         with self._lock:
             hit = self._cache.pop(grammar, None)
             if hit is not None:
                 self._cache[grammar] = hit  # most recently used last
-                self.stats["cache_hits"] += 1
-                return hit
+                return hit, True
         before = _rss_bytes()
         base = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)
         self._probe(base, param)
         nbytes = max(_rss_bytes() - before, 64 << 10) + len(grammar)
         compiled = CompiledGrammar(grammar, base, nbytes, self)
         with self._lock:
-            self.stats["compiled"] += 1
             if nbytes <= self.cache_bytes and grammar not in self._cache:
                 self._cache[grammar] = compiled
                 self._cached_bytes += nbytes
                 while len(self._cache) > MAX_CACHED_GRAMMARS or self._cached_bytes > self.cache_bytes:
                     self._cached_bytes -= self._cache.pop(next(iter(self._cache))).nbytes
-        return compiled
+        return compiled, False
 
     def matcher(self, grammar: str) -> "RowConstraint":
         """A fresh row state for ``grammar`` (prepared in line on the caller's thread)."""
@@ -229,8 +222,6 @@ class GrammarCompiler:
         mask = np.zeros(words, dtype=np.int32)
         eos = [e for e in self.eos_ids if e < 32 * words]
         for step in range(PROBE_TOKENS):
-            if m.is_error():
-                break
             m.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
             if m.is_error() or m.is_stopped():
                 break
@@ -243,7 +234,6 @@ class GrammarCompiler:
                 break
             m.consume_token(int(allowed[0]))
         if m.is_error():
-            self.stats["refused"] += 1
             raise GrammarTooComplex(f"{param} cannot be used for constrained decoding: "
                                     f"{_first_line(m.get_error())} (limits: lexer fuel {INITIAL_LEXER_FUEL}, "
                                     f"{MAX_LEXER_STATES} lexer states, grammar size {MAX_GRAMMAR_SIZE})", param)

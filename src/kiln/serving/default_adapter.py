@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.adapters.errors import AdapterConflict
 from kiln.errors import InvalidRequest
 from kiln.serving.activation import activate
 
@@ -47,12 +46,8 @@ def set_default(state: Any, name: str, revision: str | None = None) -> dict[str,
     if state.served is None:
         raise InvalidRequest("this server keeps no served adapter set", code="default_adapter_unavailable")
     record = state.store.verify(name, revision)
-    if record.manifest.base_model_sha256 != state.model.base_model_sha256:
-        raise AdapterConflict(f"adapter {name!r} was trained on base {record.manifest.base_model_sha256}, but this "
-                              f"server serves {state.model.base_model_sha256}",
-                              hint="Set a default trained on this server's base model.")
     if state.engine.active_adapters().get(name) != record.revision:
-        activate(state, record)  # canary-checked; refuses (and makes) quarantined revisions
+        activate(state, record)  # base and quarantine checked, canary run; a failure quarantines it
     state.served.default = (record.name, record.revision)
     state.served.save(state.engine.active_adapters())
     return describe(state)

@@ -120,7 +120,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
         trainer.set_teachers(teachers)
     from kiln.adapters.served import ServedSet
 
-    served = ServedSet(store.root, public=lambda name: store.has(name))  # not an eval's private load
+    served = ServedSet(store.root, public=store.has)  # not an eval's private load
     return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers,
                      served=served)
 
@@ -133,8 +133,7 @@ def restore_served(state: KilnState) -> None:
     served = state.served
     from kiln.serving.activation import activate
 
-    state.adapters_not_restored = served.restore(state.store, lambda record: activate(state, record),
-                                                 state.model.base_model_sha256)
+    state.adapters_not_restored, saved_default = served.restore(state.store, lambda record: activate(state, record))
     state.engine.on_adapters_changed = served.save
     configured = state.settings.adapters.default
     if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
@@ -145,11 +144,10 @@ def restore_served(state: KilnState) -> None:
             set_default(state, *parse_setting(configured))
         except KilnError as exc:
             raise RuntimeError(f"adapters.default = {configured!r} cannot be served: {exc.message}") from exc
-    elif served.saved_default is not None and state.engine.active_adapters().get(served.saved_default[0]) \
-            == served.saved_default[1]:
-        served.default = served.saved_default  # restored with its pinned revision
-    elif served.saved_default is not None:
-        name, revision = served.saved_default
+    elif saved_default is not None and state.engine.active_adapters().get(saved_default[0]) == saved_default[1]:
+        served.default = saved_default  # restored with its pinned revision
+    elif saved_default is not None:
+        name, revision = saved_default
         state.adapters_not_restored.append({"name": name, "revision": revision,
                                             "error": "the default adapter's revision is not served; default cleared"})
     served.save(state.engine.active_adapters())
