@@ -94,7 +94,7 @@ def replaying(messages: list[Message], receive: Receive) -> Receive:
 
 
 class FastRoutes:
-    """Serve ``routes`` (path -> (request model, handler[, precheck])) directly; hand anything else to ``app``.
+    """Serve ``routes`` (path -> (request model, handler, precheck or None)) directly; hand anything else to ``app``.
 
     A handler is called as ``await handler(state, validated_request, receive)`` and
     returns the response to send. A precheck sees the parsed JSON before the model validates it,
@@ -102,7 +102,7 @@ class FastRoutes:
     answer). Bodies over ``PARSE_OFF_LOOP_BYTES`` are parsed and validated off the event loop.
     """
 
-    def __init__(self, app: ASGIApp, state: Any, routes: dict[str, tuple[type[BaseModel], Handler]]):
+    def __init__(self, app: ASGIApp, state: Any, routes: dict[str, tuple[type[BaseModel], Handler, Precheck | None]]):
         self.app = app
         self.state = state
         self.routes = routes
@@ -124,7 +124,7 @@ class FastRoutes:
                     break
         except HTTPException as exc:  # the body-limit middleware refusing a chunked body mid-stream
             return await http_error_response(exc)(scope, receive, send)
-        model, handler, precheck = route if len(route) == 3 else (*route, None)
+        model, handler, precheck = route
         body = b"".join(chunks)
         if json_depth_exceeds(body):  # json.loads would recurse into a RecursionError (a 500)
             error = InvalidRequest(f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels",

@@ -1138,7 +1138,7 @@ def _trim_rows(rows: list[PromptLogprobRow | None], k: int) -> list[PromptLogpro
 
 # The generation routes, served by kiln.serving.fast_path ahead of FastAPI's routing (the
 # FastAPI routes above stay for the OpenAPI schema and for requests the fast path hands on).
-FAST_ROUTES: dict[str, tuple] = {  # path -> (request model, handler[, precheck]): kiln.serving.fast_path
+FAST_ROUTES: dict[str, tuple] = {  # path -> (request model, handler, precheck or None): kiln.serving.fast_path
     "/v1/chat/completions": (ChatCompletionRequest, chat_response, _precheck_chat),
-    "/v1/completions": (CompletionRequest, completion_response),
+    "/v1/completions": (CompletionRequest, completion_response, None),
 }
