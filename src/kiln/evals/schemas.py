@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
 
@@ -153,13 +153,28 @@ DEFAULT_RUBRIC = (
 
 
 class JudgeScorer(_Wire):
-    """A local model (the base, or ``judge`` adapter) grades each answer with ``rubric``; the first
-    ``PASS``/``FAIL`` word of its greedy reply is the verdict (neither: fail, reported as unparsed)."""
+    """A local model (the base, or ``judge`` adapter) grades each answer.
+
+    ``mode = "rubric"`` (default): the first ``PASS``/``FAIL`` word of its greedy reply to ``rubric`` is
+    the verdict (neither: fail, reported as unparsed). ``mode = "preference"``: a judge trained on A/B
+    judgments (``POST /v1/judgments/train``) compares the answer with the example's reference from its
+    logprobs of ``A`` and ``B`` in both orders; it passes when P(answer is better) >= ``threshold``."""
 
     type: Literal["judge"]
     judge: AdapterRef | None = Field(None, description="judge adapter; omitted: the base model")
+    mode: Literal["rubric", "preference"] = Field("rubric", description="PASS/FAIL reply, or A/B preference")
     rubric: str = Field(DEFAULT_RUBRIC, min_length=1, max_length=MAX_RUBRIC_CHARS)
     max_tokens: int = Field(8, ge=1, le=256)
+    threshold: float = Field(0.5, ge=0, le=1, allow_inf_nan=False,
+                             description="preference mode: the least P(answer better than reference) that passes")
+
+    @model_serializer(mode="wrap")
+    def _rubric_dumps_as_before(self, handler: Any) -> Any:
+        out = handler(self)  # a rubric judge dumps as before the preference mode (suite digests do not change)
+        if isinstance(out, dict) and out.get("mode") == "rubric" and out.get("threshold") == 0.5:
+            out.pop("mode", None)
+            out.pop("threshold", None)
+        return out
 
 
 Scorer = Annotated[

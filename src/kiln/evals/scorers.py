@@ -125,6 +125,11 @@ def validate_suite(suite: s.SuiteSpec, *, allow_code_execution: bool) -> None:
                 if ex.reference.strip().upper() not in spec.choices:
                     raise SuiteInvalid(f"example {i}: reference {ex.reference!r} is not one of {spec.choices}",
                                        code="invalid_reference")
+        if isinstance(spec, s.JudgeScorer) and spec.mode == "preference":
+            for i, ex in enumerate(suite.examples):
+                if not ex.reference.strip():
+                    raise SuiteInvalid(f"example {i}: a preference judge compares the answer with the reference, "
+                                       "and this example has none", code="invalid_reference")
 
 
 def _last_number(text: str) -> float | None:

@@ -172,6 +172,7 @@ class Episode:
     episode_return: float = 0.0
     steps: int = 0
     actions: list[str] = field(default_factory=list)  # completion texts, in order
+    policies: list[dict[str, Any]] = field(default_factory=list)  # per action: {"adapter", "revision"} that produced it
     observations: list[str] = field(default_factory=list)  # the user turn after each action that did not end it
     exchanges: list[dict[str, Any]] = field(default_factory=list)  # {"action", "result"} per step sent
     error: dict[str, Any] | None = None

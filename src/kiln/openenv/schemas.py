@@ -93,6 +93,9 @@ class OpenEnvRun(BaseModel):
     artifacts: dict[str, dict[str, Any]] | None = Field(
         None, description="files published in the run directory: name -> {sha256, bytes} (after revalidation)")
     training_job: dict[str, Any] | None = None
+    policy: dict[str, Any] | None = Field(
+        None, description="the policy every action came from: {adapter, revision} (null, null: the base model), "
+                          "pinned by the first action; another revision fails the run (policy_revision_changed)")
     error: OpenEnvError | None = None
 
 

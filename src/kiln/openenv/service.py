@@ -49,6 +49,7 @@ from kiln.errors import (
 from kiln.openenv import episode as ep
 from kiln.openenv.discovery import Discovery, discover
 from kiln.openenv.metrics import OpenEnvMetrics
+from kiln.openenv.policy import PolicyPin
 from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ JOB_TERMINAL = ("succeeded", "failed", "cancelled")
 PREFLIGHT_GROUP = {"messages": [{"role": "user", "content": "preflight"}],
                    "completions": [{"text": "a", "reward": 0.0}, {"text": "b", "reward": 1.0}]}
 CONTRACT_DROPPED = ("groups", "inputs_sha256", "plan_sha256")
-REPLAY_SCHEMA = "kiln.openenv-replay.v1"
+REPLAY_SCHEMA = "kiln.openenv-replay.v2"  # v2: the run's policy and each action's policy revision
 RECEIPT_FILE = "train_receipt.json"
 RECEIPT_SCHEMA = "kiln.openenv-train-receipt.v1"
 CONTRACT_DOMAIN = "kiln.openenv-training-contract.v1"
@@ -337,7 +338,8 @@ class OpenEnvService:
                      environment={"url": disc.base_url, "name": disc.name, "discovery_sha256": disc.digest,
                                   "documents": sorted(disc.documents)})
         system = req.instructions + ACTION_PROMPT + canonical_json(disc.action_schema)
-        policy = self._policy(req, disc)
+        pin = PolicyPin(req.policy_adapter)  # the first action pins the policy revision; a change fails the run
+        generate = self._policy(req, disc)
         budget = ep.Budget(self.cfg.max_rollout_bytes)
         groups: list[dict[str, Any]] = []
         returns: list[list[float]] = []
@@ -372,7 +374,16 @@ class OpenEnvService:
                         raise ep.EnvironmentProtocolError(
                             f"group {g}: reset with seed {seed} gave a different initial observation",
                             code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
-                    episode = ep.play(session, ep.Episode(seed, data), policy, messages, validator=disc.validator,
+                    episode = ep.Episode(seed, data)
+
+                    def policy(msgs: list[dict[str, str]], episode: ep.Episode = episode) -> str:
+                        text, revision = generate(msgs)
+                        episode.policies.append(pin.check(revision))
+                        if rec.get("policy") is None:  # the first action: the run's policy, persisted
+                            self._update(rec, policy=pin.pinned)
+                        return text
+
+                    episode = ep.play(session, episode, policy, messages, validator=disc.validator,
                                       max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
                                       budget=budget, render=ep.render_observation, cancelled=cancelled)
                     played[-1][1].append(episode)
@@ -433,9 +444,10 @@ class OpenEnvService:
         rollouts = b"".join(canonical_json_bytes(g) + b"\n" for g in groups)
         replay = canonical_json_bytes({
             "schema": REPLAY_SCHEMA, "discovery_sha256": disc.digest,
-            "rollouts_sha256": sha256_hex(rollouts),
+            "rollouts_sha256": sha256_hex(rollouts), "policy": rec.get("policy"),
             "groups": [{"reset": reset, "episodes": [
-                {"reset_observation": e.reset_observation, "actions": e.actions, "exchanges": e.exchanges,
+                {"reset_observation": e.reset_observation, "actions": e.actions, "policies": e.policies,
+                 "exchanges": e.exchanges,
                  "termination": e.termination, "return": e.episode_return, "steps": e.steps, "error": e.error}
                 for e in episodes]} for reset, episodes in played]})
         out = {}
@@ -494,6 +506,7 @@ class OpenEnvService:
                         "activated": result.get("activated")},
             "training_contract_sha256": contract_digest(rec["training_contract"]),
             "discovery_sha256": rec["environment"]["discovery_sha256"],
+            "policy": rec.get("policy"),  # the one policy revision every trained action came from
             "base_model_sha256": manifest.base_model_sha256,
             "artifacts": {name: entry["sha256"] for name, entry in sorted((rec["artifacts"] or {}).items())},
         })
@@ -527,7 +540,9 @@ class OpenEnvService:
             raise
         return fd, entry["bytes"], entry["sha256"]
 
-    def _policy(self, req: OpenEnvRunRequest, disc: Discovery) -> Callable[[list[dict[str, str]]], str]:
+    def _policy(self, req: OpenEnvRunRequest,
+                disc: Discovery) -> Callable[[list[dict[str, str]]], tuple[str, str | None]]:
+        """The policy's generator: messages -> (action text, the adapter revision that produced it)."""
         from kiln.runtime.sampling import SamplingParams
 
         grammar = self._grammar(generation_schema(disc.action_schema)) if req.constrained else None
@@ -544,7 +559,7 @@ class OpenEnvService:
                                            timeout=self.cfg.generation_timeout_s)
             except TimeoutError as exc:
                 raise Unavailable(str(exc), code="policy_timeout") from None
-            return out[0].text
+            return out[0].text, out[0].adapter_revision
 
         return act
 

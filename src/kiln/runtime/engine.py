@@ -446,7 +446,7 @@ class Engine:
                     text.append(chunk.text)
                     tokens.extend(chunk.tokens)
                     reason = chunk.finish_reason
-                out.append(Completion("".join(text), list(row.generated), reason, tokens))
+                out.append(Completion("".join(text), list(row.generated), reason, tokens, sub.adapter_revision))
         finally:
             sub.cancel()
         return out

@@ -215,6 +215,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     tokens: list[TokenChoice]
+    adapter_revision: str | None = None  # the adapter revision that produced it (None: the base model)
 
 
 

@@ -56,6 +56,9 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     from kiln.serving.routes_openenv import build_service as build_openenv
 
     openenv = build_openenv(kiln_state)  # restart recovery of OpenEnv runs happens here, before any request
+    from kiln.serving import routes_judgments  # A/B judgments -> judge adapters (docs/evals.md, "Judgments")
+
+    judgments = routes_judgments.build_service(kiln_state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,6 +78,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
             if kiln_state.trainer is not None:
                 await asyncio.to_thread(kiln_state.trainer.close)
             await asyncio.to_thread(kiln_state.engine.stop)
+            judgments.close()
 
     app = FastAPI(
         title="Kiln",
@@ -86,6 +90,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.state.redact_paths = redact
     app.state.evals = evals
     app.state.openenv = openenv
+    app.state.judgments = judgments
     install_error_handlers(app, redact.text)
     routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
@@ -95,6 +100,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_openenv.router,)
     from kiln.serving import routes_batch  # noqa: E402  (POST /v1/completions/batch)
     routers += (routes_batch.router,)
+    routers += (routes_judgments.router,)
     for router in routers:
         app.include_router(router)
     install_openapi(app, kiln_state.model_id)

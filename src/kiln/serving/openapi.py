@@ -85,6 +85,23 @@ def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
     }
 
 
+def _judgment_docs() -> dict[tuple[str, str], RouteDoc]:
+    from kiln.judgments import schemas as j
+
+    return {
+        ("post", "/v1/judgments"): RouteDoc(j.Judgment, (400, 503), status=201),
+        # 404: `after` names no stored judgment.
+        ("get", "/v1/judgments"): RouteDoc(j.JudgmentList, (400, 404, 503)),
+        ("get", "/v1/judgments/export"): RouteDoc(None, (503,), media="application/x-ndjson"),
+        ("get", "/v1/judgments/{judgment_id}"): RouteDoc(j.Judgment, (404, 503)),
+        # 400: too few judgments or a training field; 403: stable profile; 404/409/503 as for POST /v1/train/sft.
+        ("post", "/v1/judgments/train"): RouteDoc(j.JudgeTrainResponse, (400, 403, 404, 409, 503), status=202),
+        # 400: judge not loaded or prompt too long; 409: the tokenizer cannot answer with one letter;
+        # 429: the engine's queue stayed full; 503: the judge did not answer in time.
+        ("post", "/v1/judgments/compare"): RouteDoc(j.CompareResponse, (400, 409, 429, 503)),
+    }
+
+
 def _eval_docs() -> dict[tuple[str, str], RouteDoc]:
     """``/v1/evals/*``: 404 an unknown suite, dataset, run or adapter; 409 a state conflict (a suite that
     exists, a run still going); 413 a suite or import over its limits; 503 the eval worker is down."""
@@ -134,6 +151,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     **_teacher_docs(),
     **_openenv_docs(),
     **_eval_docs(),
+    **_judgment_docs(),
 }
 
 

@@ -153,6 +153,8 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> R
             raise InvalidRequest(f"judge adapter {adapter!r} is loaded at revision {revision[:12]}, not "
                                  f"{spec.judge.revision[:12]}", code="judge_revision_mismatch",
                                  param="reward.scorer.judge.revision")
+    if spec.mode == "preference":
+        return _preference_reward(prompts, engine, adapter, revision)
     if "{reference}" in spec.rubric:
         missing = [i for i, p in enumerate(prompts) if p.reference is None]
         if missing:
@@ -180,6 +182,33 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> R
     return RewardFn("scorer", score, {"type": "scorer", "scorer": "judge", "judge": adapter,
                                       "judge_revision": revision, "max_tokens": spec.max_tokens,
                                       "rubric_sha256": hashlib.sha256(spec.rubric.encode()).hexdigest()})
+
+
+def _preference_reward(prompts: Sequence[RolloutPrompt], engine: Any, adapter: str | None,
+                       revision: str | None) -> RewardFn:
+    """Reward = P(completion better than the prompt's reference) from a judge adapter's A/B logprobs
+    (:mod:`kiln.judgments.scoring`, both orders averaged): a value in [0, 1], no sampling."""
+    from kiln.judgments.format import PREFERENCE_FORMAT
+    from kiln.judgments.scoring import last_user_text, preferences
+
+    missing = [i for i, p in enumerate(prompts) if not (p.reference or "").strip()]
+    if missing:
+        raise _refuse(f"a preference judge compares each completion with the prompt's reference; prompt(s) "
+                      f"{missing[:10]} have none", "missing_reference", "give every prompt a `reference`")
+    questions = [last_user_text(p.messages) for p in prompts]
+
+    def score(items: Sequence[tuple[int, str]]) -> list[float]:
+        if adapter is not None and engine.active_adapters().get(adapter) != revision:
+            raise RewardError(f"judge adapter {adapter!r} changed or was unloaded during the job")
+        try:
+            prefs = preferences(engine, adapter, [(questions[i], text, prompts[i].reference or "")
+                                                  for i, text in items], timeout=JUDGE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001  (engine stopped, timeout, adapter unloaded: the job fails)
+            raise RewardError(f"the judge failed: {type(exc).__name__}: {exc}") from None
+        return [p.p_first for p in prefs]
+
+    return RewardFn("scorer", score, {"type": "scorer", "scorer": "judge", "mode": "preference", "judge": adapter,
+                                      "judge_revision": revision, "format": PREFERENCE_FORMAT})
 
 
 # ------------------------------------------------------------------------------------ python file

@@ -1,0 +1,134 @@
+"""Durable judgments: ``judgments.sqlite3`` under ``eval.eval_dir`` (WAL, ``synchronous=FULL``, file
+0600, directory 0700), one row per recorded A/B preference, in insertion order.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from kiln.errors import NotFound
+
+SQLITE_BUSY_TIMEOUT_S = 10.0
+FILE_NAME = "judgments.sqlite3"
+FIELDS = ("id", "prompt", "response_a", "response_b", "preferred", "rationale", "author", "created_at")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS judgments (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    prompt TEXT NOT NULL,
+    response_a TEXT NOT NULL,
+    response_b TEXT NOT NULL,
+    preferred TEXT NOT NULL CHECK (preferred IN ('a', 'b', 'tie')),
+    rationale TEXT,
+    author TEXT,
+    created_at REAL NOT NULL
+);
+"""
+
+
+class JudgmentNotFound(NotFound):
+    code = "judgment_not_found"
+    default_hint = "judgment IDs look like 'jdg-0123456789abcdef'; list them with GET /v1/judgments"
+
+
+def _private(path: Path) -> None:
+    if path.exists():
+        os.chmod(path, 0o600)
+
+
+class JudgmentStore:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path.parent, 0o700)
+        if not self.path.exists():
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+        _private(self.path)
+        self._conn = sqlite3.connect(str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False,
+                                     isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(_SCHEMA)
+        for extra in ("-wal", "-shm"):
+            _private(Path(str(self.path) + extra))
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            else:
+                self._conn.execute("COMMIT")
+
+    def add(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Insert one judgment (committed, fsynced by SQLite, before this returns)."""
+        row = {**{k: fields.get(k) for k in FIELDS}, "id": f"jdg-{secrets.token_hex(8)}", "created_at": time.time()}
+        with self._tx() as c:
+            c.execute(f"INSERT INTO judgments ({', '.join(FIELDS)}) VALUES ({', '.join('?' for _ in FIELDS)})",
+                      tuple(row[k] for k in FIELDS))
+        return {"id": row["id"], "object": "judgment", **{k: row[k] for k in FIELDS if k != "id"}}
+
+    def get(self, judgment_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self._conn.execute("SELECT * FROM judgments WHERE id=?", (judgment_id,)).fetchone()
+        if row is None:
+            raise JudgmentNotFound(f"no judgment {judgment_id!r}")
+        return _public(row)
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(*) FROM judgments").fetchone()[0])
+
+    def page(self, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` judgments recorded after ``after`` (oldest first) and whether more follow."""
+        seq = 0
+        with self._lock:
+            if after is not None:
+                row = self._conn.execute("SELECT seq FROM judgments WHERE id=?", (after,)).fetchone()
+                if row is None:
+                    raise JudgmentNotFound(f"no judgment {after!r} to page after")
+                seq = row["seq"]
+            rows = self._conn.execute("SELECT * FROM judgments WHERE seq > ? ORDER BY seq LIMIT ?",
+                                      (seq, limit + 1)).fetchall()
+        return [_public(r) for r in rows[:limit]], len(rows) > limit
+
+    def latest_preferences(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` most recent non-tie judgments, oldest first (what a judge trains on)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT * FROM judgments WHERE preferred != 'tie' ORDER BY seq DESC LIMIT ?",
+                                      (limit,)).fetchall()
+        return [_public(r) for r in reversed(rows)]
+
+    def iter_all(self, batch: int = 500) -> Iterator[dict[str, Any]]:
+        """Every judgment, oldest first, read in batches (the export)."""
+        after = None
+        while True:
+            rows, more = self.page(after=after, limit=batch)
+            yield from rows
+            if not more or not rows:
+                return
+            after = rows[-1]["id"]
+
+
+def _public(row: sqlite3.Row) -> dict[str, Any]:
+    return {"id": row["id"], "object": "judgment", **{k: row[k] for k in FIELDS if k != "id"}}

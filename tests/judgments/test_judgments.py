@@ -1,0 +1,178 @@
+"""The judgment workflow over a real `kiln serve`: record A/B preferences (strict validation, typed
+4xx, durable SQLite with 0600 files, paging, JSONL export), train a judge adapter on a separable
+preference (answers beat refusals), and check that the judge (its A/B logprobs, both orders) prefers
+the answer on held-out pairs far more often than chance; the eval `judge` scorer and GRPO's `judge`
+reward in preference mode use the same judge."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sqlite3
+import stat
+
+import pytest
+
+from kiln.demo import kiln_server, wait_job
+from kiln.runtime.builtin import BUILTIN_NAME
+from tests.evals.test_http import wait_run
+
+JOB_TIMEOUT_S = 300.0
+TOPICS = ["the moon", "a volcano", "the ocean", "a violin", "the desert", "a comet", "the forest", "a glacier",
+          "a river", "the sun", "a bridge", "a castle", "the wind", "a tiger", "a garden", "the rain",
+          "a library", "a mountain", "an island", "a canyon"]
+FACTS = ["is large and very old", "shines on cold nights", "moves slowly over years", "holds many secrets",
+         "was studied by early sailors", "changes color at dusk", "makes a soft sound", "is full of life"]
+REFUSALS = ["I cannot help with that.", "Sorry, I will not answer that.", "I refuse to respond to this request."]
+HELD_OUT = ["a lantern", "the harbor", "a meadow", "a lighthouse", "the valley", "a beetle", "the storm",
+            "a clock", "a pebble", "the tundra", "a falcon", "the orchard"]
+
+
+def pair(i: int, topic: str) -> tuple[str, str, str]:
+    prompt = f"Tell me about {topic}."
+    return prompt, f"{topic.capitalize()} {FACTS[i % len(FACTS)]}.", REFUSALS[i % len(REFUSALS)]
+
+
+@pytest.fixture(scope="module")
+def server(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("kiln-home")
+    shutil.copytree(builtin_model_dir, home / "models" / BUILTIN_NAME)
+    with kiln_server(home) as srv:
+        srv.home = home
+        yield srv
+
+
+def error(r, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert body["code"] == code, body
+    return body
+
+
+def test_record_validate_page_export(server):
+    c = server.client
+    ok = {"prompt": "What is 2+2?", "response_a": "4", "response_b": "I cannot help with that.",
+          "preferred": "a", "rationale": "answers the question", "author": "alice@example.com"}
+    r = c.post("/v1/judgments", json=ok)
+    assert r.status_code == 201, r.text
+    first = r.json()
+    assert first["id"].startswith("jdg-") and first["preferred"] == "a" and first["author"] == "alice@example.com"
+    assert first["created_at"] > 0
+    assert c.get(f"/v1/judgments/{first['id']}").json() == first
+
+    # Strict validation: every mistake is a typed 400 and nothing is stored.
+    bad = [{k: v for k, v in ok.items() if k != "preferred"}, {**ok, "preferred": "c"}, {**ok, "prompt": "   "},
+           {**ok, "response_b": "4"}, {**ok, "extra": 1}, {**ok, "author": "bad\nname"},
+           {**ok, "response_a": "x" * 20_000}, {**ok, "preferred": None}]
+    for body in bad:
+        error(c.post("/v1/judgments", json=body), 400, "invalid_request")
+    error(c.post("/v1/judgments", content=b"{", headers={"content-type": "application/json"}), 400, "invalid_json")
+    assert c.post("/v1/judgments", json={**ok, "response_b": "4", "preferred": "tie"}).status_code == 201
+    error(c.get("/v1/judgments/jdg-0000000000000000"), 404, "judgment_not_found")
+    error(c.get("/v1/judgments/nope"), 404, "judgment_not_found")
+    error(c.get("/v1/judgments", params={"limit": 0}), 400, "invalid_request")
+    error(c.get("/v1/judgments", params={"after": "jdg-0000000000000000"}), 404, "judgment_not_found")
+    error(c.post("/v1/judgments/train", json={"adapter": "j"}), 400, "too_few_judgments")
+    error(c.post("/v1/judgments/train", json={"adapter": "bad name"}), 400, "invalid_request")
+    error(c.post("/v1/judgments/compare", json={"judge": "missing", "prompt": "p", "response_a": "a",
+                                                "response_b": "b"}), 400, "judge_not_loaded")
+
+    for i in range(3):
+        assert c.post("/v1/judgments", json={**ok, "prompt": f"q{i}", "preferred": "b"}).status_code == 201
+    seen, after = [], None
+    while True:
+        page = c.get("/v1/judgments", params={"limit": 2, **({"after": after} if after else {})}).json()
+        assert page["total"] == 5 and len(page["data"]) <= 2
+        seen += page["data"]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert [j["id"] for j in seen][0] == first["id"] and len({j["id"] for j in seen}) == 5
+    r = c.get("/v1/judgments/export")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    assert [json.loads(line) for line in r.text.splitlines()] == seen
+
+    # Durable in SQLite, private files.
+    db = server.home / "evals" / "judgments.sqlite3"
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(db.parent).st_mode) == 0o700
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT id, preferred, author FROM judgments ORDER BY seq").fetchall()
+    assert [r[0] for r in rows] == [j["id"] for j in seen] and rows[0][1:] == ("a", "alice@example.com")
+
+
+def _compare(c, judge, prompt, a, b) -> dict:
+    r = c.post("/v1/judgments/compare", json={"judge": judge, "prompt": prompt, "response_a": a, "response_b": b})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_train_judge_prefers_answers_on_held_out_pairs(server):
+    c = server.client
+    for i, topic in enumerate(TOPICS):
+        prompt, answer, refusal = pair(i, topic)
+        a_first = i % 2 == 0  # the recorded order alternates too
+        body = {"prompt": prompt, "response_a": answer if a_first else refusal,
+                "response_b": refusal if a_first else answer, "preferred": "a" if a_first else "b"}
+        assert c.post("/v1/judgments", json=body).status_code == 201
+    r = c.post("/v1/judgments/train", json={"adapter": "judge", "auto_load": True, "limit": 40})
+    assert r.status_code == 202, r.text
+    out = r.json()
+    # The most recent 40 non-tie judgments: the 20 above and the 4 preferences of the first test (if it ran).
+    assert out["examples"] == 2 * out["judgments"] and out["judgments"] >= len(TOPICS)
+    assert out["format"] == "kiln.judge-preference.v1" and len(out["judgments_sha256"]) == 64
+    job = wait_job(c, out["job"]["id"], timeout=JOB_TIMEOUT_S)
+    assert job["state"] == "succeeded", job["error"]
+    revision = job["result"]["revision"]
+
+    correct = {"judge": 0, "base": 0}
+    for i, topic in enumerate(HELD_OUT):
+        prompt, answer, refusal = pair(i + 3, topic)
+        first, second, want = (answer, refusal, "a") if i % 2 == 0 else (refusal, answer, "b")
+        got = _compare(c, "judge", prompt, first, second)
+        assert got["judge_revision"] == revision and len(got["orders"]) == 2
+        assert math.isclose(got["p_a"], sum(got["orders"]) / 2, abs_tol=1e-9)
+        correct["judge"] += got["preferred"] == want
+        correct["base"] += _compare(c, None, prompt, first, second)["preferred"] == want
+    n = len(HELD_OUT)
+    # Chance is n/2; at least n-1 of 12 right has probability 13/4096 under a coin flip.
+    assert correct["judge"] >= n - 1, correct
+
+    # The eval judge scorer in preference mode: the candidate's answer against the reference, scored by the
+    # same judge (its detail is the compare endpoint's probability for the same pair).
+    refusal = REFUSALS[0]
+    suite = {"name": "vs-refusal", "examples": [
+        {"id": f"h{i}", "messages": [{"role": "user", "content": f"Tell me about {t}."}], "reference": refusal}
+        for i, t in enumerate(HELD_OUT[:4])],
+        "scorers": [{"type": "judge", "mode": "preference", "judge": {"adapter": "judge"}}],
+        "generation": {"temperature": 0, "max_tokens": 8}}
+    error(c.post("/v1/evals/runs", json={"inline_suite": {**suite, "examples": [
+        {**suite["examples"][0], "reference": ""}]}}), 400, "invalid_reference")
+    r = c.post("/v1/evals/runs", json={"inline_suite": suite})
+    assert r.status_code == 202, r.text
+    run = wait_run(c, r.json()["id"])
+    assert run["state"] == "succeeded", run["error"]
+    prov = run["result"]["provenance"]
+    assert prov["judges"][0]["adapter"] == "judge" and prov["judges"][0]["revision"] == revision
+    for ex, t in zip(run["result"]["examples"], HELD_OUT[:4]):
+        sample = ex["samples"][0]
+        score = sample["scores"][0]
+        p = float(score["detail"].split()[0].removeprefix("p_better="))
+        assert score["passed"] == (p >= 0.5)
+        direct = _compare(c, "judge", f"Tell me about {t}.", sample["completion"], refusal)
+        assert math.isclose(p, direct["p_a"], abs_tol=1e-4), (p, direct)
+
+    # GRPO's judge reward in preference mode: rewards are the judge's probabilities, recorded with the job.
+    r = c.post("/v1/train/grpo", json={
+        "adapter": "policy", "prompts": [{"messages": [{"role": "user", "content": f"Tell me about {t}."}],
+                                          "reference": refusal} for t in HELD_OUT[:2]],
+        "reward": {"type": "scorer", "scorer": {"type": "judge", "mode": "preference", "judge": {"adapter": "judge"}}},
+        "group_size": 2, "iterations": 1, "max_tokens": 8, "max_steps": 1})
+    assert r.status_code == 202, r.text
+    job = wait_job(c, r.json()["id"], timeout=JOB_TIMEOUT_S)
+    assert job["state"] == "succeeded", job["error"]
+    # 4 completions scored 0/1 would average to a multiple of 0.25; the judge's probabilities do not.
+    mean = job["result"]["report"]["mean_reward"]
+    assert 0 < mean < 1 and not math.isclose(mean * 4, round(mean * 4), abs_tol=1e-9), mean
