@@ -112,6 +112,9 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     replay = json.loads((rundir / "replay.json").read_text())
     assert replay["rollouts_sha256"] == run["artifacts"]["rollouts.jsonl"]["sha256"]
     episodes = [e for g in replay["groups"] for e in g["episodes"]]
+    # policy identity: the base model produced every action, recorded per action, for the run and in the receipt
+    assert run["policy"] == replay["policy"] == {"adapter": None, "revision": None}
+    assert all(e["policies"] == [run["policy"]] * len(e["actions"]) for e in episodes)
     completions = [c for g in rows for c in g["completions"]]
     # every action of every episode is in the training data (first action + turns), with its observation
     assert sum(1 + len(c.get("turns", [])) for c in completions) == run["progress"]["policy_actions"]
@@ -129,7 +132,7 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     assert receipt["adapter"]["manifest_sha256"] == hashlib.sha256(manifest).hexdigest()
     assert receipt["artifacts"] == {k: run["artifacts"][k]["sha256"] for k in ("replay.json", "rollouts.jsonl")}
     assert receipt["discovery_sha256"] == run["environment"]["discovery_sha256"]
-    assert len(receipt["training_contract_sha256"]) == 64
+    assert len(receipt["training_contract_sha256"]) == 64 and receipt["policy"] == run["policy"]
     # the trained adapter as the behaviour policy on the same seeds, through `kiln openenv train`
     (home / "again.json").write_text(json.dumps({"epochs": 1}))
     cli = subprocess.run([str(KILN), "openenv", "train", env_servers["counter"], "--adapter", "oe-guess-2",
@@ -141,6 +144,7 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     assert "GRPO config" in cli.stdout and "published oe-guess-2 revision" in cli.stdout, cli.stdout
     after = httpx.get(f"{base}/v1/openenv/runs", timeout=10).json()["data"][-1]
     assert after["request"]["policy_adapter"] == "oe-guess" and after["state"] == "succeeded"
+    assert after["policy"] == {"adapter": "oe-guess", "revision": result["revision"]}
     print("OPENENV_RETURNS before", run["returns"]["mean"], "after", after["returns"]["mean"])
     assert after["progress"]["episodes_done"] == 32
     assert after["returns"]["mean"] > run["returns"]["mean"] + RISE_MARGIN, (run["returns"], after["returns"])
@@ -261,3 +265,50 @@ def test_fifo_queue_position_cancel_and_bound(kiln, env_servers):
         httpx.post(f"{base}/v1/openenv/runs/{i}/cancel", timeout=10)
     ends = [_wait(base, i) for i in ids[:2]]
     assert {e["state"] for e in ends} == {"cancelled"}, [e["error"] for e in ends]
+
+
+def _train(base, adapter, answer):
+    body = {"adapter": adapter, "auto_load": True, "epochs": 1,
+            "examples": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}]}
+    r = httpx.post(f"{base}/v1/train/sft", json=body, timeout=60)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{base}/v1/train/jobs/{r.json()['id']}", timeout=10).json()
+        if job["state"] in ("succeeded", "failed", "cancelled"):
+            assert job["state"] == "succeeded", job
+            return job["result"]["revision"]
+        time.sleep(0.1)
+    raise AssertionError(f"job {r.json()['id']} did not finish")
+
+
+def test_policy_revision_change_mid_run_fails_the_run(kiln, env_servers):
+    """The policy adapter is retrained (auto_load swaps the served revision) while a run collects: the run
+    fails with policy_revision_changed, keeps the revision its actions came from, and trains nothing."""
+    server, home = kiln
+    base = server.base_url
+    first = _train(base, "oe-policy", "one")
+    body = _body(env_servers["counter"], "oe-mixed", groups=64, group_size=4, max_steps=16, policy_adapter="oe-policy")
+    r = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)
+    assert r.status_code == 202, r.text
+    run_id = r.json()["id"]
+    deadline = time.monotonic() + 120
+    while True:  # collecting with the first revision
+        run = httpx.get(f"{base}/v1/openenv/runs/{run_id}", timeout=10).json()
+        if run["progress"]["policy_actions"] >= 1 or run["state"] in ("succeeded", "failed", "cancelled"):
+            break
+        assert time.monotonic() < deadline, run
+        time.sleep(0.05)
+    assert run["state"] == "collecting" and run["policy"] == {"adapter": "oe-policy", "revision": first}, run
+    second = _train(base, "oe-policy", "two")
+    assert second != first
+    run = _wait(base, run_id, timeout=120)
+    assert run["state"] == "failed" and run["error"]["code"] == "policy_revision_changed", run
+    assert first[:12] in run["error"]["message"] and second[:12] in run["error"]["message"]
+    assert run["policy"] == {"adapter": "oe-policy", "revision": first}
+    assert run["training_job"] is None and run["artifacts"] is None
+    assert run["progress"]["episodes_done"] < 64 * 4
+    assert not (_runs_dir(home) / run_id / "rollouts.jsonl").exists()
+    on_disk = json.loads((_runs_dir(home) / run_id / "run.json").read_text())
+    assert on_disk["policy"] == run["policy"] and on_disk["error"]["code"] == "policy_revision_changed"
+    assert httpx.get(f"{base}/v1/adapters/oe-mixed", timeout=10).status_code == 404
