@@ -90,6 +90,15 @@ def test_record_validate_page_export(server):
             break
         after = page["last_id"]
     assert [j["id"] for j in seen][0] == first["id"] and len({j["id"] for j in seen}) == 5
+    newest, after = [], None
+    while True:
+        page = c.get("/v1/judgments", params={"limit": 3, "order": "desc", **({"after": after} if after else {})}).json()
+        newest += page["data"]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert newest == seen[::-1]
+    error(c.get("/v1/judgments", params={"order": "sideways"}), 400, "invalid_request")
     r = c.get("/v1/judgments/export")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
     assert [json.loads(line) for line in r.text.splitlines()] == seen

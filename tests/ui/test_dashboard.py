@@ -308,8 +308,16 @@ def test_evals_page_runs_results_and_the_gate_verdict_on_adapters(page, server, 
     run = _wait_run(c, r.json()["id"])
     assert run["state"] == "succeeded", run["error"]
 
+    judgment = c.post("/v1/judgments", json={"prompt": QUESTION, "response_a": CORRECTION, "response_b": "No idea.",
+                                             "preferred": "a", "author": "ui"})
+    assert judgment.status_code == 201, judgment.text
+
     _open(page, "evals")
     page.wait_for_selector("#evals-suites tr[data-suite='ui-suite']")
+    row = f"#judgments tr[data-judgment='{judgment.json()['id']}']"  # the newest judgment is listed first
+    page.wait_for_selector(row)
+    assert page.text_content(f"{row} td.preferred") == "a" and page.locator("#judgments tbody tr").first.get_attribute(
+        "data-judgment") == judgment.json()["id"]
     page.click(f"#evals-runs tr[data-run-id='{run['id']}'] td:nth-child(4)")  # anywhere on the row
     page.wait_for_selector(f"#eval-detail[data-run-id='{run['id']}'] #eval-examples")
     assert page.url.endswith(f"#/evals/{run['id']}")

@@ -35,8 +35,8 @@ class JudgmentService:
     def record(self, body: JudgmentCreate) -> dict[str, Any]:
         return self.store.add(body.model_dump())
 
-    def page(self, *, after: str | None, limit: int) -> dict[str, Any]:
-        data, more = self.store.page(after=after, limit=limit)
+    def page(self, *, after: str | None, limit: int, newest_first: bool = False) -> dict[str, Any]:
+        data, more = self.store.page(after=after, limit=limit, newest_first=newest_first)
         return {"object": "list", "data": data, "has_more": more, "last_id": data[-1]["id"] if data else None,
                 "total": self.store.count()}
 

@@ -99,17 +99,23 @@ class JudgmentStore:
         with self._lock:
             return int(self._conn.execute("SELECT COUNT(*) FROM judgments").fetchone()[0])
 
-    def page(self, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        """Up to ``limit`` judgments recorded after ``after`` (oldest first) and whether more follow."""
-        seq = 0
+    def page(self, *, after: str | None, limit: int, newest_first: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` judgments that follow ``after`` in the order asked (oldest first, or newest first)
+        and whether more follow."""
+        seq = None
         with self._lock:
             if after is not None:
                 row = self._conn.execute("SELECT seq FROM judgments WHERE id=?", (after,)).fetchone()
                 if row is None:
                     raise JudgmentNotFound(f"no judgment {after!r} to page after")
                 seq = row["seq"]
-            rows = self._conn.execute("SELECT * FROM judgments WHERE seq > ? ORDER BY seq LIMIT ?",
-                                      (seq, limit + 1)).fetchall()
+            if newest_first:
+                sql = "SELECT * FROM judgments WHERE seq < ? ORDER BY seq DESC LIMIT ?"
+                bound = seq if seq is not None else 2**62
+            else:
+                sql = "SELECT * FROM judgments WHERE seq > ? ORDER BY seq LIMIT ?"
+                bound = seq if seq is not None else 0
+            rows = self._conn.execute(sql, (bound, limit + 1)).fetchall()
         return [_public(r) for r in rows[:limit]], len(rows) > limit
 
     def latest_preferences(self, limit: int) -> list[dict[str, Any]]:

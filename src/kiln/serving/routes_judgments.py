@@ -7,7 +7,7 @@ by :func:`build_service`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
@@ -58,9 +58,12 @@ def record_judgment(body: JudgmentCreate, request: Request) -> dict[str, Any]:
 
 @router.get("/v1/judgments")
 def list_judgments(request: Request, after: str | None = Query(None, max_length=20),
-                   limit: int = Query(100, ge=1, le=MAX_PAGE)) -> dict[str, Any]:
-    """Judgments oldest first, ``limit`` per page; pass the page's ``last_id`` as ``after`` for the next."""
-    return _service(request).page(after=None if after is None else _judgment_id(after), limit=limit)
+                   limit: int = Query(100, ge=1, le=MAX_PAGE),
+                   order: Literal["asc", "desc"] = Query("asc")) -> dict[str, Any]:
+    """Judgments oldest first (``order=desc``: newest first), ``limit`` per page; pass the page's ``last_id``
+    as ``after`` for the next."""
+    return _service(request).page(after=None if after is None else _judgment_id(after), limit=limit,
+                                  newest_first=order == "desc")
 
 
 @router.get("/v1/judgments/export")

@@ -1013,6 +1013,9 @@
       h('div', { class: 'panel' }, h('h2', {}, 'Runs ', h('small', { text: '(newest first; click one for its results)' })),
         h('table', { class: 'grid clickable', id: 'evals-runs' }, h('thead', {}, h('tr', {},
           ['run', 'kind', 'suite', 'target', 'state', 'outcome', 'created'].map((c) => h('th', { text: c })))), h('tbody'))),
+      h('div', { class: 'panel' }, h('h2', {}, 'Judgments ', h('small', { id: 'judgments-total' })),
+        h('table', { class: 'grid', id: 'judgments' }, h('thead', {}, h('tr', {},
+          ['prompt', 'A', 'B', 'preferred', 'author', 'recorded'].map((c) => h('th', { text: c })))), h('tbody'))),
       h('div', { id: 'eval-detail' }));
     evals.built = true;
   }
@@ -1059,9 +1062,30 @@
     h('td', {}, h('span', { class: `badge ${run.state}`, text: run.state })), h('td', { text: runOutcome(run) }),
     h('td', { text: fmtTime(run.created_at) })))
       : [h('tr', {}, h('td', { colspan: '7', class: 'muted', text: 'No runs yet: POST /v1/evals/runs or `kiln eval run`.' }))]));
+    await pollJudgments();
     box.dataset.available = 'true';
     if (evals.runId && !TERMINAL.includes(evals.detailState)) await showRun(evals.runId);
     return runs.some((r) => !TERMINAL.includes(r.state)) ? 1000 : 4000;
+  }
+
+  const JUDGMENTS_SHOWN = 10;
+  const clip = (text, n = 80) => (text.length > n ? `${text.slice(0, n - 1)}…` : text);
+
+  // The newest A/B judgments (GET /v1/judgments?order=desc); POST /v1/judgments/train turns them into a judge.
+  async function pollJudgments() {
+    let page;
+    try {
+      page = (await api('GET', `/v1/judgments?order=desc&limit=${JUDGMENTS_SHOWN}`)).data;
+    } catch (err) {
+      $('#judgments-total').textContent = `(GET /v1/judgments: ${formatError(err)})`;
+      return;
+    }
+    $('#judgments-total').textContent = `(${page.total} recorded, newest first; POST /v1/judgments/train trains a judge)`;
+    $('#judgments tbody').replaceChildren(...(page.data.length ? page.data.map((j) => h('tr', { dataset: { judgment: j.id, preferred: j.preferred } },
+      h('td', { text: clip(j.prompt), title: j.prompt }), h('td', { text: clip(j.response_a), title: j.response_a }),
+      h('td', { text: clip(j.response_b), title: j.response_b }), h('td', { class: 'preferred', text: j.preferred }),
+      h('td', { text: j.author || '' }), h('td', { text: fmtTime(j.created_at) })))
+      : [h('tr', {}, h('td', { colspan: '6', class: 'muted', text: 'No judgments yet: POST /v1/judgments records an A/B preference.' }))]));
   }
 
   const evalsPoller = new Poller(pollEvals, 4000, 30000);
