@@ -279,6 +279,22 @@ def test_eval_and_default_adapter_routes_answer_as_documented(client, secure_ser
     assert client.post("/v1/adapters/no-such-adapter/quarantine/clear").status_code in (200, 404)
 
 
+def test_judgment_routes_answer_as_documented(client):
+    """Every /v1/judgments route through the checked client (record, page, export, one, train, compare)."""
+    body = {"prompt": "2+2?", "response_a": "4", "response_b": "I cannot help.", "preferred": "a"}
+    r = client.post("/v1/judgments", json=body)
+    assert r.status_code == 201, r.text
+    assert client.post("/v1/judgments", json={**body, "preferred": "c"}).status_code == 400
+    assert client.get("/v1/judgments", params={"order": "desc", "limit": 1}).json()["data"][0]["id"] == r.json()["id"]
+    assert client.get("/v1/judgments", params={"after": "jdg-0000000000000000"}).status_code == 404
+    assert r.json()["id"] in client.get("/v1/judgments/export").text
+    assert client.get(f"/v1/judgments/{r.json()['id']}").json() == r.json()
+    assert client.get("/v1/judgments/jdg-0000000000000000").status_code == 404
+    assert client.post("/v1/judgments/train", json={"adapter": "schema-judge"}).status_code in (400, 503)
+    cmp = client.post("/v1/judgments/compare", json={k: v for k, v in body.items() if k != "preferred"})
+    assert cmp.status_code == 200 and 0 < cmp.json()["p_a"] < 1, cmp.text
+
+
 def test_every_operation_was_exercised(checker):
     """Runs last in this module: the scenarios above reached every operation of kiln.serving.openapi.ROUTE_DOCS."""
     from kiln.serving.openapi import ROUTE_DOCS
