@@ -79,8 +79,12 @@ def test_record_validate_page_export(server):
     error(c.post("/v1/judgments/compare", json={"judge": "missing", "prompt": "p", "response_a": "a",
                                                 "response_b": "b"}), 400, "judge_not_loaded")
 
-    for i in range(3):
+    for i in range(2):
         assert c.post("/v1/judgments", json={**ok, "prompt": f"q{i}", "preferred": "b"}).status_code == 201
+    # Each field is within its limit, but the judge's turn (prompt + both responses) is over the SFT message limit.
+    long = {**ok, "prompt": "p" * 12_000, "response_a": "a" * 12_000, "response_b": "b" * 12_000}
+    assert c.post("/v1/judgments", json=long).status_code == 201
+    error(c.post("/v1/judgments/train", json={"adapter": "j"}), 400, "judgments_not_trainable")
     seen, after = [], None
     while True:
         page = c.get("/v1/judgments", params={"limit": 2, **({"after": after} if after else {})}).json()
@@ -126,11 +130,11 @@ def test_train_judge_prefers_answers_on_held_out_pairs(server):
         body = {"prompt": prompt, "response_a": answer if a_first else refusal,
                 "response_b": refusal if a_first else answer, "preferred": "a" if a_first else "b"}
         assert c.post("/v1/judgments", json=body).status_code == 201
-    r = c.post("/v1/judgments/train", json={"adapter": "judge", "auto_load": True, "limit": 40})
+    r = c.post("/v1/judgments/train", json={"adapter": "judge", "auto_load": True, "limit": len(TOPICS)})
     assert r.status_code == 202, r.text
     out = r.json()
-    # The most recent 40 non-tie judgments: the 20 above and the 4 preferences of the first test (if it ran).
-    assert out["examples"] == 2 * out["judgments"] and out["judgments"] >= len(TOPICS)
+    # The most recent non-tie judgments: exactly the ones above, each in both orders.
+    assert out["judgments"] == len(TOPICS) and out["examples"] == 2 * len(TOPICS)
     assert out["format"] == "kiln.judge-preference.v1" and len(out["judgments_sha256"]) == 64
     job = wait_job(c, out["job"]["id"], timeout=JOB_TIMEOUT_S)
     assert job["state"] == "succeeded", job["error"]

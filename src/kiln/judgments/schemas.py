@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kiln.adapters.manifest import MAX_LORA_RANK
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
 
 MAX_PROMPT_CHARS = 16_384
@@ -96,7 +97,7 @@ class JudgeTrainRequest(_Wire):
     epochs: int | None = Field(None, ge=1, le=1_000, description="default: until the answers are learned")
     max_steps: int | None = Field(None, ge=1, le=1_000_000)
     learning_rate: float = Field(1e-2, gt=0, le=1.0)
-    lora_rank: int | None = Field(None, ge=1, le=256)
+    lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     auto_load: bool = Field(False, description="serve the judge once published")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
+from pydantic import ValidationError
+
 from kiln.canonical import canonical_json_bytes
 from kiln.errors import InvalidRequest, Unavailable
 from kiln.judgments import format as fmt
@@ -58,10 +60,17 @@ class JudgmentService:
                                  f"response (ties are not trained on); the store has {len(rows)}",
                                  code="too_few_judgments", hint="record more with POST /v1/judgments")
         examples = fmt.training_examples(rows)
-        request = SFTRequest.model_validate({
-            "adapter": body.adapter, "examples": examples, "epochs": body.epochs, "max_steps": body.max_steps,
-            "learning_rate": body.learning_rate, "lora_rank": body.lora_rank, "seed": body.seed,
-            "auto_load": body.auto_load})
+        try:
+            request = SFTRequest.model_validate({
+                "adapter": body.adapter, "examples": examples, "epochs": body.epochs, "max_steps": body.max_steps,
+                "learning_rate": body.learning_rate, "lora_rank": body.lora_rank, "seed": body.seed,
+                "auto_load": body.auto_load})
+        except ValidationError as exc:  # e.g. a judge turn over the SFT message limit: the caller's data, a 400
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(f"the judgments do not fit an SFT request at {where}: {first['msg']}",
+                                 code="judgments_not_trainable",
+                                 hint="shorten the longest judgments or lower `limit` to leave them out") from None
         job = self.trainer.submit(request)
         return {"object": "judgment.training", "job": job, "judgments": len(rows), "examples": len(examples),
                 "judgments_sha256": fmt.judgments_digest(rows), "format": fmt.PREFERENCE_FORMAT}
