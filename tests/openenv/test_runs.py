@@ -142,6 +142,7 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert "GRPO config" in cli.stdout and "published oe-guess-2 revision" in cli.stdout, cli.stdout
+    assert f"policy: oe-guess@{result['revision'][:16]}" in cli.stdout, cli.stdout
     after = httpx.get(f"{base}/v1/openenv/runs", timeout=10).json()["data"][-1]
     assert after["request"]["policy_adapter"] == "oe-guess" and after["state"] == "succeeded"
     assert after["policy"] == {"adapter": "oe-guess", "revision": result["revision"]}

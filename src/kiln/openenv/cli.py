@@ -201,6 +201,10 @@ def _summary(run: dict[str, Any]) -> None:
     terms = ", ".join(f"{k} {v}" for k, v in run["terminations"].items() if v)
     if r:
         typer.echo(f"returns: mean {r['mean']:.3f} min {r['min']:.3f} max {r['max']:.3f}; terminations: {terms}")
+    policy = run.get("policy")
+    if policy:  # the one policy revision every action came from (docs/openenv.md, "Policy identity")
+        who = f"{policy['adapter']}@{policy['revision'][:16]}" if policy.get("adapter") else "the base model"
+        typer.echo(f"policy: {who}")
     job = run.get("training_job")
     if job:
         result = job.get("result") or {}
