@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from kiln.errors import Conflict, RateLimited, Unavailable
+from kiln.errors import Conflict, InvalidRequest, RateLimited, Unavailable
 from kiln.judgments.format import CHOICES, judge_messages
 
 SCORE_TIMEOUT_S = 120.0
@@ -33,6 +33,17 @@ class Preference:
     @property
     def preferred(self) -> str:
         return "a" if self.p_first > 0.5 else "b" if self.p_first < 0.5 else "tie"
+
+
+def served_judge_revision(engine: Any, judge: str | None, *, param: str) -> str | None:
+    """The revision the engine serves ``judge`` at (None: the base model); 400 ``judge_not_loaded``."""
+    if judge is None:
+        return None
+    revision = engine.active_adapters().get(judge)
+    if revision is None:
+        raise InvalidRequest(f"judge adapter {judge!r} is not loaded", code="judge_not_loaded", param=param,
+                             hint="load it with POST /v1/adapters/{name}/load")
+    return revision
 
 
 def choice_tokens(engine: Any) -> tuple[int, int]:

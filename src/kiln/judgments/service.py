@@ -15,7 +15,7 @@ from kiln.canonical import canonical_json_bytes
 from kiln.errors import InvalidRequest, Unavailable
 from kiln.judgments import format as fmt
 from kiln.judgments.schemas import CompareRequest, JudgeTrainRequest, JudgmentCreate
-from kiln.judgments.scoring import preferences
+from kiln.judgments.scoring import preferences, served_judge_revision
 from kiln.judgments.store import FILE_NAME, JudgmentStore
 
 if TYPE_CHECKING:
@@ -80,14 +80,3 @@ class JudgmentService:
         pref = preferences(self.engine, body.judge, [(body.prompt, body.response_a, body.response_b)])[0]
         return {"object": "judgment.comparison", "judge": body.judge, "judge_revision": revision,
                 "p_a": pref.p_first, "preferred": pref.preferred, "orders": list(pref.orders)}
-
-
-def served_judge_revision(engine: Any, judge: str | None, *, param: str) -> str | None:
-    """The revision the engine serves ``judge`` at (None: the base model); 400 ``judge_not_loaded``."""
-    if judge is None:
-        return None
-    revision = engine.active_adapters().get(judge)
-    if revision is None:
-        raise InvalidRequest(f"judge adapter {judge!r} is not loaded", code="judge_not_loaded", param=param,
-                             hint="load it with POST /v1/adapters/{name}/load")
-    return revision

@@ -142,17 +142,14 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> R
 
     if engine is None:
         raise _refuse("the judge reward needs the serving engine", "unsupported_reward_scorer")
-    adapter = revision = None
-    if spec.judge is not None:
-        adapter = spec.judge.adapter
-        revision = engine.active_adapters().get(adapter)
-        if revision is None:
-            raise InvalidRequest(f"judge adapter {adapter!r} is not loaded", code="judge_not_loaded",
-                                 param="reward.scorer.judge", hint="load it with POST /v1/adapters/{name}/load")
-        if spec.judge.revision is not None and spec.judge.revision != revision:
-            raise InvalidRequest(f"judge adapter {adapter!r} is loaded at revision {revision[:12]}, not "
-                                 f"{spec.judge.revision[:12]}", code="judge_revision_mismatch",
-                                 param="reward.scorer.judge.revision")
+    from kiln.judgments.scoring import served_judge_revision
+
+    adapter = None if spec.judge is None else spec.judge.adapter
+    revision = served_judge_revision(engine, adapter, param="reward.scorer.judge")
+    if spec.judge is not None and spec.judge.revision is not None and spec.judge.revision != revision:
+        raise InvalidRequest(f"judge adapter {adapter!r} is loaded at revision {revision[:12]}, not "
+                             f"{spec.judge.revision[:12]}", code="judge_revision_mismatch",
+                             param="reward.scorer.judge.revision")
     if spec.mode == "preference":
         return _preference_reward(prompts, engine, adapter, revision)
     if "{reference}" in spec.rubric:
