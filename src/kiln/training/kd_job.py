@@ -310,6 +310,10 @@ class KDRecipe(TrainingRecipe):
 
     plan: JobPlan[KDData]
 
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        teacher = self.plan.data.capture_plan.teacher  # the capture plan's teacher fingerprint
+        return {"model_id": teacher.model_id, "revision": teacher.revision, "fingerprint_sha256": teacher.digest()}
+
     def train(self, resume: Any) -> Any:
         report = run_kd(self.peft_model, self.private, self.plan.data, self.plan.loop, hooks=self.ctx.hooks,
                         resume=resume, job_id=self.job_id)

@@ -504,6 +504,10 @@ class OPDRecipe(TrainingRecipe):
             self._phase("probe")
         return super().run()
 
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        entry = self.plan.data.teacher  # the pinned registry entry: its kiln-teacher-v1 fingerprint
+        return {"fingerprint": entry["fingerprint"], "alias": entry.get("alias"), "model_id": entry.get("model_id")}
+
     def _teachers(self) -> TeacherService:
         if self.ctx.teachers is None:
             raise Conflict("teachers are not available in this process", code="teachers_unavailable")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from kiln.adapters.receipt import training_claims
 from kiln.adapters.validate import WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, latest_checkpoint
 from kiln.training.plan import GRPOData, JobPlan, SFTData
@@ -117,14 +118,22 @@ class TrainingRecipe:
         return staging
 
     def publish(self, staging: Staging) -> AdapterRecord:
+        """Publish the revision with its training receipt (:mod:`kiln.adapters.receipt`)."""
         plan = self.plan
+        claims = training_claims(job_id=self.job_id, plan_sha256=plan.plan_sha256, inputs=receipt_inputs(plan),
+                                 teacher=self.receipt_teacher())
         record = self.ctx.store.publish(
             staging, name=plan.adapter, base_model_sha256=self.ctx.model.base_model_sha256, kind=plan.kind,
             config=plan.manifest_config | {"job_id": self.job_id}, inputs_sha256=plan.inputs_sha256,
             parent_revision=None if plan.parent is None else plan.parent.revision, base_model_dir=self.ctx.model.info,
+            receipt=claims,
         )
         self._phase("publish")
         return record
+
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        """The teacher this job learned from, for its receipt (None: no teacher; OPD and KD say)."""
+        return None
 
     def activate(self, record: AdapterRecord) -> None:
         """``auto_load``, or with ``post_eval`` only a ``promoted`` verdict with ``activate_on_pass``."""
@@ -134,6 +143,7 @@ class TrainingRecipe:
             self.post_eval = (self.ctx.gate(record, post_eval) if self.ctx.gate is not None
                               else {"verdict": "error", "reason": "evals are not available in this process"})
             self._phase("post_eval")
+            self.ctx.store.record_gate(record.name, record.revision, self.post_eval)  # into the receipt
             activate = self.post_eval.get("verdict") == "promoted" and bool(post_eval.get("activate_on_pass"))
         if activate:
             self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
@@ -188,6 +198,14 @@ def step_plan(plan: JobPlan[Any], *, compile: bool = False) -> Plan:
     return replace(plan.loop, packing=bool(req.get("packing", False)),
                    gradient_checkpointing=bool(req.get("gradient_checkpointing", False)),
                    compile=compile and plan.kind == "sft")  # only run_sft compiles its trunk
+
+
+def receipt_inputs(plan: JobPlan[Any]) -> dict[str, Any]:
+    """The inputs' digests a receipt records: the job's inputs digest and every file digest its effective
+    request holds (``dataset_sha256``, ``teacher_jsonl_sha256``, ``capture_plan_sha256``)."""
+    files = {k: v for k, v in plan.request.items()
+             if k.endswith("_sha256") and k not in ("inputs_sha256", "plan_sha256") and isinstance(v, str)}
+    return {"inputs_sha256": plan.inputs_sha256, **files}
 
 
 def published_result(record: AdapterRecord) -> dict[str, Any]:
