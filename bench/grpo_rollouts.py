@@ -73,7 +73,8 @@ def main() -> None:
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
     from kiln.runtime.threads import default_threads
-    from kiln.training.service import attach_training
+    from kiln.adapters.store import AdapterStore
+    from kiln.serving.state import build_training
     from kiln.runtime.builtin import bench_model_path as built_model_path
 
     home = Path(tempfile.mkdtemp(prefix="kiln-grpo-bench-"))
@@ -82,8 +83,9 @@ def main() -> None:
     torch.set_num_threads(args.threads or settings.model.threads or default_threads())  # as `kiln serve` does
     loaded = load_model(built_model_path(), device="auto")
     engine = Engine(loaded, EngineConfig()).start()
-    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=None)
-    attach_training(state)
+    trainer = build_training(settings, engine, AdapterStore(settings.adapters_path), loaded)  # as kiln serve
+    trainer.start()
+    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=trainer)
     try:
         before = held_out_reward(engine, None, samples=8, max_tokens=args.max_tokens, seed=args.seed)
         print(f"device={loaded.device} torch_threads={torch.get_num_threads()} iterations={args.iterations} "

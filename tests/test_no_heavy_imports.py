@@ -53,6 +53,8 @@ PURE_MODULES = [
     "kiln.adapters.merge",
     "kiln.adapters.cli",
     "kiln.training.schemas",
+    "kiln.training.plan",
+    "kiln.adapters.receipt",
     "kiln.training.jobs",
     "kiln.training.cli",
     "kiln.demo",

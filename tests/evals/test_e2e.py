@@ -4,6 +4,7 @@ answers is refused with `regression` and the served adapter is unchanged."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -70,6 +71,9 @@ def _gate_flow(tmp_path_factory, builtin_model_dir, n: int) -> dict:
         figures["promoted"] = nums
         assert job["progress"]["post_eval"]["gate_run"] == verdict["gate_run"]
         good_revision = res["revision"]
+        receipt = json.loads((home / "adapters" / "words" / "revisions" / good_revision / "kiln-receipt.json")
+                             .read_text())
+        assert receipt["gate"] == verdict  # the gate's verdict is recorded in the revision's training receipt
         models = {m["id"] for m in c.get("/v1/models").json()["data"]}
         assert "words" in models and not any(m.startswith("kiln-eval-") for m in models)
         for run_key, target in (("candidate_run", "words"), ("baseline_run", None)):

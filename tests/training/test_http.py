@@ -93,6 +93,46 @@ def test_serve_train_errors_and_cli(home, tmp_path):
                              timeout=60, env=dict(os.environ, COLUMNS="200"))
         assert out.returncode == 0 and "cli-fix" in out.stdout and "succeeded" in out.stdout
 
+        # The job's receipt (docs/adapters.md, "Training receipts"): published with the revision, checked by
+        # `kiln adapters verify` against that revision and the served base model, carried by the download.
+        _check_receipt(c, home, job, kiln)
+
+
+def _check_receipt(c, home, job, kiln):
+    import hashlib
+    import io
+    import tarfile
+
+    from kiln import __version__
+    from kiln.canonical import canonical_json_bytes
+
+    rev = job["result"]["revision"]
+    revdir = home / "adapters" / "fix" / "revisions" / rev
+    manifest = json.loads((revdir / "kiln-manifest.json").read_bytes())
+    raw = (revdir / "kiln-receipt.json").read_bytes()
+    receipt = json.loads(raw)
+    bound = receipt["adapter"]
+    assert receipt["schema"] == "kiln.training-receipt.v1" and receipt["job_id"] == job["id"]
+    assert (bound["name"], bound["revision"], bound["kind"]) == ("fix", rev, "sft")
+    assert bound["manifest_sha256"] == hashlib.sha256((revdir / "kiln-manifest.json").read_bytes()).hexdigest()
+    assert bound["base_model_sha256"] == manifest["base_model_sha256"]
+    assert bound["config_sha256"] == hashlib.sha256(canonical_json_bytes(manifest["config"])).hexdigest()
+    assert receipt["inputs"]["inputs_sha256"] == manifest["inputs_sha256"] and len(receipt["plan_sha256"]) == 64
+    assert receipt["teacher"] is None and receipt["gate"] is None
+    assert receipt["code"]["kiln_version"] == __version__
+    env = dict(os.environ, KILN_HOME=str(home), COLUMNS="200")
+    verify = kiln + ["adapters", "verify", "fix", "--base-model", str(home / "models" / BUILTIN_NAME)]
+    ok = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0 and rev in ok.stdout and job["id"] in ok.stdout, ok.stdout + ok.stderr
+    download = c.get("/v1/adapters/fix/download")
+    assert download.status_code == 200, download.text
+    with tarfile.open(fileobj=io.BytesIO(download.content)) as tar:
+        assert tar.extractfile("fix/kiln-receipt.json").read() == raw
+    (revdir / "kiln-receipt.json").write_bytes(raw.replace(receipt["plan_sha256"].encode(), b"0" * 64))
+    bad = subprocess.run(verify, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1 and "kiln-receipt.json" in bad.stderr, bad.stdout + bad.stderr
+    (revdir / "kiln-receipt.json").write_bytes(raw)
+
 
 @pytest.mark.slow
 def test_crash_restart_and_resume(home):

@@ -112,6 +112,10 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     info = c.get(f"/v1/adapters/{ADAPTER}").json()
     assert info["kind"] == "kd" and info["active"] is True
     assert info["manifest"]["config"]["capture_plan_sha256"] == plan.digest()
+    receipt = json.loads((home / "adapters" / ADAPTER / "revisions" / res["revision"] / "kiln-receipt.json")
+                         .read_text())  # the receipt names the capture and its teacher (docs/adapters.md)
+    assert receipt["inputs"]["capture_plan_sha256"] == plan.digest() and receipt["adapter"]["kind"] == "kd"
+    assert receipt["teacher"]["fingerprint_sha256"] == plan.teacher.digest()
 
     # the ledger: one reservation and one commit per shard, the commit naming the job's checkpoint
     ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))

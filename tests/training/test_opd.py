@@ -9,6 +9,8 @@ to the student as a target) and its log-likelihood reaches the teacher's.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -275,5 +277,11 @@ def test_opd_off_policy_from_identity_bound_teacher_jsonl(srv, tutor, home):
     assert rep["steps"] == 40 and rep["training_mode"] == "off_policy" and "teacher_s" not in rep
     info = str(c.get("/v1/adapters/student-off").json())  # the manifest binds the corpus
     assert "teacher_jsonl_sha256" in info and manifest["teacher_fingerprint"] in info
+    # its receipt names the pinned kiln-teacher-v1 fingerprint and the corpus digest (docs/adapters.md)
+    revdir = home / "adapters" / "student-off" / "revisions" / job["result"]["revision"]
+    receipt = json.loads((revdir / "kiln-receipt.json").read_text())
+    assert receipt["teacher"]["fingerprint"] == manifest["teacher_fingerprint"] and receipt["adapter"]["kind"] == "opd"
+    assert receipt["inputs"]["teacher_jsonl_sha256"] == c.get("/v1/adapters/student-off").json()["manifest"][
+        "config"]["teacher_jsonl_sha256"]
     after = _answer_logprob(c, "student-off", prompt_ids, answer_ids)
     assert after > before + 0.3 * (teacher_lp - before), (before, after, teacher_lp, rep)

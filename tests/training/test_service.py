@@ -22,14 +22,16 @@ def service(builtin_model_dir, tmp_path_factory):
     from kiln.config import load_settings
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.service import attach_training
+    from kiln.adapters.store import AdapterStore
+    from kiln.serving.state import build_training
 
     home = tmp_path_factory.mktemp("home")
     settings = load_settings(cli={"home": str(home), "training.queue_max": 2}, environ={}).settings
     loaded = load_model(builtin_model_dir, device="auto")  # CUDA when present: the service follows the model
     engine = Engine(loaded, EngineConfig()).start()
-    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=None)
-    attach_training(state)
+    trainer = build_training(settings, engine, AdapterStore(settings.adapters_path), loaded)  # as kiln serve
+    trainer.start()
+    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=trainer)
     yield state
     state.trainer.close()
     engine.stop()
@@ -132,7 +134,7 @@ def test_dataset_inside_data_dir_and_symlink_refused(service):
     (data / "ok.jsonl").write_text(json.dumps(row) + "\n")
     (data / "link.jsonl").symlink_to(data / "ok.jsonl")
     prepared = service.trainer.prepare(_sft(examples=None, dataset_path="ok.jsonl"))
-    assert prepared.request["dataset_sha256"] and len(prepared.rows) == 1
+    assert prepared.request["dataset_sha256"] and len(prepared.data.rows) == 1
     with pytest.raises(KilnError) as info:
         service.trainer.submit(_sft(examples=None, dataset_path="link.jsonl"))
     assert info.value.code == "dataset_symlink"

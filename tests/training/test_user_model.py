@@ -74,14 +74,16 @@ def service(user_model_dir, tmp_path_factory):
     from kiln.config import load_settings
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.service import attach_training
+    from kiln.adapters.store import AdapterStore
+    from kiln.serving.state import build_training
 
     home = tmp_path_factory.mktemp("home")
     settings = load_settings(cli={"home": str(home)}, environ={}).settings
     loaded = load_model(user_model_dir, device="auto")
     engine = Engine(loaded, EngineConfig()).start()
-    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=None)
-    attach_training(state)
+    trainer = build_training(settings, engine, AdapterStore(settings.adapters_path), loaded)  # as kiln serve
+    trainer.start()
+    state = SimpleNamespace(engine=engine, settings=settings, loaded=loaded, trainer=trainer)
     yield state
     state.trainer.close()
     engine.stop()

@@ -15,9 +15,10 @@ Caps are enforced as the stream is read, before any data is buffered or written:
   expands more than the headers and capped data.
 
 Only regular files with the expected adapter names are written, optionally from
-inside one top-level folder; ignored files (``kiln-manifest.json``, ``README.md``)
-are skipped without being written. Links, devices, FIFOs, sparse files,
-absolute paths and ``..`` are refused. Error messages never echo more than a
+inside one top-level folder; ignored files (``kiln-manifest.json``,
+``kiln-receipt.json``, ``README.md``: a download carries them) are skipped
+without being written. Links, devices, FIFOs, sparse files, absolute paths and
+``..`` are refused. Error messages never echo more than a
 short prefix of a member name.
 """
 
@@ -33,14 +34,15 @@ from typing import BinaryIO, Iterator
 
 from kiln.adapters.errors import AdapterTooLarge, UnsafeArchive
 from kiln.adapters.manifest import MANIFEST_FILE, MAX_LORA_RANK, shorten
+from kiln.adapters.receipt import RECEIPT_FILE
 from kiln.adapters.validate import CONFIG_FILE, MAX_ADAPTER_CONFIG_BYTES, MAX_ADAPTER_WEIGHTS_BYTES, WEIGHTS_FILE
 
 MAX_ARCHIVE_MEMBERS = 16  # headers, pax / long-name headers included
 MAX_META_HEADER_BYTES = 8 * 1024  # one pax / GNU long-name header
 MAX_MEMBER_NAME_BYTES = 256
-MAX_IGNORED_FILE_BYTES = 1024 * 1024  # kiln-manifest.json, README.md: skipped, never written
+MAX_IGNORED_FILE_BYTES = 1024 * 1024  # kiln-manifest.json, kiln-receipt.json, README.md: skipped, never written
 EXTRACTED_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
-IGNORED_FILES = frozenset({MANIFEST_FILE, "README.md"})  # accepted in uploads but not kept
+IGNORED_FILES = frozenset({MANIFEST_FILE, RECEIPT_FILE, "README.md"})  # accepted in uploads but not kept
 SAFETENSORS_HEADER_ALLOWANCE = 64 * 1024  # fixed part of a safetensors JSON header
 SAFETENSORS_BYTES_PER_TENSOR = 256  # dtype, shape and offsets of one header entry, beyond its name
 _WIDEST_DTYPE_BYTES = 8  # F64

@@ -1,8 +1,11 @@
-"""`kiln adapters` commands (client side: they talk to a running server)."""
+"""`kiln adapters` commands: client side (they talk to a running server), except ``verify``, which reads
+the local adapter store."""
 
 from __future__ import annotations
 
 import typer
+
+from pathlib import Path
 
 from kiln.client import UrlOpt, request
 
@@ -91,3 +94,55 @@ def unquarantine(name: str, url: str = UrlOpt) -> None:
     body = request("POST", f"{url}/v1/adapters/{name}/quarantine/clear")
     lifted = ", ".join(r[:REVISION_CHARS] for r in body["cleared"]) or "nothing was quarantined"
     typer.echo(f"{name}: {lifted}")
+
+
+@app.command()
+def verify(target: str = typer.Argument(..., metavar="NAME[@REVISION]", help="an adapter (default: its HEAD)"),
+           base_model: Path = typer.Option(None, "--base-model", help="a model directory: the revision must be "
+                                           "for these weights"),
+           base_model_sha256: str = typer.Option(None, "--base-model-sha256", help="the base model hash the "
+                                                 "revision must be for"),
+           home: Path = typer.Option(None, "--home", help="Kiln home (default: KILN_HOME / kiln.toml)")) -> None:
+    """Check a stored revision offline: re-hash its files against its manifest, recompute the revision ID, and
+    check its training receipt binds to that revision and base model. Exits 1 naming any mismatch."""
+    from kiln.adapters.store import AdapterStore
+    from kiln.config import ConfigError, load_settings
+    from kiln.errors import KilnError
+
+    name, _, revision = target.partition("@")
+    try:
+        try:
+            settings = load_settings(cli={"home": str(home) if home else None}).settings
+        except ConfigError as exc:
+            raise KilnError(f"configuration: {exc}") from None
+        if not settings.adapters_path.is_dir():
+            raise KilnError(f"no adapter store at {settings.adapters_path}", hint="set KILN_HOME or --home")
+        store = AdapterStore(settings.adapters_path)
+        record = store.verify(name, revision or None)  # the manifest's revision is recomputed when it is read
+        receipt = store.verify_receipt(record)
+        want = base_model_sha256
+        if base_model is not None:
+            from kiln.runtime.loader import inspect_model_dir
+
+            want = inspect_model_dir(base_model).base_model_sha256
+        have = record.manifest.base_model_sha256
+        if want is not None and want != have:
+            raise KilnError(f"adapter {name!r} revision {record.revision} is for base model {have}, not {want}")
+    except KilnError as exc:
+        typer.echo(f"verify failed: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""), err=True)
+        raise typer.Exit(1) from None
+    m = record.manifest
+    typer.echo(f"{name}@{record.revision}: {len(m.files)} files match the manifest; kind {m.kind}, base model "
+               f"{m.base_model_sha256}")
+    if receipt is None:
+        typer.echo(f"no training receipt (kind {m.kind} is not published by a training job)")
+        return
+    gate = receipt["gate"]
+    code = receipt["code"]
+    typer.echo(f"receipt binds: job {receipt['job_id']}, plan {receipt['plan_sha256']}, inputs "
+               f"{receipt['inputs']['inputs_sha256']}, config {receipt['adapter']['config_sha256']}")
+    teacher = receipt["teacher"]
+    if teacher:
+        typer.echo("teacher: " + ", ".join(f"{k} {v}" for k, v in teacher.items() if v is not None))
+    typer.echo(f"code: kiln {code['kiln_version']}" + (f" ({code['git_commit']})" if code.get("git_commit") else "")
+               + "; gate: " + (gate.get("verdict", "?") if isinstance(gate, dict) else "none ran"))

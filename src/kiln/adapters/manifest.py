@@ -43,6 +43,20 @@ ADAPTER_REVISION_HEADER = "x-kiln-adapter-revision"
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
+def load_json_object(data: bytes, *, limit: int, what: str, error: type[Exception]) -> dict[str, Any]:
+    """A small untrusted JSON document that must be one object (a manifest, a receipt): at most ``limit``
+    bytes of strict JSON (:func:`kiln.canonical.strict_json_loads`); anything else raises ``error``."""
+    if len(data) > limit:
+        raise error(f"{what} is {len(data)} bytes; the limit is {limit}")
+    try:
+        obj = strict_json_loads(data)
+    except CanonicalJSONError as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise error(f"{what} must be a JSON object")
+    return obj
+
+
 def is_valid_name(name: object) -> bool:
     """Whether ``name`` is a valid adapter name (see :func:`check_name`)."""
     return isinstance(name, str) and len(name) <= MAX_ADAPTER_NAME_CHARS and NAME_RE.fullmatch(name) is not None
@@ -170,14 +184,7 @@ class Manifest:
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
         """Parse and fully check a manifest, including that its revision matches its content."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise InvalidAdapter(f"manifest is {len(data)} bytes; the limit is {MAX_MANIFEST_BYTES}")
-        try:
-            obj = strict_json_loads(data)
-        except CanonicalJSONError as exc:
-            raise InvalidAdapter(f"manifest is not valid JSON: {exc}") from exc
-        if not isinstance(obj, dict):
-            raise InvalidAdapter("manifest must be a JSON object")
+        obj = load_json_object(data, limit=MAX_MANIFEST_BYTES, what="manifest", error=InvalidAdapter)
         expected = {
             "schema", "name", "revision", "base_model_sha256", "kind", "config",
             "inputs_sha256", "parent_revision", "files", "created",

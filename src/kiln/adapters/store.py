@@ -10,6 +10,7 @@ Layout under the store root (``settings.adapters_path``)::
     <root>/<name>/revisions/<R>/adapter_config.json
                               /adapter_model.safetensors
                               /kiln-manifest.json
+                              /kiln-receipt.json       training jobs: how R was made (kiln.adapters.receipt)
 
 A revision directory only ever appears through one ``rename`` of a fully written,
 validated and fsynced staging directory, and an adapter only becomes visible (or
@@ -47,6 +48,15 @@ from kiln.adapters.manifest import (
     is_valid_name,
     check_revision,
     utc_now,
+)
+from kiln.adapters.receipt import (
+    RECEIPT_FILE,
+    TRAINED_KINDS,
+    bind,
+    check_receipt,
+    claims_sha256,
+    read_receipt,
+    store_receipt,
 )
 from kiln.adapters.validate import (
     CONFIG_FILE,
@@ -277,6 +287,7 @@ class AdapterStore:
         inputs_sha256: str | None = None,
         parent_revision: str | None = None,
         base_model_dir: Any,
+        receipt: dict[str, Any] | None = None,
     ) -> AdapterRecord:
         """Validate the staged PEFT files, write the manifest and make them ``name``'s HEAD.
 
@@ -285,6 +296,10 @@ class AdapterStore:
         identity must equal ``base_model_sha256``. ``staging`` may also be given as
         its path. On any validation error the staging directory is discarded and the
         store is unchanged.
+
+        ``receipt``: a training job's claims (:func:`kiln.adapters.receipt.training_claims`). Their digest
+        goes into ``config`` as ``receipt_sha256`` and the receipt bound to the new revision is written
+        beside the manifest, so one rename publishes both.
         """
         from kiln.runtime.loader import ModelDirInfo, ModelLoadError, inspect_model_dir
 
@@ -324,6 +339,8 @@ class AdapterStore:
             for fname in sorted(ADAPTER_FILES):
                 digest, size = sha256_file(staging.path / fname)
                 files.append(FileEntry(fname, size, digest))
+            if receipt is not None:
+                config = {**config, "receipt_sha256": claims_sha256(receipt)}
             manifest = Manifest.build(
                 name=name,
                 files=files,
@@ -333,7 +350,10 @@ class AdapterStore:
                 inputs_sha256=inputs_sha256,
                 parent_revision=parent_revision,
             )
-            atomic_write_bytes(staging.path / MANIFEST_FILE, manifest.to_bytes(), mode=0o600)
+            manifest_bytes = manifest.to_bytes()
+            atomic_write_bytes(staging.path / MANIFEST_FILE, manifest_bytes, mode=0o600)
+            if receipt is not None:
+                store_receipt(staging.path / RECEIPT_FILE, bind(receipt, manifest, manifest_bytes))
             fault_point("after_manifest")
 
             with self._locked():
@@ -474,7 +494,7 @@ class AdapterStore:
         record = self.get(name, revision)
         problems = []
         expected = {f.path: f for f in record.manifest.files}
-        present = {p.name for p in record.path.iterdir()} - {MANIFEST_FILE}
+        present = {p.name for p in record.path.iterdir()} - {MANIFEST_FILE, RECEIPT_FILE}
         for extra in sorted(present - set(expected)):
             problems.append(f"unexpected file {extra}")
         for fname, entry in sorted(expected.items()):
@@ -494,6 +514,32 @@ class AdapterStore:
         if problems:
             raise AdapterIntegrityError(f"adapter {name!r} revision {record.revision}: " + "; ".join(problems))
         return record
+
+    def verify_receipt(self, record: AdapterRecord) -> dict[str, Any] | None:
+        """The revision's training receipt, checked to bind to it (:func:`kiln.adapters.receipt.check_receipt`);
+        None for a kind no training job publishes (upload, merge). A trained revision without one, or with one
+        that does not bind, raises :class:`AdapterIntegrityError` naming every mismatch."""
+        path = record.path / RECEIPT_FILE
+        if not path.exists() and record.manifest.kind not in TRAINED_KINDS:
+            return None
+        where = f"adapter {record.name!r} revision {record.revision}"
+        try:
+            body = read_receipt(path)
+        except AdapterIntegrityError as exc:
+            raise AdapterIntegrityError(f"{where}: {exc.message}", hint="revisions trained before receipts "
+                                        "existed have none; retrain to get one") from None
+        problems = check_receipt(body, record.manifest, (record.path / MANIFEST_FILE).read_bytes())
+        if problems:
+            raise AdapterIntegrityError(f"{where}: {RECEIPT_FILE}: " + "; ".join(problems))
+        return body
+
+    def record_gate(self, name: str, revision: str, verdict: dict[str, Any]) -> None:
+        """Add a post-train gate's verdict to the revision's receipt (one atomic rewrite, under the lock)."""
+        with self._locked():
+            record = self.get(name, revision)
+            body = self.verify_receipt(record)
+            if body is not None:
+                store_receipt(record.path / RECEIPT_FILE, {**body, "gate": verdict})
 
     # ------------------------------------------------------------------ removal
     def _to_trash(self, path: Path) -> None:

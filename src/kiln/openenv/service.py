@@ -492,18 +492,23 @@ class OpenEnvService:
                 self._finish(rec, "failed", error=("training_failed", f"GRPO job {job_id} failed: {msg}"))
 
     def _receipt(self, rec: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-        """Write ``train_receipt.json``: the adapter revision the job published (and its manifest's SHA-256,
-        which binds the corpus it was trained on), the GRPO config digest, the rollout and replay digests."""
+        """Write ``train_receipt.json``: the adapter revision the job published (bound as every receipt binds one:
+        :func:`kiln.adapters.receipt.adapter_binding`, with the manifest's SHA-256, which binds the corpus it was
+        trained on, and the SHA-256 of the job's own ``kiln-receipt.json``), the GRPO config digest, the
+        rollout and replay digests; written by the one receipt writer."""
         from kiln.adapters.manifest import MANIFEST_FILE, Manifest
+        from kiln.adapters.receipt import RECEIPT_FILE as ADAPTER_RECEIPT
+        from kiln.adapters.receipt import adapter_binding, encode_receipt, write_receipt
 
         result = job.get("result") or {}
-        manifest_bytes = (Path(result["path"]) / MANIFEST_FILE).read_bytes()
+        revision_dir = Path(result["path"])
+        manifest_bytes = (revision_dir / MANIFEST_FILE).read_bytes()
         manifest = Manifest.from_bytes(manifest_bytes)
-        receipt = canonical_json_bytes({
+        job_receipt = revision_dir / ADAPTER_RECEIPT  # the training job's own receipt, linked by its digest
+        receipt = encode_receipt({
             "schema": RECEIPT_SCHEMA, "run_id": rec["id"], "training_job": job["id"],
-            "adapter": {"name": result["adapter"], "revision": result["revision"],
-                        "manifest_sha256": sha256_hex(manifest_bytes), "inputs_sha256": manifest.inputs_sha256,
-                        "activated": result.get("activated")},
+            "adapter": {**adapter_binding(manifest, manifest_bytes), "activated": result.get("activated"),
+                        "receipt_sha256": sha256_hex(job_receipt.read_bytes()) if job_receipt.is_file() else None},
             "training_contract_sha256": contract_digest(rec["training_contract"]),
             "discovery_sha256": rec["environment"]["discovery_sha256"],
             "policy": rec.get("policy"),  # the one policy revision every trained action came from
@@ -512,8 +517,8 @@ class OpenEnvService:
         })
         if len(receipt) > MAX_RUN_FILE_BYTES:
             raise ep.RolloutBudgetExceeded(f"{RECEIPT_FILE} would be {len(receipt)} bytes")
-        atomic_write_bytes(self.root / rec["id"] / RECEIPT_FILE, receipt, mode=0o600)
-        return {"sha256": sha256_hex(receipt), "bytes": len(receipt)}
+        digest, size = write_receipt(self.root / rec["id"] / RECEIPT_FILE, receipt)
+        return {"sha256": digest, "bytes": size}
 
     def open_artifact(self, run_id: str, name: str) -> tuple[int, int, str]:
         """``(fd, bytes, sha256)`` of a published artifact, verified on that descriptor: only a name in the run's

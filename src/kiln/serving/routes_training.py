@@ -1,4 +1,5 @@
-"""HTTP routes for ``/v1/train/*``: submit SFT/GRPO jobs, follow and cancel them.
+"""HTTP routes for ``/v1/train/*``: submit jobs (one route per kind in :mod:`kiln.training.kinds`), follow
+and cancel them.
 
 Thin layer: the wire models live in :mod:`kiln.training.schemas`, the logic in
 :class:`kiln.training.service.TrainingService` (``get_state(request).trainer``,
@@ -12,13 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 
 from kiln.errors import NotFound, Unavailable
 from kiln.serving.protocol import TrainingJob, TrainingStatus
 from kiln.serving.state import get_state, require_experimental
-from kiln.training.kd_schemas import KDRequest
-from kiln.training.opd_schemas import OPDRequest
-from kiln.training.schemas import JOB_ID_RE, GRPORequest, SFTRequest
+from kiln.training.kinds import JobKind, wire_kinds
+from kiln.training.schemas import JOB_ID_RE
 
 if TYPE_CHECKING:
     from kiln.training.service import TrainingService
@@ -46,35 +47,20 @@ def _job_id(job_id: str) -> str:
     return job_id
 
 
-@router.post("/v1/train/sft", status_code=202, response_model=TrainingJob)
-def submit_sft(body: SFTRequest, request: Request) -> dict[str, Any]:
-    """Queue a LoRA SFT job (loss on assistant tokens only)."""
-    return _public(request, _trainer(request).submit(body))
+def _submit_route(kind: JobKind[Any, Any]) -> None:
+    """``POST /v1/train/<kind>``: queue a job of that wire kind (every check before queueing is its prepare's)."""
+
+    def submit(body: BaseModel, request: Request) -> dict[str, Any]:
+        return _public(request, _trainer(request).submit(body))
+
+    submit.__name__ = submit.__qualname__ = f"submit_{kind.kind}"
+    submit.__doc__ = kind.summary
+    submit.__annotations__ = {"body": kind.schema, "request": Request, "return": dict[str, Any]}
+    router.post(f"/v1/train/{kind.kind}", status_code=202, response_model=TrainingJob)(submit)
 
 
-@router.post("/v1/train/grpo", status_code=202, response_model=TrainingJob)
-def submit_grpo(body: GRPORequest, request: Request) -> dict[str, Any]:
-    """Queue a GRPO job: over pre-scored completion groups, or over `prompts` that Kiln samples `group_size`
-    completions for and scores with `reward` (an eval scorer, a sandboxed Python file under the data dir, or an
-    HTTP endpoint on loopback), `iterations` times (docs/training.md, "GRPO with rollouts"). Every check runs
-    before queueing: 400 (invalid request, unknown scorer, missing reference, non-loopback URL, reward file
-    outside the data dir, code execution disabled), 404 (base adapter or reward file not found),
-    409 (base adapter of another model), 503 (queue full, training disabled)."""
-    return _public(request, _trainer(request).submit(body))
-
-
-@router.post("/v1/train/opd", status_code=202, response_model=TrainingJob)
-def submit_opd(body: OPDRequest, request: Request) -> dict[str, Any]:
-    """Queue an on-policy distillation job: the student samples, a registered teacher scores, the student
-    moves toward the teacher on its own tokens (docs/training.md, "On-policy distillation")."""
-    return _public(request, _trainer(request).submit(body))
-
-
-@router.post("/v1/train/kd", status_code=202, response_model=TrainingJob)
-def submit_kd(body: KDRequest, request: Request) -> dict[str, Any]:
-    """Queue a sparse-KD job on the served model's adapter from an offline capture run under the data dir,
-    consumed through its ledger exactly once (docs/training.md, "Sparse KD from a capture")."""
-    return _public(request, _trainer(request).submit(body))
+for _kind in wire_kinds():  # one route per wire kind of the registry (kiln.training.kinds)
+    _submit_route(_kind)
 
 
 @router.get("/v1/train/status", response_model=TrainingStatus)

@@ -36,9 +36,12 @@ from kiln.training.engine_sampling import (
     sample_policy,
     sampler_name,
 )
+from kiln.training.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.recipe import TrainingRecipe
 from kiln.training.rewards import RewardError, RewardFn, build_reward
 from kiln.training.schemas import GRPORequest
-from kiln.training.trainer import GRPOItem, GRPOSettings, TrainingFailed, grpo_items
+from kiln.training.templates import end_of_turn_ids
+from kiln.training.trainer import GRPOItem, GRPOSettings, Plan, TrainingFailed, grpo_items
 
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_ITERATIONS = 1
@@ -60,29 +63,25 @@ class RolloutData:
     behaviour: dict[str, Any]  # the starting policy (adapter, revision) and how it is sampled
 
 
-def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
-    """Validate a GRPO request with ``prompts`` (reward, lengths, data dir, loopback) and return its JobPlan."""
-    from kiln.training.recipe import JobPlan, seal_plan
-    from kiln.training.trainer import Plan
-
+def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[RolloutData]:
+    """Validate a GRPO request with ``prompts`` (reward, lengths, data dir, loopback) and return its plan."""
     assert request.prompts is not None and request.reward is not None
-    if request.adapter == service.loaded.model_id:
-        raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
-    settings = service.settings
+    ctx.check_adapter_name(request.adapter)
+    settings = ctx.settings
+    engine = ctx.serving_engine("GRPO rollout")
     reward = build_reward(request.reward, request.prompts, data_dir=settings.data_path,
-                          allow_code_execution=settings.eval.allow_code_execution, engine=service.engine)
-    parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
-    lora = service._lora_shape(request, parent)
+                          allow_code_execution=settings.eval.allow_code_execution, engine=engine)
+    parent = ctx.parent_of(request)
+    lora = ctx.lora_shape(request, parent)
     group_size = request.group_size or DEFAULT_GROUP_SIZE
     iterations = request.iterations or DEFAULT_ITERATIONS
     max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
     temperature = request.temperature if request.temperature is not None else DEFAULT_TEMPERATURE
     top_p = request.top_p if request.top_p is not None else DEFAULT_TOP_P
-    engine = service.engine
     check_samples_fit_queue(engine, group_size, "group_size")
     limit = min(request.max_seq_len, engine.config.max_model_len)
-    if service.max_seq_len_limit is not None:
-        limit = min(limit, service.max_seq_len_limit)
+    if ctx.max_seq_len_limit is not None:
+        limit = min(limit, ctx.max_seq_len_limit)
     prompt_ids = []
     for i, p in enumerate(request.prompts):
         ids = engine.encode_chat([m.model_dump() for m in p.messages])
@@ -95,13 +94,12 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
     eff = request.model_dump(mode="json")
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
-               top_p=top_p, epochs=epochs, lora_rank=lora.rank, lora_alpha=lora.alpha,
-               lora_target_modules=list(lora.target_modules), max_seq_len=limit,
-               base_adapter_revision=None if parent is None else parent.revision, reward_source=reward.describe)
+               top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
+               **lora_fields(lora, parent))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
-    inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, service.loaded.base_model_sha256)
+    inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
-        service._check_resumable(request.resume_from_job, plan_sha)
+        ctx.check_resumable(request.resume_from_job, plan_sha)
     behaviour = {"adapter": None if parent is None else parent.name,
                  "revision": None if parent is None else parent.revision, "sampler": sampler_name(engine)}
     data = RolloutData(tuple(prompt_ids), reward, group_size, iterations, max_tokens, temperature, top_p,
@@ -109,7 +107,7 @@ def prepare_rollouts(service: Any, request: GRPORequest) -> Any:
                                     request.kl_estimator), behaviour)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
                 max_steps=request.max_steps)
-    return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,  # type: ignore[arg-type]
+    return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,
                    parent, request.auto_load, request.resume_from_job)
 
 
@@ -274,21 +272,18 @@ def multi_turn_items(tokenizer: Any, groups: Sequence[Any], rewards: Sequence[Se
             for it in items], skipped
 
 
-def make_rollout_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:
+class RolloutRecipe(TrainingRecipe):
     """A rollout GRPO job: setup -> (sample -> score -> update) x iterations -> save -> publish -> activate."""
-    from kiln.training.recipe import TrainingRecipe
-    from kiln.training.templates import end_of_turn_ids
 
-    class RolloutRecipe(TrainingRecipe):
-        def train(self, resume: Any) -> Any:
-            tok = self.ctx.model.tokenizer
-            end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
-            pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
-            report = run_rollouts(self.peft_model, self.private, self.plan.rows, self.plan.loop,
-                                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                  hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume,
-                                  engine=self.ctx.engine)
-            self._phase("train")
-            return report
+    plan: JobPlan[RolloutData]
 
-    return RolloutRecipe(plan, ctx, job_id=job_id)
+    def train(self, resume: Any) -> Any:
+        tok = self.ctx.model.tokenizer
+        end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+        report = run_rollouts(self.peft_model, self.private, self.plan.data, self.plan.loop,
+                              decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                              hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume,
+                              engine=self.ctx.engine)
+        self._phase("train")
+        return report

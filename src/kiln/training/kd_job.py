@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.canonical import canonical_json_bytes, sha256_file, sha256_hex
 from kiln.errors import Conflict, InvalidRequest
+from kiln.training.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.recipe import TrainingRecipe
 
 if TYPE_CHECKING:
     from kiln.training.kd_schemas import KDRequest
@@ -69,15 +71,15 @@ def _ledger(ledger_root: Path, shard: KDShard, capture_plan: Any) -> Any:
     return Ledger(ledger_root / f"{shard.transaction_id}.jsonl", shard.shard_dir, capture_plan)
 
 
-def _check_binding(service: Any, plan: Any) -> None:
+def _check_binding(ctx: PrepareContext, plan: Any) -> None:
     """The capture plan must bind the served checkpoint, tokenizer and vocabulary (409 naming the field)."""
     from kiln.distill.errors import ContractError
     from kiln.distill.local import check_model_dir, check_tokenizer_dir
 
-    path = service.loaded.path
-    if plan.student.revision != service.loaded.base_model_sha256:
+    path = ctx.model.path
+    if plan.student.revision != ctx.model.base_model_sha256:
         raise Conflict(f"the capture plan's student.revision {plan.student.revision} is not the served model "
-                       f"({service.loaded.base_model_sha256})", code="capture_student_mismatch",
+                       f"({ctx.model.base_model_sha256})", code="capture_student_mismatch",
                        param="student.revision", hint="capture with a plan whose student is the served model")
     try:
         check_model_dir(plan.student, path, "student")
@@ -87,7 +89,7 @@ def _check_binding(service: Any, plan: Any) -> None:
         check_tokenizer_dir(plan.tokenizer, path, "student")
     except ContractError as exc:
         raise Conflict(str(exc), code="capture_tokenizer_mismatch", param="tokenizer") from None
-    head = service.loaded.model.get_output_embeddings()
+    head = ctx.model.model.get_output_embeddings()
     width = int(head.weight.shape[0]) if head is not None else None
     if width != plan.tokenizer.vocab_size:
         raise Conflict(f"the served model's output width {width} differs from the capture plan's "
@@ -95,16 +97,18 @@ def _check_binding(service: Any, plan: Any) -> None:
                        param="tokenizer.vocab_size")
 
 
-def _check_not_in_use(service: Any, capture_sha: str, adapter: str) -> None:
+def _check_not_in_use(ctx: PrepareContext, capture_sha: str, adapter: str) -> None:
     from kiln.training import jobs as jobstates
 
-    for job in service.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING})):
+    if ctx.jobs is None:  # no queue (kiln train run): nothing else consumes it here
+        return
+    for job in ctx.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING})):
         if job.kind == "kd" and job.adapter == adapter and job.request.get("capture_plan_sha256") == capture_sha:
             raise Conflict(f"job {job.id} is already consuming this capture for adapter {adapter!r}",
                            code="capture_in_use", hint="wait for it to finish")
 
 
-def _check_open_reservation(service: Any, ledger: Any, resume_from: str | None) -> None:
+def _check_open_reservation(ctx: PrepareContext, ledger: Any, resume_from: str | None) -> None:
     """A reservation left open by a failed job whose checkpoint holds its training: only resuming it may
     close it (reconcile); one made before a durable checkpoint is released by the next job."""
     from kiln.errors import NotFound
@@ -112,13 +116,13 @@ def _check_open_reservation(service: Any, ledger: Any, resume_from: str | None) 
     from kiln.training.checkpoints import load_checkpoint as _load
 
     run_id, rid = ledger.view.open_reservation
-    if run_id == resume_from:
+    if run_id == resume_from or ctx.jobs is None:
         return
     try:
-        owner = service.jobs.get(run_id)
+        owner = ctx.jobs.get(run_id)
     except NotFound:
         return
-    found = list_checkpoints(service._checkpoint_root(owner.id))
+    found = list_checkpoints(ctx.checkpoint_root(owner.id))
     if not found:
         return
     ckpt = _load(found[-1], plan_sha256=owner.request.get("plan_sha256", ""))
@@ -127,23 +131,21 @@ def _check_open_reservation(service: Any, ledger: Any, resume_from: str | None) 
                        code="capture_reserved", hint=f"resubmit with resume_from_job={owner.id!r}")
 
 
-def prepare_kd(service: Any, request: KDRequest) -> Any:
-    """Validate a KD request against the capture run, the served model and the ledgers; return a JobPlan."""
+def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
+    """Validate a KD request against the capture run, the served model and the ledgers; return its plan."""
     from kiln.distill.errors import DistillError
     from kiln.distill.train import _windows, available_shards, load_shard_examples
     from kiln.training.data import TrainingDataError, confined_data_dir
-    from kiln.training.recipe import JobPlan, seal_plan
     from kiln.training.trainer import Plan
 
-    if request.adapter == service.loaded.model_id:
-        raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
-    root = confined_data_dir(service.settings.data_path, request.run, label="run")
+    ctx.check_adapter_name(request.adapter)
+    root = confined_data_dir(ctx.settings.data_path, request.run, label="run")
     try:
         plan, todo, _skipped = available_shards(root)
     except DistillError as exc:
         raise TrainingDataError(f"run {request.run!r}: {exc}", code="invalid_capture", param="run") from None
-    _check_binding(service, plan)
-    limit = service.max_seq_len_limit
+    _check_binding(ctx, plan)
+    limit = ctx.max_seq_len_limit
     if limit is not None and plan.capture.max_sequence_length > limit:
         raise InvalidRequest(f"the capture's max_sequence_length {plan.capture.max_sequence_length} exceeds the "
                              f"served model's limit {limit}", code="sequence_too_long", param="run")
@@ -152,11 +154,11 @@ def prepare_kd(service: Any, request: KDRequest) -> Any:
         raise Conflict(f"this capture's consumption policy is replay {plan.consumption.replay!r} "
                        f"({plan.consumption.trajectory}); epochs > 1 and replay need 'chained'",
                        code="replay_forbidden", param="replay")
-    parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
-    lora = service._lora_shape(request, parent)
+    parent = ctx.parent_of(request)
+    lora = ctx.lora_shape(request, parent)
     capture_sha = plan.digest()
-    _check_not_in_use(service, capture_sha, request.adapter)
-    ledger_root = service.root / "kd" / capture_sha / request.adapter
+    _check_not_in_use(ctx, capture_sha, request.adapter)
+    ledger_root = ctx.root / "kd" / capture_sha / request.adapter
     shards, fresh_steps = [], 0
     for shard_dir, head in todo:
         try:
@@ -168,7 +170,7 @@ def prepare_kd(service: Any, request: KDRequest) -> Any:
         except DistillError as exc:
             raise TrainingDataError(f"run {request.run!r}: {exc}", code="invalid_capture", param="run") from None
         if ledger.view.state == "reserved":
-            _check_open_reservation(service, ledger, request.resume_from_job)
+            _check_open_reservation(ctx, ledger, request.resume_from_job)
         shards.append(data_shard)
         fresh_steps += data_shard.steps_per_pass if ledger.view.commits == 0 else 0
     if not fresh_steps and not request.replay and request.resume_from_job is None:
@@ -177,17 +179,16 @@ def prepare_kd(service: Any, request: KDRequest) -> Any:
                        hint="set replay=true for a chained replay, capture new shards, or train another adapter")
     total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
     eff = request.model_dump(mode="json")
-    eff.update(epochs=passes, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_target_modules=list(lora.target_modules),
-               base_adapter_revision=None if parent is None else parent.revision, capture_plan_sha256=capture_sha,
-               capture_trajectory=plan.consumption.trajectory)
+    eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
+               **lora_fields(lora, parent))
     inputs = {"capture_plan_sha256": capture_sha, "shards": sorted(s.artifact_sha256 for s in shards)}
-    inputs_sha, plan_sha = seal_plan("kd", eff, inputs, service.loaded.base_model_sha256)
+    inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
-        service._check_resumable(request.resume_from_job, plan_sha)
+        ctx.check_resumable(request.resume_from_job, plan_sha)
     data = KDData(root, plan, tuple(shards), ledger_root, passes, request.replay, request.ce_weight,
                   request.kd_weight, total)
     loop = Plan(request.learning_rate, passes, request.batch_size, request.seed, 0, max_steps=None)
-    return JobPlan("kd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,  # type: ignore[arg-type]
+    return JobPlan("kd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
 
@@ -304,15 +305,17 @@ def _head(shard: KDShard) -> Any:
 # ------------------------------------------------------------------------- the recipe
 
 
-def make_kd_recipe(plan: Any, ctx: Any, *, job_id: str) -> Any:
+class KDRecipe(TrainingRecipe):
     """A KD job: setup -> train (ledger-consumed shards) -> save -> publish (kind ``kd``) -> activate."""
-    from kiln.training.recipe import TrainingRecipe
 
-    class KDRecipe(TrainingRecipe):
-        def train(self, resume: Any) -> Any:
-            report = run_kd(self.peft_model, self.private, self.plan.rows, self.plan.loop, hooks=self.ctx.hooks,
-                            resume=resume, job_id=job_id)
-            self._phase("train")
-            return report
+    plan: JobPlan[KDData]
 
-    return KDRecipe(plan, ctx, job_id=job_id)
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        teacher = self.plan.data.capture_plan.teacher  # the capture plan's teacher fingerprint
+        return {"model_id": teacher.model_id, "revision": teacher.revision, "fingerprint_sha256": teacher.digest()}
+
+    def train(self, resume: Any) -> Any:
+        report = run_kd(self.peft_model, self.private, self.plan.data, self.plan.loop, hooks=self.ctx.hooks,
+                        resume=resume, job_id=self.job_id)
+        self._phase("train")
+        return report

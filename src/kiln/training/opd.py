@@ -47,12 +47,15 @@ from kiln.training.engine_sampling import (  # noqa: F401 - sample_batch, sample
     sample_seed,
 )
 
+from kiln.training.plan import JobPlan, LoraShape, PrepareContext, lora_fields, seal_plan
+from kiln.training.recipe import TrainingRecipe
+
 if TYPE_CHECKING:
+    from kiln.adapters.store import AdapterRecord
+    from kiln.teachers.service import TeacherService
     from kiln.training.opd_schemas import OPDRequest
 
 EPS = 1e-12
-OPD_INPUTS_DOMAIN = "kiln.training-inputs.v1"
-OPD_PLAN_DOMAIN = "kiln.training-plan.v1"
 
 
 # ----------------------------------------------------------------------------- losses
@@ -241,25 +244,24 @@ class OPDData:
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
 
 
-def prepare_opd(service: Any, request: OPDRequest) -> Any:
-    """Validate an OPD request against the model, the store and the teacher registry; return a JobPlan."""
-    teachers = getattr(service, "teachers", None)
+def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
+    """Validate an OPD request against the model, the store and the teacher registry; return its plan."""
+    teachers = ctx.teachers
     if teachers is None:
         raise Conflict("teachers are not available in this process", code="teachers_unavailable")
-    if request.adapter == service.loaded.model_id:
-        raise InvalidRequest(f"{request.adapter!r} is the base model's ID", code="invalid_adapter_name")
+    ctx.check_adapter_name(request.adapter)
     entry = teachers.registry.pin(request.teacher)
     max_k = entry["identity"]["max_top_k"]
     if request.top_k > max_k:
         raise InvalidRequest(f"top_k={request.top_k} exceeds teacher {request.teacher!r}'s max_top_k={max_k}",
                              code="top_k_too_large", param="top_k", hint=f"use top_k <= {max_k}")
-    parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
-    lora = service._lora_shape(request, parent)
-    tok = service.loaded.tokenizer
-    engine = service.engine
+    parent = ctx.parent_of(request)
+    lora = ctx.lora_shape(request, parent)
+    tok = ctx.model.tokenizer
+    engine = ctx.serving_engine("OPD")
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
     if request.training_mode == "off_policy":
-        return _prepare_off_policy(service, request, entry, lora, parent, limit)
+        return _prepare_off_policy(ctx, teachers, request, entry, lora, parent, limit)
     check_samples_fit_queue(engine, request.samples_per_prompt, "samples_per_prompt")
     eos = tok.eos_token_id
     items = []
@@ -281,7 +283,7 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
                    request.max_tokens, request.top_k, request.loss, request.ce_weight,
                    _total_steps(request, len(items), sampled_per_step=min(request.batch_size, len(items))
                                 * request.samples_per_prompt * request.max_tokens))
-    return _job_plan(service, request, entry, lora, parent, data, inputs, {})
+    return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
 def _total_steps(request: OPDRequest, n_items: int, *, sampled_per_step: int | None = None) -> int:
@@ -297,45 +299,37 @@ def _total_steps(request: OPDRequest, n_items: int, *, sampled_per_step: int | N
     return total if request.max_steps is None else min(total, request.max_steps)
 
 
-def _prepare_off_policy(service: Any, request: OPDRequest, entry: dict[str, Any], lora: Any, parent: Any,
-                        limit: int) -> Any:
+def _prepare_off_policy(ctx: PrepareContext, teachers: TeacherService, request: OPDRequest, entry: dict[str, Any],
+                        lora: LoraShape, parent: AdapterRecord | None, limit: int) -> JobPlan[OPDData]:
     """Off-policy: read and bind-check the teacher JSONL (:mod:`kiln.training.opd_offline`) before queueing."""
     from kiln.training.opd_offline import load_teacher_jsonl
 
     assert request.teacher_jsonl is not None
-    student_tok = service.teachers.identity.tokenizer()[0]
-    corpus = load_teacher_jsonl(service.settings.data_path, request.teacher_jsonl, entry,
-                                student_vocab=service.teachers.identity.vocab_size,
+    student_tok = teachers.identity.tokenizer()[0]
+    corpus = load_teacher_jsonl(ctx.settings.data_path, request.teacher_jsonl, entry,
+                                student_vocab=teachers.identity.vocab_size,
                                 student_tokenizer_sha256=student_tok, max_len=limit)
     data = OPDData((), entry, 1, 0.0, 1.0, 0, request.top_k, request.loss, 0.0,
                    _total_steps(request, len(corpus.rows)), corpus.rows)
-    return _job_plan(service, request, entry, lora, parent, data, {"teacher_jsonl_sha256": corpus.sha256},
+    return _job_plan(ctx, request, entry, lora, parent, data, {"teacher_jsonl_sha256": corpus.sha256},
                      {"teacher_jsonl_sha256": corpus.sha256, "teacher_jsonl_rows": len(corpus.rows)})
 
 
-def _job_plan(service: Any, request: OPDRequest, entry: dict[str, Any], lora: Any, parent: Any, data: OPDData,
-              inputs: Any, extra: dict[str, Any]) -> Any:
-    """The effective request, its digests (resume checks the plan digest) and the JobPlan."""
-    from kiln.canonical import canonical_json_bytes, domain_digest
-    from kiln.training.recipe import RUN_ONLY_FIELDS, JobPlan
+def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], lora: LoraShape,
+              parent: AdapterRecord | None, data: OPDData, inputs: Any, extra: dict[str, Any]) -> JobPlan[OPDData]:
+    """The effective request (binding the teacher's fingerprint and identity), its digests (resume checks the
+    plan digest) and the plan."""
     from kiln.training.trainer import Plan
 
     eff = request.model_dump(mode="json")
-    eff.update(steps=data.total_steps, lora_rank=lora.rank, lora_alpha=lora.alpha,
-               lora_target_modules=list(lora.target_modules),
-               base_adapter_revision=None if parent is None else parent.revision,
-               teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"], **extra)
-    inputs_sha = domain_digest(OPD_INPUTS_DOMAIN, b"opd", canonical_json_bytes(inputs))
-    plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
-    plan_sha = domain_digest(OPD_PLAN_DOMAIN, canonical_json_bytes(
-        {"kind": "opd", "config": plan_fields, "inputs_sha256": inputs_sha,
-         "base_model_sha256": service.loaded.base_model_sha256}))
-    eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
+    eff.update(steps=data.total_steps, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
+               **lora_fields(lora, parent), **extra)
+    inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
-        service._check_resumable(request.resume_from_job, plan_sha)
+        ctx.check_resumable(request.resume_from_job, plan_sha)
     loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
                 max_steps=data.total_steps)
-    return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,  # type: ignore[arg-type]
+    return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
 
@@ -495,40 +489,48 @@ def _completion_logits(peft_model: Any, pairs: Sequence[tuple[Sequence[int], Seq
 # ------------------------------------------------------------------------- the recipe
 
 
-def make_opd_recipe(plan: Any, ctx: Any, *, job_id: str, teachers: Any) -> Any:
+class OPDRecipe(TrainingRecipe):
     """An OPD job: re-probe the pinned teacher (before taking the accelerator), then setup -> train -> save ->
     publish (manifest kind ``opd``, config binding the teacher's fingerprint and identity) -> activate."""
-    from kiln.training.recipe import TrainingRecipe
 
-    class OPDRecipe(TrainingRecipe):
-        def run(self) -> dict[str, Any]:
-            if not self.plan.rows.corpus:  # off-policy never asks the teacher: the corpus carries its rows
-                entry = self.plan.rows.teacher
-                self.teacher = teachers.registry.client_for(entry)
-                teachers.registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
-                self._phase("probe")
-            return super().run()
+    plan: JobPlan[OPDData]
 
-        def train(self, resume: Any) -> Any:
-            data: OPDData = self.plan.rows
-            from kiln.training.templates import end_of_turn_ids
+    def run(self) -> dict[str, Any]:
+        if not self.plan.data.corpus:  # off-policy never asks the teacher: the corpus carries its rows
+            entry = self.plan.data.teacher
+            registry = self._teachers().registry
+            self.teacher = registry.client_for(entry)
+            registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
+            self._phase("probe")
+        return super().run()
 
-            tok = self.ctx.model.tokenizer
-            if data.corpus:
-                from kiln.training.opd_offline import run_opd_offline
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        entry = self.plan.data.teacher  # the pinned registry entry: its kiln-teacher-v1 fingerprint
+        return {"fingerprint": entry["fingerprint"], "alias": entry.get("alias"), "model_id": entry.get("model_id")}
 
-                report = run_opd_offline(self.peft_model, self.private, data, data.corpus, self.plan.loop,
-                                         hooks=self.ctx.hooks, resume=resume,
-                                         pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
-                self._phase("train")
-                return report
-            end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
-            pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
-            report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
-                             pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
-                             vocab_size=teachers.identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                             pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine)
+    def _teachers(self) -> TeacherService:
+        if self.ctx.teachers is None:
+            raise Conflict("teachers are not available in this process", code="teachers_unavailable")
+        return self.ctx.teachers
+
+    def train(self, resume: Any) -> Any:
+        from kiln.training.templates import end_of_turn_ids
+
+        data = self.plan.data
+        tok = self.ctx.model.tokenizer
+        if data.corpus:
+            from kiln.training.opd_offline import run_opd_offline
+
+            report = run_opd_offline(self.peft_model, self.private, data, data.corpus, self.plan.loop,
+                                     hooks=self.ctx.hooks, resume=resume,
+                                     pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
             self._phase("train")
             return report
-
-    return OPDRecipe(plan, ctx, job_id=job_id)
+        end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+        report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
+                         pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
+                         vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine)
+        self._phase("train")
+        return report

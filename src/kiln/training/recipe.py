@@ -1,9 +1,10 @@
 """One training job as a recipe: a typed plan in, then setup -> train -> save -> publish -> activate.
 
-:class:`JobPlan` is everything a job needs, validated once at submission
-(:meth:`kiln.training.service.TrainingService.prepare`). :class:`TrainingRecipe`
-runs it on the served model, in the spirit of torchtune's single-device
-recipes: each phase is one method, called in order by :meth:`TrainingRecipe.run`.
+:class:`~kiln.training.plan.JobPlan` is everything a job needs, validated once at submission
+by its kind's ``prepare`` (:mod:`kiln.training.kinds`). :class:`TrainingRecipe` runs it on the
+served model, in the spirit of torchtune's single-device recipes: each phase is one method, called
+in order by :meth:`TrainingRecipe.run`; each kind's recipe (:class:`SFTRecipe`, :class:`GRPORecipe`
+here, the rollout, OPD and KD recipes beside their loops) defines only :meth:`TrainingRecipe.train`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
-from kiln.adapters.validate import CONFIG_FILE, WEIGHTS_FILE
+from kiln.adapters.receipt import training_claims
+from kiln.adapters.validate import WEIGHTS_FILE
 from kiln.training.checkpoints import Checkpoint, latest_checkpoint
-from kiln.training.data import Row
+from kiln.training.plan import GRPOData, JobPlan, SFTData
 from kiln.training.trainer import (
-    GRPOItem,
-    GRPOSettings,
     Hooks,
     Plan,
     Report,
@@ -33,46 +33,7 @@ if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord, AdapterStore, Staging
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
-
-# Request fields that describe how a job is run, not what it computes (left out of the plan digest).
-RUN_ONLY_FIELDS = ("resume_from_job", "auto_load", "checkpoint_interval")
-# Fields left out of the adapter manifest's config (bulky inputs and digests recorded elsewhere).
-NOT_IN_MANIFEST = ("examples", "groups", "prompts", "inputs_sha256", "plan_sha256", "resume_from_job")
-
-
-@dataclass(frozen=True)
-class LoraShape:
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class GRPOData:
-    items: tuple[GRPOItem, ...]
-    skipped: int  # zero-variance groups dropped at submission
-    settings: GRPOSettings
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """A fully validated job: what to train on, how, and where the result goes."""
-
-    kind: Literal["sft", "grpo", "opd", "kd"]
-    adapter: str
-    request: dict[str, Any]  # the effective request (defaults resolved), as stored in the queue
-    inputs_sha256: str
-    plan_sha256: str
-    lora: LoraShape
-    loop: Plan
-    rows: tuple[Row, ...] | GRPOData  # SFT rows, or GRPO groups with advantages
-    parent: AdapterRecord | None  # base_adapter's record
-    auto_load: bool
-    resume_from_job: str | None
-
-    @property
-    def manifest_config(self) -> dict[str, Any]:
-        return {k: v for k, v in self.request.items() if k not in NOT_IN_MANIFEST}
+    from kiln.teachers.service import TeacherService
 
 
 @dataclass(frozen=True)
@@ -88,12 +49,15 @@ class RecipeContext:
     # post-train gate: (published record, request's post_eval) -> verdict dict (kiln.evals); None: no evals
     gate: Callable[[AdapterRecord, dict[str, Any]], dict[str, Any]] | None = None
     compile: bool = False  # `training.compile`: torch.compile the trunk (docs/training.md, "Speed and memory")
+    teachers: TeacherService | None = None  # OPD: the teacher registry its pinned teacher is re-probed in
 
 
 class TrainingRecipe:
-    """Runs one :class:`JobPlan` on the engine's model; :meth:`run` reads top to bottom."""
+    """Runs one :class:`JobPlan` on the engine's model; :meth:`run` reads top to bottom.
 
-    def __init__(self, plan: JobPlan, ctx: RecipeContext, *, job_id: str):
+    A kind's recipe subclasses it and defines :meth:`train` (the other phases are shared)."""
+
+    def __init__(self, plan: JobPlan[Any], ctx: RecipeContext, *, job_id: str):
         self.plan, self.ctx, self.job_id = plan, ctx, job_id
         self.private = f"kiln-{job_id}"
         self.timings: dict[str, float] = {}
@@ -140,16 +104,7 @@ class TrainingRecipe:
         self._phase("prepare")
 
     def train(self, resume: Checkpoint | None) -> Report:
-        peft_model = self.peft_model
-        pad_id = self.ctx.model.tokenizer.pad_token_id
-        rows, loop, hooks = self.plan.rows, step_plan(self.plan, compile=self.ctx.compile), self.ctx.hooks
-        if isinstance(rows, GRPOData):
-            report = run_grpo(peft_model, self.private, rows.items, loop, rows.settings, pad_id=pad_id,
-                              skipped_groups=rows.skipped, hooks=hooks, resume=resume)
-        else:
-            report = run_sft(peft_model, self.private, rows, loop, pad_id=pad_id, hooks=hooks, resume=resume)
-        self._phase("train")
-        return report
+        raise NotImplementedError
 
     def save(self) -> Staging:
         """Write standard PEFT files into a fresh staging dir of the adapter store."""
@@ -163,14 +118,22 @@ class TrainingRecipe:
         return staging
 
     def publish(self, staging: Staging) -> AdapterRecord:
+        """Publish the revision with its training receipt (:mod:`kiln.adapters.receipt`)."""
         plan = self.plan
+        claims = training_claims(job_id=self.job_id, plan_sha256=plan.plan_sha256, inputs=receipt_inputs(plan),
+                                 teacher=self.receipt_teacher())
         record = self.ctx.store.publish(
             staging, name=plan.adapter, base_model_sha256=self.ctx.model.base_model_sha256, kind=plan.kind,
             config=plan.manifest_config | {"job_id": self.job_id}, inputs_sha256=plan.inputs_sha256,
             parent_revision=None if plan.parent is None else plan.parent.revision, base_model_dir=self.ctx.model.info,
+            receipt=claims,
         )
         self._phase("publish")
         return record
+
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        """The teacher this job learned from, for its receipt (None: no teacher; OPD and KD say)."""
+        return None
 
     def activate(self, record: AdapterRecord) -> None:
         """``auto_load``, or with ``post_eval`` only a ``promoted`` verdict with ``activate_on_pass``."""
@@ -180,6 +143,7 @@ class TrainingRecipe:
             self.post_eval = (self.ctx.gate(record, post_eval) if self.ctx.gate is not None
                               else {"verdict": "error", "reason": "evals are not available in this process"})
             self._phase("post_eval")
+            self.ctx.store.record_gate(record.name, record.revision, self.post_eval)  # into the receipt
             activate = self.post_eval.get("verdict") == "promoted" and bool(post_eval.get("activate_on_pass"))
         if activate:
             self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
@@ -199,7 +163,34 @@ class TrainingRecipe:
         }
 
 
-def step_plan(plan: JobPlan, *, compile: bool = False) -> Plan:
+class SFTRecipe(TrainingRecipe):
+    """An SFT job: the loss on assistant tokens of the plan's tokenized examples."""
+
+    plan: JobPlan[SFTData]
+
+    def train(self, resume: Checkpoint | None) -> Report:
+        report = run_sft(self.peft_model, self.private, self.plan.data.rows,
+                         step_plan(self.plan, compile=self.ctx.compile),
+                         pad_id=self.ctx.model.tokenizer.pad_token_id, hooks=self.ctx.hooks, resume=resume)
+        self._phase("train")
+        return report
+
+
+class GRPORecipe(TrainingRecipe):
+    """A pre-scored GRPO job: clipped updates over the submitted groups' advantages."""
+
+    plan: JobPlan[GRPOData]
+
+    def train(self, resume: Checkpoint | None) -> Report:
+        data = self.plan.data
+        report = run_grpo(self.peft_model, self.private, data.items, step_plan(self.plan, compile=self.ctx.compile),
+                          data.settings, pad_id=self.ctx.model.tokenizer.pad_token_id, skipped_groups=data.skipped,
+                          hooks=self.ctx.hooks, resume=resume)
+        self._phase("train")
+        return report
+
+
+def step_plan(plan: JobPlan[Any], *, compile: bool = False) -> Plan:
     """The loop plan with the request's step options: ``packing`` and ``gradient_checkpointing`` (request
     fields, so in the plan digest) and ``compile`` (the server's ``training.compile``). A request without
     them (GRPO, OPD, KD, or one stored before they existed) computes its steps as before."""
@@ -209,17 +200,12 @@ def step_plan(plan: JobPlan, *, compile: bool = False) -> Plan:
                    compile=compile and plan.kind == "sft")  # only run_sft compiles its trunk
 
 
-def seal_plan(kind: str, eff: dict[str, Any], inputs: Any, base_model_sha256: str) -> tuple[str, str]:
-    """Digest a job's inputs and plan (kind, effective request less ``RUN_ONLY_FIELDS``, inputs, base model),
-    record both in ``eff`` and return ``(inputs_sha256, plan_sha256)``."""
-    from kiln.canonical import canonical_json_bytes, domain_digest
-
-    inputs_sha = domain_digest("kiln.training-inputs.v1", kind.encode(), canonical_json_bytes(inputs))
-    plan_fields = {k: v for k, v in eff.items() if k not in RUN_ONLY_FIELDS}
-    plan_sha = domain_digest("kiln.training-plan.v1", canonical_json_bytes(
-        {"kind": kind, "config": plan_fields, "inputs_sha256": inputs_sha, "base_model_sha256": base_model_sha256}))
-    eff["inputs_sha256"], eff["plan_sha256"] = inputs_sha, plan_sha
-    return inputs_sha, plan_sha
+def receipt_inputs(plan: JobPlan[Any]) -> dict[str, Any]:
+    """The inputs' digests a receipt records: the job's inputs digest and every file digest its effective
+    request holds (``dataset_sha256``, ``teacher_jsonl_sha256``, ``capture_plan_sha256``)."""
+    files = {k: v for k, v in plan.request.items()
+             if k.endswith("_sha256") and k not in ("inputs_sha256", "plan_sha256") and isinstance(v, str)}
+    return {"inputs_sha256": plan.inputs_sha256, **files}
 
 
 def published_result(record: AdapterRecord) -> dict[str, Any]:
@@ -233,10 +219,3 @@ def published_result(record: AdapterRecord) -> dict[str, Any]:
         "report": None,
         "reconciled": "published before the server stopped; found in the adapter store at restart",
     }
-
-
-def lora_shape_of(adapter_dir: Path) -> LoraShape:
-    import json
-
-    cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text("utf-8"))
-    return LoraShape(int(cfg["r"]), float(cfg["lora_alpha"]), tuple(sorted(cfg["target_modules"])))

@@ -1,12 +1,12 @@
 """``torchrun --nproc_per_node N -m kiln.training.run``: one training job across torchrun's processes.
 
-It runs the same job recipe as the server (:class:`kiln.training.recipe.TrainingRecipe`:
+It runs the same job recipe as the server (:class:`kiln.training.recipe.SFTRecipe`:
 plan -> setup -> train -> save -> publish), outside the server, on a model
 loaded by each rank from the Kiln home:
 
 * the request is the HTTP API's body (``POST /v1/train/sft``), read by rank 0
   and sent to every rank; every rank validates it into the same
-  :class:`~kiln.training.recipe.JobPlan` (the ranks' plan digests must agree);
+  :class:`~kiln.training.plan.JobPlan` (the ranks' plan digests must agree);
 * the training loop is :func:`kiln.training.distributed.run_sft_distributed`
   (DDP over the LoRA parameters) with more than one process, and the server's
   own :func:`kiln.training.trainer.run_sft` with one;
@@ -47,10 +47,10 @@ from kiln.training.distributed import (
     run_sft_distributed,
 )
 from kiln.training.jobs import new_job_id
-from kiln.training.recipe import JobPlan, RecipeContext, TrainingRecipe, step_plan
+from kiln.training.plan import JobPlan, ResumeCheck, SFTData, prepare_context
+from kiln.training.recipe import RecipeContext, SFTRecipe, step_plan
 from kiln.training.schemas import JOB_ID_RE, SFTRequest
-from kiln.training.service import TrainingService, _linear_module_suffixes
-from kiln.training.templates import end_of_turn_ids
+from kiln.training.supervised import prepare_sft
 from kiln.training.trainer import Hooks, Report
 
 if TYPE_CHECKING:
@@ -112,21 +112,13 @@ class _OfflineEngine:
         self.adapters.delete_private(private_name)
 
 
-class _Planner(TrainingService):
-    """The server's submission checks and plan (``TrainingService.prepare``) without its queue or worker.
+def _resume_check(settings: Settings, world: World) -> ResumeCheck:
+    """``resume_from_job`` for ``kiln train run``: a failed distributed job directory of the same plan."""
 
-    Resuming refers to a distributed job directory instead of the server's queue.
-    """
-
-    def __init__(self, *, store: AdapterStore, settings: Settings, model: LoadedModel, world: World):
-        self.store, self.settings, self.loaded, self.world = store, settings, model, world
-        self._linear_names = _linear_module_suffixes(model.model)
-        self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
-
-    def _check_resumable(self, job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None:
-        if not self.world.is_main:  # rank 0 checks the job directory and sends the checkpoint
+    def check(job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None:
+        if not world.is_main:  # rank 0 checks the job directory and sends the checkpoint
             return
-        path = job_dir(self.settings, job_id)
+        path = job_dir(settings, job_id)
         status = read_status(path)
         if status is None:
             raise NotFound(f"no distributed job {job_id} under {path.parent}", code="job_not_found")
@@ -140,6 +132,8 @@ class _Planner(TrainingService):
         if not list_checkpoints(path / "checkpoints"):
             raise Conflict(f"job {job_id} left no checkpoint", code="no_checkpoint",
                            hint="set checkpoint_interval to make jobs resumable")
+
+    return check
 
 
 def on_main(world: World, fn: Callable[[], Any]) -> Any:
@@ -159,10 +153,10 @@ def on_main(world: World, fn: Callable[[], Any]) -> Any:
     return sent[1]
 
 
-class DistributedRecipe(TrainingRecipe):
-    """:class:`TrainingRecipe` across a torchrun world: rank 0 resumes, saves and publishes."""
+class DistributedRecipe(SFTRecipe):
+    """:class:`~kiln.training.recipe.SFTRecipe` across a torchrun world: rank 0 resumes, saves and publishes."""
 
-    def __init__(self, plan: JobPlan, ctx: RecipeContext, *, job_id: str, world: World,
+    def __init__(self, plan: JobPlan[SFTData], ctx: RecipeContext, *, job_id: str, world: World,
                  micro_batch_size: int | None = None, fsdp: bool = False):
         super().__init__(plan, ctx, job_id=job_id)
         self.world, self.micro_batch_size, self.fsdp = world, micro_batch_size, fsdp
@@ -176,7 +170,7 @@ class DistributedRecipe(TrainingRecipe):
         if not self.world.distributed:
             return super().train(resume)  # the server's own loop
         report = run_sft_distributed(
-            self.peft_model, self.private, self.plan.rows, step_plan(self.plan), self.world,  # type: ignore[arg-type]
+            self.peft_model, self.private, self.plan.data.rows, step_plan(self.plan), self.world,
             pad_id=self.ctx.model.tokenizer.pad_token_id, micro_batch_size=self.micro_batch_size,
             hooks=self.ctx.hooks, resume=resume, fsdp=self.fsdp)
         self._phase("train")
@@ -252,15 +246,17 @@ def run_job(args: argparse.Namespace, world: World, settings: Settings) -> dict[
                         dtype=resolve_dtype(settings.model.dtype, world.device))
     check_same(world, "the base model (sha256)", loaded.base_model_sha256)
     store = AdapterStore(settings.adapters_path)
-    planner = _Planner(store=store, settings=settings, model=loaded, world=world)
-    planned: list[JobPlan] = []  # rank 0 plans first (it alone checks a resumed job), then the others
+    # the server's submission checks and plan (the kind's prepare), without its queue, worker or engine
+    planner = prepare_context(model=loaded, store=store, settings=settings,
+                              check_resumable=_resume_check(settings, world))
+    planned: list[JobPlan[SFTData]] = []  # rank 0 plans first (it alone checks a resumed job), then the others
 
     def plan_on_main() -> str:
-        planned.append(planner.prepare(request))
+        planned.append(prepare_sft(planner, request))
         return planned[0].plan_sha256
 
     on_main(world, plan_on_main)
-    plan = planned[0] if world.is_main else planner.prepare(request)
+    plan = planned[0] if world.is_main else prepare_sft(planner, request)
     check_same(world, "the job plan (plan_sha256)", plan.plan_sha256)
 
     lock_fd = on_main(world, lambda: _start_job(path, job_id, body, plan, world))
@@ -291,7 +287,7 @@ def run_job(args: argparse.Namespace, world: World, settings: Settings) -> dict[
             os.close(lock_fd)
 
 
-def _start_job(path: Path, job_id: str, body: dict[str, Any], plan: JobPlan, world: World) -> int:
+def _start_job(path: Path, job_id: str, body: dict[str, Any], plan: JobPlan[SFTData], world: World) -> int:
     """Create the job directory (0700), take its lock and record the request and the running state."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -311,7 +307,7 @@ def _start_job(path: Path, job_id: str, body: dict[str, Any], plan: JobPlan, wor
     return fd
 
 
-def _progress_bar(world: World, plan: JobPlan) -> Any:
+def _progress_bar(world: World, plan: JobPlan[SFTData]) -> Any:
     if not world.is_main:
         return None
     from tqdm import tqdm
