@@ -101,6 +101,9 @@ class TrainingService:
         self._linear_names = _linear_module_suffixes(model.model)
         self._end_ids = end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None))
         self._plans: dict[str, JobPlan] = {}  # plans of jobs submitted to this process, by job ID
+        self.memory: Any = None  # kiln.runtime.memory_budget.MemoryBudget: admission by memory (set by the app)
+        self.observer: Any = None  # kiln.serving.metrics.Metrics: step time, tokens/s (set by the app)
+        self._dims: Any = None  # kiln.training.memory_estimate.ModelDims, computed on first use
         self.evals: Any = None  # kiln.evals.service.EvalService for post_eval gates (set_eval_service)
         self.teachers: Any = None  # kiln.teachers.service.TeacherService for OPD jobs (set_teachers)
         self._wake = threading.Event()
@@ -129,6 +132,11 @@ class TrainingService:
         self.jobs.close()
 
     @property
+    def running_job(self) -> str | None:
+        """The ID of the job the worker runs now, if any."""
+        return self._running
+
+    @property
     def max_seq_len_limit(self) -> int | None:
         """The longest sequence the model supports (``max_position_embeddings``), if it says."""
         return getattr(self.loaded, "max_model_len", None)
@@ -136,6 +144,9 @@ class TrainingService:
     # ----------------------------------------------------------- submission
     def submit(self, request: SFTRequest | GRPORequest) -> dict[str, Any]:
         plan = self.prepare(request)
+        if self.memory is not None:  # jobs run one at a time: a running job's reservation is gone by its turn
+            self.memory.check("training", "submission", self.memory_estimate(plan), what=f"the {plan.kind} job",
+                              ignore_kinds=frozenset({"training"}))
         job = self.jobs.submit(plan.kind, request.adapter, plan.request)  # QueueFullError: 503
         self._plans[job.id] = plan
         self._wake.set()
@@ -240,6 +251,15 @@ class TrainingService:
         return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, rows, parent,
                        request.auto_load, request.resume_from_job)
 
+    def memory_estimate(self, plan: JobPlan) -> dict[str, int]:
+        """Bytes the job adds beside serving, by part (:mod:`kiln.training.memory_estimate`)."""
+        from kiln.training.memory_estimate import estimate_job, model_dims
+
+        if self._dims is None:
+            element = next(self.loaded.model.parameters()).element_size()
+            self._dims = model_dims(self.loaded.model, element, self.max_seq_len_limit)
+        return estimate_job(plan.kind, plan.request, plan.rows, self._dims)
+
     def _lookup_adapter(self, name: str) -> AdapterRecord:
         from kiln.adapters.errors import AdapterNotFound
 
@@ -332,8 +352,13 @@ class TrainingService:
                 continue
             self._running = job.id
             self._cancel_running.clear()
+            reservation = None
             try:
-                result = self._execute(job)
+                plan = self._plan_for(job)
+                if self.memory is not None:  # held while the job runs; released however it ends
+                    reservation = self.memory.reserve("training", job.id, self.memory_estimate(plan),
+                                                      what=f"{plan.kind} job {job.id}")
+                result = self._execute(job, plan)
             except Exception as exc:  # noqa: BLE001 - the job records any failure
                 from kiln.training.trainer import JobCancelled
 
@@ -348,6 +373,10 @@ class TrainingService:
                 self.jobs.finish(job.id, jobstates.SUCCEEDED, result=result)
             finally:
                 self._running = None
+                if reservation is not None:
+                    self.memory.release(reservation)
+                if self.observer is not None:
+                    self.observer.training_tokens_per_s(0.0)
 
     def _serving_busy(self) -> bool:
         st = self.engine.stats()  # every engine has it (kiln.runtime.serving_engine.ServingEngine)
@@ -365,6 +394,8 @@ class TrainingService:
                 yield
             finally:
                 self._last_step_s = time.perf_counter() - t0
+                if self.observer is not None:
+                    self.observer.training_step(self._last_step_s)
 
     def _should_cancel(self) -> bool:
         if self._stop.is_set():
@@ -411,13 +442,17 @@ class TrainingService:
 
         return gate
 
-    def _execute(self, job: Job) -> dict[str, Any]:
-        plan = self._plan_for(job)
+    def _progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        self.jobs.update_progress(job_id, progress)
+        if self.observer is not None and progress.get("tokens_per_s") is not None:
+            self.observer.training_tokens_per_s(float(progress["tokens_per_s"]))
+
+    def _execute(self, job: Job, plan: JobPlan) -> dict[str, Any]:
         resumed = job.request.get("resume_from_job")
         hooks = Hooks(
             exclusive=self._step_ownership,
             should_cancel=self._should_cancel,
-            on_progress=lambda p: self.jobs.update_progress(job.id, p),
+            on_progress=lambda p: self._progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),
             plan_sha256=plan.plan_sha256,
         )
