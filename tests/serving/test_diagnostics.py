@@ -64,6 +64,8 @@ def test_training_adapter_and_eval_metrics(ops_server, make_lora, tmp_path):  # 
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
     assert job["state"] == "succeeded", job
+    budget = httpx.get(f"{base}/health").json()["memory_budget"]
+    assert [r for r in budget["reservations"] if r["kind"] == "training"] == []  # released on success
 
     rev = upload_adapter(base, "diag-lora", make_lora(seed=7), tmp_path)
     assert httpx.post(f"{base}/v1/adapters/diag-lora/load", timeout=60).status_code == 200

@@ -26,7 +26,6 @@ from typing import Any, Iterable
 # and the norms, rounded up.
 ACTIVATION_FACTOR = 16
 LORA_BYTES_PER_PARAM = 4 + 4 + 8  # float32 weight + gradient + AdamW's two float32 moments
-CHUNK_ELEMENTS = 2 * 1024 * 1024  # kiln.training.chunked_loss.CHUNK_ELEMENTS (kept equal by a test)
 TOPK_BYTES_PER_CANDIDATE = 2 * (4 + 8)  # teacher and student: float32 log-probability + int64 token ID
 
 
@@ -96,6 +95,7 @@ def estimate_job(kind: str, request: dict[str, Any], rows: Any, dims: ModelDims)
     else:
         activations = per_layer * dims.layers * ACTIVATION_FACTOR
     top_k = int(request.get("top_k") or 0) if kind in ("opd", "kd") else 0
+    from kiln.training.chunked_loss import CHUNK_ELEMENTS  # torch: imported with the trainer anyway
     return {
         "lora": dims.lora_params(rank, targets) * LORA_BYTES_PER_PARAM,
         "activations": activations,
