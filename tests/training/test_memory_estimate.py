@@ -41,7 +41,11 @@ def test_adapter_reservations_follow_the_served_set():
     budget.reserve("adapter", "a@1", {"adapter_weights": 100}, what="a")
     budget.record("adapter", "b@2", {"adapter_weights": 50})  # loaded by a job's auto_load
     assert budget.record("adapter", "b@2", {"adapter_weights": 999}).bytes == 50  # kept
-    budget.keep_only("adapter", {"b@2"})
+    loading = budget.reserve("adapter", "c@3", {"adapter_weights": 10}, what="c", pending=True)
+    budget.keep_only("adapter", {"b@2"})  # another adapter's change: c is still loading, a was unloaded
+    assert budget.owners("adapter") == {"b@2", "c@3"} and budget.reserved_bytes() == 60
+    budget.settle(loading)
+    budget.keep_only("adapter", {"b@2"})  # c's load failed after all, or it was unloaded since
     assert budget.owners("adapter") == {"b@2"} and budget.reserved_bytes() == 50
 
 

@@ -54,6 +54,7 @@ class MemoryBudget:
         self._resident = resident  # what serving holds: weights, kv_cache, ... (bytes)
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], Reservation] = {}
+        self._pending: set[tuple[str, str]] = set()  # reserved for work not yet in place (an adapter loading)
 
     def resident(self) -> dict[str, int]:
         return {k: int(v) for k, v in self._resident().items()}
@@ -98,11 +99,20 @@ class MemoryBudget:
 
     def reserve(self, kind: str, owner: str, parts: dict[str, int], *, what: str,
                 ignore_kinds: frozenset[str] = frozenset(),
-                ignore_owners: set[str] | frozenset[str] = frozenset()) -> Reservation:
-        """Check and hold ``parts`` (bytes by category) for ``owner``; replaces that owner's earlier one."""
+                ignore_owners: set[str] | frozenset[str] = frozenset(), pending: bool = False) -> Reservation:
+        """Check and hold ``parts`` (bytes by category) for ``owner``; replaces that owner's earlier one.
+        A ``pending`` reservation survives :meth:`keep_only` until :meth:`settle` (its work is being set up)."""
         with self._lock:
             self._check_locked(kind, owner, parts, ignore_kinds, ignore_owners, what)
-            return self._hold(kind, owner, parts)
+            reservation = self._hold(kind, owner, parts)
+            if pending:
+                self._pending.add((kind, owner))
+            return reservation
+
+    def settle(self, reservation: Reservation) -> None:
+        """The pending work is in place: from now on :meth:`keep_only` may drop the reservation."""
+        with self._lock:
+            self._pending.discard((reservation.kind, reservation.owner))
 
     def record(self, kind: str, owner: str, parts: dict[str, int]) -> Reservation:
         """Hold ``parts`` for ``owner`` without a check: memory already in use (an adapter a training job
@@ -126,11 +136,12 @@ class MemoryBudget:
             key = (reservation.kind, reservation.owner)
             if self._held.get(key) is reservation:
                 del self._held[key]
+                self._pending.discard(key)
 
     def keep_only(self, kind: str, owners: set[str]) -> None:
-        """Drop every ``kind`` reservation whose owner is not in ``owners`` (e.g. adapters no longer served)."""
+        """Drop every settled ``kind`` reservation whose owner is not in ``owners`` (adapters no longer served)."""
         with self._lock:
-            for key in [k for k in self._held if k[0] == kind and k[1] not in owners]:
+            for key in [k for k in self._held if k[0] == kind and k[1] not in owners and k not in self._pending]:
                 del self._held[key]
 
     def snapshot(self) -> dict:

@@ -53,7 +53,7 @@ def activate(state: Any, record: Any) -> None:
         ignore = {f"{record.name}@{served}"} if served else set()
         reservation = memory.reserve("adapter", owner, {"adapter_weights": adapter_bytes(record.path)},
                                      what=f"loading adapter {record.name!r} revision {record.revision[:12]}",
-                                     ignore_owners=ignore)
+                                     ignore_owners=ignore, pending=True)  # another load's sync keeps it
     try:
         state.engine.activate_adapter(record.name, record.path, record.revision)
     except AdapterError as exc:
@@ -68,3 +68,5 @@ def activate(state: Any, record: Any) -> None:
         if reservation is not None:
             memory.release(reservation)
         raise
+    if reservation is not None:
+        memory.settle(reservation)
