@@ -133,6 +133,7 @@ def oai(server, openapi_checker):
 
 OPS_MEMORY_BUDGET = 12_000_000  # bytes: room for a few MB beside the weights and the 2 MiB KV pool below
 OPS_ENV = {
+    "KILN_MODEL_DEVICE": "cpu",  # float32: the admission test's windows are sized for these bytes
     "KILN_LIMITS_MEMORY_BUDGET_BYTES": str(OPS_MEMORY_BUDGET),
     "KILN_BATCHING_KV_BUDGET_BYTES": str(2 << 20),
     "KILN_LIMITS_MAX_TOKENS_CAP": "128",
