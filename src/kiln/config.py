@@ -49,6 +49,10 @@ class ServerSettings(_Section):
     body_timeout_s: float = Field(60.0, gt=0, le=86400)  # request body read deadline (408)
     keep_alive_timeout_s: int = Field(5, ge=1, le=3600)  # idle keep-alive connection lifetime
     graceful_shutdown_s: int = Field(5, ge=0, le=3600)  # time running requests get on SIGTERM
+    # Diagnostics (docs/latency.md): GET /v1/debug/requests keeps this many recent requests in memory (0: off, 404)
+    debug_requests: int = Field(0, ge=0, le=100_000)
+    debug_requests_text: bool = False  # the recent-request log also keeps prompt and completion text
+    debug_model_state: bool = False  # GET /v1/debug/model-state (off: 404); for a trusted diagnostic boundary
 
     @field_validator("allowed_hosts", "allowed_origins", mode="before")
     @classmethod
@@ -96,6 +100,9 @@ class LimitsSettings(_Section):
     grammar_compile_timeout_s: float = Field(2.0, gt=0.0, le=60.0)  # structured output: compile deadline
     grammar_cache_mib: int = Field(64, ge=0, le=65_536)  # compiled grammars kept (estimated resident MiB)
     max_batch_prompts: int = Field(64, ge=1, le=256)  # prompts in one POST /v1/completions/batch
+    # memory this process plans for (weights, KV pool, training jobs, adapters); 0: the detected memory
+    # (device or RAM within a cgroup limit). A cap, never more than detected (docs/serving.md, "Memory admission")
+    memory_budget_bytes: int = Field(0, ge=0)
 
 
 class TrainingSettings(_Section):

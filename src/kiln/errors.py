@@ -21,6 +21,7 @@ class                  status  OpenAI ``type``
 :class:`RateLimited`     429   ``rate_limit_error``
 :class:`Internal`        500   ``internal_error``
 :class:`Unavailable`     503   ``service_unavailable_error``
+:class:`InsufficientMemory` 507 ``insufficient_memory_error``
 =====================  ======  =========================
 """
 
@@ -42,6 +43,7 @@ ERROR_TYPES: dict[int, str] = {
     499: "client_closed_request",
     500: "internal_error",
     503: "service_unavailable_error",
+    507: "insufficient_memory_error",
 }
 
 
@@ -139,10 +141,17 @@ class Unavailable(KilnError):
     code = "unavailable"
 
 
+class InsufficientMemory(KilnError):
+    """The work can never fit in this server's memory budget, whatever else is released (507)."""
+
+    status = 507
+    code = "insufficient_memory"
+
+
 STATUS_CLASSES: dict[int, type[KilnError]] = {
     cls.status: cls
     for cls in (InvalidRequest, Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, RateLimited,
-                Internal, Unavailable)
+                Internal, Unavailable, InsufficientMemory)
 }
 
 

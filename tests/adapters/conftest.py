@@ -79,6 +79,20 @@ def store(tmp_path: Path) -> AdapterStore:
     return AdapterStore(tmp_path / "adapters")
 
 
+def upload_adapter(base_url: str, name: str, src: Path, tmp_path: Path) -> str:
+    """Pack ``src`` and upload it as adapter ``name`` over HTTP (201 expected); its revision."""
+    import httpx
+
+    from kiln.adapters.archive import pack
+
+    out = tmp_path / f"{name}-{src.name}.tar.gz"
+    pack(src, out, folder=name)
+    r = httpx.post(f"{base_url}/v1/adapters/{name}/upload", content=out.read_bytes(), timeout=60,
+                   headers={"content-type": "application/gzip"})
+    assert r.status_code == 201, r.text
+    return r.json()["revision"]
+
+
 def lora_with_config(src: Path, root: Path, **changes) -> Path:
     """A copy of the LoRA at ``src`` (in a new folder under ``root``) with ``adapter_config.json`` fields changed."""
     out = root / f"cfg{len(list(root.iterdir()))}"

@@ -11,17 +11,12 @@ import stat
 
 import httpx
 
-from kiln.adapters.archive import pack
+from tests.adapters.conftest import upload_adapter
 from tests.serving.conftest import start_server, stop_server
 
 
 def _upload(srv, name: str, src, tmp_path) -> str:
-    out = tmp_path / f"{name}-{src.name}.tar.gz"
-    pack(src, out, folder=name)
-    r = httpx.post(f"{srv.base_url}/v1/adapters/{name}/upload", content=out.read_bytes(), timeout=60,
-                   headers={"content-type": "application/gzip"})
-    assert r.status_code == 201, r.text
-    return r.json()["revision"]
+    return upload_adapter(srv.base_url, name, src, tmp_path)
 
 
 def test_served_adapters_come_back_pinned_and_broken_ones_are_reported(builtin_model_dir, make_lora, tmp_path):

@@ -2,7 +2,8 @@
 
 ``secure_server``: default security settings, training on, small generation
 limits and short slow-client timeouts so the timeout tests finish quickly.
-``auth_server``: a bearer key (``server.api_key_env``) and one allowed origin.
+``auth_server``: a bearer key (``server.api_key_env``) and one allowed origin; the recent-request log
+with text (``server.debug_requests_text``) and the debug model-state endpoint, both behind the key.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def secure_server(builtin_model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def auth_server(builtin_model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("kiln-auth-home")
-    env = {"KILN_SERVER_API_KEY_ENV": API_KEY_VAR, API_KEY_VAR: API_KEY, "KILN_SERVER_ALLOWED_ORIGINS": GOOD_ORIGIN}
+    env = {"KILN_SERVER_API_KEY_ENV": API_KEY_VAR, API_KEY_VAR: API_KEY, "KILN_SERVER_ALLOWED_ORIGINS": GOOD_ORIGIN,
+           "KILN_SERVER_DEBUG_REQUESTS": "2", "KILN_SERVER_DEBUG_REQUESTS_TEXT": "true",
+           "KILN_SERVER_DEBUG_MODEL_STATE": "true"}
     srv = start_server(builtin_model_dir, home, extra_args=["--no-training", "--threads", "1"], env_extra=env,
                        config=None)
     yield srv

@@ -295,6 +295,12 @@ def test_judgment_routes_answer_as_documented(client):
     assert cmp.status_code == 200 and 0 < cmp.json()["p_a"] < 1, cmp.text
 
 
+def test_debug_routes_answer_as_documented_while_off(client):
+    """The diagnostic routes are 404 with their own codes while server.debug_* are off (the default)."""
+    assert client.get("/v1/debug/requests").json()["error"]["code"] == "debug_requests_disabled"
+    assert client.get("/v1/debug/model-state").json()["error"]["code"] == "debug_model_state_disabled"
+
+
 def test_every_operation_was_exercised(checker):
     """Runs last in this module: the scenarios above reached every operation of kiln.serving.openapi.ROUTE_DOCS."""
     from kiln.serving.openapi import ROUTE_DOCS

@@ -129,3 +129,26 @@ def oai(server, openapi_checker):
 
     client = httpx.Client(timeout=60, event_hooks={"response": [check]})
     return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60, http_client=client)
+
+
+OPS_MEMORY_BUDGET = 12_000_000  # bytes: room for a few MB beside the weights and the 2 MiB KV pool below
+OPS_ENV = {
+    "KILN_MODEL_DEVICE": "cpu",  # float32: the admission test's windows are sized for these bytes
+    "KILN_LIMITS_MEMORY_BUDGET_BYTES": str(OPS_MEMORY_BUDGET),
+    "KILN_BATCHING_KV_BUDGET_BYTES": str(2 << 20),
+    "KILN_LIMITS_MAX_TOKENS_CAP": "128",
+    "KILN_LIMITS_DEFAULT_MAX_TOKENS": "16",
+    "KILN_SERVER_DEBUG_REQUESTS": "4",
+    "KILN_SERVER_DEBUG_MODEL_STATE": "true",
+}
+
+
+@pytest.fixture(scope="session")
+def ops_server(builtin_model_dir, tmp_path_factory):
+    """A ``kiln serve`` with training on, a small memory budget (limits.memory_budget_bytes), the
+    recent-request log (4 entries) and the debug model-state endpoint: memory admission and diagnostics."""
+    home = tmp_path_factory.mktemp("kiln-ops")
+    srv = start_server(builtin_model_dir, home, extra_args=["--threads", "1", "--max-model-len", "256"],
+                       env_extra=OPS_ENV, config=None)
+    yield srv
+    stop_server(srv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -121,6 +122,8 @@ def test_every_page_loads_without_console_errors(page, server, artifacts):
     page.wait_for_selector("#status-cards .card[data-key='model']")
     assert page.text_content("#status-cards .card[data-key='model'] .v") == health["model"]
     assert page.text_content("#status-cards .card[data-key='base_model_sha256'] .v") == health["base_model_sha256"][:12]
+    budget = page.text_content("#status-cards .card[data-key='memory reserved'] .v")  # memory admission
+    assert re.fullmatch(r"[\d.]+ [KMGT]?i?B in \d+ reservations?, [\d.]+ [KMGT]?i?B free of [\d.]+ [KMGT]?i?B", budget), budget
     page.wait_for_function("() => Number(document.querySelector('#tps-chart').dataset.points || 0) >= 1")
     page.click("#config-panel summary")
     page.wait_for_selector("#config-table tbody tr")

@@ -247,6 +247,12 @@ class RunStore:
             raise RunNotFound(f"no eval run {run_id!r}")
         return _run(row)
 
+    def counts(self) -> dict[str, int]:
+        """Runs by state, every state present (``kiln_eval_runs{state}``)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT state, COUNT(*) AS n FROM runs GROUP BY state").fetchall()
+        return {s: 0 for s in (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)} | {r["state"]: r["n"] for r in rows}
+
     def list(self, *, limit: int = MAX_LIST_RUNS) -> list[Run]:
         with self._lock:
             rows = self._conn.execute("SELECT * FROM runs ORDER BY seq DESC LIMIT ?",

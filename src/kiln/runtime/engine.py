@@ -29,7 +29,7 @@ import torch
 from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
-from kiln.runtime import paged_attention
+from kiln.runtime import paged_attention, request_trace
 from kiln.runtime.linear_state import LinearStatePool, linear_layers
 from kiln.runtime.loader import ModelLoadError
 from kiln.runtime.memory import memory_total_bytes
@@ -245,11 +245,15 @@ class Engine:
     # -- adapters (public API used by training/adapters code) --------------------
     def activate_adapter(self, name: str, path: Path, revision: str) -> None:
         """Load ``path`` as the new revision of served adapter ``name`` (canary-checked, atomic)."""
+        t0 = time.perf_counter()
         self.adapters.activate(name, Path(path), revision, self._canary)
+        self.observer.adapter_transition("load", time.perf_counter() - t0)
         self._adapters_changed()
 
     def deactivate_adapter(self, name: str) -> None:
+        t0 = time.perf_counter()
         self.adapters.deactivate(name)
+        self.observer.adapter_transition("unload", time.perf_counter() - t0)
         self._adapters_changed()
 
     def _adapters_changed(self) -> None:
@@ -388,6 +392,11 @@ class Engine:
         ]
         for s in streams:
             s.prompt_tokens = len(prompt_ids)
+        trace = request_trace.CURRENT.get()
+        if trace is not None:  # the recent-request log records this request (server.debug_requests)
+            trace.submitted(adapter, revision, prompt_ids, len(rows))
+            for r in rows:
+                r.trace = trace
         if not self._scheduler.enqueue(rows):
             self._release(keys)
             raise self._overloaded()

@@ -39,12 +39,21 @@ class AcceleratorOwnership:
         """True when the calling thread is inside a :meth:`shared` section."""
         return getattr(self._local, "depth", 0) > 0
 
+    def last_shared_wait_s(self) -> float:
+        """How long the calling thread's latest :meth:`shared` waited for an exclusive owner (0.0: it did not)."""
+        return getattr(self._local, "shared_wait_s", 0.0)
+
     @contextmanager
     def shared(self) -> Iterator[None]:
+        waited = 0.0
         with self._cond:
-            while self._exclusive or self._exclusive_waiting:
-                self._cond.wait()
+            if self._exclusive or self._exclusive_waiting:
+                t0 = time.perf_counter()
+                while self._exclusive or self._exclusive_waiting:
+                    self._cond.wait()
+                waited = time.perf_counter() - t0
             self._shared += 1
+        self._local.shared_wait_s = waited
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             yield

@@ -59,6 +59,7 @@ from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
 from kiln.runtime.batches import Batches
 from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.ownership import AcceleratorOwnership
+from kiln.runtime.request_trace import RequestTrace, row_phases
 from kiln.runtime.sampling import SamplingParams, TokenChoice, select_tokens
 from kiln.runtime.step_cost import StepCost
 from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
@@ -133,7 +134,7 @@ class Row:
     __slots__ = (
         "stream", "prompt", "params", "gen", "adapter_key", "prefilled", "pos", "generated",
         "text", "cancelled", "t_submit", "t_last", "eos_ids", "tokens", "blocks", "seq", "t_wait",
-        "cache_uid", "registered", "cache_key", "state_slot",
+        "cache_uid", "registered", "cache_key", "state_slot", "t_admit", "t_first", "lock_wait", "trace",
     )
 
     def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
@@ -160,6 +161,9 @@ class Row:
         self.t_submit = time.perf_counter()
         self.t_last = 0.0
         self.eos_ids = eos_ids
+        # phase stamps (kiln.runtime.request_trace): first admission, first token, ownership waits
+        self.t_admit = self.t_first = self.lock_wait = 0.0
+        self.trace: RequestTrace | None = None  # set when the recent-request log records this request
 
     def end(self, reason: str) -> RowStream:
         """Deliver the final text and the finish reason; returns the stream to wake."""
@@ -488,7 +492,10 @@ class Scheduler:
         if not row.seq:
             self._seq += 1
             row.seq = self._seq
-        self.observer.queue_wait(time.perf_counter() - row.t_wait)
+        now = time.perf_counter()
+        self.observer.queue_wait(now - row.t_wait)
+        if not row.scoring and not row.t_admit:
+            row.t_admit = now
         row.prefilled = row.pos = len(row.blocks) * kv.block_size
         self._prefilling.append(row)
         with self._cv:
@@ -558,12 +565,22 @@ class Scheduler:
                 self.adapters.release(row.adapter_key)
             except Exception:  # never let adapter bookkeeping wedge the actor
                 log.exception("releasing adapter %s failed", row.adapter_key)
+        if not row.scoring:
+            self._row_ended(row, reason)
         stream = row.end(reason)
         if was_active:
             with self._cv:
                 self._active -= 1
         if stream is not None:
             touched.append(stream)
+
+    def _row_ended(self, row: Row, reason: str) -> None:
+        """Report the row's phases (if it ever ran) to the observer and to its request's trace."""
+        phases = row_phases(row, time.perf_counter())
+        if row.t_admit:
+            self.observer.request_phases(phases)
+        if row.trace is not None:
+            row.trace.row_ended(phases, len(row.generated), reason, row.generated)
 
     def _notify(self, streams: list[RowStream]) -> None:
         by_loop: dict[Any, list[RowStream]] = {}
@@ -705,6 +722,12 @@ class Scheduler:
         threads = self._cycle_threads(decoding, chunks)
         with self.ownership.shared(), torch.inference_mode(), torch_threads(threads) as wide:
             t0 = time.perf_counter()
+            waited = self.ownership.last_shared_wait_s()
+            if waited:  # a training step or an adapter change held ownership exclusively
+                for row in decoding:
+                    row.lock_wait += waited
+                for row, _ in gen_chunks:
+                    row.lock_wait += waited
             self._ensure_eval()
             dec_logits = pre_logits = None
             completing: list[Row] = []
@@ -781,6 +804,8 @@ class Scheduler:
                 obs.inter_token(now - row.t_last)
             else:
                 obs.first_token(now - row.t_submit)
+                if not row.t_first:
+                    row.t_first = now
             row.t_last = now
             row.generated.append(tok)
             reason = None

@@ -62,6 +62,12 @@ class Observer:
     def queue_wait(self, wait_s: float) -> None:
         """A row was admitted after waiting ``wait_s`` in the queue (for a running-row slot or KV memory)."""
 
+    def request_phases(self, phases: dict[str, float]) -> None:
+        """A generated row ended: its seconds per phase (:func:`kiln.runtime.request_trace.row_phases`)."""
+
+    def adapter_transition(self, action: str, seconds: float) -> None:
+        """An adapter ``load`` or ``unload`` took ``seconds`` (ownership wait, swap and canary)."""
+
 
 class Admission:
     """A request between arrival and submission (parsing, rendering, tokenizing); see

@@ -109,8 +109,10 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.add_middleware(FastRoutes, state=kiln_state, routes=FAST_ROUTES)
     from kiln.serving.teacher_wire import TeacherWireMiddleware  # Accept: binary prompt logprobs (Kiln-to-Kiln)
     app.add_middleware(TeacherWireMiddleware)
+    app.state.request_log = build_request_log(kiln_state)
     app.add_middleware(RequestMetricsMiddleware, metrics=kiln_state.metrics,
-                       routes=[route for router in routers for route in router.routes])
+                       routes=[route for router in routers for route in router.routes],
+                       request_log=app.state.request_log, model_id=kiln_state.model_id)
     app.add_middleware(
         BodyLimitMiddleware,
         max_body_bytes=settings.server.max_body_bytes,
@@ -121,6 +123,18 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     return app
 
 
+def build_request_log(kiln_state: KilnState):
+    """The recent-request log when ``server.debug_requests`` > 0 (GET /v1/debug/requests), else None."""
+    server = kiln_state.settings.server
+    if not server.debug_requests:
+        return None
+    from kiln.serving.request_log import RequestLog
+
+    tokenizer = kiln_state.model.tokenizer
+    return RequestLog(server.debug_requests, keep_text=server.debug_requests_text,
+                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+
 def build_evals(kiln_state: KilnState):
     """The eval service over the served engine and the one adapter store (not started); the training
     service gets it for post-train gates. Its metrics join the server's registry."""
@@ -128,6 +142,7 @@ def build_evals(kiln_state: KilnState):
 
     evals = EvalService(engine=kiln_state.engine, store=kiln_state.store, settings=kiln_state.settings,
                         model=kiln_state.model, registry=kiln_state.metrics.registry)
+    kiln_state.metrics.bind_counts("eval", evals.runs.counts)
     if kiln_state.trainer is not None and hasattr(kiln_state.trainer, "set_eval_service"):
         kiln_state.trainer.set_eval_service(evals)
     return evals

@@ -7,12 +7,17 @@ observed on the engine thread at the moment each token is sampled.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kiln.runtime.request_trace import PHASES
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")  # training jobs and eval runs
+ADAPTER_ACTIONS = ("load", "unload")
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -38,6 +43,22 @@ class Metrics:
                             "queue wait included, by outcome (compiled, cached, refused, timeout, busy)",
                             ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self._grammar = {o: grammar.labels(outcome=o) for o in GRAMMAR_OUTCOMES}
+        phase = Histogram("kiln_request_phase_seconds", "Seconds per request phase, measured on the engine thread "
+                          "(docs/latency.md): queue_wait, lock_wait, prefill, decode per generated row; "
+                          "adapter_transition per adapter load or unload", ["phase"], buckets=LATENCY_BUCKETS,
+                          registry=r)
+        self._phase = {name: phase.labels(phase=name) for name in PHASES}
+        swaps = Counter("kiln_adapter_swaps", "Adapter transitions on the engine, by action (load, unload)",
+                        ["action"], registry=r)
+        self._swaps = {a: swaps.labels(action=a) for a in ADAPTER_ACTIONS}
+        self.canary_failures = Counter("kiln_adapter_canary_failures", "Adapter revisions whose load or canary "
+                                       "failed (each was quarantined)", registry=r)
+        self.training_step_s = Histogram("kiln_training_step_seconds", "One training step under exclusive "
+                                         "accelerator ownership", buckets=DURATION_BUCKETS, registry=r)
+        self.training_tps = Gauge("kiln_training_tokens_per_second", "The running training job's tokens per "
+                                  "second of training time (0 when no job runs)", registry=r)
+        self._counts: dict[str, Callable[[], dict[str, int]]] = {}
+        r.register(_CountsCollector(self._counts))
         active = Gauge("kiln_active_rows", "Rows admitted to the engine and not yet cleaned up", registry=r)
         queued = Gauge("kiln_queued_rows", "Rows waiting for an engine slot", registry=r)
         active.set_function(lambda: row_stats()["active_rows"])
@@ -78,6 +99,28 @@ class Metrics:
         """kiln.runtime.constrained.GrammarCompiler's observer (event loop)."""
         self._grammar[outcome].observe(seconds)
 
+    def request_phases(self, phases: dict[str, float]) -> None:
+        for name, seconds in phases.items():
+            self._phase[name].observe(seconds)
+
+    def adapter_transition(self, action: str, seconds: float) -> None:
+        self._swaps[action].inc()
+        self._phase["adapter_transition"].observe(seconds)
+
+    def canary_failed(self) -> None:
+        self.canary_failures.inc()
+
+    # training service hooks (trainer thread)
+    def training_step(self, seconds: float) -> None:
+        self.training_step_s.observe(seconds)
+
+    def training_tokens_per_s(self, value: float) -> None:
+        self.training_tps.set(value)
+
+    def bind_counts(self, kind: str, counts: Callable[[], dict[str, int]]) -> None:
+        """``kind`` (training | eval): the function giving its jobs by state, read at each scrape."""
+        self._counts[kind] = counts
+
     def record_request(self, endpoint: str, status: int, seconds: float) -> None:
         # ``labels()`` costs a lock and a tuple build per call: keep the children (endpoints are
         # route templates and statuses HTTP codes, so the set is small and bounded).
@@ -92,3 +135,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+COUNT_GAUGES = {"training": ("kiln_training_jobs", "Training jobs by state"),
+                "eval": ("kiln_eval_runs", "Eval runs by state")}
+
+
+class _CountsCollector:
+    """``kiln_training_jobs{state}`` and ``kiln_eval_runs{state}``: one query per store per scrape, every
+    state of :data:`JOB_STATES` present (0 when that service is off)."""
+
+    def __init__(self, sources: dict[str, Callable[[], dict[str, int]]]):
+        self._sources = sources
+
+    def describe(self) -> list:
+        return [GaugeMetricFamily(name, doc, labels=["state"]) for name, doc in COUNT_GAUGES.values()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for kind, (name, doc) in COUNT_GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=["state"])
+            source = self._sources.get(kind)
+            try:
+                counts = source() if source is not None else {}
+            except Exception:  # noqa: BLE001 - a closed store at shutdown must not fail the scrape
+                counts = {}
+            for state in JOB_STATES:
+                family.add_metric([state], counts.get(state, 0))
+            yield family

@@ -620,6 +620,9 @@ class HealthResponse(_Response):
     ownership: dict[str, float | int | bool]
     training_attached: bool
     memory: dict[str, int]
+    # memory admission: budget_bytes, detected_bytes, cap_bytes, resident (weights, kv_cache, linear_state),
+    # reserved_bytes, available_bytes, reservations (kind, owner, bytes, parts)
+    memory_budget: dict[str, Any] | None = None
     vllm: dict[str, Any] | None = None  # serving.engine = "vllm": state, pid, snapshot, fingerprint, rank decision
     model_family: dict[str, Any] | None = None  # as in /v1/models (kiln.runtime.model_family)
     linear_state: dict[str, int] | None = None  # hybrid models: slots_total, slots_used, bytes (per-row GDN state)

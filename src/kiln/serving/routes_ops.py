@@ -10,7 +10,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from kiln.errors import NotFound
+from kiln.runtime import request_trace
+from kiln.runtime.request_trace import RequestTrace
 from kiln.serving import default_adapter
+from kiln.serving.request_log import NOT_LOGGED
 
 router = APIRouter()
 
@@ -87,6 +92,8 @@ async def health(request: Request) -> JSONResponse:
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
         "memory": _memory(state),
+        # memory admission (docs/serving.md): budget, resident weights and KV, reservations (training, adapters)
+        "memory_budget": state.memory.snapshot() if state.memory is not None else None,
     }
     return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -115,12 +122,42 @@ async def config(request: Request) -> JSONResponse:
     })
 
 
-class RequestMetricsMiddleware:
-    """Counts every HTTP response by route template and status, and times it to its last byte."""
+@router.get("/v1/debug/requests")
+async def debug_requests(request: Request, limit: int | None = None) -> JSONResponse:
+    """The recent-request log (``server.debug_requests`` entries, newest last); 404 when it is off."""
+    log = getattr(request.app.state, "request_log", None)
+    if log is None:
+        raise NotFound("the recent-request log is off", code="debug_requests_disabled",
+                       hint="start the server with server.debug_requests = N (KILN_SERVER_DEBUG_REQUESTS)")
+    if limit is not None and not 0 <= limit <= log.capacity:
+        from kiln.errors import InvalidRequest
 
-    def __init__(self, app, metrics, routes):
+        raise InvalidRequest(f"limit must be in [0, {log.capacity}]", code="invalid_limit", param="limit")
+    return JSONResponse(log.snapshot(limit))
+
+
+@router.get("/v1/debug/model-state")
+async def debug_model_state(request: Request) -> JSONResponse:
+    """The model runtime's state (``server.debug_model_state``; 404 when off): docs/latency.md."""
+    state = request.app.state.kiln
+    if not state.settings.server.debug_model_state:
+        raise NotFound("the debug model-state endpoint is off", code="debug_model_state_disabled",
+                       hint="start the server with server.debug_model_state = true (a trusted diagnostic boundary)")
+    from kiln.serving.model_state import model_state
+
+    return JSONResponse(model_state(state))
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP response by route template and status, and times it to its last byte; with a
+    :class:`~kiln.serving.request_log.RequestLog` (``server.debug_requests``) it also records each
+    request there, with the phases the engine measured for it."""
+
+    def __init__(self, app, metrics, routes, request_log=None, model_id: str = ""):
         self.app = app
         self.metrics = metrics
+        self.request_log = request_log
+        self.model_id = model_id
         self._routes = [(r.path_regex, r.path) for r in routes if hasattr(r, "path_regex")]
         self._by_path: dict[str, str] = {}  # path -> endpoint, for paths without parameters
 
@@ -136,6 +173,11 @@ class RequestMetricsMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.request_log is not None and scope.get("path") not in NOT_LOGGED:
+            return await self._logged(scope, receive, send)
+        return await self._timed(scope, receive, send)
+
+    async def _timed(self, scope, receive, send):
         t0 = time.perf_counter()
         status = 500
         recorded = False
@@ -154,3 +196,26 @@ class RequestMetricsMiddleware:
         finally:
             if not recorded:  # client went away mid-response, or the app failed
                 self.metrics.record_request(self._endpoint(scope), status, time.perf_counter() - t0)
+
+    async def _logged(self, scope, receive, send):
+        """:meth:`_timed`, recording the request in the recent-request log with the engine's phases."""
+        log = self.request_log
+        rid = log.request_id(scope.get("headers", []))
+        trace = RequestTrace(keep_text=log.keep_text)
+        token = request_trace.CURRENT.set(trace)  # Engine.submit attaches it to the request's rows
+        started, t0 = time.time(), time.perf_counter()
+        status = 500
+
+        async def wrapped(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-kiln-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self._timed(scope, receive, wrapped)
+        finally:
+            request_trace.CURRENT.reset(token)
+            log.add(rid, scope.get("method", ""), self._endpoint(scope), status, time.perf_counter() - t0, started,
+                    trace, self.model_id)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
+    from kiln.runtime.memory_budget import MemoryBudget
     from kiln.runtime.ownership import AcceleratorOwnership
     from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.vllm_engine import VllmEngine
@@ -53,6 +54,7 @@ class KilnState:
     teachers: TeacherService | None = None  # this server's teacher identity and the teacher registry
     served: ServedSet | None = None  # the served adapter set kept across restarts (restore_served)
     adapters_not_restored: list[dict[str, str]] = field(default_factory=list)  # /health
+    memory: MemoryBudget | None = None  # memory admission for training jobs and adapter loads (/health)
     # Per-process caches of route modules (e.g. the token-text decoder); never services.
     extras: dict[str, object] = field(default_factory=dict)
 
@@ -112,7 +114,12 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
         engine = Engine(model, engine_config, observer=metrics)
     engine_box.append(engine)
     store = AdapterStore(settings.adapters_path)
+    memory = build_memory_budget(settings, model, engine)
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
+    if trainer is not None:
+        trainer.memory = memory
+        trainer.observer = metrics
+        metrics.bind_counts("training", trainer.jobs.counts)
     from kiln.teachers.service import build_teachers
 
     teachers = build_teachers(settings, model, engine, store)
@@ -122,7 +129,28 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
 
     served = ServedSet(store.root, public=store.has)  # not an eval's private load
     return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers,
-                     served=served)
+                     served=served, memory=memory)
+
+
+def build_memory_budget(settings: Settings, model: LoadedModel, engine: ServingEngine) -> MemoryBudget:
+    """The process's memory budget (limits.memory_budget_bytes caps the detected memory); resident:
+    the weights (counted once) and the engine's KV pool and linear-state slots, read live."""
+    from kiln.runtime.memory import memory_total_bytes
+    from kiln.runtime.memory_budget import MemoryBudget
+
+    seen: set[int] = set()
+    weights = 0
+    for t in list(model.model.parameters()) + list(model.model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+
+    def resident() -> dict[str, int]:
+        stats = engine.stats()
+        return {"weights": weights, "kv_cache": int(stats.get("kv_cache_bytes", 0)),
+                "linear_state": int(stats.get("linear_state_bytes", 0))}
+
+    return MemoryBudget(memory_total_bytes(model.device), settings.limits.memory_budget_bytes, resident)
 
 
 def restore_served(state: KilnState) -> None:
@@ -134,7 +162,17 @@ def restore_served(state: KilnState) -> None:
     from kiln.serving.activation import activate
 
     state.adapters_not_restored, saved_default = served.restore(state.store, lambda record: activate(state, record))
-    state.engine.on_adapters_changed = served.save
+    memory = state.memory
+
+    def adapters_changed(active: dict[str, str]) -> None:
+        served.save(active)
+        if memory is not None:  # an unloaded or replaced revision releases its reservation
+            owners = {f"{name}@{revision}": name for name, revision in active.items()}
+            memory.keep_only("adapter", set(owners))
+            for owner in set(owners) - memory.owners("adapter"):  # loaded by a job's auto_load
+                record_served_adapter(state, memory, owners[owner], owner)
+
+    state.engine.on_adapters_changed = adapters_changed
     configured = state.settings.adapters.default
     if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
         from kiln.errors import KilnError
@@ -151,6 +189,18 @@ def restore_served(state: KilnState) -> None:
         state.adapters_not_restored.append({"name": name, "revision": revision,
                                             "error": "the default adapter's revision is not served; default cleared"})
     served.save(state.engine.active_adapters())
+
+
+def record_served_adapter(state: KilnState, memory: MemoryBudget, name: str, owner: str) -> None:
+    """Reserve the bytes of an adapter revision that was loaded without admission (a job's auto_load)."""
+    from kiln.training.memory_estimate import adapter_bytes
+
+    try:
+        record = state.store.get(name)
+    except Exception:  # noqa: BLE001 - accounting must never fail the load that already happened
+        return
+    if f"{record.name}@{record.revision}" == owner:
+        memory.record("adapter", owner, {"adapter_weights": adapter_bytes(record.path)})
 
 
 def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):

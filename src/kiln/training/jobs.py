@@ -270,6 +270,12 @@ class JobStore:
             row = self._db.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return bool(row and row["cancel_requested"])
 
+    def counts(self) -> dict[str, int]:
+        """Jobs by state, every state present (``kiln_training_jobs{state}``)."""
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
+        return {state: 0 for state in (QUEUED, RUNNING, *sorted(TERMINAL))} | {r["state"]: r["n"] for r in rows}
+
     def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS,
              newest: bool = False) -> list[Job]:
         """Up to ``limit`` jobs in FIFO order (oldest first), optionally filtered by state.

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from kiln.evals.service import EvalService
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
+    from kiln.runtime.memory_budget import MemoryBudget
     from kiln.teachers.service import TeacherService
+    from kiln.training.memory_estimate import ModelDims
 
 log = logging.getLogger("kiln.training")
 
@@ -74,6 +76,9 @@ class TrainingService:
         self._context = prepare_context(model=model, store=store, settings=settings,
                                         check_resumable=self._check_resumable, engine=engine, jobs=self.jobs)
         self._plans: dict[str, JobPlan[Any]] = {}  # plans of jobs submitted to this process, by job ID
+        self.memory: MemoryBudget | None = None  # admission by memory (set by the app)
+        self.observer: Any = None  # kiln.serving.metrics.Metrics: step time, tokens/s (set by the app)
+        self._dims: ModelDims | None = None  # computed on first use
         self.evals: EvalService | None = None  # runs post_eval gates (set_eval_service)
         self.teachers: TeacherService | None = None  # OPD jobs' teacher registry (set_teachers)
         self._wake = threading.Event()
@@ -101,9 +106,17 @@ class TrainingService:
             self._thread.join(WORKER_JOIN_S)
         self.jobs.close()
 
+    @property
+    def running_job(self) -> str | None:
+        """The ID of the job the worker runs now, if any."""
+        return self._running
+
     # ----------------------------------------------------------- submission
     def submit(self, request: BaseModel) -> dict[str, Any]:
         plan = self.prepare(request)
+        if self.memory is not None:  # jobs run one at a time: a running job's reservation is gone by its turn
+            self.memory.check("training", "submission", self.memory_estimate(plan), what=f"the {plan.kind} job",
+                              ignore_kinds=frozenset({"training"}))
         job = self.jobs.submit(plan.kind, plan.adapter, plan.request)  # QueueFullError: 503
         self._plans[job.id] = plan
         self._wake.set()
@@ -117,6 +130,15 @@ class TrainingService:
         """Validate everything that can be checked before the job runs; return the job's typed plan
         (:func:`kiln.training.kinds.prepare`)."""
         return kinds.prepare(self.context(), request)
+
+    def memory_estimate(self, plan: JobPlan[Any]) -> dict[str, int]:
+        """Bytes the job adds beside serving, by part (:mod:`kiln.training.memory_estimate`)."""
+        from kiln.training.memory_estimate import estimate_job, model_dims
+
+        if self._dims is None:
+            element = next(self.loaded.model.parameters()).element_size()
+            self._dims = model_dims(self.loaded.model, element, getattr(self.loaded, "max_model_len", None))
+        return estimate_job(plan.kind, plan.request, plan.data, self._dims)
 
     def _check_resumable(self, job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None:
         """``resume_from_job``: a failed or cancelled job of the same plan that left a checkpoint."""
@@ -182,8 +204,13 @@ class TrainingService:
                 continue
             self._running = job.id
             self._cancel_running.clear()
+            reservation = None
             try:
-                result = self._execute(job)
+                plan = self._plan_for(job)
+                if self.memory is not None:  # held while the job runs; released however it ends
+                    reservation = self.memory.reserve("training", job.id, self.memory_estimate(plan),
+                                                      what=f"{plan.kind} job {job.id}")
+                result = self._execute(job, plan)
             except Exception as exc:  # noqa: BLE001 - the job records any failure
                 from kiln.training.trainer import JobCancelled
 
@@ -198,6 +225,10 @@ class TrainingService:
                 self.jobs.finish(job.id, jobstates.SUCCEEDED, result=result)
             finally:
                 self._running = None
+                if reservation is not None and self.memory is not None:
+                    self.memory.release(reservation)
+                if self.observer is not None:
+                    self.observer.training_tokens_per_s(0.0)
 
     def _serving_busy(self) -> bool:
         st = self.engine.stats()  # every engine has it (kiln.runtime.serving_engine.ServingEngine)
@@ -215,6 +246,8 @@ class TrainingService:
                 yield
             finally:
                 self._last_step_s = time.perf_counter() - t0
+                if self.observer is not None:
+                    self.observer.training_step(self._last_step_s)
 
     def _should_cancel(self) -> bool:
         if self._stop.is_set():
@@ -258,13 +291,17 @@ class TrainingService:
 
         return gate
 
-    def _execute(self, job: Job) -> dict[str, Any]:
-        plan = self._plan_for(job)
+    def _progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        self.jobs.update_progress(job_id, progress)
+        if self.observer is not None and progress.get("tokens_per_s") is not None:
+            self.observer.training_tokens_per_s(float(progress["tokens_per_s"]))
+
+    def _execute(self, job: Job, plan: JobPlan[Any]) -> dict[str, Any]:
         resumed = job.request.get("resume_from_job")
         hooks = Hooks(
             exclusive=self._step_ownership,
             should_cancel=self._should_cancel,
-            on_progress=lambda p: self.jobs.update_progress(job.id, p),
+            on_progress=lambda p: self._progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),
             plan_sha256=plan.plan_sha256,
         )

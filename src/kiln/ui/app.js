@@ -299,6 +299,13 @@
       ['RSS', fmtBytes(mem.rss_bytes)],
     ];
     if (mem.accelerator_allocated_bytes !== undefined) items.push(['accelerator allocated', fmtBytes(mem.accelerator_allocated_bytes)]);
+    const budget = hl.memory_budget; // memory admission: reservations of running jobs and served adapters
+    if (budget) {
+      const held = budget.reservations || [];
+      items.push(['memory reserved',
+        `${fmtBytes(budget.reserved_bytes)} in ${held.length} reservation${held.length === 1 ? '' : 's'}, ${budget.available_bytes < 0 ? '0 B' : fmtBytes(budget.available_bytes)} free of ${fmtBytes(budget.budget_bytes)}`,
+        held.length ? held.map((r) => `${r.kind} ${r.owner}: ${fmtBytes(r.bytes)}`).join('\n') : 'no reservations']);
+    }
     cards.replaceChildren(...items.map(([k, v, title]) => h('div', { class: 'card', dataset: { key: k } },
       h('div', { class: 'k', text: k }), h('div', { class: 'v', text: v ?? '–', title }))));
   }
