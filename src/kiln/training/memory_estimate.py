@@ -66,13 +66,15 @@ def _longest(rows: Iterable[Any]) -> int:
     return max((len(getattr(r, "input_ids", ())) for r in rows), default=0)
 
 
-def step_shape(kind: str, request: dict[str, Any], rows: Any, max_len: int) -> tuple[int, int]:
-    """``(sequences, longest sequence)`` of one optimizer step."""
+def step_shape(kind: str, request: dict[str, Any], data: Any, max_len: int) -> tuple[int, int]:
+    """``(sequences, longest sequence)`` of one optimizer step; ``data`` is the plan's payload
+    (:class:`kiln.training.plan.SFTData`, :class:`~kiln.training.plan.GRPOData`, or another kind's)."""
     batch = int(request.get("batch_size") or 1)
     seq = int(request.get("max_seq_len") or max_len)
-    if kind == "sft" and isinstance(rows, tuple) and rows:
+    rows = getattr(data, "rows", None)
+    if kind == "sft" and rows:
         return min(batch, len(rows)), min(seq, _longest(rows) or seq)
-    items = getattr(rows, "items", None)
+    items = getattr(data, "items", None)
     if kind == "grpo" and items:  # pre-scored groups: every row of batch_size groups
         group = max(len(i.rows) for i in items)
         return min(batch, len(items)) * group, min(seq, max(_longest(i.rows) for i in items) or seq)
@@ -83,11 +85,11 @@ def step_shape(kind: str, request: dict[str, Any], rows: Any, max_len: int) -> t
     return batch, seq
 
 
-def estimate_job(kind: str, request: dict[str, Any], rows: Any, dims: ModelDims) -> dict[str, int]:
+def estimate_job(kind: str, request: dict[str, Any], data: Any, dims: ModelDims) -> dict[str, int]:
     """Bytes a job adds beside serving, by part (see the module docstring)."""
     rank = int(request.get("lora_rank") or 0)
     targets = request.get("lora_target_modules") or ()
-    sequences, seq = step_shape(kind, request, rows, dims.max_len)
+    sequences, seq = step_shape(kind, request, data, dims.max_len)
     tokens = sequences * seq
     per_layer = tokens * dims.hidden * dims.dtype_bytes
     if request.get("gradient_checkpointing"):
