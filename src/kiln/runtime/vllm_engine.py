@@ -49,6 +49,7 @@ from kiln.runtime.adapter_slots import (
 )
 from kiln.runtime.engine import Engine
 from kiln.runtime.ownership import AcceleratorOwnership
+from kiln.runtime.serving_engine import TokenFacade
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow, ScoredToken
 from kiln.runtime.submission import (
@@ -255,7 +256,7 @@ class _Row:
             self.task.cancel()
 
 
-class VllmEngine:
+class VllmEngine(TokenFacade):
     """The engine facade over a vLLM subprocess (see the module docstring)."""
 
     backend = "vllm"
@@ -266,7 +267,6 @@ class VllmEngine:
                  ownership: AcceleratorOwnership | None = None):
         self.loaded = loaded
         self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
         self.tokens = Tokenization(loaded.tokenizer, loaded.model)
         self.config = config
         self.plan = plan
@@ -476,13 +476,8 @@ class VllmEngine:
     def delete_private_adapter(self, private_name: str) -> None:
         self.trainer_slots.delete_private(private_name)
 
-    # -- tokenization and blocking generation: the built-in engine's own methods (they use only
-    # ``self.tokens`` and ``self.submit``), so both engines render, tokenize and collect alike
-    render_chat = Engine.render_chat
-    encode_chat = Engine.encode_chat
-    encode_text = Engine.encode_text
-    token_text = Engine.token_text
-    vocab_size = Engine.vocab_size
+    # -- blocking generation: the built-in engine's own method (it uses only ``self.submit``), so
+    # both engines collect alike; tokenization comes from TokenFacade
     generate = Engine.generate
 
     # -- admission -----------------------------------------------------------------

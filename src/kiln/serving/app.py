@@ -44,7 +44,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     from kiln.serving import routes_adapters, routes_evals, routes_training, routes_ui
     from kiln.serving.fast_path import FastRoutes
     from kiln.serving.routes_openai import FAST_ROUTES
-    from kiln.serving.routes_openai import router as openai_router
+    from kiln.serving.routes_openai import ROUTERS as OPENAI_ROUTERS
     from kiln.serving.routes_ops import RequestMetricsMiddleware
     from kiln.serving.routes_ops import router as ops_router
 
@@ -87,7 +87,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.state.evals = evals
     app.state.openenv = openenv
     install_error_handlers(app, redact.text)
-    routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
+    routers = (*OPENAI_ROUTERS, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
     from kiln.serving import routes_teachers  # noqa: E402  (teachers: registry and probes)
     routers += (routes_teachers.router,)
