@@ -1,6 +1,6 @@
 """Acquire a rank population from a real torch.distributed (gloo) world.
 
-The law in :mod:`kiln.cluster.ranks` decides declared observations and claims
+The law in :mod:`kiln.system.ranks` decides declared observations and claims
 nothing about where they came from. This adapter is the part that *does*
 acquire: it spawns one fresh interpreter per local rank (the ``spawn`` start
 method of ``multiprocessing``, which ``torch.multiprocessing.spawn`` also uses;
@@ -18,7 +18,7 @@ world over a TCP rendezvous. Then, in every rank:
   another, as a worker of another engine would).
 
 Rank 0 gathers the reports; the supervisor on node 0 projects them into a
-:class:`~kiln.cluster.ranks.DeclaredObservation` (group sizes come from the
+:class:`~kiln.system.ranks.DeclaredObservation` (group sizes come from the
 groups the ranks reported, each participant's TP rank and incarnation from that
 participant) and decides it.
 
@@ -55,7 +55,7 @@ from typing import Annotated, Any, Callable, Literal, NoReturn, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from kiln.canonical import CanonicalJSONError, atomic_write_json, canonical_json_bytes, strict_json_loads
-from kiln.cluster.ranks import (
+from kiln.system.ranks import (
     MAX_IDENTIFIER_CHARS,
     MAX_WORLD_SIZE,
     DeclaredObservation,
@@ -328,7 +328,7 @@ class AcquisitionRecord(BaseModel):
     nnodes: Annotated[int, Strict(), Field(ge=1, le=MAX_NNODES)]
     nproc_per_host: Annotated[int, Strict(), Field(ge=1, le=MAX_NPROC_PER_HOST)]
     collector_host: _Host
-    """Canonical host name (:func:`~kiln.cluster.ranks.canonical_host`), as participants' hosts are."""
+    """Canonical host name (:func:`~kiln.system.ranks.canonical_host`), as participants' hosts are."""
     collector_pid: _Pid
     rank0_pid: _Pid
     tensor_parallel_groups: _Groups

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
+from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
 from kiln.errors import InvalidRequest, NotFound
 
 BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch

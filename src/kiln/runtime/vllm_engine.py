@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name
+from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
 from kiln.errors import InvalidRequest
 from kiln.runtime.adapter_slots import (
     AdapterError,
