@@ -1,11 +1,11 @@
 """The FastAPI application: ``create_app(loaded_settings, ...)``.
 
 :func:`kiln.serving.state.build_state` is the composition root: it builds the
-engine, the one adapter store and the training service and hands each its
-dependencies; ``request.app.state.kiln`` is that typed :class:`KilnState`. The
-engine starts in the app's lifespan, then the training worker, then the server
-accepts requests; shutdown stops training, then the engine, which ends every
-open row.
+engine, the one adapter store, the teachers, the evals, the training service and the
+OpenEnv service and hands each its dependencies; ``request.app.state.kiln`` is that
+typed :class:`KilnState`. The engine starts in the app's lifespan, then the evals, the
+training worker and OpenEnv, then the server accepts requests; shutdown stops them in
+the reverse order, the engine last, which ends every open row.
 
 ASGI layers, outermost first: security (Host, auth, Origin, Content-Type, body
 deadline), body limit, request metrics, the generation fast path, FastAPI.
@@ -52,10 +52,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     settings = kiln_state.settings
     policy = SecurityPolicy.from_settings(settings.server)
     redact = PathRedactor.from_settings(settings, kiln_state.model.path)
-    evals = build_evals(kiln_state)
-    from kiln.serving.routes_openenv import build_service as build_openenv
-
-    openenv = build_openenv(kiln_state)  # restart recovery of OpenEnv runs happens here, before any request
+    evals, openenv = kiln_state.evals, kiln_state.openenv
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,8 +81,6 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     )
     app.state.kiln = kiln_state
     app.state.redact_paths = redact
-    app.state.evals = evals
-    app.state.openenv = openenv
     install_error_handlers(app, redact.text)
     routers = (*OPENAI_ROUTERS, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
@@ -113,18 +108,6 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     )
     app.add_middleware(SecurityMiddleware, policy=policy)
     return app
-
-
-def build_evals(kiln_state: KilnState):
-    """The eval service over the served engine and the one adapter store (not started); the training
-    service gets it for post-train gates. Its metrics join the server's registry."""
-    from kiln.evals.service import EvalService
-
-    evals = EvalService(engine=kiln_state.engine, store=kiln_state.store, settings=kiln_state.settings,
-                        model=kiln_state.model, registry=kiln_state.metrics.registry)
-    if kiln_state.trainer is not None and hasattr(kiln_state.trainer, "set_eval_service"):
-        kiln_state.trainer.set_eval_service(evals)
-    return evals
 
 
 def _version() -> str:
