@@ -37,7 +37,9 @@ from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shap
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, make_generator
 from kiln.runtime.serving_engine import TokenFacade
-from kiln.runtime.scheduler import JOIN_TIMEOUT_S, EngineConfig, Row, Scheduler, ScoreRow
+from kiln.runtime.engine_config import EngineConfig
+from kiln.runtime.rows import Row, ScoreRow
+from kiln.runtime.scheduler import JOIN_TIMEOUT_S, Scheduler
 from kiln.runtime.submission import (
     Admission,
     Completion,

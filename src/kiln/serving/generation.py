@@ -229,7 +229,7 @@ def _raise_on_engine_error(reasons) -> None:
 
 
 # -- response pieces ------------------------------------------------------------------------
-# Responses are built as plain dicts in the field order of the models in kiln.serving.protocol
+# Responses are built as plain dicts in the field order of the models in kiln.serving.openai_responses
 # (which document them in the OpenAPI schema): constructing and dumping pydantic models
 # costs more event-loop time per request than the rest of the response path.
 

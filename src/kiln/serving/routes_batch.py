@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from kiln.errors import InvalidRequest
-from kiln.serving.protocol import BatchCompletionRequest, BatchCompletionResponse, CompletionRequest
+from kiln.serving.openai_responses import BatchCompletionResponse
+from kiln.serving.protocol import BatchCompletionRequest, CompletionRequest
 from kiln.serving.routes_completions import completion_response
 from kiln.serving.state import get_state
 

@@ -40,7 +40,8 @@ from kiln.serving.generation import (
     submit,
     usage_json,
 )
-from kiln.serving.protocol import ChatCompletionRequest, ChatCompletionResponse
+from kiln.serving.openai_responses import ChatCompletionResponse
+from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, with_thinking_budget
 from kiln.serving.request_params import (
     check_tools,

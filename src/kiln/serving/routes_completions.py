@@ -40,7 +40,8 @@ from kiln.serving.generation import (
     usage_json,
 )
 from kiln.serving.prompt_logprobs import echo_logprobs, join_logprobs, prompt_logprobs_json, score, trim_rows
-from kiln.serving.protocol import CompletionRequest, CompletionResponse
+from kiln.serving.openai_responses import CompletionResponse
+from kiln.serving.protocol import CompletionRequest
 from kiln.serving.request_params import sampling_params
 from kiln.serving.sse import DeltaFrame, SSEResponse
 from kiln.serving.state import KilnState

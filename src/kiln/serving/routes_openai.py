@@ -18,16 +18,8 @@ from kiln.errors import InvalidRequest
 from kiln.serving import routes_chat, routes_completions
 from kiln.serving.fast_path import FastRoute
 from kiln.serving.generation import check_token_ids, resolve_model
-from kiln.serving.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    ModelPermission,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
-)
+from kiln.serving.openai_responses import DetokenizeResponse, ModelCard, ModelList, ModelPermission, TokenizeResponse
+from kiln.serving.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from kiln.serving.routes_chat import check_messages, template_messages
 from kiln.serving.state import get_state
 
