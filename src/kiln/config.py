@@ -16,7 +16,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -26,6 +26,33 @@ DEFAULT_PORT = 8420
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the offending key and its source."""
+
+
+# [vllm] extra_args: every vLLM option but these is the operator's (kiln.runtime.vllm_process passes them on).
+# Options Kiln owns: what vLLM loads, where it listens, who may call it, which adapters and logprobs it serves.
+MANAGED_OPTIONS = frozenset({
+    "model", "served-model-name", "host", "port", "api-key", "uds", "ssl-keyfile", "ssl-certfile",
+    "tensor-parallel-size", "pipeline-parallel-size", "distributed-executor-backend", "dtype",
+    "max-model-len", "max-logprobs", "logprobs-mode", "load-format", "tokenizer", "revision",
+    "tokenizer-revision", "trust-remote-code", "enable-lora", "max-loras", "max-lora-rank", "lora-modules",
+    "max-cpu-loras", "fingerprint-mode", "fingerprint-value", "generation-config", "allowed-local-media-path",
+    "middleware", "root-path", "download-dir", "hf-token", "chat-template",
+})
+
+
+def check_extra_args(args: Iterable[str]) -> tuple[str, ...]:
+    """Each extra vLLM option is one ``--key=value`` token (or a bare ``--switch``) Kiln does not own."""
+    out = []
+    for arg in args:
+        if not re.fullmatch(r"--[a-z0-9][a-z0-9-]*(=.*)?", arg, flags=re.DOTALL):
+            raise ValueError(f"{arg!r} is not one --key=value token (write e.g. '--enforce-eager' or "
+                             "'--gpu-memory-utilization=0.8')")
+        key = arg[2:].split("=", 1)[0]
+        if key in MANAGED_OPTIONS or key.startswith("no-enable-lora"):
+            raise ValueError(f"--{key} is set by Kiln (model, transport, parallelism, LoRA, logprobs and identity "
+                             "are Kiln's); use the matching [vllm] or [model] key instead")
+        out.append(arg)
+    return tuple(out)
 
 
 class _Section(BaseModel):
@@ -192,8 +219,6 @@ class VllmSettings(_Section):
     @field_validator("extra_args")
     @classmethod
     def _extra(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        from kiln.runtime.vllm_process import check_extra_args
-
         return check_extra_args(value)
 
 
@@ -431,7 +456,7 @@ def load_settings(
         settings = settings.model_copy(update={"training": settings.training.model_copy(update={"enabled": False})})
         sources["training.enabled"] = "serving.profile"
     if settings.teachers.credentials:  # the secrets' variables must be usable now (read again per request)
-        from kiln.teachers.credentials import validate_credentials
+        from kiln.system.credentials import validate_credentials
 
         try:
             validate_credentials(settings.teachers.credentials, environ)

@@ -410,19 +410,21 @@ def test_one_rule_each_for_names_ranks_and_the_revision_header():
     import kiln
     from kiln.adapters import manifest
     from kiln.runtime import adapter_slots
-    from kiln.serving import routes_openai
+    from kiln.serving import generation
     from kiln.training import schemas
 
     assert adapter_slots.MAX_ADAPTER_NAME_CHARS is manifest.MAX_ADAPTER_NAME_CHARS == 64
     assert adapter_slots.is_valid_name is manifest.is_valid_name
     assert schemas.MAX_LORA_RANK is manifest.MAX_LORA_RANK
-    assert routes_openai.ADAPTER_HEADER is manifest.ADAPTER_REVISION_HEADER
+    assert generation.ADAPTER_HEADER is manifest.ADAPTER_REVISION_HEADER
     assert manifest.is_valid_name("a" * 64) and not manifest.is_valid_name("a" * 65)
     src = Path(kiln.__file__).parent
-    for pattern in (r"^\s*MAX_LORA_RANK\s*=", r"^\s*MAX_ADAPTER_NAME_CHARS\s*=", r"x-kiln-adapter-revision\""):
+    for pattern, home in ((r"^\s*MAX_LORA_RANK\s*=", "adapters/manifest.py"),
+                          (r"^\s*MAX_ADAPTER_NAME_CHARS\s*=", "adapter_names.py"),
+                          (r"x-kiln-adapter-revision\"", "adapters/manifest.py")):
         defining = [p.relative_to(src).as_posix() for p in src.rglob("*.py")
                     if std_re.search(pattern, p.read_text(encoding="utf-8"), std_re.M)]
-        assert defining == ["adapters/manifest.py"], (pattern, defining)
+        assert defining == [home], (pattern, defining)
 
 
 def test_head_and_manifest_are_private(make_lora, publish_copy, store):

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.cluster.ranks import FINDING_KINDS, DeclaredObservation, Participant, decide_rank_population
+from kiln.system.ranks import FINDING_KINDS, DeclaredObservation, Participant, decide_rank_population
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

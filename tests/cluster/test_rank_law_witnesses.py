@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kiln.cluster.ranks import (
+from kiln.system.ranks import (
     FINDING_KINDS,
     RankPopulationDecision,
     decide_rank_population,

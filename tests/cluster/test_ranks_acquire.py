@@ -46,7 +46,7 @@ from kiln.cluster.acquire import (
     acquire_rank_population,
 )
 from kiln.cluster.cli import app
-from kiln.cluster.ranks import DeclaredObservation, Participant, decide_rank_population
+from kiln.system.ranks import DeclaredObservation, Participant, decide_rank_population
 from tests.cluster import layouts
 
 CLI = [sys.executable, "-m", "kiln.cluster.cli"]

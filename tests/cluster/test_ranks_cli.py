@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.cluster.cli import app
-from kiln.cluster.ranks import FINDING_KINDS, MAX_OBSERVATION_BYTES
+from kiln.system.ranks import FINDING_KINDS, MAX_OBSERVATION_BYTES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text(encoding="utf-8")
 # The input example documented in docs/cluster.md (the one issue 6 gives).

@@ -19,8 +19,8 @@ from kiln.cluster.acquire import (
     acquire_rank_population,
 )
 from kiln.cluster.cli import app
-from kiln.cluster import ranks
-from kiln.cluster.ranks import ObservationInputError, decide_rank_population, parse_observation_json
+from kiln.system import ranks
+from kiln.system.ranks import ObservationInputError, decide_rank_population, parse_observation_json
 from tests.cluster.test_rank_law_witnesses import INCARNATION, _participant, observed_shape
 
 

@@ -302,7 +302,7 @@ def test_engine_uses_the_kernel_and_greedy_outputs_equal_the_gather_path(kernel,
 
 def test_settings_switch_the_kernel_off():
     from kiln.config import Settings
-    from kiln.runtime.scheduler import EngineConfig
+    from kiln.runtime.engine_config import EngineConfig
 
     assert EngineConfig.from_settings(Settings()).paged_attention is True
     off = Settings.model_validate({"batching": {"paged_attention": False}})

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from kiln.serving import openai_responses as oai
 from kiln.serving import protocol as p
 from tests.security.openapi_check import sse_events
 
@@ -52,21 +53,21 @@ COMPLETION_VARIANTS = [{}, {"n": 2, "seed": 1, "temperature": 1.0}, {"logprobs":
 def test_chat_json(client, secure_server, variant):
     r = client.post("/v1/chat/completions", json=_chat(secure_server, **variant))
     assert r.status_code == 200, r.text
-    p.ChatCompletionResponse.model_validate(r.json())
+    oai.ChatCompletionResponse.model_validate(r.json())
 
 
 @pytest.mark.parametrize("variant", COMPLETION_VARIANTS)
 def test_completion_json(client, secure_server, variant):
     r = client.post("/v1/completions", json=_completion(secure_server, **variant))
     assert r.status_code == 200
-    p.CompletionResponse.model_validate(r.json())
+    oai.CompletionResponse.model_validate(r.json())
 
 
 def test_batch_completion_json(client, secure_server):
     r = client.post("/v1/completions/batch", json={"model": secure_server.model_id, "prompts": ["a", [5, 6]],
                                                     "n": 2, "max_tokens": 3, "logprobs": 1})
     assert r.status_code == 200, r.text
-    p.BatchCompletionResponse.model_validate(r.json())
+    oai.BatchCompletionResponse.model_validate(r.json())
 
 
 STREAM_VARIANTS = [{}, {"stream_options": {"include_usage": True}}, {"n": 2, "seed": 4, "temperature": 1.0},
@@ -83,9 +84,9 @@ def test_streams(client, secure_server, route, variant):
         variant = ({"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 30}
                    if route == "chat" else {"guided_choice": ["x", "y"]})
     if route == "chat":
-        path, body, model = "/v1/chat/completions", _chat(secure_server, stream=True, **variant), p.ChatCompletionChunk
+        path, body, model = "/v1/chat/completions", _chat(secure_server, stream=True, **variant), oai.ChatCompletionChunk
     else:
-        path, body, model = "/v1/completions", _completion(secure_server, stream=True, **variant), p.CompletionChunk
+        path, body, model = "/v1/completions", _completion(secure_server, stream=True, **variant), oai.CompletionChunk
     r = client.post(path, json=body)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.content)
@@ -112,7 +113,7 @@ ERROR_CASES = [
 def test_errors(client, path, body, status):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
-    p.ErrorResponse.model_validate(r.json())
+    oai.ErrorResponse.model_validate(r.json())
 
 
 def test_error_bodies_of_other_routes(client):
@@ -124,13 +125,13 @@ def test_error_bodies_of_other_routes(client):
               client.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}),
               client.get("/v1/nothing"), client.get("/v1/chat/completions")):
         assert r.status_code >= 400
-        p.ErrorResponse.model_validate(r.json())
+        oai.ErrorResponse.model_validate(r.json())
 
 
 def test_ops_and_models(client):
     p.HealthResponse.model_validate(client.get("/health").json())
     p.ConfigResponse.model_validate(client.get("/v1/config").json())
-    p.ModelList.model_validate(client.get("/v1/models").json())
+    oai.ModelList.model_validate(client.get("/v1/models").json())
     assert client.get("/metrics").status_code == 200
 
 
@@ -183,7 +184,7 @@ def test_training_and_adapter_lifecycle(client, secure_server):
         {"name": "schema-a"}, {"name": "schema-b"}]})
     assert merged.status_code == 201, merged.text
     p.AdapterMerged.model_validate(merged.json())
-    p.ErrorResponse.model_validate(client.delete("/v1/adapters/schema-a").json())  # 409: being served
+    oai.ErrorResponse.model_validate(client.delete("/v1/adapters/schema-a").json())  # 409: being served
     client.post("/v1/adapters/schema-a/unload")
     for name in ("schema-a", "schema-b", "schema-m"):
         p.AdapterDeleted.model_validate(client.delete(f"/v1/adapters/{name}").json())
@@ -211,13 +212,13 @@ def test_teachers_and_opd(client):
 def test_tokenize_and_detokenize(client, secure_server):
     r = client.post("/tokenize", json={"prompt": "Hello there", "return_token_strs": True})
     assert r.status_code == 200
-    p.TokenizeResponse.model_validate(r.json())
+    oai.TokenizeResponse.model_validate(r.json())
     chat = client.post("/tokenize", json={"model": secure_server.model_id,
                                           "messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 200
     d = client.post("/detokenize", json={"tokens": r.json()["tokens"]})
     assert d.status_code == 200 and d.json()["prompt"] == "Hello there"
-    p.ErrorResponse.model_validate(client.post("/detokenize", json={"tokens": [10**8]}).json())
+    oai.ErrorResponse.model_validate(client.post("/detokenize", json={"tokens": [10**8]}).json())
 
 
 def test_openenv_runs(client):

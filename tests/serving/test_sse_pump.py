@@ -1,7 +1,7 @@
 """The streaming response's write path: the engine's wake runs ``send`` in place, and a write that
 flow control pauses finishes as a task while later output waits for it (kiln.serving.eager).
 
-These drive ``_SSEResponse`` with a real engine on the built-in model and an ASGI ``send`` that can
+These drive ``SSEResponse`` with a real engine on the built-in model and an ASGI ``send`` that can
 hold a write back, as uvicorn's does while the client reads slowly.
 """
 
@@ -17,7 +17,7 @@ from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.loader import load_model
 from kiln.runtime.sampling import SamplingParams
 from kiln.serving.eager import start_eagerly
-from kiln.serving.routes_openai import _SSEResponse
+from kiln.serving.sse import SSEResponse
 
 TOKENS = 48
 FRAME = re.compile(rb"data: (\d+)\|(.*?)\|(\w*)\n\n", re.S)
@@ -125,7 +125,7 @@ def test_an_exception_after_suspending_is_the_tasks():
     asyncio.run(main())
 
 
-# -- _SSEResponse over a real engine -----------------------------------------------------------
+# -- SSEResponse over a real engine -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def _prompt(engine) -> list[int]:
 async def _stream(engine, send, timeout_s: float = 60.0, n: int = 1, first=None) -> None:
     params = [SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)] * n
     sub = engine.submit(_prompt(engine), params, loop=asyncio.get_running_loop())
-    response = _SSEResponse(sub, timeout_s, _frame, first, None, {})
+    response = SSEResponse(sub, timeout_s, _frame, first, None, {})
     await response({"type": "http"}, _never_disconnect, send)
 
 

@@ -209,7 +209,7 @@ def loaded_builtin(builtin_model_dir):
 
 def test_streamed_token_ids_end_rows_as_the_builtin_engine_ends_them(loaded_builtin):
     """Token IDs as vLLM streams them, through the facade's own feed: stop strings, end tokens, length."""
-    from kiln.runtime.scheduler import EngineConfig
+    from kiln.runtime.engine_config import EngineConfig
     from kiln.runtime.submission import RowStream
     from kiln.runtime.textstream import TextStream
     from kiln.runtime.vllm_engine import VllmEngine, _Row
@@ -238,7 +238,7 @@ def test_streamed_token_ids_end_rows_as_the_builtin_engine_ends_them(loaded_buil
 
 def test_a_refused_world_keeps_health_unavailable_with_the_findings(loaded_builtin, tmp_path):
     """The engine's own readiness check over a log its 'workers' wrote: PP=2 is refused, TP=1 passes."""
-    from kiln.runtime.scheduler import EngineConfig
+    from kiln.runtime.engine_config import EngineConfig
     from kiln.runtime.vllm_engine import VllmEngine
 
     loaded = loaded_builtin

@@ -388,7 +388,7 @@ def test_one_limiter_spans_every_phase_of_a_real_launch(fixed_runtime, tiny_mode
 
 @pytest.mark.parametrize("hook", ["_seal_dirs", "verify"])
 def test_signal_during_staging_cleans_up(fixed_runtime, tiny_model, roots, monkeypatch, capsys, hook):
-    from kiln.teachers import snapshot
+    from kiln.system import snapshot
 
     original = getattr(snapshot, hook)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.teachers.conftest import build_tiny_adapter, private_dir
-from kiln.teachers import private_dirs, snapshot
+from kiln.system import private_dirs, snapshot
 from kiln.teachers.identity import snapshot_manifest_digest
-from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter
-from kiln.teachers.snapshot import SnapshotError
+from kiln.system.provenance_io import ProvenanceError, ReadLimiter
+from kiln.system.snapshot import SnapshotError
 
 
 def _stage(trees, parent: Path, limiter=None):
@@ -259,7 +259,7 @@ def test_read_limiter_earns_no_burst_credit_while_idle():
 
 
 def test_read_small_file_refuses_fifos_and_oversize(tmp_path):
-    from kiln.teachers.provenance_io import read_small_file
+    from kiln.system.provenance_io import read_small_file
 
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ProvenanceError, match="not a regular file"):

@@ -71,7 +71,7 @@ def _group_alive(pgid: int) -> bool:
     """A live (non-zombie) process is left in the group. Zombies do not count: when vLLM's main process
     exits, its children are reparented to PID 1, which reaps them on its own schedule (this sandbox's init
     lagged seconds behind under load, and ``killpg(pgid, 0)`` still saw the group)."""
-    from kiln.teachers.supervise import group_members
+    from kiln.system.supervise import group_members
 
     return bool(group_members(pgid))
 

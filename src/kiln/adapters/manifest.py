@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
+from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, NAME_RE, is_valid_name  # noqa: F401  (the one name rule)
 from kiln.adapters.errors import InvalidAdapter
 from kiln.canonical import (
     CanonicalJSONError,
@@ -33,9 +34,6 @@ KINDS = ("sft", "grpo", "opd", "kd", "merge", "upload")
 MAX_MANIFEST_BYTES = 1024 * 1024
 MAX_CONFIG_BYTES = 256 * 1024
 MAX_MANIFEST_FILES = 64
-# The one rule for adapter names (store, HTTP routes, training requests and the engine's live slots).
-MAX_ADAPTER_NAME_CHARS = 64
-NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ADAPTER_NAME_CHARS - 1}}}")
 # The one LoRA rank limit (uploads, merges, training requests); it also bounds an upload's expanded size.
 MAX_LORA_RANK = 1024
 # Response header naming the adapter revision that produced (or is) the payload.
@@ -55,11 +53,6 @@ def load_json_object(data: bytes, *, limit: int, what: str, error: type[Exceptio
     if not isinstance(obj, dict):
         raise error(f"{what} must be a JSON object")
     return obj
-
-
-def is_valid_name(name: object) -> bool:
-    """Whether ``name`` is a valid adapter name (see :func:`check_name`)."""
-    return isinstance(name, str) and len(name) <= MAX_ADAPTER_NAME_CHARS and NAME_RE.fullmatch(name) is not None
 
 
 def shorten(text: object, limit: int = 80) -> str:

@@ -49,8 +49,8 @@ def check(
     file: str = typer.Argument(..., metavar="FILE.json", help="Declared observation (JSON object), or - for stdin."),
 ) -> None:
     """Decide whether a declared rank population is coherent."""
-    from kiln.cluster.ranks import MAX_OBSERVATION_BYTES, ObservationInputError, decide_rank_population
-    from kiln.cluster.ranks import parse_observation_json
+    from kiln.system.ranks import MAX_OBSERVATION_BYTES, ObservationInputError, decide_rank_population
+    from kiln.system.ranks import parse_observation_json
 
     data = _read_bounded(file, MAX_OBSERVATION_BYTES)
     try:

@@ -111,7 +111,7 @@ class RemoteTeacherScorer:
         self._check_tokenizer(tokenizer_dir)
         cred = None
         if spec.get("credential") is not None:
-            from kiln.teachers.credentials import resolve_credential
+            from kiln.system.credentials import resolve_credential
 
             cred = resolve_credential({spec["credential_id"]: spec["credential"]}, spec["credential_id"])
         self.client = RemoteTeacher(spec["url"], spec["model_id"], credential=cred, timeout_s=timeout_s,

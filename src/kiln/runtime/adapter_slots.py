@@ -21,8 +21,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
-from kiln.errors import InvalidRequest, NotFound
+from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
+from kiln.errors import InvalidRequest
+from kiln.runtime.adapter_refs import AdapterRefs, UnknownAdapter  # noqa: F401  (UnknownAdapter: the engines raise it)
 
 BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 PLACEHOLDER_KEY = "__kiln_placeholder__"
@@ -36,13 +37,6 @@ class AdapterError(InvalidRequest):
     default_hint = "the adapter failed to load or its canary failed; check the server log and the adapter files"
 
 
-class UnknownAdapter(NotFound):
-    """No adapter of that name is being served."""
-
-    code = "adapter_not_active"
-    default_hint = "GET /v1/adapters shows which adapters are active"
-
-
 def adapter_key(name: str, revision: str) -> str:
     return f"{name}@{revision[:KEY_REVISION_CHARS]}"
 
@@ -52,10 +46,8 @@ class AdapterSlots:
         self._base = model
         self._peft: Any = None
         self._ownership = ownership
-        self._lock = threading.Lock()
-        self._names: dict[str, tuple[str, str]] = {}  # name -> (key, revision)
-        self._refs: dict[str, int] = {}  # key -> rows holding it
-        self._retired: set[str] = set()  # keys no name maps to any more
+        self._lock = threading.Lock()  # guards _doomed
+        self._table = AdapterRefs()  # served name -> (key, revision), rows per key, retired keys
         self._doomed: list[str] = []  # retired keys whose last reference went while shared was held
 
     # -- model objects ---------------------------------------------------------
@@ -98,36 +90,25 @@ class AdapterSlots:
     # -- request side ------------------------------------------------------------
     def acquire(self, name: str) -> tuple[str, str]:
         """Resolve a served name to (key, revision) and hold a reference on the key."""
-        with self._lock:
-            try:
-                key, revision = self._names[name]
-            except KeyError:
-                raise UnknownAdapter(f"no active adapter named {name!r}") from None
-            self._refs[key] = self._refs.get(key, 0) + 1
-            return key, revision
+        return self._table.acquire(name)
 
     def acquire_private(self, key: str, count: int) -> list[str]:
         """``count`` references on a trainer's private adapter ``key`` (a PEFT key no served name maps to);
         :meth:`release` drops them, and never deletes the key (only :meth:`delete_private` does)."""
-        with self._lock:
-            if self._peft is None or key not in self._peft.peft_config:
-                raise UnknownAdapter(f"no private adapter {key!r} on the served model")
-            self._refs[key] = self._refs.get(key, 0) + count
-            return [key] * count
+        if self._peft is None or key not in self._peft.peft_config:
+            raise UnknownAdapter(f"no private adapter {key!r} on the served model")
+        self._table.hold(key, count)
+        return [key] * count
 
     def release(self, key: str) -> None:
-        with self._lock:
-            self._refs[key] -= 1
-            if self._refs[key] > 0:
-                return
-            del self._refs[key]
-            drop = key in self._retired
-            if drop and self._ownership.holds_shared():
+        if not self._table.release(key):
+            return
+        if self._ownership.holds_shared():
+            with self._lock:
                 self._doomed.append(key)
-                return
-        if drop:
-            with self._ownership.exclusive():
-                self._delete_key(key)
+            return
+        with self._ownership.exclusive():
+            self._delete_key(key)
 
     def reap(self) -> None:
         """Delete retired keys whose last reference was dropped inside a shared section.
@@ -137,10 +118,8 @@ class AdapterSlots:
         if doomed:
             with self._ownership.exclusive():
                 for key in doomed:
-                    with self._lock:
-                        if self._refs.get(key, 0) > 0 or key not in self._retired:
-                            continue  # re-activated meanwhile (a new name maps to it again)
-                    self._delete_key(key)
+                    if self._table.deletable(key):  # else re-activated meanwhile (a new name maps to it again)
+                        self._delete_key(key)
 
     @property
     def reap_pending(self) -> bool:
@@ -154,9 +133,8 @@ class AdapterSlots:
         key = adapter_key(name, revision)
         with self._ownership.exclusive():
             self._wrap_locked()
-            with self._lock:
-                if self._names.get(name, (None,))[0] == key:
-                    return  # already serving this revision
+            if self._table.current(name) == key:
+                return  # already serving this revision
             if key in self._peft.peft_config:
                 self._delete_key(key)  # a stale retired copy still in use cannot be, or refs would hold it
             try:
@@ -170,33 +148,18 @@ class AdapterSlots:
                     f"cannot activate adapter {name!r} revision {revision[:KEY_REVISION_CHARS]} from {path}: {exc}; "
                     "the previous revision (if any) stays active"
                 ) from exc
-            with self._lock:
-                old = self._names.get(name)
-                self._names[name] = (key, revision)
-                self._retired.discard(key)
-                stale = old[0] if old and old[0] != key else None
-                if stale is not None:
-                    self._retired.add(stale)
-                    if self._refs.get(stale, 0) > 0:
-                        stale = None
+            stale = self._table.activate(name, key, revision)
             if stale is not None:
                 self._delete_key(stale)
 
     def deactivate(self, name: str) -> None:
-        with self._lock:
-            entry = self._names.pop(name, None)
-            if entry is None:
-                raise UnknownAdapter(f"no active adapter named {name!r}")
-            key = entry[0]
-            self._retired.add(key)
-            busy = self._refs.get(key, 0) > 0
-        if not busy:
+        key = self._table.deactivate(name)
+        if key is not None:  # no row holds it: delete it now (else its last release does)
             with self._ownership.exclusive():
                 self._delete_key(key)
 
     def active(self) -> dict[str, str]:
-        with self._lock:
-            return {name: rev for name, (_key, rev) in sorted(self._names.items())}
+        return self._table.active()
 
     def describe(self) -> dict[str, Any]:
         """The physical adapter state (GET /v1/debug/model-state): whether the model is PEFT-wrapped, each
@@ -214,21 +177,18 @@ class AdapterSlots:
 
     def delete_private(self, key: str) -> None:
         """Delete an adapter the trainer added under its own private name."""
-        with self._lock:
-            if any(k == key for k, _ in self._names.values()):
-                raise AdapterError(f"{key!r} is a served adapter key; use deactivate_adapter")
+        if self._table.serves_key(key):
+            raise AdapterError(f"{key!r} is a served adapter key; use deactivate_adapter")
         with self._ownership.exclusive():
             self._delete_key(key)
 
     def _delete_key(self, key: str) -> None:
         """Caller holds exclusive ownership."""
         if self._peft is None or key not in self._peft.peft_config:
-            with self._lock:
-                self._retired.discard(key)
+            self._table.forget(key)
             return
         active = self._peft.active_adapters if hasattr(self._peft, "active_adapters") else []
         if key in active:
             self._peft.set_adapter(PLACEHOLDER_KEY)
         self._peft.delete_adapter(key)
-        with self._lock:
-            self._retired.discard(key)
+        self._table.forget(key)

@@ -36,7 +36,10 @@ from kiln.runtime.memory import memory_total_bytes
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
 from kiln.runtime.ownership import AcceleratorOwnership
 from kiln.runtime.sampling import SamplingParams, make_generator
-from kiln.runtime.scheduler import JOIN_TIMEOUT_S, EngineConfig, Row, Scheduler, ScoreRow
+from kiln.runtime.serving_engine import TokenFacade
+from kiln.runtime.engine_config import EngineConfig
+from kiln.runtime.rows import Row, ScoreRow
+from kiln.runtime.scheduler import JOIN_TIMEOUT_S, Scheduler
 from kiln.runtime.submission import (
     Admission,
     Completion,
@@ -131,7 +134,7 @@ class _ProbeRow:
         self.state_slot: int | None = -1
 
 
-class Engine:
+class Engine(TokenFacade):
     """Continuous-batching engine over one loaded model (see the module docstring)."""
 
     on_adapters_changed: Callable[[dict[str, str]], None] | None = None  # set by the composition root
@@ -146,7 +149,6 @@ class Engine:
     ):
         self.loaded = loaded
         self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
         self.tokens = Tokenization(loaded.tokenizer, loaded.model)
         self.config = config or EngineConfig()
         self.ownership = ownership or AcceleratorOwnership()
@@ -281,23 +283,6 @@ class Engine:
                 if not torch.isfinite(logits).all():
                     raise AdapterError("canary generation produced non-finite logits")
                 seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
-
-    # -- tokenization (the routes use these, never the tokenizer) -------------------
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return self.tokens.render_chat(messages)
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokens.encode_chat(messages)
-
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokens.encode_text(text)
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokens.token_text(token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokens.vocab_size
 
     # -- admission ---------------------------------------------------------------
     def _acquire(self, adapter: str | None, count: int) -> tuple[list[str], str | None]:

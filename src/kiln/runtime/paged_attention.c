@@ -2,7 +2,8 @@
  *
  * Built and loaded by kiln/runtime/paged_attention.py (the C compiler at first use, cached
  * under $KILN_KERNEL_DIR, else $XDG_CACHE_HOME/kiln/kernels: ~/.cache/kiln/kernels). One call
- * computes one layer's attention for every query token of a forward:
+ * computes one layer's attention for every query token of a forward; its arguments come by name
+ * in a kiln_attention_args (below):
  *
  *   q      token i, query head j at q[i * q_token_stride + j * q_head_stride + c]
  *   k, v   the pool's layer tensors [blocks, block_size, kv_heads, head_dim], contiguous
@@ -286,14 +287,40 @@ KILN_INLINE void prepare_head(const float *x, float *dst, int64_t head_dim, cons
     }
 }
 
+/* The arguments of one call, by name (kiln/runtime/paged_attention.py's AttentionArgs mirrors this layout). */
+typedef struct kiln_attention_args {
+    const float *q;
+    int64_t q_token_stride, q_head_stride;
+    float *k, *v;
+    const int64_t *table;
+    int64_t table_width;
+    const int64_t *row_of, *pos_of;
+    int64_t tokens, heads, kv_heads, head_dim, block_size;
+    float scale;
+    float *out;
+    const float *k_new;
+    int64_t kn_token_stride, kn_head_stride;
+    const float *v_new;
+    int64_t vn_token_stride, vn_head_stride;
+    const float *q_norm_w, *k_norm_w;
+    float eps;
+    const float *cos_t, *sin_t;
+} kiln_attention_args;
+
 KILN_CLONES
-int kiln_paged_attention(const float *q, int64_t q_token_stride, int64_t q_head_stride, float *k, float *v,
-                         const int64_t *table, int64_t table_width, const int64_t *row_of, const int64_t *pos_of,
-                         int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                         float scale, float *out, const float *k_new, int64_t kn_token_stride,
-                         int64_t kn_head_stride, const float *v_new, int64_t vn_token_stride, int64_t vn_head_stride,
-                         const float *q_norm_w, const float *k_norm_w, float eps, const float *cos_t,
-                         const float *sin_t) {
+int kiln_paged_attention(const kiln_attention_args *args) {
+    const float *q = args->q;
+    int64_t q_token_stride = args->q_token_stride, q_head_stride = args->q_head_stride;
+    float *const k = args->k, *const v = args->v, *const out = args->out;
+    const int64_t *const table = args->table, *const row_of = args->row_of, *const pos_of = args->pos_of;
+    const int64_t table_width = args->table_width, tokens = args->tokens, heads = args->heads;
+    const int64_t kv_heads = args->kv_heads, head_dim = args->head_dim, block_size = args->block_size;
+    const float scale = args->scale, eps = args->eps;
+    const float *const k_new = args->k_new, *const v_new = args->v_new;
+    const int64_t kn_token_stride = args->kn_token_stride, kn_head_stride = args->kn_head_stride;
+    const int64_t vn_token_stride = args->vn_token_stride, vn_head_stride = args->vn_head_stride;
+    const float *const q_norm_w = args->q_norm_w, *const k_norm_w = args->k_norm_w;
+    const float *const cos_t = args->cos_t, *const sin_t = args->sin_t;
     if (tokens <= 0) return 0;
     if (kv_heads <= 0 || heads % kv_heads != 0 || block_size <= 0 || head_dim <= 0) return -2;
     if ((q_norm_w != NULL || k_norm_w != NULL || cos_t != NULL) && (head_dim > 512 || head_dim % 2 != 0)) return -2;

@@ -93,19 +93,35 @@ def build(directory: Path, *, baseline_only: bool = False) -> Path:
     return target
 
 
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class AttentionArgs(ctypes.Structure):
+    """``kiln_attention_args`` in ``paged_attention.c``: one call's arguments, by name (same order and types)."""
+
+    _fields_ = [
+        ("q", _PTR), ("q_token_stride", _I64), ("q_head_stride", _I64),
+        ("k", _PTR), ("v", _PTR),
+        ("table", _PTR), ("table_width", _I64), ("row_of", _PTR), ("pos_of", _PTR),
+        ("tokens", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
+        ("scale", _F32), ("out", _PTR),
+        ("k_new", _PTR), ("kn_token_stride", _I64), ("kn_head_stride", _I64),
+        ("v_new", _PTR), ("vn_token_stride", _I64), ("vn_head_stride", _I64),
+        ("q_norm_w", _PTR), ("k_norm_w", _PTR), ("eps", _F32), ("cos_t", _PTR), ("sin_t", _PTR),
+    ]
+
+
 class PagedAttention:
     """The loaded kernel: ``attend(q, keys, values, table, row_of, pos_of, scale)``."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         fn = lib.kiln_paged_attention
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                       ptr, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr]
+        fn.argtypes = [ctypes.POINTER(AttentionArgs)]
         fn.restype = ctypes.c_int
         self._fn = fn
         norm = lib.kiln_add_rms_norm
-        norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
+        norm.argtypes = [_PTR, _PTR, _PTR, _F32, _I64, _I64, _PTR]
         norm.restype = None
         self._norm = norm
         self.path = path
@@ -181,10 +197,10 @@ class PagedAttention:
                     raise ValueError("paged attention: rope cos/sin must be contiguous float32 [tokens, head_dim]")
             extra = tuple(None if t is None else t.data_ptr() for t in (wq, wk)) + (eps,) + tuple(
                 None if t is None else t.data_ptr() for t in (cos, sin))
-        rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1),
-                      keys.data_ptr(), values.data_ptr(), table.data_ptr(), table.shape[1], row_of.data_ptr(),
-                      pos_of.data_ptr(), tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr(), *new,
-                      *extra)
+        args = AttentionArgs(q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(),
+                             table.data_ptr(), table.shape[1], row_of.data_ptr(), pos_of.data_ptr(),
+                             tokens, heads, kv_heads, dim, block_size, scale, out.data_ptr(), *new, *extra)
+        rc = self._fn(ctypes.byref(args))
         if rc != 0:
             raise MemoryError(f"paged attention kernel failed (code {rc})") if rc == -1 else ValueError(
                 f"paged attention kernel rejected its shapes (code {rc})")

@@ -50,162 +50,31 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
 from kiln.runtime.batches import Batches
+from kiln.runtime.engine_config import EngineConfig
 from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.ownership import AcceleratorOwnership
-from kiln.runtime.request_trace import RequestTrace, row_phases
-from kiln.runtime.sampling import SamplingParams, TokenChoice, select_tokens
+from kiln.runtime.rows import Row, ScoreRow
+from kiln.runtime.request_trace import row_phases
+from kiln.runtime.sampling import TokenChoice, select_tokens
 from kiln.runtime.step_cost import StepCost
-from kiln.runtime.scoring import PromptLogprobRow, chunk_rows
-from kiln.runtime.submission import EngineError, EngineNotRunning, Observer, RowStream, _wake_all
-from kiln.runtime.textstream import TextStream
-from kiln.runtime.threads import WIDE_PREFILL_MIN_MACS, engine_prefill_threads, torch_threads
+from kiln.runtime.scoring import chunk_rows
+from kiln.runtime.submission import EngineNotRunning, Observer, RowStream, _wake_all
+from kiln.runtime.threads import WIDE_PREFILL_MIN_MACS, torch_threads
 
 log = logging.getLogger("kiln.engine")
 
 JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
-STALL_TIMEOUT_S = 60.0  # one scheduler iteration running longer than this reports the engine stuck
 QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
 MIN_MIXED_PROMPT_TOKENS = 4  # prompt tokens a cycle beside decoding rows always may take (so prompts progress)
 # the mixed_step_factor allowance grows by one more of itself for every this many decode cycles the oldest
 # held-back prompt has waited (so a backlog is served in about sqrt(2 x cycles x backlog / allowance) cycles)
 MIXED_AGE_CYCLES = 4
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    token_budget: int = 512
-    max_running_rows: int = 32
-    max_queued_rows: int = 256
-    prefill_chunk_tokens: int = 256
-    max_model_len: int = 2048
-    stall_timeout_s: float = STALL_TIMEOUT_S
-    kv_block_size: int = 16
-    kv_budget_bytes: int = 0  # 0: blocks for max_running_rows x max_model_len (CPU pages commit on use)
-    kv_budget_fraction: float = 0.0  # instead of bytes: this fraction of RAM (CUDA: of the device's memory)
-    prefix_cache: bool = True
-    compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
-    burst_gap_s: float = 0.001  # waking from idle: gather rows arriving at most this far apart (0: off)
-    burst_max_s: float = 0.010  # ... for at most this long in all
-    lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
-    packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
-    paged_attention: bool = True  # decode/packed attention reads KV blocks in place (CPU fp32; C kernel)
-    mixed_step_factor: float = 1.5  # prompt tokens beside decoding rows: a cycle <= this x a decode-only one (0: off)
-    prefill_threads: int = 0  # torch threads for prompt-only cycles with enough work (0: the engine's own count)
-
-    @classmethod
-    def from_settings(cls, settings: Any, model_max_len: int | None = None) -> "EngineConfig":
-        """Engine limits from the settings; ``max_model_len`` never exceeds ``model_max_len``
-        (the model's ``max_position_embeddings``), as vLLM caps it."""
-        b = settings.batching
-        m = getattr(settings, "model", None)
-        configured = settings.limits.max_model_len
-        return cls(
-            token_budget=b.token_budget,
-            max_running_rows=b.max_running_rows,
-            max_queued_rows=b.max_queued_rows,
-            prefill_chunk_tokens=b.prefill_chunk_tokens,
-            max_model_len=configured if model_max_len is None else min(configured, model_max_len),
-            stall_timeout_s=float(getattr(b, "stall_timeout_s", STALL_TIMEOUT_S)),
-            kv_block_size=int(getattr(b, "kv_block_size", 16)),
-            kv_budget_bytes=int(getattr(b, "kv_budget_bytes", 0)),
-            kv_budget_fraction=float(getattr(b, "kv_budget_fraction", 0.0)),
-            prefix_cache=bool(getattr(b, "prefix_cache", True)),
-            compile_decode=bool(getattr(b, "compile_decode", False)),
-            burst_gap_s=float(getattr(b, "burst_gap_s", cls.burst_gap_s)),
-            lean_forward=bool(getattr(b, "lean_forward", True)),
-            packed_weights=bool(getattr(b, "packed_weights", True)),
-            paged_attention=bool(getattr(b, "paged_attention", True)),
-            mixed_step_factor=float(getattr(b, "mixed_step_factor", cls.mixed_step_factor)),
-            prefill_threads=engine_prefill_threads(m.threads, m.prefill_threads) if m is not None else 0,
-        )
-
-
-class Row:
-    """One generated sequence (one choice of a submission)."""
-
-    scoring = False
-    __slots__ = (
-        "stream", "prompt", "params", "gen", "adapter_key", "prefilled", "pos", "generated",
-        "text", "cancelled", "t_submit", "t_last", "eos_ids", "tokens", "blocks", "seq", "t_wait",
-        "cache_uid", "registered", "cache_key", "state_slot", "t_admit", "t_first", "lock_wait", "trace",
-    )
-
-    def __init__(self, stream: RowStream, prompt: list[int], params: SamplingParams, gen: torch.Generator | None,
-                 adapter_key: str, text: TextStream, eos_ids: frozenset[int], cache_key: str | None = None):
-        self.stream = stream
-        self.prompt = prompt
-        self.params = params
-        self.gen = gen
-        self.adapter_key = adapter_key
-        # prefix-cache namespace: the adapter key, or key#revision for a trainer's private adapter
-        self.cache_key = cache_key or adapter_key
-        self.tokens = prompt  # what prefill feeds: the prompt, plus the output so far after a preemption
-        self.blocks: list[int] = []  # block table
-        self.state_slot = -1  # linear-state slot of a hybrid model's row while it runs (-1: none)
-        self.seq = 0  # admission order (kept across preemptions): younger rows are preempted first
-        self.t_wait = 0.0  # when it (re)entered the queue
-        self.cache_uid = 0  # prefix-cache uid of its last published block
-        self.registered = 0  # blocks published to the prefix cache
-        self.prefilled = 0
-        self.pos = 0  # tokens held in the cache
-        self.generated: list[int] = []
-        self.text = text
-        self.cancelled = False
-        self.t_submit = time.perf_counter()
-        self.t_last = 0.0
-        self.eos_ids = eos_ids
-        # phase stamps (kiln.runtime.request_trace): first admission, first token, ownership waits
-        self.t_admit = self.t_first = self.lock_wait = 0.0
-        self.trace: RequestTrace | None = None  # set when the recent-request log records this request
-
-    def end(self, reason: str) -> RowStream:
-        """Deliver the final text and the finish reason; returns the stream to wake."""
-        tail = self.text.flush()
-        self.stream.completion_tokens = len(self.generated)
-        self.stream._push(tail, None)
-        self.stream._close(reason)
-        return self.stream
-
-
-class ScoreRow:
-    """A ``prompt_logprobs`` request: the prompt prefilled in chunks, every position scored."""
-
-    scoring = True
-    __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
-                 "rows", "cancelled", "state_slot")
-
-    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future):
-        self.prompt = prompt
-        self.tokens = prompt
-        self.top_k = top_k
-        self.adapter_key = adapter_key
-        self.future = future
-        self.blocks: list[int] = []
-        self.state_slot = -1
-        self.seq = 0
-        self.t_wait = 0.0
-        self.prefilled = 0
-        self.pos = 0
-        self.rows: list[PromptLogprobRow | None] = [None]
-        self.cancelled = False
-
-    def end(self, reason: str) -> None:
-        if not self.future.set_running_or_notify_cancel():
-            return  # the caller cancelled it
-        if reason == "stop":
-            self.future.set_result(self.rows)
-        elif reason == "error":
-            self.future.set_exception(EngineError("the engine failed while scoring this prompt"))
-        else:
-            self.future.set_exception(EngineNotRunning("scoring was aborted: the engine stopped"))
-        return None
 
 
 class Scheduler:

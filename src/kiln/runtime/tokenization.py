@@ -1,7 +1,7 @@
 """Prompt rendering, tokenization and detokenization for the engine and the routes.
 
-The routes never reach the tokenizer themselves: they call these methods through
-``engine.tokens`` (or the engine's pass-throughs), so one object decides how a
+The routes never reach the tokenizer themselves: they call these methods through the
+engine's pass-throughs (:class:`kiln.runtime.serving_engine.TokenFacade`), so one object decides how a
 chat is rendered, how text becomes IDs and how an ID is shown in a logprob entry.
 """
 
@@ -24,14 +24,15 @@ class Tokenization:
         self._token_text: dict[int, str] = {}
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
         """The chat template's text for ``messages`` (and ``tools``, OpenAI's tool list, for templates
         that show them; ``template_kwargs``, extra template variables such as ``enable_thinking``), ready
-        for the assistant's turn."""
+        for the assistant's turn (unless ``add_generation_prompt`` is false)."""
         extra = dict(template_kwargs or {})
         if tools:
             extra["tools"] = tools
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **extra)
 
     def warm(self) -> None:
         """Render a one-message chat once, so the chat template is compiled (jinja, ~20-25 ms for a

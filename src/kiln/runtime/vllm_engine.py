@@ -39,8 +39,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.adapters.manifest import MAX_ADAPTER_NAME_CHARS, is_valid_name
+from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
 from kiln.errors import InvalidRequest
+from kiln.runtime.adapter_refs import AdapterRefs
 from kiln.runtime.adapter_slots import (
     AdapterError,
     AdapterSlots,
@@ -49,6 +50,7 @@ from kiln.runtime.adapter_slots import (
 )
 from kiln.runtime.engine import Engine
 from kiln.runtime.ownership import AcceleratorOwnership
+from kiln.runtime.serving_engine import TokenFacade
 from kiln.runtime.sampling import SamplingParams, TokenChoice
 from kiln.runtime.scoring import PromptLogprobRow, ScoredToken
 from kiln.runtime.submission import (
@@ -84,74 +86,40 @@ class UnsupportedOnVllm(InvalidRequest):
 class LoraTable:
     """Served adapter name -> vLLM LoRA name (one per revision), with in-flight references.
 
-    Pure bookkeeping (thread-safe): the caller loads/unloads in vLLM what the methods
-    say. ``acquire``/``release`` bracket one row; ``activate`` returns the key that
-    stopped being served and may be unloaded now (no row holds it), ``release`` returns
-    a retired key whose last row just ended.
+    The built-in engine's table (:class:`~kiln.runtime.adapter_refs.AdapterRefs`), with each key
+    leaving it as soon as it may go: ``activate``, ``deactivate`` and ``release`` return the key
+    the caller must unload from vLLM now (no row holds it any more), else ``None``.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[str, tuple[str, str]] = {}  # name -> (key, revision)
-        self._refs: dict[str, int] = {}
-        self._retired: set[str] = set()
+        self._refs = AdapterRefs()
 
     def current(self, name: str) -> str | None:
-        with self._lock:
-            entry = self._names.get(name)
-            return None if entry is None else entry[0]
+        return self._refs.current(name)
 
     def acquire(self, name: str) -> tuple[str, str]:
-        with self._lock:
-            try:
-                key, revision = self._names[name]
-            except KeyError:
-                raise UnknownAdapter(f"no active adapter named {name!r}") from None
-            self._refs[key] = self._refs.get(key, 0) + 1
-            return key, revision
-
-    def release(self, key: str) -> str | None:
-        with self._lock:
-            self._refs[key] -= 1
-            if self._refs[key] > 0:
-                return None
-            del self._refs[key]
-            if key in self._retired:
-                self._retired.discard(key)
-                return key
-            return None
-
-    def activate(self, name: str, key: str, revision: str) -> str | None:
-        with self._lock:
-            old = self._names.get(name)
-            self._names[name] = (key, revision)
-            self._retired.discard(key)
-            if old is None or old[0] == key:
-                return None
-            if self._refs.get(old[0], 0) > 0:
-                self._retired.add(old[0])
-                return None
-            return old[0]
-
-    def deactivate(self, name: str) -> str | None:
-        with self._lock:
-            entry = self._names.pop(name, None)
-            if entry is None:
-                raise UnknownAdapter(f"no active adapter named {name!r}")
-            key = entry[0]
-            if self._refs.get(key, 0) > 0:
-                self._retired.add(key)
-                return None
-            return key
+        return self._refs.acquire(name)
 
     def active(self) -> dict[str, str]:
-        with self._lock:
-            return {name: rev for name, (_key, rev) in sorted(self._names.items())}
+        return self._refs.active()
 
     def loaded_keys(self) -> set[str]:
         """Keys vLLM must still hold: served ones and retired ones still in use."""
-        with self._lock:
-            return {k for k, _ in self._names.values()} | set(self._retired)
+        return self._refs.live_keys()
+
+    def activate(self, name: str, key: str, revision: str) -> str | None:
+        return self._unload(self._refs.activate(name, key, revision))
+
+    def deactivate(self, name: str) -> str | None:
+        return self._unload(self._refs.deactivate(name))
+
+    def release(self, key: str) -> str | None:
+        return self._unload(key if self._refs.release(key) else None)
+
+    def _unload(self, key: str | None) -> str | None:
+        if key is not None:
+            self._refs.forget(key)
+        return key
 
 
 # ------------------------------------------------------------------ wire mapping
@@ -255,7 +223,7 @@ class _Row:
             self.task.cancel()
 
 
-class VllmEngine:
+class VllmEngine(TokenFacade):
     """The engine facade over a vLLM subprocess (see the module docstring)."""
 
     backend = "vllm"
@@ -266,7 +234,6 @@ class VllmEngine:
                  ownership: AcceleratorOwnership | None = None):
         self.loaded = loaded
         self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
         self.tokens = Tokenization(loaded.tokenizer, loaded.model)
         self.config = config
         self.plan = plan
@@ -476,13 +443,8 @@ class VllmEngine:
     def delete_private_adapter(self, private_name: str) -> None:
         self.trainer_slots.delete_private(private_name)
 
-    # -- tokenization and blocking generation: the built-in engine's own methods (they use only
-    # ``self.tokens`` and ``self.submit``), so both engines render, tokenize and collect alike
-    render_chat = Engine.render_chat
-    encode_chat = Engine.encode_chat
-    encode_text = Engine.encode_text
-    token_text = Engine.token_text
-    vocab_size = Engine.vocab_size
+    # -- blocking generation: the built-in engine's own method (it uses only ``self.submit``), so
+    # both engines collect alike; tokenization comes from TokenFacade
     generate = Engine.generate
 
     # -- admission -----------------------------------------------------------------

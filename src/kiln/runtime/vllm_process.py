@@ -13,7 +13,7 @@ the teacher launcher starts vLLM (``kiln.teachers``):
   fingerprint plus the snapshot manifest digest, so a response names the exact
   bytes it came from;
 * **process-group supervision**: vLLM starts in its own session
-  (:class:`kiln.teachers.supervise.Supervisor`, detached mode), and stopping drains
+  (:class:`kiln.system.supervise.Supervisor`, detached mode), and stopping drains
   the whole group (SIGTERM, then SIGKILL) so no EngineCore or worker outlives Kiln;
 * **private transport**: vLLM listens on ``127.0.0.1`` only, on a port Kiln picks,
   with an API key drawn fresh for every start and passed in the environment
@@ -29,9 +29,9 @@ formed, from vLLM's own reports. Every vLLM worker logs, once its process groups
 exist, ``rank R in world size W is assigned as DP rank d, PP rank p, ..., TP rank
 t`` with its process prefix ``(Worker_TP1 pid=1234)`` (Ray workers add
 ``ip=<node>``). :func:`observe_world` projects those lines into a
-:class:`~kiln.cluster.ranks.DeclaredObservation` (global rank, TP rank, host: the
+:class:`~kiln.system.ranks.DeclaredObservation` (global rank, TP rank, host: the
 Ray node address or this host's name, process key: the worker pid, incarnation:
-this start's token) and :func:`kiln.cluster.ranks.decide_rank_population` decides
+this start's token) and :func:`kiln.system.ranks.decide_rank_population` decides
 it; a refusal keeps ``/health`` at 503 with the findings.
 """
 
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.cluster.ranks import (
+from kiln.system.ranks import (
     DeclaredObservation,
     Participant,
     RankPopulationDecision,
@@ -59,15 +59,6 @@ from kiln.config import ConfigError
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm.entrypoints.cli.main` needs the `vllm` dist name
 READY_POLL_S = 0.5
 MAX_LOG_SCAN_BYTES = 16 << 20  # rank lines are read from at most this much of the child's log
-# Options Kiln owns: what vLLM loads, where it listens, who may call it, which adapters and logprobs it serves.
-MANAGED_OPTIONS = frozenset({
-    "model", "served-model-name", "host", "port", "api-key", "uds", "ssl-keyfile", "ssl-certfile",
-    "tensor-parallel-size", "pipeline-parallel-size", "distributed-executor-backend", "dtype",
-    "max-model-len", "max-logprobs", "logprobs-mode", "load-format", "tokenizer", "revision",
-    "tokenizer-revision", "trust-remote-code", "enable-lora", "max-loras", "max-lora-rank", "lora-modules",
-    "max-cpu-loras", "fingerprint-mode", "fingerprint-value", "generation-config", "allowed-local-media-path",
-    "middleware", "root-path", "download-dir", "hf-token", "chat-template",
-})
 _RANK_LINE = re.compile(
     r"\((?P<proc>[A-Za-z0-9_]+) pid=(?P<pid>\d+)(?:, ip=(?P<ip>[0-9A-Za-z.:_-]+))?\).*?"
     r"rank (?P<rank>\d+) in world size (?P<world>\d+) is assigned as DP rank (?P<dp>\d+), "
@@ -78,21 +69,6 @@ _RANK_LINE = re.compile(
 def default_python() -> str:
     """``.vllm-venv/bin/python`` at the root of the source tree Kiln runs from (scripts/test_vllm.sh builds it)."""
     return str(Path(__file__).resolve().parents[3] / ".vllm-venv" / "bin" / "python")
-
-
-def check_extra_args(args: Iterable[str]) -> tuple[str, ...]:
-    """Each extra vLLM option is one ``--key=value`` token (or a bare ``--switch``) Kiln does not own."""
-    out = []
-    for arg in args:
-        if not re.fullmatch(r"--[a-z0-9][a-z0-9-]*(=.*)?", arg, flags=re.DOTALL):
-            raise ValueError(f"{arg!r} is not one --key=value token (write e.g. '--enforce-eager' or "
-                             "'--gpu-memory-utilization=0.8')")
-        key = arg[2:].split("=", 1)[0]
-        if key in MANAGED_OPTIONS or key.startswith("no-enable-lora"):
-            raise ValueError(f"--{key} is set by Kiln (model, transport, parallelism, LoRA, logprobs and identity "
-                             "are Kiln's); use the matching [vllm] or [model] key instead")
-        out.append(arg)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -301,14 +277,14 @@ class VllmProcess:
 
     def start(self) -> None:
         """Stage the snapshot, spawn vLLM in its own session. Returns at once; see :meth:`wait_ready`."""
-        from kiln.teachers.private_dirs import (
+        from kiln.system.private_dirs import (
             make_private_child,
             open_private_parent,
             recover_stale,
         )
-        from kiln.teachers.provenance_io import ReadLimiter
-        from kiln.teachers.snapshot import inventory, stage, verify
-        from kiln.teachers.supervise import Supervisor
+        from kiln.system.provenance_io import ReadLimiter
+        from kiln.system.snapshot import inventory, stage, verify
+        from kiln.system.supervise import Supervisor
 
         plan = self.plan
         self.started_at = time.monotonic()
@@ -371,7 +347,7 @@ class VllmProcess:
 
     def stop(self) -> None:
         """Drain the whole process group, then remove this start's snapshot and cache (every step attempted)."""
-        from kiln.teachers.private_dirs import remove_child
+        from kiln.system.private_dirs import remove_child
 
         errors: list[BaseException] = []
         if self._sup is not None and self._sup.proc is not None:

@@ -1,11 +1,11 @@
 """The FastAPI application: ``create_app(loaded_settings, ...)``.
 
 :func:`kiln.serving.state.build_state` is the composition root: it builds the
-engine, the one adapter store and the training service and hands each its
-dependencies; ``request.app.state.kiln`` is that typed :class:`KilnState`. The
-engine starts in the app's lifespan, then the training worker, then the server
-accepts requests; shutdown stops training, then the engine, which ends every
-open row.
+engine, the one adapter store, the teachers, the evals, the training service and the
+OpenEnv service and hands each its dependencies; ``request.app.state.kiln`` is that
+typed :class:`KilnState`. The engine starts in the app's lifespan, then the evals, the
+training worker and OpenEnv, then the server accepts requests; shutdown stops them in
+the reverse order, the engine last, which ends every open row.
 
 ASGI layers, outermost first: security (Host, auth, Origin, Content-Type, body
 deadline), body limit, request metrics, the generation fast path, FastAPI.
@@ -44,7 +44,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     from kiln.serving import routes_adapters, routes_evals, routes_training, routes_ui
     from kiln.serving.fast_path import FastRoutes
     from kiln.serving.routes_openai import FAST_ROUTES
-    from kiln.serving.routes_openai import router as openai_router
+    from kiln.serving.routes_openai import ROUTERS as OPENAI_ROUTERS
     from kiln.serving.routes_ops import RequestMetricsMiddleware
     from kiln.serving.routes_ops import router as ops_router
 
@@ -52,13 +52,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     settings = kiln_state.settings
     policy = SecurityPolicy.from_settings(settings.server)
     redact = PathRedactor.from_settings(settings, kiln_state.model.path)
-    evals = build_evals(kiln_state)
-    from kiln.serving.routes_openenv import build_service as build_openenv
-
-    openenv = build_openenv(kiln_state)  # restart recovery of OpenEnv runs happens here, before any request
-    from kiln.serving import routes_judgments  # A/B judgments -> judge adapters (docs/evals.md, "Judgments")
-
-    judgments = routes_judgments.build_service(kiln_state)
+    evals, openenv, judgments = kiln_state.evals, kiln_state.openenv, kiln_state.judgments
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,11 +82,8 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     )
     app.state.kiln = kiln_state
     app.state.redact_paths = redact
-    app.state.evals = evals
-    app.state.openenv = openenv
-    app.state.judgments = judgments
     install_error_handlers(app, redact.text)
-    routers = (openai_router, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
+    routers = (*OPENAI_ROUTERS, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
     from kiln.serving import routes_teachers  # noqa: E402  (teachers: registry and probes)
     routers += (routes_teachers.router,)
@@ -133,19 +124,6 @@ def build_request_log(kiln_state: KilnState):
     tokenizer = kiln_state.model.tokenizer
     return RequestLog(server.debug_requests, keep_text=server.debug_requests_text,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-
-
-def build_evals(kiln_state: KilnState):
-    """The eval service over the served engine and the one adapter store (not started); the training
-    service gets it for post-train gates. Its metrics join the server's registry."""
-    from kiln.evals.service import EvalService
-
-    evals = EvalService(engine=kiln_state.engine, store=kiln_state.store, settings=kiln_state.settings,
-                        model=kiln_state.model, registry=kiln_state.metrics.registry)
-    kiln_state.metrics.bind_counts("eval", evals.runs.counts)
-    if kiln_state.trainer is not None and hasattr(kiln_state.trainer, "set_eval_service"):
-        kiln_state.trainer.set_eval_service(evals)
-    return evals
 
 
 def _version() -> str:

@@ -11,6 +11,10 @@ the body through the ``receive`` it was handed (so the body-limit middleware
 outside it still bounds it), validates it with the same pydantic model FastAPI
 would, and calls the same handler the FastAPI route calls.
 
+Each generation route is declared once, with :meth:`GenerationRoutes.post`: that registers
+it on the module's FastAPI router (for the OpenAPI schema and the requests the fast path hands
+on) and in the table :class:`FastRoutes` serves, so the two dispatchers cannot drift apart.
+
 Everything else goes to FastAPI unchanged, with the body messages already read
 replayed in order: other paths and methods, other content types, a body that is
 not JSON or does not validate, a client that leaves while the body is read. So
@@ -23,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +46,12 @@ from kiln.serving.errors import (
 
 Handler = Callable[[Any, Any, Receive], Awaitable[Response]]
 Precheck = Callable[[Any, Any], None]  # (state, the parsed JSON) -> raises a KilnError before validation
+
+
+class FastRoute(NamedTuple):
+    model: type[BaseModel]  # the request body's pydantic model
+    handler: Handler  # await handler(state, validated request, receive) -> the response
+    precheck: Precheck | None  # sees the parsed JSON before validation (a count limit), or None
 
 PARSE_OFF_LOOP_BYTES = 256 << 10  # bodies larger than this are parsed and validated on a worker thread
 
@@ -93,8 +105,37 @@ def replaying(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
+class GenerationRoutes:
+    """The generation routes of one module, each declared once (``@routes.post(...)`` on its handler).
+
+    ``router`` (a FastAPI ``APIRouter``) gets a thin endpoint per route that calls the same handler
+    with the app's state; :attr:`table` is what :class:`FastRoutes` serves.
+    """
+
+    def __init__(self, router: Any):
+        self.router = router
+        self.table: dict[str, FastRoute] = {}
+
+    def post(self, path: str, model: type[BaseModel], *, name: str, response_model: type[BaseModel],
+             precheck: Precheck | None = None) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            async def endpoint(body: Any, request: Request) -> Response:
+                return await handler(request.app.state.kiln, body, request.receive)
+
+            # FastAPI reads the body's model (and the schema it documents) from the signature
+            endpoint.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+                inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=model),
+                inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+            ], return_annotation=Response)
+            self.router.add_api_route(path, endpoint, methods=["POST"], name=name, response_model=response_model)
+            self.table[path] = FastRoute(model, handler, precheck)
+            return handler
+
+        return register
+
+
 class FastRoutes:
-    """Serve ``routes`` (path -> (request model, handler, precheck or None)) directly; hand anything else to ``app``.
+    """Serve ``routes`` (path -> :class:`FastRoute`) directly; hand anything else to ``app``.
 
     A handler is called as ``await handler(state, validated_request, receive)`` and
     returns the response to send. A precheck sees the parsed JSON before the model validates it,
@@ -102,7 +143,7 @@ class FastRoutes:
     answer). Bodies over ``PARSE_OFF_LOOP_BYTES`` are parsed and validated off the event loop.
     """
 
-    def __init__(self, app: ASGIApp, state: Any, routes: dict[str, tuple[type[BaseModel], Handler, Precheck | None]]):
+    def __init__(self, app: ASGIApp, state: Any, routes: dict[str, FastRoute]):
         self.app = app
         self.state = state
         self.routes = routes

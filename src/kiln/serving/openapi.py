@@ -28,6 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from kiln.serving import openai_responses as oai
 from kiln.serving import protocol as p
 
 REF = "#/components/schemas/{model}"
@@ -119,13 +120,13 @@ def _eval_docs() -> dict[tuple[str, str], RouteDoc]:
 
 
 ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
-    ("post", "/v1/chat/completions"): RouteDoc(p.ChatCompletionResponse, _GENERATION_ERRORS,
-                                               stream_event=p.ChatCompletionChunk),
-    ("post", "/v1/completions"): RouteDoc(p.CompletionResponse, _GENERATION_ERRORS, stream_event=p.CompletionChunk),
-    ("post", "/v1/completions/batch"): RouteDoc(p.BatchCompletionResponse, _GENERATION_ERRORS),
-    ("get", "/v1/models"): RouteDoc(p.ModelList, ()),
-    ("post", "/tokenize"): RouteDoc(p.TokenizeResponse, (400, 404)),
-    ("post", "/detokenize"): RouteDoc(p.DetokenizeResponse, (400, 404)),
+    ("post", "/v1/chat/completions"): RouteDoc(oai.ChatCompletionResponse, _GENERATION_ERRORS,
+                                               stream_event=oai.ChatCompletionChunk),
+    ("post", "/v1/completions"): RouteDoc(oai.CompletionResponse, _GENERATION_ERRORS, stream_event=oai.CompletionChunk),
+    ("post", "/v1/completions/batch"): RouteDoc(oai.BatchCompletionResponse, _GENERATION_ERRORS),
+    ("get", "/v1/models"): RouteDoc(oai.ModelList, ()),
+    ("post", "/tokenize"): RouteDoc(oai.TokenizeResponse, (400, 404)),
+    ("post", "/detokenize"): RouteDoc(oai.DetokenizeResponse, (400, 404)),
     ("get", "/health"): RouteDoc(p.HealthResponse, (503,)),
     ("get", "/metrics"): RouteDoc(None, (), media="text/plain"),
     ("get", "/v1/config"): RouteDoc(p.ConfigResponse, ()),
@@ -160,7 +161,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
 
 
 def _component_schemas() -> dict[str, Any]:
-    models = {p.ErrorResponse}
+    models = {oai.ErrorResponse}
     for doc in ROUTE_DOCS.values():
         models |= {m for m in (doc.model, doc.stream_event) if m is not None}
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
@@ -174,7 +175,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _error_response(status: int) -> dict[str, Any]:
     return {"description": STATUS_TEXT.get(status, "error"),
-            "content": {"application/json": {"schema": _ref(p.ErrorResponse)}}}
+            "content": {"application/json": {"schema": _ref(oai.ErrorResponse)}}}
 
 
 def complete_operation(method: str, path: str, op: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """``POST /v1/completions/batch``: a bounded set of prompts, one aggregated response.
 
 The batch runs as one ordinary text completion of all its prompts (``completion_response`` in
-:mod:`kiln.serving.routes_openai`), so its rows go through the same admission, scheduler, adapter
+:mod:`kiln.serving.routes_completions`), so its rows go through the same admission, scheduler, adapter
 resolution (one adapter revision for the whole batch, in ``x-kiln-adapter-revision``), memory accounting,
 timeout and cancellation (a client that disconnects cancels every row of the batch) as any generation
 request. Only the shape differs: results grouped per prompt, each with its own ``n`` choices, indexed
@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from kiln.errors import InvalidRequest
-from kiln.serving.protocol import BatchCompletionRequest, BatchCompletionResponse, CompletionRequest
-from kiln.serving.routes_openai import completion_response
+from kiln.serving.openai_responses import BatchCompletionResponse
+from kiln.serving.protocol import BatchCompletionRequest, CompletionRequest
+from kiln.serving.routes_completions import completion_response
 from kiln.serving.state import get_state
 
 router = APIRouter()

@@ -1,7 +1,7 @@
 """HTTP routes for ``/v1/evals/*``: suites, runs, comparisons, replays and the post-train gate.
 
-Thin layer over :class:`kiln.evals.service.EvalService` (``request.app.state.evals``, built by
-:func:`kiln.serving.app.create_app`). Submissions answer 202 with the queued run; follow it with
+Thin layer over :class:`kiln.evals.service.EvalService` (``KilnState.evals``, built by the composition root,
+:func:`kiln.serving.state.build_state`). Submissions answer 202 with the queued run; follow it with
 ``GET /v1/evals/runs/{id}``.
 """
 
@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from kiln.errors import NotFound, Unavailable
+from kiln.errors import NotFound
+from kiln.serving.state import get_state
 from kiln.evals.schemas import (
     RUN_ID_RE,
     CompareRequest,
@@ -29,10 +30,7 @@ router = APIRouter(tags=["evals"])
 
 
 def _evals(request: Request) -> EvalService:
-    service = getattr(request.app.state, "evals", None)
-    if service is None:
-        raise Unavailable("evals are not available on this server", code="evals_disabled")
-    return service
+    return get_state(request).evals
 
 
 def _run_id(run_id: str) -> str:

@@ -1,8 +1,8 @@
 """HTTP routes for ``/v1/judgments*``: record A/B preferences, page and export them, train a judge
 adapter on them, and ask a judge to compare two responses (docs/evals.md, "Judgments").
 
-Thin layer over :class:`kiln.judgments.service.JudgmentService` (``request.app.state.judgments``, built
-by :func:`build_service`).
+Thin layer over :class:`kiln.judgments.service.JudgmentService` (``KilnState.judgments``, built
+by :func:`kiln.serving.state.build_judgments`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from kiln.errors import NotFound, Unavailable
+from kiln.errors import NotFound
 from kiln.judgments.schemas import (
     JUDGMENT_ID_RE,
     MAX_PAGE,
@@ -24,23 +24,12 @@ from kiln.serving.state import get_state, require_experimental
 
 if TYPE_CHECKING:
     from kiln.judgments.service import JudgmentService
-    from kiln.serving.state import KilnState
 
 router = APIRouter(tags=["judgments"])
 
 
-def build_service(state: KilnState) -> JudgmentService:
-    """The judgment service over the served engine and the training service (its store opens here)."""
-    from kiln.judgments.service import JudgmentService
-
-    return JudgmentService(engine=state.engine, trainer=state.trainer, settings=state.settings)
-
-
 def _service(request: Request) -> JudgmentService:
-    service = getattr(request.app.state, "judgments", None)
-    if service is None:
-        raise Unavailable("judgments are not available on this server", code="judgments_disabled")
-    return service
+    return get_state(request).judgments
 
 
 def _judgment_id(judgment_id: str) -> str:

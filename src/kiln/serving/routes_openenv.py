@@ -1,35 +1,30 @@
 """HTTP routes for ``/v1/openenv/*``: preflight, start an OpenEnv run, follow it, cancel it, download its artifacts.
 
-Thin layer over :class:`kiln.openenv.service.OpenEnvService`. The app builds the service when it
-is created (:func:`build_service`: restart recovery runs then, before any request), starts its
-workers in the lifespan after the trainer, and closes it first at shutdown.
+Thin layer over :class:`kiln.openenv.service.OpenEnvService` (``KilnState.openenv``). The composition
+root builds the service (:func:`kiln.serving.state.build_openenv`: restart recovery runs then, before
+any request); the app starts its workers in the lifespan after the trainer and closes it first at shutdown.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from kiln.openenv.schemas import ARTIFACT_SHA256_HEADER, OpenEnvPreflight, OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
-from kiln.serving.state import KilnState, get_state, require_experimental
+from kiln.serving.state import get_state, require_experimental
+
+if TYPE_CHECKING:
+    from kiln.openenv.service import OpenEnvService
 
 router = APIRouter(tags=["openenv"])
 ARTIFACT_CHUNK = 1 << 16
 
 
-def build_service(state: KilnState) -> Any:
-    """The OpenEnv run service over the app's engine, trainer and settings (not started)."""
-    from kiln.openenv.service import OpenEnvService
-
-    return OpenEnvService(engine=state.engine, trainer=state.trainer, settings=state.settings,
-                          registry=state.metrics.registry)
-
-
-def _service(request: Request) -> Any:
-    return request.app.state.openenv
+def _service(request: Request) -> OpenEnvService:
+    return get_state(request).openenv
 
 
 def _public(request: Request, body: Any) -> Any:

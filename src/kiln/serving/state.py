@@ -1,11 +1,15 @@
 """The composition root: :func:`build_state` builds every long-lived object once and wires them.
 
 ``kiln serve`` (and any embedding) calls :func:`build_state` once. It loads the
-model (device and dtype resolved there), builds the :class:`~kiln.runtime.engine.Engine`
-on it, ONE :class:`~kiln.adapters.store.AdapterStore` over ``adapters_path``, and the
-:class:`~kiln.training.service.TrainingService` (when ``training.enabled``) with the
-engine, that store, the settings and the loaded model handed to it explicitly.
-Nothing starts here; the app's lifespan starts the engine, then training.
+model (device and dtype resolved there), builds the engine on it (the built-in
+:class:`~kiln.runtime.engine.Engine` or the vLLM facade, one
+:class:`~kiln.runtime.serving_engine.ServingEngine` seam), ONE
+:class:`~kiln.adapters.store.AdapterStore` over ``adapters_path``, the teacher service,
+the eval service, the :class:`~kiln.training.service.TrainingService` (when
+``training.enabled``; it gets the teachers and the evals for its OPD jobs and post-train
+gates) and the OpenEnv run service, each with its dependencies handed to it explicitly.
+Nothing starts here (OpenEnv's restart recovery reads its run records); the app's lifespan
+starts the engine, the evals, training, then OpenEnv.
 
 Routes reach these objects through :func:`get_state`, which is typed, so an IDE
 follows a chat request (route -> ``state.engine``) and a training job (route ->
@@ -29,6 +33,9 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
 
     from kiln.adapters.served import ServedSet
     from kiln.adapters.store import AdapterStore
+    from kiln.evals.service import EvalService
+    from kiln.judgments.service import JudgmentService
+    from kiln.openenv.service import OpenEnvService
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
     from kiln.runtime.memory_budget import MemoryBudget
@@ -50,6 +57,9 @@ class KilnState:
     trainer: TrainingService | None  # None when training.enabled is false
     metrics: Metrics
     system_fingerprint: str
+    evals: EvalService  # suites, runs and post-train gates
+    openenv: OpenEnvService  # OpenEnv runs -> GRPO
+    judgments: JudgmentService  # A/B preferences -> judge adapters (docs/evals.md, "Judgments")
     started_at: float = field(default_factory=time.time)
     teachers: TeacherService | None = None  # this server's teacher identity and the teacher registry
     served: ServedSet | None = None  # the served adapter set kept across restarts (restore_served)
@@ -115,21 +125,24 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     engine_box.append(engine)
     store = AdapterStore(settings.adapters_path)
     memory = build_memory_budget(settings, model, engine)
-    trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
-    if trainer is not None:
-        trainer.memory = memory
-        trainer.observer = metrics
-        metrics.bind_counts("training", trainer.jobs.counts)
     from kiln.teachers.service import build_teachers
 
     teachers = build_teachers(settings, model, engine, store)
-    if trainer is not None and hasattr(trainer, "set_teachers"):
-        trainer.set_teachers(teachers)
+    evals = build_evals(settings, model, engine, store, metrics)
+    trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
+    if trainer is not None:
+        trainer.set_teachers(teachers)  # OPD jobs resolve their teacher here
+        trainer.set_eval_service(evals)  # post_eval gates
+        trainer.memory = memory  # memory admission at submission and at the job's start
+        trainer.observer = metrics  # step time, tokens/s
+        metrics.bind_counts("training", trainer.jobs.counts)
     from kiln.adapters.served import ServedSet
 
     served = ServedSet(store.root, public=store.has)  # not an eval's private load
-    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, teachers=teachers,
-                     served=served, memory=memory)
+    openenv = build_openenv(settings, engine, trainer, metrics)
+    judgments = build_judgments(settings, engine, trainer)
+    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, evals, openenv, judgments,
+                     teachers=teachers, served=served, memory=memory)
 
 
 def build_memory_budget(settings: Settings, model: LoadedModel, engine: ServingEngine) -> MemoryBudget:
@@ -220,6 +233,33 @@ def build_training(settings: Settings, engine: Engine, store: AdapterStore, mode
     from kiln.training.service import TrainingService
 
     return TrainingService(engine=engine, store=store, settings=settings, model=model)
+
+
+def build_evals(settings: Settings, model: LoadedModel, engine: ServingEngine, store: AdapterStore,
+                metrics: Metrics) -> EvalService:
+    """The eval service over the served engine and the one adapter store (not started); its metrics
+    join the server's registry."""
+    from kiln.evals.service import EvalService
+
+    evals = EvalService(engine=engine, store=store, settings=settings, model=model, registry=metrics.registry)
+    metrics.bind_counts("eval", evals.runs.counts)
+    return evals
+
+
+def build_judgments(settings: Settings, engine: ServingEngine, trainer: TrainingService | None) -> JudgmentService:
+    """The judgment store (opened here) over the served engine (judge scoring) and the trainer (judge jobs)."""
+    from kiln.judgments.service import JudgmentService
+
+    return JudgmentService(engine=engine, trainer=trainer, settings=settings)
+
+
+def build_openenv(settings: Settings, engine: ServingEngine, trainer: TrainingService | None,
+                  metrics: Metrics) -> OpenEnvService:
+    """The OpenEnv run service over the engine and the trainer (not started; restart recovery of its
+    runs happens here, before any request)."""
+    from kiln.openenv.service import OpenEnvService
+
+    return OpenEnvService(engine=engine, trainer=trainer, settings=settings, registry=metrics.registry)
 
 
 def load_configured_model(settings: Settings) -> LoadedModel:

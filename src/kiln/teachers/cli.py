@@ -47,7 +47,7 @@ def recover_stale(
     Only run this against the launcher's dedicated parents; children of a live
     launcher are kept.
     """
-    from kiln.teachers.private_dirs import recover_stale as recover
+    from kiln.system.private_dirs import recover_stale as recover
 
     for p in parent:
         report = recover(p)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from kiln.canonical import (
     CanonicalJSONError,
@@ -35,6 +35,7 @@ from kiln.canonical import (
     sha256_hex,
     strict_json_loads,
 )
+from kiln.system.snapshot import SNAPSHOT_MANIFEST_DOMAIN, snapshot_manifest_digest  # noqa: F401  (the teacher identity's digest)
 
 IDENTITY_SCHEMA = "kiln.teacher-identity.v1"
 PROTOCOL = "vllm.prompt-logprobs.numeric-token-ids.causal.v1"
@@ -45,7 +46,6 @@ INPUT_SCHEMA = "kiln.vllm-teacher-input.v2"
 
 TOKENIZER_VOCAB_DOMAIN = "kiln.tokenizer-vocab.v1"
 ADAPTER_WEIGHTS_DOMAIN = "kiln.adapter-weights.v1"
-SNAPSHOT_MANIFEST_DOMAIN = "kiln.teacher-snapshot-manifest.v1"
 INFERENCE_CONFIG_DOMAIN = "kiln.teacher-inference-config.v1"
 INFERENCE_CONFIG_SCHEMA = "kiln.teacher-inference-config.v1"
 CACHE_POLICY = "kiln.private-empty-cache-per-launch.v1"
@@ -291,15 +291,6 @@ def tokenizer_vocab_digest(vocab: Mapping[str, int], *, reported_size: int, mode
 def tokenizer_config_digest(backend_json: str) -> str:
     """``tokenizer_config_sha256``: the exact UTF-8 of ``backend_tokenizer.to_str()``."""
     return sha256_hex(backend_json.encode("utf-8"))
-
-
-def snapshot_manifest_digest(directories: Iterable[str], files: Iterable[tuple[str, int, str]]) -> str:
-    """``snapshot_content_sha256`` over every directory and (path, size, sha256) file."""
-    doc = {
-        "directories": sorted(directories),
-        "files": [{"path": p, "sha256": d, "size": s} for p, s, d in sorted(files)],
-    }
-    return domain_digest(SNAPSHOT_MANIFEST_DOMAIN, canonical_json_bytes(doc))
 
 
 # ------------------------------------------------------------------ adapters

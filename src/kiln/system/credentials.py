@@ -1,4 +1,4 @@
-"""Teacher credentials: ``[teachers.credentials.<id>] origin, api_key_env`` in kiln.toml.
+"""Secrets named by environment variable: ``[teachers.credentials.<id>] origin, api_key_env`` in kiln.toml.
 
 Only the variable's NAME and the authorized origin live in settings. The secret
 is checked at start-up (:func:`validate_credentials`), checked again when a

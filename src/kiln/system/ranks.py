@@ -6,7 +6,8 @@ which host-local process key and which incarnation), decide whether that
 population is coherent, or refuse it with every finding at once.
 
 This module is pure: standard library and pydantic only. It acquires nothing and
-claims no provenance; an acquisition adapter (``kiln.cluster.acquire``) owns the
+claims no provenance; an acquisition adapter (``kiln.cluster.acquire``, or the vLLM
+supervisor in ``kiln.runtime.vllm_process``) owns the
 record of how an observation was obtained and joins that record to the decision.
 
 How the rank set is pinned without a caller-supplied list: the law demands that

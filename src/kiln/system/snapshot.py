@@ -23,10 +23,23 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
-from kiln.teachers.identity import snapshot_manifest_digest
-from kiln.teachers.private_dirs import DIR_OPEN_FLAGS, PrivateDirError, launch_token, make_private_child, remove_child
-from kiln.teachers.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
+from kiln.canonical import canonical_json_bytes, domain_digest
+from kiln.system.private_dirs import DIR_OPEN_FLAGS, PrivateDirError, launch_token, make_private_child, remove_child
+from kiln.system.provenance_io import ProvenanceError, ReadLimiter, file_identity, hash_fd_exact
+
+SNAPSHOT_MANIFEST_DOMAIN = "kiln.teacher-snapshot-manifest.v1"  # a teacher identity field (kiln.teachers.identity)
+
+
+def snapshot_manifest_digest(directories: Iterable[str], files: Iterable[tuple[str, int, str]]) -> str:
+    """``snapshot_content_sha256`` over every directory and (path, size, sha256) file."""
+    doc = {
+        "directories": sorted(directories),
+        "files": [{"path": p, "sha256": d, "size": s} for p, s, d in sorted(files)],
+    }
+    return domain_digest(SNAPSHOT_MANIFEST_DOMAIN, canonical_json_bytes(doc))
+
 
 MAX_TREE_FILES = 100_000
 MAX_TREE_DIRS = 20_000
