@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 EPS = 1e-12
 OPD_INPUTS_DOMAIN = "kiln.training-inputs.v1"
 OPD_PLAN_DOMAIN = "kiln.training-plan.v1"
+DEFAULT_LEARNED_EVERY_OPD = 5  # until_learned: check every this many steps (at least once per pass over the prompts)
+PATHS_TENSOR = "opd_teacher_paths"  # checkpoint tensor: kiln.training.opd_paths.TeacherPaths
 
 
 # ----------------------------------------------------------------------------- losses
@@ -239,6 +241,7 @@ class OPDData:
     ce_weight: float
     total_steps: int
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
+    teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
 
 
 def prepare_opd(service: Any, request: OPDRequest) -> Any:
@@ -256,6 +259,8 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
     lora = service._lora_shape(request, parent)
     tok = service.loaded.tokenizer
+    from kiln.training.opd_schemas import budget_steps
+
     engine = service.engine
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
     if request.training_mode == "off_policy":
@@ -279,22 +284,30 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
                    request.max_tokens, request.top_k, request.loss, request.ce_weight,
-                   _total_steps(request, len(items), sampled_per_step=min(request.batch_size, len(items))
-                                * request.samples_per_prompt * request.max_tokens))
+                   _total_steps(request, len(items), budget=budget_steps(
+                       len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
+                   teacher_path=request.teacher_path)
     return _job_plan(service, request, entry, lora, parent, data, inputs, {})
 
 
-def _total_steps(request: OPDRequest, n_items: int, *, sampled_per_step: int | None = None) -> int:
-    """``steps``, or: one pass over the items x ``epochs``, raised to the token budget when each step samples
-    ``sampled_per_step`` tokens at most (on-policy); capped by ``max_steps``."""
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET
-
+def _total_steps(request: OPDRequest, n_items: int, *, budget: int = 0) -> int:
+    """``steps``, or: one pass over the items x ``epochs``, raised to ``budget`` steps (on-policy: the token
+    budget, :func:`kiln.training.opd_schemas.budget_steps`); capped by ``max_steps``."""
     total = request.steps
     if total is None:
-        total = (request.epochs or 1) * math.ceil(n_items / request.batch_size)
-        if sampled_per_step:
-            total = max(total, math.ceil(DEFAULT_OPD_TOKEN_BUDGET / sampled_per_step))
+        total = max((request.epochs or 1) * math.ceil(n_items / request.batch_size), budget)
     return total if request.max_steps is None else min(total, request.max_steps)
+
+
+def _learned_check(request: OPDRequest) -> Any:
+    """``until_learned`` (default: on when ``steps`` is omitted and ``teacher_path`` is on): stop once every
+    prompt's teacher path is whole and is the student's greedy answer."""
+    from kiln.training.schemas import DEFAULT_LEARNED_MARGIN
+    from kiln.training.trainer import LearnedCheck
+
+    on = request.until_learned if request.until_learned is not None else request.steps is None
+    return LearnedCheck(every=DEFAULT_LEARNED_EVERY_OPD, margin=DEFAULT_LEARNED_MARGIN) \
+        if on and request.teacher_path and request.training_mode == "on_policy" else None
 
 
 def _prepare_off_policy(service: Any, request: OPDRequest, entry: dict[str, Any], lora: Any, parent: Any,
@@ -320,8 +333,9 @@ def _job_plan(service: Any, request: OPDRequest, entry: dict[str, Any], lora: An
     from kiln.training.recipe import RUN_ONLY_FIELDS, JobPlan
     from kiln.training.trainer import Plan
 
+    check = _learned_check(request)
     eff = request.model_dump(mode="json")
-    eff.update(steps=data.total_steps, lora_rank=lora.rank, lora_alpha=lora.alpha,
+    eff.update(steps=data.total_steps, until_learned=check is not None, lora_rank=lora.rank, lora_alpha=lora.alpha,
                lora_target_modules=list(lora.target_modules),
                base_adapter_revision=None if parent is None else parent.revision,
                teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"], **extra)
@@ -334,7 +348,7 @@ def _job_plan(service: Any, request: OPDRequest, entry: dict[str, Any], lora: An
     if request.resume_from_job is not None:
         service._check_resumable(request.resume_from_job, plan_sha)
     loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=data.total_steps)
+                max_steps=data.total_steps, until_learned=check)
     return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,  # type: ignore[arg-type]
                    request.auto_load, request.resume_from_job)
 
@@ -354,6 +368,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.opd_paths import TeacherPaths
     from kiln.training.trainer import _Loop
 
     identity = _identity_of(data.teacher["identity"])
@@ -362,6 +377,26 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     n = len(data.items)
     for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
         loop.stats.setdefault(key, 0.0)
+    paths = TeacherPaths(n, end_ids) if data.teacher_path else None
+    if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
+        paths.load_tensor(resume.tensors[PATHS_TENSOR])
+    check = plan.until_learned if paths is not None else None
+    every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
+
+    def learned() -> bool:
+        """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
+        from kiln.training.data import Row
+        from kiln.training.trainer import greedy_margin
+
+        assert paths is not None and check is not None
+        if not all(paths.complete(i) for i in range(n)):
+            return False
+        rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
+                for i, it in enumerate(data.items)]
+        with loop.step_ownership():
+            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
+        loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin
 
     with loop.running():
         while not loop.done():
@@ -370,16 +405,22 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
             # 1. student samples every prompt x sample with the private adapter's current weights
             t0 = time.perf_counter()
+            todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
             prompts = [list(data.items[i].student_ids) for i in chosen]
-            comps = sample_policy(peft_model, loop, engine, prompts, data.samples_per_prompt, data.max_tokens,
-                                  data.temperature, data.top_p, seed=plan.seed, seed_step=step,
-                                  revision=f"step-{step}", pad_id=pad_id, end_ids=end_ids)
-            samples = [(idx, c) for k, idx in enumerate(chosen)
-                       for c in comps[k * data.samples_per_prompt:(k + 1) * data.samples_per_prompt] if c]
+            prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
+            counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
+            budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+            comps = sample_policy(peft_model, loop, engine, prompts, counts, budgets, data.temperature,
+                                  data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
+                                  pad_id=pad_id, end_ids=end_ids)
+            k = len(chosen) * data.samples_per_prompt
+            samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
+            rest = iter(comps[k:])  # teacher-path rows: the known prefix + the student's sample from it
+            samples += [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
             student_s = time.perf_counter() - t0
             if not samples:
                 loop.stats["student_s"] += student_s
-                loop.after_step(0, 0)
+                loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
                 continue
             # 2. teacher scores every (teacher prompt + completion) in one batch
             t1 = time.perf_counter()
@@ -392,10 +433,14 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             rows, sampled = [], []
             for (i, comp), sc in zip(samples, scored.prompts):
                 start = len(data.items[i].teacher_ids)
-                for j, tok in enumerate(comp):
-                    rows.append(sc.rows[start + j] or {})
-                    sampled.append(tok)
+                mine = [sc.rows[start + j] or {} for j in range(len(comp))]
+                if paths is not None:
+                    paths.observe(i, comp, mine)
+                rows += mine
+                sampled += comp
             loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
+            if paths is not None:
+                loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
             gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
@@ -410,7 +455,11 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
             loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
             loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled))
-            loop.after_step(0, 0)
+            if every is not None and loop.step % every == 0 and learned():
+                loop.stats["learned_at_step"] = loop.total_steps = loop.step
+            loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+        if check is not None:
+            loop.stats["learned"] = "learned_at_step" in loop.stats
     return loop.report()
 
 

@@ -1,0 +1,75 @@
+"""OPD teacher-path rows (kiln.training.opd_paths) and the per-prompt sampling they need."""
+
+from __future__ import annotations
+
+from kiln.training.opd_paths import TeacherPaths, teacher_top1
+
+END = 0
+
+
+def _row(best: int, *others: int) -> dict[int, float]:
+    """A teacher row whose top-1 is ``best``."""
+    return {best: -0.1, **{o: -3.0 - i for i, o in enumerate(others)}}
+
+
+def test_a_draft_proves_its_agreeing_prefix_plus_the_teachers_token_where_it_diverges():
+    paths = TeacherPaths(2, [END])
+    # the teacher's greedy answer is 5 6 7 END; the draft says 5 6 9 ...: it proves 5 6 7
+    paths.observe(0, [5, 6, 9, 4], [_row(5), _row(6, 9), _row(7, 9), _row(8)])
+    assert paths.prefix(0) == [5, 6, 7] and not paths.complete(0)
+    assert paths.prefix(1) == []
+    # a shorter proof, or one that contradicts the known prefix, changes nothing
+    paths.observe(0, [3], [_row(5, 3)])
+    paths.observe(0, [5, 1, 1, 1, 1], [_row(5), _row(1), _row(1), _row(1), _row(1)])
+    assert paths.prefix(0) == [5, 6, 7]
+    # the known prefix, then the student's sample from it: the row extends the path through END
+    paths.observe(0, [5, 6, 7, END, 9], [_row(5), _row(6), _row(7), _row(END), _row(9)])
+    assert paths.prefix(0) == [5, 6, 7, END] and paths.complete(0)
+    paths.observe(0, [5, 6, 7, 2, 2, 2], [_row(5), _row(6), _row(7), _row(2), _row(2), _row(2)])
+    assert paths.prefix(0) == [5, 6, 7, END]  # complete: never extended
+
+
+def test_rows_to_sample_and_checkpoint_round_trip():
+    paths = TeacherPaths(3, [END])
+    paths.observe(0, [5, 6], [_row(5), _row(6)])  # agrees to the end of the draft (max_tokens reached)
+    paths.observe(2, [4], [_row(END)])  # the teacher's answer is empty: END at once
+    assert paths.prefix(0) == [5, 6] and paths.prefix(2) == [END]
+    # prompt 1 has no path yet (no row); prompt 2's path is whole (the row is the path, nothing to sample)
+    assert paths.rows_to_sample([0, 1, 2], max_tokens=8) == [(0, [5, 6], 6), (2, [END], 0)]
+    assert paths.rows_to_sample([0], max_tokens=2) == [(0, [5, 6], 0)]
+    again = TeacherPaths(3, [END])
+    again.load_tensor(paths.to_tensor())
+    assert again.paths == paths.paths and again.complete(2)
+    assert teacher_top1({}) is None and teacher_top1({4: -1.0, 2: -1.0}) == 2
+
+
+def test_per_prompt_counts_and_budgets_in_one_batch(builtin_model_dir):
+    """The sampler takes one row count and one token budget per prompt (teacher-path rows continue a longer
+    prompt for fewer tokens); a prompt with 0 rows gives none; the same seeds give the same rows, on the
+    engine and through the batched generate fallback."""
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.loader import load_model
+    from kiln.training.engine_sampling import sample_batch, sample_on_engine
+    from kiln.training.trainer import add_private_adapter, lora_config
+
+    loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
+    engine = Engine(loaded, EngineConfig(max_model_len=256)).start()
+    try:
+        pm = engine.peft_model()
+        with engine.ownership.exclusive():
+            add_private_adapter(pm, "priv", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+        prompts = [engine.encode_chat([{"role": "user", "content": w}]) for w in ("ant", "bee", "cat")]
+        seeds = [[10 * i + j for j in range(2)] for i in range(3)]
+        out = sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1], [3, 5, 2], 1.0, 1.0, seeds=seeds,
+                               end_ids=[])
+        assert [len(c) for c in out] == [3, 3, 2]
+        assert sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1], [3, 5, 2], 1.0, 1.0, seeds=seeds,
+                                end_ids=[]) == out
+        with engine.ownership.exclusive():
+            pm.base_model.set_adapter("priv")
+            gen = sample_batch(pm, prompts, [1, 2, 0], [4, 2, 9], 1.0, 1.0, seed=3, pad_id=0, end_ids=[],
+                               device="cpu")
+        assert [len(c) for c in gen] == [4, 2, 2]
+        assert sample_batch(pm, prompts, [0, 0, 0], 4, 1.0, 1.0, seed=3, pad_id=0, end_ids=[], device="cpu") == []
+    finally:
+        engine.stop()
