@@ -71,6 +71,7 @@ class Setup:
         self.path = str(lm.path)
         self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, LORA_TARGETS)
         self.current = "teacher"  # the adapter sample_rows samples with
+        self.rounds = 0  # teacher-only calls that finished teacher paths
         self.pm = get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle")
         add_private_adapter(self.pm, "teacher", self.lora, seed=0)
         chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
@@ -168,12 +169,13 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
     params = add_private_adapter(s.pm, name, s.lora, seed=seed)
     opt = _adamw(params, args.lr)
     split = split_causal_lm(s.pm)
-    data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, loss, 0.0, args.steps)
+    data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, loss, args.ce_weight,
+                   args.steps)
     learned, lls, t0 = None, [], time.perf_counter()
     paths = TeacherPaths(1, s.end_ids) if args.teacher_path else None
     for step in range(args.steps):
         s.current = name
-        comps = [c for _, c in sample_rows(s, paths, [0], [s.prompt], args, seed, step)]
+        comps = [c for _, c in sample_rows(s, paths, [0], [s.prompt], args, seed, step, "teacher")]
         rows, sampled, d = [], [], {"ent": [], "t_ent": [], "q_out": [], "out": []}
         for c in comps:
             seq = s.prompt + c
@@ -199,7 +201,8 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
                 logits = _completion_logits(s.pm, [(s.prompt, c) for c in comps], "cpu")
             ids, lp, mask = candidates(rows, sampled, args.top_k, include_sampled=True)
             shares = bucket_shares(logits, ids, lp, mask, loss)
-        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, [], pad_id=s.pad,
+        gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
+        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, gold, pad_id=s.pad,
                          device="cpu")
         value.backward()
         opt.step()
@@ -318,11 +321,23 @@ FACTS = [(QUESTION, ANSWER),
 
 
 def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]], args: Any, seed: int,
-                step: int) -> list[tuple[int, list[int]]]:
+                step: int, teacher: str) -> list[tuple[int, list[int]]]:
     """A step's rows as :func:`kiln.training.opd.run_opd` samples them, in one batch: ``args.samples`` per chosen
-    prompt, plus with ``paths`` one teacher-path row per prompt (:mod:`kiln.training.opd_paths`)."""
+    prompt, plus with ``paths`` one teacher-path row per prompt (:mod:`kiln.training.opd_paths`), the path
+    finished first by the teacher alone (as a local teacher answers: the row after a dummy end token)."""
+    from kiln.runtime.scoring import prompt_logprob_rows
     from kiln.training.engine_sampling import sample_batch, sample_seed
 
+    def score_next(todo: list[tuple[int, list[int]]]) -> list[dict[int, float]]:
+        out = []
+        for i, known in todo:
+            seq = prompts[i] + known + [s.end_ids[0]]
+            out.append({e.token_id: e.logprob for e in prompt_logprob_rows(s.logp(teacher, seq), seq,
+                                                                           args.top_k)[-1]})
+        return out
+
+    if paths is not None:
+        s.rounds += paths.discover(chosen, args.max_tokens, score_next)
     todo = paths.rows_to_sample(chosen, args.max_tokens) if paths is not None else []
     counts = [args.samples] * len(chosen) + [int(left > 0) for _, _, left in todo]
     budgets = [args.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
@@ -353,24 +368,27 @@ def run_facts(s: Setup, args: Any) -> None:
         max_seq_len=256, end_ids=s.end_ids)
     add_private_adapter(s.pm, "teacher10", s.lora, seed=0)
     rep = run_sft(s.pm, "teacher10", rows, Plan(1e-2, 300, len(FACTS), 0, max_steps=300,
-                                                 until_learned=LearnedCheck()), pad_id=s.pad)
+                                                 until_learned=LearnedCheck(margin=args.teacher_margin)), pad_id=s.pad)
     prompts = [s.encode(q) for q, _ in FACTS]
     answers = [s.greedy("teacher10", p) for p in prompts]
     exact = sum(s.tok.decode(a).removesuffix("<|im_end|>") == ans for a, (_, ans) in zip(answers, FACTS))
-    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps, teacher greedy exact {exact}/10, "
+    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps (margin {args.teacher_margin}), teacher "
+          f"greedy exact {exact}/10, "
           f"degenerate teacher {degenerate(s, 'teacher10')}/{len(UNRELATED)}")
     for seed in range(args.seeds):
         name = f"facts-{seed}"
         opt = _adamw(add_private_adapter(s.pm, name, s.lora, seed=seed), args.lr)
         split = split_causal_lm(s.pm)
-        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward", 0.0,
-                       args.steps)
+        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward",
+                       args.ce_weight, args.steps)
         paths = TeacherPaths(len(FACTS), s.end_ids) if args.teacher_path else None
+        all_at: list[int] = []
+        s.rounds = 0
         t0 = time.perf_counter()
         for step in range(args.steps):
             chosen = [(step * args.batch + j) % len(FACTS) for j in range(args.batch)]
             s.current = name
-            pairs = sample_rows(s, paths, chosen, prompts, args, seed, step)
+            pairs = sample_rows(s, paths, chosen, prompts, args, seed, step, "teacher10")
             t_rows, sampled = [], []
             for i, c in pairs:
                 seq = prompts[i] + c
@@ -382,12 +400,18 @@ def run_facts(s: Setup, args: Any) -> None:
                 sampled += c
             pairs = [(prompts[i], c) for i, c in pairs]
             s.pm.base_model.set_adapter(name)
-            opd_loss(s.pm, split, data, pairs, t_rows, sampled, [], pad_id=s.pad, device="cpu").backward()
+            gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen] if paths and args.ce_weight else []
+            opd_loss(s.pm, split, data, pairs, t_rows, sampled, gold, pad_id=s.pad, device="cpu").backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if (step + 1) % args.trace_every == 0 or step + 1 == args.steps:
                 got = sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))
-                known = f", teacher path {paths.mean_length():.1f} tokens" if paths is not None else ""
+                if got == len(FACTS) and not all_at:  # where a job with until_learned would stop (about)
+                    all_at.append(step + 1)
+                    print(f"  seed {seed}: all {got} at step {step + 1}; degenerate answers to unrelated prompts "
+                          f"then {degenerate(s, name)}/{len(UNRELATED)}", flush=True)
+                known = (f", teacher path {paths.mean_length():.1f} tokens ({s.rounds} teacher-only calls)"
+                         if paths is not None else "")
                 print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, outside_top_k "
                       f"{outside_top_k(t_rows, sampled, args.top_k):.2f}{known}, {time.perf_counter() - t0:.0f} s",
                       flush=True)
@@ -421,6 +445,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: the request's token budget")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--facts", action="store_true", help="instead: ten facts at once (see run_facts)")
+    ap.add_argument("--teacher-margin", type=float, default=1.0,
+                    help="--facts: train the teacher until each answer token leads by this logit margin")
+    ap.add_argument("--ce-weight", type=float, default=d["ce_weight"].default,
+                    help="with --teacher-path: CE on the known teacher path (sequence-level KD)")
     ap.add_argument("--teacher-path", action="store_true",
                     help="add one teacher-path row per prompt and step (kiln.training.opd_paths)")
     ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")

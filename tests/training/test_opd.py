@@ -110,9 +110,15 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     assert job["state"] == "succeeded", job.get("error")
     assert job["kind"] == "opd"
     rep = job["result"]["report"]
-    f = OPDRequest.model_fields  # a one-prompt job trains for the token budget, not one step
+    f = OPDRequest.model_fields  # a one-prompt job trains up to the token budget, not one step...
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
-    assert rep["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1
+    config = c.get("/v1/adapters/mill-student").json()["manifest"]["config"]
+    assert config["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1 and config["until_learned"] is True
+    assert config["teacher_path"] is True
+    # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples) is the
+    # student's: in process that took 27-32 steps with the path row, 42-57 without it (bench/opd_transfer.py)
+    assert rep["learned"] is True and 1 < rep["steps"] == rep["learned_at_step"] <= 60, rep
+    assert rep["teacher_path_tokens"] == len(answer_ids) + 1 and rep["teacher_path_rounds"] >= 1, rep
     assert rep["teacher_s"] > 0 and rep["student_s"] > 0
     after = _answer_logprob(c, "mill-student", prompt_ids, answer_ids)
     greedy = _greedy(c, "mill-student", msgs)

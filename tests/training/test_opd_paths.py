@@ -43,6 +43,26 @@ def test_rows_to_sample_and_checkpoint_round_trip():
     assert teacher_top1({}) is None and teacher_top1({4: -1.0, 2: -1.0}) == 2
 
 
+def test_discover_finishes_the_chosen_paths_with_the_teacher_alone():
+    """One teacher call per round for every unfinished chosen path; each adds the teacher's top-1 after the
+    prefix; a path stops at END or at max_tokens; whole paths cost no call."""
+    answers = {0: [5, 6, END], 1: [7, 7, 7, 7, 7, 7]}
+    calls: list[list[tuple[int, list[int]]]] = []
+
+    def score_next(todo):
+        calls.append(todo)
+        return [_row(answers[i][len(known)], 9) for i, known in todo]
+
+    paths = TeacherPaths(3, [END])
+    paths.observe(0, [5, 4], [_row(5), _row(6)])  # already known: 5 6
+    assert paths.discover([0, 1, 0], 4, score_next) == 4
+    assert paths.prefix(0) == [5, 6, END] and paths.complete(0)
+    assert paths.prefix(1) == [7, 7, 7, 7] and not paths.complete(1)  # max_tokens reached
+    assert calls[0] == [(0, [5, 6]), (1, [])] and all(len(c) == 1 for c in calls[1:])
+    assert paths.discover([0, 1], 4, score_next) == 0 and len(calls) == 4
+    assert paths.prefix(2) == []
+
+
 def test_per_prompt_counts_and_budgets_in_one_batch(builtin_model_dir):
     """The sampler takes one row count and one token budget per prompt (teacher-path rows continue a longer
     prompt for fewer tokens); a prompt with 0 rows gives none; the same seeds give the same rows, on the

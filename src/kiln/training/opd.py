@@ -383,6 +383,14 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     check = plan.until_learned if paths is not None else None
     every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
 
+    def score(seqs: list[list[int]]) -> Any:
+        """The teacher's top-K rows for every position of ``seqs``, in one call, checked against the pin."""
+        check_request_fits(identity, seqs, data.top_k)
+        scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
+                                                               for s in seqs), vocab_size=vocab_size)
+        check_answer(scored, model_id=model_id, pinned=pinned)
+        return scored
+
     def learned() -> bool:
         """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
         from kiln.training.data import Row
@@ -405,6 +413,13 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
             # 1. student samples every prompt x sample with the private adapter's current weights
             t0 = time.perf_counter()
+            if paths is not None:  # finish the chosen prompts' teacher paths (teacher calls only where unfinished)
+                t_d = time.perf_counter()
+                dummy = end_ids[0] if end_ids else pad_id
+                loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
+                    chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
+                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo]).prompts])
+                loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
             todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
             prompts = [list(data.items[i].student_ids) for i in chosen]
             prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
@@ -424,11 +439,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 continue
             # 2. teacher scores every (teacher prompt + completion) in one batch
             t1 = time.perf_counter()
-            seqs = [list(data.items[i].teacher_ids) + comp for i, comp in samples]
-            check_request_fits(identity, seqs, data.top_k)
-            scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
-                                                                   for s in seqs), vocab_size=vocab_size)
-            check_answer(scored, model_id=model_id, pinned=pinned)
+            scored = score([list(data.items[i].teacher_ids) + comp for i, comp in samples])
             teacher_s = time.perf_counter() - t1
             rows, sampled = [], []
             for (i, comp), sc in zip(samples, scored.prompts):
@@ -443,7 +454,9 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
-            gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
+            # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
+            gold = [(data.items[i].student_ids, data.items[i].gold_ids
+                     or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
                 if data.ce_weight > 0 else []
             with loop.step_ownership():
                 t2 = time.perf_counter()

@@ -1,26 +1,27 @@
-"""OPD's teacher-path rows: the teacher's greedy answer, found by the student's own drafts, scored teacher-forced.
+"""OPD's teacher-path rows: the teacher's greedy answer, scored teacher-forced beside the student's samples.
 
 On-policy forward KL only teaches the positions the student visits. Past the first token where the student's
 sample leaves the teacher's answer, the teacher is scoring a wrong prefix, so a student that gives the
-teacher's answer almost no probability learns it one divergent token per visit. The teacher-path row adds
-the teacher's own greedy continuation to each step, teacher-forced (off-policy positions, as in GKD's mix of
-on-policy and fixed sequences), without asking the teacher to generate:
+teacher's answer almost no probability learns it about one divergent token per visit. The teacher-path row
+adds the teacher's own greedy answer to each step, teacher-forced (off-policy positions, as GKD mixes
+on-policy samples with fixed sequences), through the scoring interface every teacher has (no generation):
 
-* every scored completion is a draft checked against the teacher as speculative decoding checks one: its
-  longest prefix whose every token is the teacher's top-1, plus the teacher's top-1 at the first token that
-  is not, is a prefix of the teacher's greedy answer (:meth:`TeacherPaths.observe`);
-* per prompt the longest such prefix found so far is kept (:meth:`TeacherPaths.prefix`), and each step one
-  extra row per prompt is that prefix followed by the student's own sample from it, so the prefix grows by at
-  least one token every time the prompt is visited and by the whole agreeing draft once the student follows.
+* the first time a prompt is chosen its path is finished by the teacher alone, one token per round for all
+  unfinished chosen prompts at once: the teacher scores teacher prompt + known prefix + a dummy token, and its
+  top-1 in the dummy's row is the next token (:meth:`TeacherPaths.discover`; at most ``max_tokens`` calls);
+* every scored completion is also checked as speculative decoding checks a draft: its longest prefix whose
+  tokens are all the teacher's top-1, plus the teacher's top-1 where it first is not, is a prefix of the
+  teacher's greedy answer (:meth:`TeacherPaths.observe`);
+* each step adds one row per chosen prompt: the known path, then (if the path is not whole) the student's own
+  sample from it (:meth:`TeacherPaths.rows_to_sample`).
 
-The prefix depends only on the teacher and on which drafts were seen; a job saves it in its checkpoints
-(:meth:`TeacherPaths.to_tensor` / :meth:`from_tensor`), so a resumed job samples what the uninterrupted one did.
-Pure Python except the two tensor converters (torch imported there).
+A job saves the paths in its checkpoints (:meth:`TeacherPaths.to_tensor` / :meth:`load_tensor`), so a resumed
+job samples what the uninterrupted one did. Pure Python except the two tensor converters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 PAD = -1
@@ -89,3 +90,25 @@ class TeacherPaths:
             if known:
                 out.append((i, known, 0 if self.complete(i) else max(0, max_tokens - len(known))))
         return out
+
+    def discover(self, chosen: Sequence[int], max_tokens: int,
+                 score_next: Callable[[list[tuple[int, list[int]]]], list[dict[int, float]]]) -> int:
+        """Finish the paths of ``chosen`` with the teacher alone, one token per round for every unfinished path
+        at once: ``score_next([(prompt, prefix), ...])`` returns the teacher's row for the token after each
+        prefix. Ends when every path is whole or ``max_tokens`` long; returns the number of rounds (teacher calls).
+        """
+        rounds = 0
+        while True:
+            todo = [i for i in dict.fromkeys(chosen) if not self.complete(i) and len(self.paths[i]) < max_tokens]
+            if not todo:
+                return rounds
+            rows = score_next([(i, self.prefix(i)) for i in todo])
+            rounds += 1
+            grew = False
+            for i, row in zip(todo, rows):
+                best = teacher_top1(row)
+                if best is not None:
+                    self.paths[i].append(best)
+                    grew = True
+            if not grew:
+                return rounds

@@ -67,9 +67,11 @@ class OPDRequest(_TrainCommon):
         None, description="with teacher_path: stop once every prompt's teacher greedy answer is the student's greedy "
                           "answer; default: on when steps is omitted")
     teacher_path: bool = Field(
-        False, description="add one row per prompt and step: the teacher's greedy answer as known so far, then the "
-                           "student's sample from it (kiln.training.opd_paths)")
-    ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions (mixed recipe)")
+        True, description="add one row per prompt and step: the teacher's greedy answer (found through teacher "
+                          "scoring calls), then the student's sample from it where it is cut at max_tokens "
+                          "(kiln.training.opd_paths)")
+    ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions, or with "
+                             "teacher_path on the teacher's greedy answer where a prompt has no gold (mixed recipe)")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     teacher_jsonl: str | None = Field(
         None, max_length=MAX_PATH_CHARS,
@@ -91,6 +93,7 @@ class OPDRequest(_TrainCommon):
             return self
         if self.prompts is None or self.teacher_jsonl is not None:
             raise ValueError("training_mode 'on_policy' takes `prompts` and no `teacher_jsonl`")
-        if self.ce_weight > 0 and any(p.gold is None for p in self.prompts):
-            raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt")
+        if self.ce_weight > 0 and not self.teacher_path and any(p.gold is None for p in self.prompts):
+            raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt, or teacher_path (CE on the "
+                             "teacher's greedy answer)")
         return self
