@@ -52,7 +52,7 @@ METHODS = ["forward", "tail", "renormalized", "sampled_token"]
 class Setup:
     """The base model wrapped once in PEFT, the teacher adapter, prompt and the teacher's greedy answer."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, targets: list[str] | None = None):
         import torch
         from peft import get_peft_model
 
@@ -69,7 +69,7 @@ class Setup:
         self.end_ids = sorted(end_of_turn_ids(self.tok, getattr(lm.model, "generation_config", None)))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.end_ids[0]
         self.path = str(lm.path)
-        self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, LORA_TARGETS)
+        self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, targets or LORA_TARGETS)
         self.current = "teacher"  # the adapter sample_rows samples with
         self.rounds = 0  # teacher-only calls that finished teacher paths
         self.pm = get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle")
@@ -445,6 +445,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: the request's token budget")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--facts", action="store_true", help="instead: ten facts at once (see run_facts)")
+    ap.add_argument("--lora-targets", default="", help="teacher and student LoRA targets (default: q,k,v,o_proj)")
     ap.add_argument("--teacher-margin", type=float, default=1.0,
                     help="--facts: train the teacher until each answer token leads by this logit margin")
     ap.add_argument("--ce-weight", type=float, default=d["ce_weight"].default,
@@ -457,7 +458,7 @@ def main() -> None:
     if args.steps is None:  # as the request computes it
         args.steps = max(math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step),
                          math.ceil(len(FACTS) / args.batch) if args.facts else 1)
-    s = Setup(args.threads)
+    s = Setup(args.threads, args.lora_targets.split(",") if args.lora_targets else None)
     if args.facts:
         print(f"settings: {args.steps} steps x {args.batch} prompts, {args.samples} samples x {args.max_tokens} "
               f"tokens, top_k {args.top_k}, temperature {args.temperature}, lr {args.lr}")

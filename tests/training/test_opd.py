@@ -57,7 +57,8 @@ def test_opd_refusals_before_queueing(tutor):
     r = c.post("/v1/train/opd", json=base | {"top_k": 10_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "top_k_too_large"
     assert c.post("/v1/train/opd", json=base | {"training_mode": "off_policy"}).status_code == 400
-    assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0}).status_code == 400
+    # CE needs a target: a `gold` on every prompt, or the teacher path (on by default)
+    assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0, "teacher_path": False}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"loss": "jsd"}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"prompts": [{"messages": MSGS + [
         {"role": "assistant", "content": "x"}]}]}).status_code == 400

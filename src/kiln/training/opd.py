@@ -380,6 +380,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     paths = TeacherPaths(n, end_ids) if data.teacher_path else None
     if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
         paths.load_tensor(resume.tensors[PATHS_TENSOR])
+    path_rows: dict[int, list[dict[int, float]]] = {}  # prompt -> teacher rows of its final teacher path
     check = plan.until_learned if paths is not None else None
     every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
 
@@ -437,14 +438,23 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 loop.stats["student_s"] += student_s
                 loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
                 continue
-            # 2. teacher scores every (teacher prompt + completion) in one batch
+            # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
+            # sampled after it) is the same sequence every step: its rows are scored once and kept
             t1 = time.perf_counter()
-            scored = score([list(data.items[i].teacher_ids) + comp for i, comp in samples])
+            final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
+            ask = [k for k in range(len(samples)) if final.get(k) not in path_rows]
+            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1]
+                                       for k in ask]).prompts)) if ask else {}
             teacher_s = time.perf_counter() - t1
             rows, sampled = [], []
-            for (i, comp), sc in zip(samples, scored.prompts):
-                start = len(data.items[i].teacher_ids)
-                mine = [sc.rows[start + j] or {} for j in range(len(comp))]
+            for k, (i, comp) in enumerate(samples):
+                if k in got:
+                    start = len(data.items[i].teacher_ids)
+                    mine = [got[k].rows[start + j] or {} for j in range(len(comp))]
+                    if k in final:
+                        path_rows[i] = mine
+                else:
+                    mine = path_rows[i]
                 if paths is not None:
                     paths.observe(i, comp, mine)
                 rows += mine
