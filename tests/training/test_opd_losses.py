@@ -199,7 +199,7 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
     wave size); after a weight change, a new revision never reuses prefix-cache blocks of the old weights."""
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.opd import sample_on_engine
+    from kiln.training.opd import sample_batch, sample_on_engine
     from kiln.training.trainer import add_private_adapter, lora_config
 
     loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
@@ -214,6 +214,18 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
         first = sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw)  # 12 rows, waves of 1 prompt
         assert len(first) == 12 and all(1 <= len(c) <= 6 for c in first)
         assert sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw) == first
+        # one row count and one token budget per prompt (OPD's teacher-path rows: longer prompts, fewer tokens);
+        # a prompt with 0 rows gives none; the same seeds give the same rows, on the engine and through the
+        # batched generate fallback
+        mixed = sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1, 1], [3, 5, 2, 4], 1.0, 1.0, **kw)
+        assert [len(c) for c in mixed] == [3, 3, 2, 4]
+        assert sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1, 1], [3, 5, 2, 4], 1.0, 1.0, **kw) == mixed
+        with engine.ownership.exclusive():
+            pm.base_model.set_adapter("priv")
+            gen = sample_batch(pm, prompts, [1, 2, 0, 0], [4, 2, 9, 9], 1.0, 1.0, seed=3, pad_id=0, end_ids=[],
+                               device="cpu")
+            assert [len(c) for c in gen] == [4, 2, 2]
+            assert sample_batch(pm, prompts, 0, 4, 1.0, 1.0, seed=3, pad_id=0, end_ids=[], device="cpu") == []
         # a prompt of several KV blocks: revision r1 caches its blocks; after the weights change, revision r2
         # must not reuse them (greedy tokens equal a plain forward with the new weights)
         long = [engine.encode_chat([{"role": "user", "content": " ".join(["ant bee cat"] * 20)}])]

@@ -1,4 +1,4 @@
-"""OPD teacher-path rows (kiln.training.opd_paths) and the per-prompt sampling they need."""
+"""OPD teacher-path rows (kiln.training.opd_paths): what a scored draft proves, teacher-only discovery, checkpoints."""
 
 from __future__ import annotations
 
@@ -61,35 +61,3 @@ def test_discover_finishes_the_chosen_paths_with_the_teacher_alone():
     assert calls[0] == [(0, [5, 6]), (1, [])] and all(len(c) == 1 for c in calls[1:])
     assert paths.discover([0, 1], 4, score_next) == 0 and len(calls) == 4
     assert paths.prefix(2) == []
-
-
-def test_per_prompt_counts_and_budgets_in_one_batch(builtin_model_dir):
-    """The sampler takes one row count and one token budget per prompt (teacher-path rows continue a longer
-    prompt for fewer tokens); a prompt with 0 rows gives none; the same seeds give the same rows, on the
-    engine and through the batched generate fallback."""
-    from kiln.runtime.engine import Engine, EngineConfig
-    from kiln.runtime.loader import load_model
-    from kiln.training.engine_sampling import sample_batch, sample_on_engine
-    from kiln.training.trainer import add_private_adapter, lora_config
-
-    loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
-    engine = Engine(loaded, EngineConfig(max_model_len=256)).start()
-    try:
-        pm = engine.peft_model()
-        with engine.ownership.exclusive():
-            add_private_adapter(pm, "priv", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
-        prompts = [engine.encode_chat([{"role": "user", "content": w}]) for w in ("ant", "bee", "cat")]
-        seeds = [[10 * i + j for j in range(2)] for i in range(3)]
-        out = sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1], [3, 5, 2], 1.0, 1.0, seeds=seeds,
-                               end_ids=[])
-        assert [len(c) for c in out] == [3, 3, 2]
-        assert sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1], [3, 5, 2], 1.0, 1.0, seeds=seeds,
-                                end_ids=[]) == out
-        with engine.ownership.exclusive():
-            pm.base_model.set_adapter("priv")
-            gen = sample_batch(pm, prompts, [1, 2, 0], [4, 2, 9], 1.0, 1.0, seed=3, pad_id=0, end_ids=[],
-                               device="cpu")
-        assert [len(c) for c in gen] == [4, 2, 2]
-        assert sample_batch(pm, prompts, [0, 0, 0], 4, 1.0, 1.0, seed=3, pad_id=0, end_ids=[], device="cpu") == []
-    finally:
-        engine.stop()
