@@ -61,3 +61,13 @@ def test_discover_finishes_the_chosen_paths_with_the_teacher_alone():
     assert calls[0] == [(0, [5, 6]), (1, [])] and all(len(c) == 1 for c in calls[1:])
     assert paths.discover([0, 1], 4, score_next) == 0 and len(calls) == 4
     assert paths.prefix(2) == []
+
+
+def test_default_steps_are_a_token_budget_per_prompt():
+    """`steps` omitted: DEFAULT_OPD_TOKEN_BUDGET sampled tokens per prompt, so ten prompts get ten times one
+    prompt's visits (a budget for the whole job gave ten facts 24 steps, 0/10 learned)."""
+    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, budget_steps
+
+    assert budget_steps(1, 4, 4, 32) == DEFAULT_OPD_TOKEN_BUDGET // 128 == 96
+    assert budget_steps(10, 4, 4, 32) == 240
+    assert budget_steps(3, 8, 2, 16) == 3 * DEFAULT_OPD_TOKEN_BUDGET // (3 * 2 * 16)

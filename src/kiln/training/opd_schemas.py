@@ -24,8 +24,8 @@ OPDLoss = Literal["forward", "tail", "renormalized", "sampled_token"]
 # prompts x samples_per_prompt x max_tokens), and never less than one pass over the prompts x `epochs`; with
 # `until_learned` (the default then) the job stops earlier, once every prompt's teacher path is the student's
 # greedy answer. On the built-in model a one-answer teacher is learned in 42-57 steps of 4 x 32 tokens without
-# the teacher-path row and 27 with it (bench/opd_transfer.py), ten answers at once in about 100-110 steps of
-# 4 prompts (40-45 visits of each prompt), so the budget gives 96 visits of each prompt (96 steps for one).
+# the teacher-path row and 27-32 with it (bench/opd_transfer.py); ten answers at once reach 8/10 in 75-150 steps
+# of 4 prompts (30-60 visits of each prompt; docs/training.md), so the budget gives 96 visits of each prompt.
 DEFAULT_OPD_TOKEN_BUDGET = 12_288
 DEFAULT_OPD_LEARNING_RATE = 1e-2
 DEFAULT_OPD_TEMPERATURE = 0.5
