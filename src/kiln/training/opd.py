@@ -6,7 +6,10 @@ share: :mod:`kiln.training.engine_sampling`),
 the teacher scores prompt + completion once per training batch (top-K prompt
 logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
 and the optimizer step pulls the student toward the teacher on the student's
-own tokens. Losses, all per completion token, averaged over the batch's tokens:
+own tokens. With ``teacher_path`` each step also trains on one row per prompt holding the teacher's greedy
+answer, found through scoring calls (:mod:`kiln.training.opd_paths`), and ``until_learned`` stops the job once
+those answers are the student's greedy answers. Losses, all per completion token, averaged over the batch's
+tokens:
 
 * :class:`TailForwardKL` (``forward``, default): forward KL(p || q) over
   S = teacher top-K plus the sampled token, with one extra bucket holding the
@@ -258,9 +261,9 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
                              code="top_k_too_large", param="top_k", hint=f"use top_k <= {max_k}")
     parent = None if request.base_adapter is None else service._lookup_adapter(request.base_adapter)
     lora = service._lora_shape(request, parent)
-    tok = service.loaded.tokenizer
     from kiln.training.opd_schemas import budget_steps
 
+    tok = service.loaded.tokenizer
     engine = service.engine
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
     if request.training_mode == "off_policy":
@@ -412,15 +415,15 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.check_cancel()
             step = loop.step
             chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
-            # 1. student samples every prompt x sample with the private adapter's current weights
-            t0 = time.perf_counter()
-            if paths is not None:  # finish the chosen prompts' teacher paths (teacher calls only where unfinished)
+            if paths is not None:  # 0. finish the chosen prompts' teacher paths (teacher calls where unfinished)
                 t_d = time.perf_counter()
                 dummy = end_ids[0] if end_ids else pad_id
                 loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
                     chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
                         [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo]).prompts])
                 loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
+            # 1. student samples every prompt x sample (and the unfinished teacher-path rows), one batch
+            t0 = time.perf_counter()
             todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
             prompts = [list(data.items[i].student_ids) for i in chosen]
             prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
