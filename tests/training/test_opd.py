@@ -89,7 +89,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     its log-likelihood of that answer reaches the teacher's, and it does not collapse into repetition."""
     import math
 
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+    from kiln.training.opd_schemas import DEFAULT_OPD_PATH_CE_WEIGHT, DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
 
     c = tutor
     msgs = [{"role": "user", "content": MILL_Q}]
@@ -115,9 +115,10 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
     config = c.get("/v1/adapters/mill-student").json()["manifest"]["config"]
     assert config["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1 and config["until_learned"] is True
-    assert config["teacher_path"] is True
-    # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples) is the
-    # student's: in process that took 27-32 steps with the path row, 42-57 without it (bench/opd_transfer.py)
+    assert config["teacher_path"] is True and config["ce_weight"] == DEFAULT_OPD_PATH_CE_WEIGHT > 0
+    # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples, with CE on it)
+    # is the student's: in process 8 steps with that CE, 27-32 with the path row alone, 42-57 with neither
+    # (bench/opd_transfer.py)
     assert rep["learned"] is True and 1 < rep["steps"] == rep["learned_at_step"] <= 60, rep
     assert rep["teacher_path_tokens"] == len(answer_ids) + 1 and rep["teacher_path_rounds"] >= 1, rep
     assert rep["teacher_s"] > 0 and rep["student_s"] > 0

@@ -286,7 +286,7 @@ def prepare_opd(service: Any, request: OPDRequest) -> Any:
         items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
-                   request.max_tokens, request.top_k, request.loss, request.ce_weight,
+                   request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
                    _total_steps(request, len(items), budget=budget_steps(
                        len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
                    teacher_path=request.teacher_path)
