@@ -91,7 +91,7 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     from kiln.teachers.kiln_identity import KilnTeacherIdentity
     from kiln.teachers.probe import LocalTeacher
     from kiln.training.opd import OPDData, OPDItem, run_opd
-    from kiln.training.opd_schemas import OPDRequest
+    from kiln.training.opd_schemas import DEFAULT_OPD_PATH_CE_WEIGHT, OPDRequest
     from kiln.training.templates import end_of_turn_ids
     from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config
 
@@ -101,10 +101,11 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     teacher = LocalTeacher(engine, "teacher", adapter="teacher", fingerprint=lambda: fp)
     items = tuple(OPDItem(tuple(engine.encode_chat(c)), tuple(engine.encode_chat(c)), None) for c in chats)
     total = args.warmup + args.steps
-    d = OPDRequest.model_fields  # the request defaults: loss, temperature, teacher_path
+    d = OPDRequest.model_fields  # the request defaults: loss, temperature, teacher_path with CE on it
     data = OPDData(items, {"identity": ident.identity("teacher", ("teacher", "r1", adapter_dir)).to_json(),
                            "fingerprint": fp}, args.samples, d["temperature"].default, 1.0, args.max_tokens,
-                   args.top_k, d["loss"].default, 0.0, total, teacher_path=d["teacher_path"].default)
+                   args.top_k, d["loss"].default, DEFAULT_OPD_PATH_CE_WEIGHT, total,
+                   teacher_path=d["teacher_path"].default)
     pm = engine.peft_model()
     with engine.ownership.exclusive():
         add_private_adapter(pm, "opd-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
