@@ -511,8 +511,21 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
                                    device=device)
         loss_cls = CANDIDATE_LOSSES[data.loss]
     if split is not None:
-        h_all = completion_hidden(split, list(pairs) + list(gold), pad_id, device)
+        # a gold row that a completion starts with (the teacher path's CE on its own path row) reuses that
+        # row's hidden states instead of running through the trunk again
+        starts, at = [], 0
+        for _, c in pairs:
+            starts.append(at)
+            at += len(c)
+        reuse = [next((starts[k] for k, (p, c) in enumerate(pairs)
+                       if list(p) == list(gp) and list(c[:len(g)]) == list(g)), None) for gp, g in gold]
+        h_all = completion_hidden(split, list(pairs) + [g for g, r in zip(gold, reuse) if r is None], pad_id, device)
         h, weight = h_all[:n_tok], split.head.weight
+        pieces, extra = [], n_tok
+        for (_, g), r in zip(gold, reuse):
+            if r is None:
+                r, extra = extra, extra + len(g)
+            pieces.append(h_all[r:r + len(g)])
         if data.loss == "sampled_token":
             with torch.no_grad():
                 behaviour = _sampler_logp(data.temperature, lambda t: linear_token_logprobs(
@@ -523,7 +536,7 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
                 logq, lp[rows], mask[rows]) * logq.shape[0])
         if gold:
             gold_targets = torch.tensor([t for _, g in gold for t in g], dtype=torch.long, device=device)
-            ce = linear_cross_entropy_sum(h_all[n_tok:], weight, gold_targets) / gold_targets.numel()
+            ce = linear_cross_entropy_sum(torch.cat(pieces), weight, gold_targets) / gold_targets.numel()
             loss = loss + data.ce_weight * ce
         return loss
     logits = _completion_logits(peft_model, pairs, device).float()
