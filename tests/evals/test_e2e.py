@@ -55,8 +55,12 @@ def _gate_flow(tmp_path_factory, builtin_model_dir, n: int) -> dict:
         assert c.post("/v1/evals/suites", json=suite(n)).status_code == 409
         assert [s["name"] for s in c.get("/v1/evals/suites").json()["data"]] == ["secret-words"]
 
-        # 1. Teach the right answers; the gate against the base model promotes and activates.
-        gate = {"suite": "secret-words", "min_accuracy": 0.6, "min_pairs": 20, "activate_on_pass": True}
+        # 1. Teach the right answers; the gate against the base model promotes, activates and (opt-in) makes
+        # the revision the server default adapter.
+        r = c.post("/v1/train/sft", json=sft("words", n, 0, {"suite": "secret-words", "set_default_on_pass": True}))
+        assert r.status_code == 400 and "activate_on_pass" in r.text, r.text  # only a served revision
+        gate = {"suite": "secret-words", "min_accuracy": 0.6, "min_pairs": 20, "activate_on_pass": True,
+                "set_default_on_pass": True}
         r = c.post("/v1/train/sft", json=sft("words", n, 0, gate))
         assert r.status_code == 202, r.text
         job = wait_job(c, r.json()["id"], timeout=JOB_TIMEOUT_S)
@@ -64,7 +68,9 @@ def _gate_flow(tmp_path_factory, builtin_model_dir, n: int) -> dict:
         res = job["result"]
         verdict = res["post_eval"]
         assert verdict["verdict"] == "promoted", verdict
-        assert res["activated"] is True
+        assert res["activated"] is True and res["default_adapter"] is True
+        default = c.get("/v1/adapters/default").json()["default"]
+        assert (default["name"], default["revision"], default["serving"]) == ("words", res["revision"], True)
         nums = verdict["numbers"]
         assert nums["pairs"] == n and nums["candidate_only"] > nums["baseline_only"]
         assert nums["p_value"] < 0.05 and nums["wilson_lower"] >= 0.6
@@ -99,7 +105,9 @@ def _gate_flow(tmp_path_factory, builtin_model_dir, n: int) -> dict:
         assert job["state"] == "succeeded", job["error"]
         verdict = job["result"]["post_eval"]
         assert verdict["verdict"] == "regression", verdict
-        assert job["result"]["activated"] is False
+        assert job["result"]["activated"] is False and "default_adapter" not in job["result"]
+        assert c.get("/v1/adapters/default").json()["default"]["revision"] == good_revision
+        assert _chat(c, base, 0) == (before[0], good_revision)  # the base model's ID answers with the default
         assert verdict["numbers"]["baseline_only"] > verdict["numbers"]["candidate_only"]
         figures["regression"] = verdict["numbers"]
         baseline_run = c.get(f"/v1/evals/runs/{verdict['baseline_run']}").json()

@@ -277,8 +277,15 @@ class PostEval(_Wire):
     min_accuracy: float = Field(0.5, ge=0.0, le=1.0, allow_inf_nan=False)
     min_pairs: int = Field(20, ge=1, le=MAX_EXAMPLES)
     activate_on_pass: bool = False
+    set_default_on_pass: bool = False  # a promoted, activated revision also becomes the server default adapter
 
     _suite_name = field_validator("suite")(classmethod(lambda cls, v: _check_suite_name(v)))
+
+    @model_validator(mode="after")
+    def _default_needs_activation(self) -> "PostEval":
+        if self.set_default_on_pass and not self.activate_on_pass:
+            raise ValueError("set_default_on_pass needs activate_on_pass: only a served revision can be the default")
+        return self
 
 
 class GateRequest(_Wire):

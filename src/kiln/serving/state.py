@@ -141,8 +141,13 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     served = ServedSet(store.root, public=store.has)  # not an eval's private load
     openenv = build_openenv(settings, engine, trainer, metrics)
     judgments = build_judgments(settings, engine, trainer)
-    return KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, evals, openenv, judgments,
-                     teachers=teachers, served=served, memory=memory)
+    state = KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, evals, openenv, judgments,
+                      teachers=teachers, served=served, memory=memory)
+    if trainer is not None:  # post_eval.set_default_on_pass: a promoted revision becomes the server default
+        from kiln.serving.default_adapter import set_default
+
+        trainer.set_default = lambda name, revision: set_default(state, name, revision)
+    return state
 
 
 def build_memory_budget(settings: Settings, model: LoadedModel, engine: ServingEngine) -> MemoryBudget:

@@ -50,6 +50,8 @@ class RecipeContext:
     gate: Callable[[AdapterRecord, dict[str, Any]], dict[str, Any]] | None = None
     compile: bool = False  # `training.compile`: torch.compile the trunk (docs/training.md, "Speed and memory")
     teachers: TeacherService | None = None  # OPD: the teacher registry its pinned teacher is re-probed in
+    # post_eval.set_default_on_pass: (name, revision) -> pin it as the server default (set by the serving root)
+    set_default: Callable[[str, str], Any] | None = None
 
 
 class TrainingRecipe:
@@ -62,6 +64,7 @@ class TrainingRecipe:
         self.private = f"kiln-{job_id}"
         self.timings: dict[str, float] = {}
         self.activated = False
+        self.default_set = False  # post_eval.set_default_on_pass pinned this revision as the server default
         self.post_eval: dict[str, Any] | None = None
         self.peft_model: Any = None
         self._t = time.perf_counter()
@@ -147,6 +150,9 @@ class TrainingRecipe:
             activate = self.post_eval.get("verdict") == "promoted" and bool(post_eval.get("activate_on_pass"))
         if activate:
             self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
+            if post_eval is not None and post_eval.get("set_default_on_pass") and self.ctx.set_default is not None:
+                self.ctx.set_default(record.name, record.revision)
+                self.default_set = True
         self.activated = activate
         self._phase("activate")
 
@@ -156,6 +162,7 @@ class TrainingRecipe:
             "revision": record.revision,
             "path": str(record.path),
             "activated": self.activated,
+            **({"default_adapter": True} if self.default_set else {}),
             "resumed_from_step": None if resume is None else resume.step,
             "report": report.as_dict(),
             **({"post_eval": self.post_eval} if self.post_eval is not None else {}),

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kiln.errors import Conflict
 from kiln.training import jobs as jobstates
@@ -78,6 +78,8 @@ class TrainingService:
         self._plans: dict[str, JobPlan[Any]] = {}  # plans of jobs submitted to this process, by job ID
         self.memory: MemoryBudget | None = None  # admission by memory (set by the app)
         self.observer: Any = None  # kiln.serving.metrics.Metrics: step time, tokens/s (set by the app)
+        # post_eval.set_default_on_pass: (name, revision) -> pin as the server default (set by the serving root)
+        self.set_default: Callable[[str, str], Any] | None = None
         self._dims: ModelDims | None = None  # computed on first use
         self.evals: EvalService | None = None  # runs post_eval gates (set_eval_service)
         self.teachers: TeacherService | None = None  # OPD jobs' teacher registry (set_teachers)
@@ -307,7 +309,8 @@ class TrainingService:
         )
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
                             None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job),
-                            compile=self.settings.training.compile, teachers=self.teachers)
+                            compile=self.settings.training.compile, teachers=self.teachers,
+                            set_default=self.set_default)
         return kinds.kind_of_plan(plan).recipe(plan, ctx, job_id=job.id).run()
 
 
