@@ -66,11 +66,13 @@ def test_disconnect_cancels_every_row(http, server):
     before = _metric(http, "kiln_generated_tokens_total")
     host, port = server.base_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions/batch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions/batch HTTP/1.1\r\nHost: " + f"{host}:{port}".encode()
+                 + b"\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     deadline = time.monotonic() + 30
-    while http.get("/health").json()["active_rows"] < 1 and time.monotonic() < deadline:
+    while (active := http.get("/health").json()["active_rows"]) < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert active >= 1, "the batch never started (was the request refused?)"
     sock.close()  # the client leaves before the answer
     deadline = time.monotonic() + 20
     health = http.get("/health").json()
