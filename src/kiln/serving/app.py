@@ -91,6 +91,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_openenv.router,)
     from kiln.serving import routes_batch  # noqa: E402  (POST /v1/completions/batch)
     routers += (routes_batch.router,)
+    from kiln.serving import routes_judgments  # noqa: E402  (A/B judgments -> judge adapters; docs/evals.md)
     routers += (routes_judgments.router,)
     for router in routers:
         app.include_router(router)
