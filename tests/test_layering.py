@@ -7,7 +7,7 @@ The intended order, lowest first (docs/architecture.md, "Layers"):
     settings    kiln.config (validates [vllm] options and teacher credentials with the system's tools)
     runtime     kiln.runtime: the engines, the ServingEngine seam, tokenization, sampling
     domain      kiln.adapters, kiln.teachers, kiln.distill, kiln.cluster
-    jobs        kiln.training, kiln.evals, kiln.openenv (and kiln.distill.train, where distillation meets training)
+    jobs        kiln.training, kiln.evals, kiln.openenv, kiln.judgments (and kiln.distill.train, where distillation meets training)
     serving     kiln.serving, kiln.ui
     cli         kiln.cli, kiln.client, kiln.demo, kiln.config_reference, every package's ``cli``/``*_cli`` module
 
@@ -26,12 +26,12 @@ import kiln
 
 PACKAGE_ROOT = Path(kiln.__file__).parent
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("contracts", frozenset({"kiln", "kiln.errors", "kiln.canonical", "kiln.adapter_names"})),
+    ("contracts", frozenset({"kiln", "kiln.__version__", "kiln.errors", "kiln.canonical", "kiln.adapter_names"})),
     ("system", frozenset({"kiln.system"})),
     ("settings", frozenset({"kiln.config"})),
     ("runtime", frozenset({"kiln.runtime"})),
     ("domain", frozenset({"kiln.adapters", "kiln.teachers", "kiln.distill", "kiln.cluster"})),
-    ("jobs", frozenset({"kiln.training", "kiln.evals", "kiln.openenv", "kiln.distill.train"})),
+    ("jobs", frozenset({"kiln.training", "kiln.evals", "kiln.openenv", "kiln.judgments", "kiln.distill.train"})),
     ("serving", frozenset({"kiln.serving", "kiln.ui"})),
     ("cli", frozenset({"kiln.cli", "kiln.client", "kiln.demo", "kiln.config_reference"})),
 )
@@ -47,7 +47,7 @@ def layer_of(module: str) -> int | None:
     if module != "kiln.client" and (last == "cli" or last.endswith("_cli")):
         return CLI
     parts = module.split(".")
-    for n in range(len(parts), 0, -1):
+    for n in range(len(parts), 0 if module == "kiln" else 1, -1):  # "kiln" alone is no prefix of the rest
         prefix = ".".join(parts[:n])
         for index, (_, names) in enumerate(LAYERS):
             if prefix in names:

@@ -12,6 +12,7 @@ and then :meth:`forget`\\ s it. Pure bookkeeping, thread-safe; it loads and dele
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from kiln.errors import NotFound
 
@@ -104,3 +105,12 @@ class AdapterRefs:
         """Keys the engine must still hold: served ones and retired ones not yet forgotten."""
         with self._lock:
             return {k for k, _ in self._names.values()} | set(self._retired)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Each served name's key and revision, rows holding each key, retired keys not yet forgotten."""
+        with self._lock:
+            return {
+                "served": {name: {"key": key, "revision": rev} for name, (key, rev) in sorted(self._names.items())},
+                "row_references": dict(sorted(self._refs.items())),
+                "retired_keys": sorted(self._retired),
+            }

@@ -165,13 +165,7 @@ class AdapterSlots:
         """The physical adapter state (GET /v1/debug/model-state): whether the model is PEFT-wrapped, each
         served name's key and revision, rows holding each key, retired keys not yet deleted, and every
         adapter the PEFT model holds (private training adapters included)."""
-        with self._lock:
-            out: dict[str, Any] = {
-                "wrapped": self._peft is not None,
-                "served": {name: {"key": key, "revision": rev} for name, (key, rev) in sorted(self._names.items())},
-                "row_references": dict(sorted(self._refs.items())),
-                "retired_keys": sorted(self._retired),
-            }
+        out: dict[str, Any] = {"wrapped": self._peft is not None, **self._table.snapshot()}
         out["peft_adapters"] = sorted(self._peft.peft_config) if self._peft is not None else []
         return out
 
