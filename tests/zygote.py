@@ -6,7 +6,8 @@ own environment, working directory and log file; only the interpreter start-up a
 torch, transformers and the server (about 4-5 s of CPU per server on a 2-core machine, most of the
 test lane's subprocess time) are paid once per test worker. A request is forked only when it can be
 answered exactly as an exec would: the command is `kiln ...` on this interpreter and the environment
-differs from the zygote's own in `KILN_*` variables alone (anything read at import time, such as
+differs from the zygote's own in `KILN_*` variables (and pytest's per-test
+`PYTEST_CURRENT_TEST`) alone (anything read at import time, such as
 `ATEN_CPU_CAPABILITY`, `OMP_NUM_THREADS` or `HF_*`, falls back to `subprocess.Popen`). The zygote
 refuses to fork while it runs a second Python thread (torch's native helper
 threads are fork-safe: DataLoader forks its workers the same way). `KILN_TEST_FORK=0` turns it off.
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 KILN_SCRIPT = Path(sys.executable).with_name("kiln")
-_IMPORT_TIME_PREFIXES = ("KILN_",)  # the only variables a forked server may see differently
+_IMPORT_TIME_PREFIXES = ("KILN_", "PYTEST_CURRENT_TEST")  # the only variables a forked server may see differently
 _MAX_MSG = 1 << 20
 
 
