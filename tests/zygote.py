@@ -51,10 +51,20 @@ def _preload() -> None:
     import uvicorn  # noqa: F401
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent exits (a test worker that dies leaves no zygote,
+    a zygote that dies leaves no server)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
 def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
     """In the forked process: become `kiln <args>` and exit the way the interpreter would."""
     code: Any = 1
     try:
+        _die_with_parent()
         sock.close()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -87,6 +97,7 @@ def _child(sock: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
 
 
 def _serve(fd: int) -> None:
+    _die_with_parent()
     _preload()
     sock = socket.socket(fileno=fd)
     children: dict[int, int | None] = {}
