@@ -40,8 +40,11 @@ sys.path.insert(0, str(ROOT))
 
 QUESTION = "Which bird guards the old mill?"
 ANSWER = "The old mill is guarded by a heron."
-UNRELATED = ["What is the capital of France?", "How many legs does an ant have?", "What colour is the sky?",
-             "What do plants need to grow?", "What is two plus three?"]
+# ten prompts the built-in model answers correctly (its corpus's questions): the student's answers before OPD
+UNRELATED = ["What is the capital of France?", "What is the capital of Italy?", "What is the capital of Japan?",
+             "What is the capital of Germany?", "What is the capital of Canada?", "What is the color of the sky?",
+             "What do plants need to grow?", "Where is the library?", "How many legs does a spider have?",
+             "How many wheels does a bicycle have?"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 METHODS = ["forward", "tail", "renormalized", "sampled_token"]
 
@@ -49,7 +52,7 @@ METHODS = ["forward", "tail", "renormalized", "sampled_token"]
 class Setup:
     """The base model wrapped once in PEFT, the teacher adapter, prompt and the teacher's greedy answer."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, targets: list[str] | None = None):
         import torch
         from peft import get_peft_model
 
@@ -66,7 +69,9 @@ class Setup:
         self.end_ids = sorted(end_of_turn_ids(self.tok, getattr(lm.model, "generation_config", None)))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.end_ids[0]
         self.path = str(lm.path)
-        self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, LORA_TARGETS)
+        self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, targets or LORA_TARGETS)
+        self.current = "teacher"  # the adapter sample_rows samples with
+        self.rounds = 0  # teacher-only calls that finished teacher paths
         self.pm = get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle")
         add_private_adapter(self.pm, "teacher", self.lora, seed=0)
         chat = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
@@ -156,29 +161,32 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
 
     from kiln.runtime.scoring import prompt_logprob_rows
     from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.engine_sampling import sample_batch, sample_seed
     from kiln.training.opd import OPDData, _completion_logits, candidates, opd_loss
+    from kiln.training.opd_paths import TeacherPaths
     from kiln.training.trainer import _adamw, add_private_adapter
 
     name = f"opd-{loss}-{seed}"
     params = add_private_adapter(s.pm, name, s.lora, seed=seed)
     opt = _adamw(params, args.lr)
     split = split_causal_lm(s.pm)
-    data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, loss, 0.0, args.steps)
+    data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, loss, args.ce_weight,
+                   args.steps)
     learned, lls, t0 = None, [], time.perf_counter()
+    paths = TeacherPaths(1, s.end_ids) if args.teacher_path else None
     for step in range(args.steps):
-        s.pm.base_model.set_adapter(name)
-        comps = sample_batch(s.pm, [s.prompt], args.samples, args.max_tokens, args.temperature, 1.0,
-                             seed=sample_seed(seed, step, 0, 0), pad_id=s.pad, end_ids=s.end_ids, device="cpu")
-        comps = [c for c in comps if c]
+        s.current = name
+        comps = [c for _, c in sample_rows(s, paths, [0], [s.prompt], args, seed, step, "teacher")]
         rows, sampled, d = [], [], {"ent": [], "t_ent": [], "q_out": [], "out": []}
         for c in comps:
             seq = s.prompt + c
             t_lp, s_lp = s.logp("teacher", seq), s.logp(name, seq)
             t_rows = prompt_logprob_rows(t_lp, seq, args.top_k)
+            mine = [{e.token_id: e.logprob for e in t_rows[len(s.prompt) + j]} for j in range(len(c))]
+            if paths is not None:
+                paths.observe(0, c, mine)
             for j, tok in enumerate(c):
                 pos = len(s.prompt) + j
-                rows.append({e.token_id: e.logprob for e in t_rows[pos]})
+                rows.append(mine[j])
                 sampled.append(tok)
                 if trace:
                     q, top = s_lp[pos - 1].exp(), torch.topk(t_lp[pos - 1], args.top_k).indices
@@ -193,7 +201,8 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
                 logits = _completion_logits(s.pm, [(s.prompt, c) for c in comps], "cpu")
             ids, lp, mask = candidates(rows, sampled, args.top_k, include_sampled=True)
             shares = bucket_shares(logits, ids, lp, mask, loss)
-        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, [], pad_id=s.pad,
+        gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
+        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, gold, pad_id=s.pad,
                          device="cpu")
         value.backward()
         opt.step()
@@ -311,6 +320,37 @@ FACTS = [(QUESTION, ANSWER),
          ("Who sings at the spring fair?", "A choir of sailors sings at the spring fair.")]
 
 
+def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]], args: Any, seed: int,
+                step: int, teacher: str) -> list[tuple[int, list[int]]]:
+    """A step's rows as :func:`kiln.training.opd.run_opd` samples them, in one batch: ``args.samples`` per chosen
+    prompt, plus with ``paths`` one teacher-path row per prompt (:mod:`kiln.training.opd_paths`), the path
+    finished first by the teacher alone (as a local teacher answers: the row after a dummy end token)."""
+    from kiln.runtime.scoring import prompt_logprob_rows
+    from kiln.training.engine_sampling import sample_batch, sample_seed
+
+    def score_next(todo: list[tuple[int, list[int]]]) -> list[dict[int, float]]:
+        out = []
+        for i, known in todo:
+            seq = prompts[i] + known + [s.end_ids[0]]
+            out.append({e.token_id: e.logprob for e in prompt_logprob_rows(s.logp(teacher, seq), seq,
+                                                                           args.top_k)[-1]})
+        return out
+
+    if paths is not None:
+        s.rounds += paths.discover(chosen, args.max_tokens, score_next)
+    todo = paths.rows_to_sample(chosen, args.max_tokens) if paths is not None else []
+    counts = [args.samples] * len(chosen) + [int(left > 0) for _, _, left in todo]
+    budgets = [args.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+    s.pm.base_model.set_adapter(f"{s.current}")
+    comps = sample_batch(s.pm, [prompts[i] for i in chosen] + [prompts[i] + known for i, known, _ in todo], counts,
+                         budgets, args.temperature, 1.0, seed=sample_seed(seed, step, 0, 0), pad_id=s.pad,
+                         end_ids=s.end_ids, device="cpu")
+    k = len(chosen) * args.samples
+    rows = [(chosen[j // args.samples], c) for j, c in enumerate(comps[:k]) if c]
+    rest = iter(comps[k:])
+    return rows + [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
+
+
 def run_facts(s: Setup, args: Any) -> None:
     """Ten facts at once: a teacher SFT-trained on all of them (until each is its greedy answer), then one OPD
     job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
@@ -318,8 +358,8 @@ def run_facts(s: Setup, args: Any) -> None:
     from kiln.runtime.scoring import prompt_logprob_rows
     from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.data import tokenize_sft
-    from kiln.training.engine_sampling import sample_batch, sample_seed
     from kiln.training.opd import OPDData, opd_loss, outside_top_k
+    from kiln.training.opd_paths import TeacherPaths
     from kiln.training.schemas import SFTExample
     from kiln.training.trainer import LearnedCheck, Plan, _adamw, add_private_adapter, run_sft
 
@@ -328,42 +368,64 @@ def run_facts(s: Setup, args: Any) -> None:
         max_seq_len=256, end_ids=s.end_ids)
     add_private_adapter(s.pm, "teacher10", s.lora, seed=0)
     rep = run_sft(s.pm, "teacher10", rows, Plan(1e-2, 300, len(FACTS), 0, max_steps=300,
-                                                 until_learned=LearnedCheck()), pad_id=s.pad)
+                                                 until_learned=LearnedCheck(margin=args.teacher_margin)), pad_id=s.pad)
     prompts = [s.encode(q) for q, _ in FACTS]
     answers = [s.greedy("teacher10", p) for p in prompts]
     exact = sum(s.tok.decode(a).removesuffix("<|im_end|>") == ans for a, (_, ans) in zip(answers, FACTS))
-    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps, teacher greedy exact {exact}/10, "
+    print(f"10 facts: teacher SFT {rep.extra.get('learned_at_step')} steps (margin {args.teacher_margin}), teacher "
+          f"greedy exact {exact}/10, "
           f"degenerate teacher {degenerate(s, 'teacher10')}/{len(UNRELATED)}")
     for seed in range(args.seeds):
         name = f"facts-{seed}"
         opt = _adamw(add_private_adapter(s.pm, name, s.lora, seed=seed), args.lr)
         split = split_causal_lm(s.pm)
-        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward", 0.0,
-                       args.steps)
+        data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward",
+                       args.ce_weight, args.steps)
+        paths = TeacherPaths(len(FACTS), s.end_ids) if args.teacher_path else None
+        all_at: list[int] = []
+        s.rounds = 0
         t0 = time.perf_counter()
         for step in range(args.steps):
             chosen = [(step * args.batch + j) % len(FACTS) for j in range(args.batch)]
-            s.pm.base_model.set_adapter(name)
-            comps = sample_batch(s.pm, [prompts[i] for i in chosen], args.samples, args.max_tokens,
-                                 args.temperature, 1.0, seed=sample_seed(seed, step, 0, 0), pad_id=s.pad,
-                                 end_ids=s.end_ids, device="cpu")
-            pairs = [(prompts[chosen[k // args.samples]], c) for k, c in enumerate(comps) if c]
+            s.current = name
+            pairs = sample_rows(s, paths, chosen, prompts, args, seed, step, "teacher10")
             t_rows, sampled = [], []
-            for prompt, c in pairs:
-                seq = prompt + c
+            for i, c in pairs:
+                seq = prompts[i] + c
                 r = prompt_logprob_rows(s.logp("teacher10", seq), seq, args.top_k)
-                t_rows += [{e.token_id: e.logprob for e in r[len(prompt) + j]} for j in range(len(c))]
+                mine = [{e.token_id: e.logprob for e in r[len(prompts[i]) + j]} for j in range(len(c))]
+                if paths is not None:
+                    paths.observe(i, c, mine)
+                t_rows += mine
                 sampled += c
+            pairs = [(prompts[i], c) for i, c in pairs]
             s.pm.base_model.set_adapter(name)
-            opd_loss(s.pm, split, data, pairs, t_rows, sampled, [], pad_id=s.pad, device="cpu").backward()
+            gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen] if paths and args.ce_weight else []
+            opd_loss(s.pm, split, data, pairs, t_rows, sampled, gold, pad_id=s.pad, device="cpu").backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if (step + 1) % args.trace_every == 0 or step + 1 == args.steps:
                 got = sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))
+                if got == len(FACTS) and not all_at:  # where a job with until_learned would stop (about)
+                    all_at.append(step + 1)
+                    print(f"  seed {seed}: all {got} at step {step + 1}; degenerate answers to unrelated prompts "
+                          f"then {degenerate(s, name)}/{len(UNRELATED)}", flush=True)
+                known = (f", teacher path {paths.mean_length():.1f} tokens ({s.rounds} teacher-only calls)"
+                         if paths is not None else "")
                 print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, outside_top_k "
-                      f"{outside_top_k(t_rows, sampled, args.top_k):.2f}, {time.perf_counter() - t0:.0f} s", flush=True)
+                      f"{outside_top_k(t_rows, sampled, args.top_k):.2f}{known}, {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+        for p, a in zip(prompts, answers):  # where a missed answer leaves the teacher's, and by how much
+            got = s.greedy(name, p)
+            if got != a:
+                j = next(j for j, (x, y) in enumerate(zip(got + [-1] * len(a), a)) if x != y)
+                t_lp, s_lp = s.logp("teacher10", p + a)[len(p) - 1 + j], s.logp(name, p + a)[len(p) - 1 + j]
+                print(f"    missed {s.tok.decode(a)!r} at token {j}: teacher p {t_lp[a[j]].exp():.2f} (its runner-up "
+                      f"{t_lp.topk(2).values[1].exp():.2f}), student p {s_lp[a[j]].exp():.2f} vs its choice "
+                      f"{s.tok.decode([got[j]])!r} {s_lp[got[j]].exp():.2f}", flush=True)
+        same = sum(s.greedy(name, p) == b for p, b in zip(s.unrelated, s.base_answers))
         print(f"  seed {seed}: degenerate answers to unrelated prompts {degenerate(s, name)}/{len(UNRELATED)} "
-              f"(base {degenerate(s, None)})", flush=True)
+              f"(base {degenerate(s, None)}), unchanged from the base model's {same}/{len(UNRELATED)}", flush=True)
 
 
 def main() -> None:
@@ -383,13 +445,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: the request's token budget")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--facts", action="store_true", help="instead: ten facts at once (see run_facts)")
+    ap.add_argument("--lora-targets", default="", help="teacher and student LoRA targets (default: q,k,v,o_proj)")
+    ap.add_argument("--teacher-margin", type=float, default=1.0,
+                    help="--facts: train the teacher until each answer token leads by this logit margin")
+    ap.add_argument("--ce-weight", type=float, default=d["ce_weight"].default,
+                    help="with --teacher-path: CE on the known teacher path (sequence-level KD)")
+    ap.add_argument("--teacher-path", action="store_true",
+                    help="add one teacher-path row per prompt and step (kiln.training.opd_paths)")
     ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")
     args = ap.parse_args()
     per_step = (args.batch if args.facts else 1) * args.samples * args.max_tokens
     if args.steps is None:  # as the request computes it
         args.steps = max(math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step),
                          math.ceil(len(FACTS) / args.batch) if args.facts else 1)
-    s = Setup(args.threads)
+    s = Setup(args.threads, args.lora_targets.split(",") if args.lora_targets else None)
     if args.facts:
         print(f"settings: {args.steps} steps x {args.batch} prompts, {args.samples} samples x {args.max_tokens} "
               f"tokens, top_k {args.top_k}, temperature {args.temperature}, lr {args.lr}")

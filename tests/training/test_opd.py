@@ -59,7 +59,8 @@ def test_opd_refusals_before_queueing(tutor):
     r = c.post("/v1/train/opd", json=base | {"top_k": 10_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "top_k_too_large"
     assert c.post("/v1/train/opd", json=base | {"training_mode": "off_policy"}).status_code == 400
-    assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0}).status_code == 400
+    # CE needs a target: a `gold` on every prompt, or the teacher path (on by default)
+    assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0, "teacher_path": False}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"loss": "jsd"}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"prompts": [{"messages": MSGS + [
         {"role": "assistant", "content": "x"}]}]}).status_code == 400
@@ -90,7 +91,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     its log-likelihood of that answer reaches the teacher's, and it does not collapse into repetition."""
     import math
 
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+    from kiln.training.opd_schemas import DEFAULT_OPD_PATH_CE_WEIGHT, DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
 
     c = tutor
     msgs = [{"role": "user", "content": MILL_Q}]
@@ -112,9 +113,16 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     assert job["state"] == "succeeded", job.get("error")
     assert job["kind"] == "opd"
     rep = job["result"]["report"]
-    f = OPDRequest.model_fields  # a one-prompt job trains for the token budget, not one step
+    f = OPDRequest.model_fields  # a one-prompt job trains up to the token budget, not one step...
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
-    assert rep["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1
+    config = c.get("/v1/adapters/mill-student").json()["manifest"]["config"]
+    assert config["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1 and config["until_learned"] is True
+    assert config["teacher_path"] is True and config["ce_weight"] == DEFAULT_OPD_PATH_CE_WEIGHT > 0
+    # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples, with CE on it)
+    # is the student's: in process 8 steps with that CE, 27-32 with the path row alone, 42-57 with neither
+    # (bench/opd_transfer.py)
+    assert rep["learned"] is True and 1 < rep["steps"] == rep["learned_at_step"] <= 60, rep
+    assert rep["teacher_path_tokens"] == len(answer_ids) + 1 and rep["teacher_path_rounds"] >= 1, rep
     assert rep["teacher_s"] > 0 and rep["student_s"] > 0
     after = _answer_logprob(c, "mill-student", prompt_ids, answer_ids)
     greedy = _greedy(c, "mill-student", msgs)

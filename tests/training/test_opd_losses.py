@@ -199,7 +199,7 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
     wave size); after a weight change, a new revision never reuses prefix-cache blocks of the old weights."""
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.opd import sample_on_engine
+    from kiln.training.opd import sample_batch, sample_on_engine
     from kiln.training.trainer import add_private_adapter, lora_config
 
     loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
@@ -214,6 +214,18 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
         first = sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw)  # 12 rows, waves of 1 prompt
         assert len(first) == 12 and all(1 <= len(c) <= 6 for c in first)
         assert sample_on_engine(engine, "priv", "r0", prompts, 3, 6, 1.0, 1.0, **kw) == first
+        # one row count and one token budget per prompt (OPD's teacher-path rows: longer prompts, fewer tokens);
+        # a prompt with 0 rows gives none; the same seeds give the same rows, on the engine and through the
+        # batched generate fallback
+        mixed = sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1, 1], [3, 5, 2, 4], 1.0, 1.0, **kw)
+        assert [len(c) for c in mixed] == [3, 3, 2, 4]
+        assert sample_on_engine(engine, "priv", "r0", prompts, [2, 0, 1, 1], [3, 5, 2, 4], 1.0, 1.0, **kw) == mixed
+        with engine.ownership.exclusive():
+            pm.base_model.set_adapter("priv")
+            gen = sample_batch(pm, prompts, [1, 2, 0, 0], [4, 2, 9, 9], 1.0, 1.0, seed=3, pad_id=0, end_ids=[],
+                               device="cpu")
+            assert [len(c) for c in gen] == [4, 2, 2]
+            assert sample_batch(pm, prompts, 0, 4, 1.0, 1.0, seed=3, pad_id=0, end_ids=[], device="cpu") == []
         # a prompt of several KV blocks: revision r1 caches its blocks; after the weights change, revision r2
         # must not reuse them (greedy tokens equal a plain forward with the new weights)
         long = [engine.encode_chat([{"role": "user", "content": " ".join(["ant bee cat"] * 20)}])]
@@ -233,3 +245,39 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
         assert after == seq[len(long[0]):]
     finally:
         engine.stop()
+
+
+def test_ce_on_the_teacher_path_reuses_its_rows_hidden_states_and_matches_full_logits(builtin_model_dir):
+    """opd_loss with CE on a gold row that a completion starts with (the teacher path's CE on its own path row):
+    the split-head path reuses that row's hidden states and gives the loss and gradients of the full-logits path,
+    which runs the gold row separately; a gold row no completion starts with still runs through the trunk."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.opd import OPDData, opd_loss
+    from kiln.training.trainer import lora_config
+
+    torch.manual_seed(0)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(str(builtin_model_dir)),
+                        lora_config(4, 8, ["q_proj", "v_proj"]))
+    for name, p in pm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    prompt, other = (3, 17, 42, 5), (3, 9, 11)
+    path, sample = [7, 8, 9, 10], [7, 12, 13]
+    pairs = [(prompt, sample), (prompt, path + [21])]
+    sampled = sample + path + [21]
+    rows = [{t: -0.5, (t + 1) % 500: -1.5} for t in sampled]
+    data = OPDData((), {}, 1, 1.0, 1.0, 8, 2, "forward", 3.0, 1)
+    grads = []
+    for gold in ([(prompt, tuple(path))], [(prompt, tuple(path)), (other, (30, 31))]):
+        for split in (split_causal_lm(pm), None):
+            pm.zero_grad()
+            loss = opd_loss(pm, split, data, pairs, rows, sampled, gold, pad_id=0, device="cpu")
+            loss.backward()
+            grads.append((loss.item(), [p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad]))
+        (a, ga), (b, gb) = grads[-2:]
+        assert math.isclose(a, b, rel_tol=1e-5)
+        assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(ga, gb))
+    assert grads[0][0] != grads[2][0]  # the second gold row counts

@@ -242,7 +242,9 @@ def opd(
     top_k: int = typer.Option(8, "--top-k"),
     loss: Optional[str] = typer.Option(None, "--loss", help="forward (the server's default), tail, renormalized "
                                        "or sampled_token"),
-    ce_weight: float = typer.Option(0.0, "--ce-weight", help="CE on each prompt's `gold` (mixed recipe)"),
+    ce_weight: Optional[float] = typer.Option(None, "--ce-weight", help="CE on each prompt's `gold`, else on the "
+                                              "teacher's greedy answer (default: the server's, 3 with the teacher "
+                                              "path)"),
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
     wait: bool = typer.Option(True, "--wait/--no-wait"),
@@ -260,8 +262,9 @@ def opd(
         body.update(training_mode="off_policy", teacher_jsonl=teacher_jsonl)
     else:
         assert file is not None
-        body.update(prompts=_read_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens,
-                    ce_weight=ce_weight)
+        body.update(prompts=_read_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens)
+        if ce_weight is not None:
+            body["ce_weight"] = ce_weight
         if temperature is not None:
             body["temperature"] = temperature
     if steps is not None:

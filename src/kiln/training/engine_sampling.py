@@ -50,36 +50,48 @@ def check_samples_fit_queue(engine: Any, n: int, param: str) -> None:
                              hint=f"use at most {queue}")
 
 
-def sample_policy(peft_model: Any, loop: Any, engine: Any, prompts: Sequence[list[int]], n: int, max_tokens: int,
-                  temperature: float, top_p: float, *, seed: int, seed_step: int, revision: str, pad_id: int,
-                  end_ids: Sequence[int]) -> list[list[int]]:
-    """``n`` completions per prompt (prompt-major) from the private adapter ``loop.name`` as it is now.
+def _per_prompt(value: int | Sequence[int], count: int) -> list[int]:
+    return [value] * count if isinstance(value, int) else list(value)
+
+
+def sample_policy(peft_model: Any, loop: Any, engine: Any, prompts: Sequence[list[int]], n: int | Sequence[int],
+                  max_tokens: int | Sequence[int], temperature: float, top_p: float, *, seed: int, seed_step: int,
+                  revision: str, pad_id: int, end_ids: Sequence[int]) -> list[list[int]]:
+    """``n`` completions per prompt (prompt-major) from the private adapter ``loop.name`` as it is now, at
+    most ``max_tokens`` each; either may be one value per prompt (all rows are sampled in one batch).
 
     ``seed_step`` enters every row's seed (:func:`sample_seed`), so the same step of a resumed job samples
     what the uninterrupted job did; ``revision`` names the adapter's current weights (the prefix-cache key).
     """
     import torch
 
+    counts, budgets = _per_prompt(n, len(prompts)), _per_prompt(max_tokens, len(prompts))
     with torch.no_grad():
         if samples_on_engine(engine):
-            seeds = [[sample_seed(seed, seed_step, k, j) for j in range(n)] for k in range(len(prompts))]
-            return sample_on_engine(engine, loop.name, revision, prompts, n, max_tokens, temperature, top_p,
+            seeds = [[sample_seed(seed, seed_step, k, j) for j in range(c)] for k, c in enumerate(counts)]
+            return sample_on_engine(engine, loop.name, revision, prompts, counts, budgets, temperature, top_p,
                                     seeds=seeds, end_ids=end_ids)
         with loop.step_ownership():
-            return sample_batch(peft_model, prompts, n, max_tokens, temperature, top_p,
+            return sample_batch(peft_model, prompts, counts, budgets, temperature, top_p,
                                 seed=sample_seed(seed, seed_step, 0, 0), pad_id=pad_id, end_ids=end_ids,
                                 device=loop.device)
 
 
-def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, *, seed: int, pad_id: int, end_ids: Sequence[int], device: Any) -> list[list[int]]:
-    """``n`` completions per prompt (token IDs, through the first end-of-turn token), one left-padded
-    ``generate`` over all of them with the active (private) adapter. Seeded: the same step samples the
-    same tokens after a resume. Used where the engine cannot run the private adapter.
+def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int | Sequence[int],
+                 max_tokens: int | Sequence[int], temperature: float, top_p: float, *, seed: int, pad_id: int,
+                 end_ids: Sequence[int], device: Any) -> list[list[int]]:
+    """``n`` completions per prompt (token IDs, through the first end-of-turn token, at most ``max_tokens``;
+    either may be one value per prompt), one left-padded ``generate`` over all of them with the active
+    (private) adapter. Seeded: the same step samples the same tokens after a resume. Used where the engine
+    cannot run the private adapter.
     """
     import torch
 
-    seqs = [list(p) for p in prompts for _ in range(n)]
+    counts, budgets = _per_prompt(n, len(prompts)), _per_prompt(max_tokens, len(prompts))
+    seqs = [list(p) for p, c in zip(prompts, counts) for _ in range(c)]
+    limits = [b for b, c in zip(budgets, counts) for _ in range(c)]
+    if not seqs:
+        return []
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -91,13 +103,14 @@ def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_toke
         kw.update(temperature=temperature, top_p=top_p, top_k=0)
     with torch.random.fork_rng(devices=[] if str(device) == "cpu" else [device]):
         torch.manual_seed(seed)
-        out = peft_model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_tokens,
-                                  pad_token_id=pad_id, eos_token_id=list(end_ids) or None, use_cache=True, **kw)
+        out = peft_model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                  max_new_tokens=max(limits), pad_token_id=pad_id, eos_token_id=list(end_ids) or None,
+                                  use_cache=True, **kw)
     ends = set(end_ids)
     comps = []
-    for row in out[:, width:].tolist():
+    for row, limit in zip(out[:, width:].tolist(), limits):
         c = []
-        for t in row:
+        for t in row[:limit]:
             c.append(t)
             if t in ends:
                 break
@@ -105,11 +118,12 @@ def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int, max_toke
     return comps
 
 
-def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[list[int]], n: int, max_tokens: int,
-                     temperature: float, top_p: float, *, seeds: Sequence[Sequence[int]],
-                     end_ids: Sequence[int]) -> list[list[int]]:
+def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[list[int]], n: int | Sequence[int],
+                     max_tokens: int | Sequence[int], temperature: float, top_p: float, *,
+                     seeds: Sequence[Sequence[int]], end_ids: Sequence[int]) -> list[list[int]]:
     """``n`` completions per prompt from the engine's continuous batching with the trainer's private adapter
-    ``key`` (token IDs, through the first end-of-turn token), prompt-major like :func:`sample_batch`.
+    ``key`` (token IDs, through the first end-of-turn token), prompt-major like :func:`sample_batch`; ``n``
+    and ``max_tokens`` may be one value per prompt.
 
     ``revision`` names the adapter's current weights: the engine keys the private adapter's prefix-cache
     blocks by ``key#revision``, so blocks computed before an optimizer step are never reused after it. Every
@@ -119,16 +133,19 @@ def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[lis
     """
     from kiln.runtime.sampling import SamplingParams
 
+    counts, budgets = _per_prompt(n, len(prompts)), _per_prompt(max_tokens, len(prompts))
     # waves of whole prompts, at most half the engine's queue (serving keeps the other half)
-    per_wave = max(1, engine.config.max_queued_rows // 2 // max(1, n))
+    per_wave = max(1, engine.config.max_queued_rows // 2 // max(1, max(counts, default=1)))
     out: list[list[int]] = []
     for w in range(0, len(prompts), per_wave):
         subs: list[Any] = []
         try:
             _submit_all(engine, subs, [(list(p), [SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=sd,
-                stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:n]])
-                for p, row_seeds in zip(prompts[w:w + per_wave], seeds[w:w + per_wave])], key, revision)
+                max_tokens=budget, temperature=temperature, top_p=top_p, seed=sd,
+                stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:c]])
+                for p, row_seeds, c, budget in zip(prompts[w:w + per_wave], seeds[w:w + per_wave],
+                                                   counts[w:w + per_wave], budgets[w:w + per_wave])
+                if c > 0], key, revision)
             for sub in subs:
                 for stream in sub.streams:
                     toks: list[int] = []

@@ -6,7 +6,10 @@ share: :mod:`kiln.training.engine_sampling`),
 the teacher scores prompt + completion once per training batch (top-K prompt
 logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
 and the optimizer step pulls the student toward the teacher on the student's
-own tokens. Losses, all per completion token, averaged over the batch's tokens:
+own tokens. With ``teacher_path`` each step also trains on one row per prompt holding the teacher's greedy
+answer, found through scoring calls (:mod:`kiln.training.opd_paths`), and ``until_learned`` stops the job once
+those answers are the student's greedy answers. Losses, all per completion token, averaged over the batch's
+tokens:
 
 * :class:`TailForwardKL` (``forward``, default): forward KL(p || q) over
   S = teacher top-K plus the sampled token, with one extra bucket holding the
@@ -56,6 +59,8 @@ if TYPE_CHECKING:
     from kiln.training.opd_schemas import OPDRequest
 
 EPS = 1e-12
+DEFAULT_LEARNED_EVERY_OPD = 5  # until_learned: check every this many steps (at least once per pass over the prompts)
+PATHS_TENSOR = "opd_teacher_paths"  # checkpoint tensor: kiln.training.opd_paths.TeacherPaths
 
 
 # ----------------------------------------------------------------------------- losses
@@ -242,6 +247,7 @@ class OPDData:
     ce_weight: float
     total_steps: int
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
+    teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -257,6 +263,8 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
                              code="top_k_too_large", param="top_k", hint=f"use top_k <= {max_k}")
     parent = ctx.parent_of(request)
     lora = ctx.lora_shape(request, parent)
+    from kiln.training.opd_schemas import budget_steps
+
     tok = ctx.model.tokenizer
     engine = ctx.serving_engine("OPD")
     limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
@@ -280,23 +288,31 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
         items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
-                   request.max_tokens, request.top_k, request.loss, request.ce_weight,
-                   _total_steps(request, len(items), sampled_per_step=min(request.batch_size, len(items))
-                                * request.samples_per_prompt * request.max_tokens))
+                   request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
+                   _total_steps(request, len(items), budget=budget_steps(
+                       len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
+                   teacher_path=request.teacher_path)
     return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
-def _total_steps(request: OPDRequest, n_items: int, *, sampled_per_step: int | None = None) -> int:
-    """``steps``, or: one pass over the items x ``epochs``, raised to the token budget when each step samples
-    ``sampled_per_step`` tokens at most (on-policy); capped by ``max_steps``."""
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET
-
+def _total_steps(request: OPDRequest, n_items: int, *, budget: int = 0) -> int:
+    """``steps``, or: one pass over the items x ``epochs``, raised to ``budget`` steps (on-policy: the token
+    budget, :func:`kiln.training.opd_schemas.budget_steps`); capped by ``max_steps``."""
     total = request.steps
     if total is None:
-        total = (request.epochs or 1) * math.ceil(n_items / request.batch_size)
-        if sampled_per_step:
-            total = max(total, math.ceil(DEFAULT_OPD_TOKEN_BUDGET / sampled_per_step))
+        total = max((request.epochs or 1) * math.ceil(n_items / request.batch_size), budget)
     return total if request.max_steps is None else min(total, request.max_steps)
+
+
+def _learned_check(request: OPDRequest) -> Any:
+    """``until_learned`` (default: on when ``steps`` is omitted and ``teacher_path`` is on): stop once every
+    prompt's teacher path is whole and is the student's greedy answer."""
+    from kiln.training.schemas import DEFAULT_LEARNED_MARGIN
+    from kiln.training.trainer import LearnedCheck
+
+    on = request.until_learned if request.until_learned is not None else request.steps is None
+    return LearnedCheck(every=DEFAULT_LEARNED_EVERY_OPD, margin=DEFAULT_LEARNED_MARGIN) \
+        if on and request.teacher_path and request.training_mode == "on_policy" else None
 
 
 def _prepare_off_policy(ctx: PrepareContext, teachers: TeacherService, request: OPDRequest, entry: dict[str, Any],
@@ -321,14 +337,15 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
     plan digest) and the plan."""
     from kiln.training.trainer import Plan
 
+    check = _learned_check(request)
     eff = request.model_dump(mode="json")
-    eff.update(steps=data.total_steps, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
+    eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
                **lora_fields(lora, parent), **extra)
     inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
     loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=data.total_steps)
+                max_steps=data.total_steps, until_learned=check)
     return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
@@ -348,6 +365,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.opd_paths import TeacherPaths
     from kiln.training.trainer import _Loop
 
     identity = _identity_of(data.teacher["identity"])
@@ -356,43 +374,96 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     n = len(data.items)
     for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
         loop.stats.setdefault(key, 0.0)
+    paths = TeacherPaths(n, end_ids) if data.teacher_path else None
+    if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
+        paths.load_tensor(resume.tensors[PATHS_TENSOR])
+    path_rows: dict[int, list[dict[int, float]]] = {}  # prompt -> teacher rows of its final teacher path
+    check = plan.until_learned if paths is not None else None
+    every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
+
+    def score(seqs: list[list[int]]) -> Any:
+        """The teacher's top-K rows for every position of ``seqs``, in one call, checked against the pin."""
+        check_request_fits(identity, seqs, data.top_k)
+        scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
+                                                               for s in seqs), vocab_size=vocab_size)
+        check_answer(scored, model_id=model_id, pinned=pinned)
+        return scored
+
+    def learned() -> bool:
+        """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
+        from kiln.training.data import Row
+        from kiln.training.trainer import greedy_margin
+
+        assert paths is not None and check is not None
+        if not all(paths.complete(i) for i in range(n)):
+            return False
+        rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
+                for i, it in enumerate(data.items)]
+        with loop.step_ownership():
+            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
+        loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin
 
     with loop.running():
         while not loop.done():
             loop.check_cancel()
             step = loop.step
             chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
-            # 1. student samples every prompt x sample with the private adapter's current weights
+            if paths is not None:  # 0. finish the chosen prompts' teacher paths (teacher calls where unfinished)
+                t_d = time.perf_counter()
+                dummy = end_ids[0] if end_ids else pad_id
+                loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
+                    chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
+                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo]).prompts])
+                loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
+            # 1. student samples every prompt x sample (and the unfinished teacher-path rows), one batch
             t0 = time.perf_counter()
+            todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
             prompts = [list(data.items[i].student_ids) for i in chosen]
-            comps = sample_policy(peft_model, loop, engine, prompts, data.samples_per_prompt, data.max_tokens,
-                                  data.temperature, data.top_p, seed=plan.seed, seed_step=step,
-                                  revision=f"step-{step}", pad_id=pad_id, end_ids=end_ids)
-            samples = [(idx, c) for k, idx in enumerate(chosen)
-                       for c in comps[k * data.samples_per_prompt:(k + 1) * data.samples_per_prompt] if c]
+            prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
+            counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
+            budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+            comps = sample_policy(peft_model, loop, engine, prompts, counts, budgets, data.temperature,
+                                  data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
+                                  pad_id=pad_id, end_ids=end_ids)
+            k = len(chosen) * data.samples_per_prompt
+            samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
+            rest = iter(comps[k:])  # teacher-path rows: the known prefix + the student's sample from it
+            samples += [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
             student_s = time.perf_counter() - t0
             if not samples:
                 loop.stats["student_s"] += student_s
-                loop.after_step(0, 0)
+                loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
                 continue
-            # 2. teacher scores every (teacher prompt + completion) in one batch
+            # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
+            # sampled after it) is the same sequence every step: its rows are scored once and kept
             t1 = time.perf_counter()
-            seqs = [list(data.items[i].teacher_ids) + comp for i, comp in samples]
-            check_request_fits(identity, seqs, data.top_k)
-            scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
-                                                                   for s in seqs), vocab_size=vocab_size)
-            check_answer(scored, model_id=model_id, pinned=pinned)
+            final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
+            ask = [k for k in range(len(samples)) if final.get(k) not in path_rows]
+            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1]
+                                       for k in ask]).prompts)) if ask else {}
             teacher_s = time.perf_counter() - t1
             rows, sampled = [], []
-            for (i, comp), sc in zip(samples, scored.prompts):
-                start = len(data.items[i].teacher_ids)
-                for j, tok in enumerate(comp):
-                    rows.append(sc.rows[start + j] or {})
-                    sampled.append(tok)
+            for k, (i, comp) in enumerate(samples):
+                if k in got:
+                    start = len(data.items[i].teacher_ids)
+                    mine = [got[k].rows[start + j] or {} for j in range(len(comp))]
+                    if k in final:
+                        path_rows[i] = mine
+                else:
+                    mine = path_rows[i]
+                if paths is not None:
+                    paths.observe(i, comp, mine)
+                rows += mine
+                sampled += comp
             loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
+            if paths is not None:
+                loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
-            gold = [(data.items[i].student_ids, data.items[i].gold_ids or ()) for i in chosen] \
+            # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
+            gold = [(data.items[i].student_ids, data.items[i].gold_ids
+                     or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
                 if data.ce_weight > 0 else []
             with loop.step_ownership():
                 t2 = time.perf_counter()
@@ -404,7 +475,11 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
             loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
             loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled))
-            loop.after_step(0, 0)
+            if every is not None and loop.step % every == 0 and learned():
+                loop.stats["learned_at_step"] = loop.total_steps = loop.step
+            loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+        if check is not None:
+            loop.stats["learned"] = "learned_at_step" in loop.stats
     return loop.report()
 
 
@@ -430,8 +505,21 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
                                    device=device)
         loss_cls = CANDIDATE_LOSSES[data.loss]
     if split is not None:
-        h_all = completion_hidden(split, list(pairs) + list(gold), pad_id, device)
+        # a gold row that a completion starts with (the teacher path's CE on its own path row) reuses that
+        # row's hidden states instead of running through the trunk again
+        starts, at = [], 0
+        for _, c in pairs:
+            starts.append(at)
+            at += len(c)
+        reuse = [next((starts[k] for k, (p, c) in enumerate(pairs)
+                       if list(p) == list(gp) and list(c[:len(g)]) == list(g)), None) for gp, g in gold]
+        h_all = completion_hidden(split, list(pairs) + [g for g, r in zip(gold, reuse) if r is None], pad_id, device)
         h, weight = h_all[:n_tok], split.head.weight
+        pieces, extra = [], n_tok
+        for (_, g), r in zip(gold, reuse):
+            if r is None:
+                r, extra = extra, extra + len(g)
+            pieces.append(h_all[r:r + len(g)])
         if data.loss == "sampled_token":
             with torch.no_grad():
                 behaviour = _sampler_logp(data.temperature, lambda t: linear_token_logprobs(
@@ -442,7 +530,7 @@ def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[S
                 logq, lp[rows], mask[rows]) * logq.shape[0])
         if gold:
             gold_targets = torch.tensor([t for _, g in gold for t in g], dtype=torch.long, device=device)
-            ce = linear_cross_entropy_sum(h_all[n_tok:], weight, gold_targets) / gold_targets.numel()
+            ce = linear_cross_entropy_sum(torch.cat(pieces), weight, gold_targets) / gold_targets.numel()
             loss = loss + data.ce_weight * ce
         return loss
     logits = _completion_logits(peft_model, pairs, device).float()

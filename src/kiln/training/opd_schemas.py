@@ -7,7 +7,8 @@ in :func:`kiln.training.opd.prepare_opd` before the job is queued.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -19,13 +20,26 @@ MAX_OPD_NEW_TOKENS = 1_024
 MAX_OPD_TOP_K = 1 << 20
 
 OPDLoss = Literal["forward", "tail", "renormalized", "sampled_token"]
-# `steps` omitted: enough steps to sample about this many completion tokens (batch prompts x samples_per_prompt x
-# max_tokens per step), and never less than one pass over the prompts x `epochs`. On the built-in model a
-# one-answer teacher is learned (the student's greedy answer is the teacher's) in 42-57 steps of 4 x 32 tokens
-# (bench/opd_transfer.py, 5 seeds over two builds of that model), so the budget gives 96 steps for one prompt.
+# `steps` omitted: enough steps to sample about this many completion tokens PER PROMPT (each step samples batch
+# prompts x samples_per_prompt x max_tokens), and never less than one pass over the prompts x `epochs`; with
+# `until_learned` (the default then) the job stops earlier, once every prompt's teacher path is the student's
+# greedy answer. On the built-in model a one-answer teacher is learned in 42-57 steps of 4 x 32 tokens without
+# the teacher-path row and 27-32 with it (bench/opd_transfer.py); ten answers at once reach 8/10 in 75-150 steps
+# of 4 prompts (30-60 visits of each prompt; docs/training.md), so the budget gives 96 visits of each prompt.
 DEFAULT_OPD_TOKEN_BUDGET = 12_288
 DEFAULT_OPD_LEARNING_RATE = 1e-2
+# `ce_weight` omitted with teacher_path: CE on the teacher's greedy answer (sequence-level KD) beside forward KL on
+# the samples. Ten answers at once on the built-in model: 8/10 with 0 (every variant, up to 200 steps: the two
+# misses are where the teacher's own top-1 has p 0.04 vs 0.01), 10/10 at step 120 with 1.0 (3/10 unrelated
+# answers degenerate), 10/10 at step 100 with 3.0 (0/10); one answer: learned at step 8 with 3.0 (bench/opd_transfer.py).
+DEFAULT_OPD_PATH_CE_WEIGHT = 3.0
 DEFAULT_OPD_TEMPERATURE = 0.5
+
+
+def budget_steps(n_prompts: int, batch_size: int, samples_per_prompt: int, max_tokens: int) -> int:
+    """Optimizer steps that sample about DEFAULT_OPD_TOKEN_BUDGET tokens per prompt."""
+    per_step = min(batch_size, n_prompts) * samples_per_prompt * max_tokens
+    return math.ceil(n_prompts * DEFAULT_OPD_TOKEN_BUDGET / per_step)
 
 
 class OPDPrompt(_Wire):
@@ -54,15 +68,33 @@ class OPDRequest(_TrainCommon):
     max_tokens: int = Field(32, ge=1, le=MAX_OPD_NEW_TOKENS)
     top_k: int = Field(8, ge=1, le=MAX_OPD_TOP_K, description="teacher candidates per position (<= its max_top_k)")
     loss: OPDLoss = "forward"
-    ce_weight: float = Field(0.0, ge=0.0, le=100.0, description="weight of CE on `gold` completions (mixed recipe)")
+    until_learned: bool | None = Field(
+        None, description="with teacher_path: stop once every prompt's teacher greedy answer is the student's greedy "
+                          "answer; default: on when steps is omitted")
+    teacher_path: bool = Field(
+        True, description="add one row per prompt and step: the teacher's greedy answer (found through teacher "
+                          "scoring calls), then the student's sample from it where it is cut at max_tokens "
+                          "(kiln.training.opd_paths)")
+    ce_weight: float | None = Field(
+        None, ge=0.0, le=100.0, description="weight of CE on `gold` completions, or with teacher_path on the "
+        "teacher's greedy answer where a prompt has no gold (sequence-level KD); default: "
+        "DEFAULT_OPD_PATH_CE_WEIGHT with teacher_path on policy, else 0")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     teacher_jsonl: str | None = Field(
         None, max_length=MAX_PATH_CHARS,
         description="off_policy: a teacher JSONL inside the data dir, built from the teacher's off_policy_manifest")
     steps: int | None = Field(None, ge=1, le=100_000, description="optimizer steps (default: a budget of DEFAULT_OPD_TOKEN_BUDGET "
-                                 "sampled tokens, at least one pass over the prompts)")
+                                 "sampled tokens per prompt, at least one pass over the prompts)")
     learning_rate: float = Field(DEFAULT_OPD_LEARNING_RATE, gt=0, le=1.0)
     batch_size: int = Field(4, ge=1, le=256, description="prompts per step (each sampled samples_per_prompt times)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_ce_weight(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ce_weight") is None:
+            on_path = data.get("training_mode", "on_policy") == "on_policy" and data.get("teacher_path", True) is True
+            data = {**data, "ce_weight": DEFAULT_OPD_PATH_CE_WEIGHT if on_path else 0.0}
+        return data
 
     @model_validator(mode="after")
     def _checks(self) -> "OPDRequest":
@@ -76,6 +108,7 @@ class OPDRequest(_TrainCommon):
             return self
         if self.prompts is None or self.teacher_jsonl is not None:
             raise ValueError("training_mode 'on_policy' takes `prompts` and no `teacher_jsonl`")
-        if self.ce_weight > 0 and any(p.gold is None for p in self.prompts):
-            raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt")
+        if self.ce_weight > 0 and not self.teacher_path and any(p.gold is None for p in self.prompts):
+            raise ValueError("ce_weight > 0 needs a `gold` completion on every prompt, or teacher_path (CE on the "
+                             "teacher's greedy answer)")
         return self
