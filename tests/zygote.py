@@ -5,10 +5,11 @@ Every test server is a real process running the real `kiln` entry point (`kiln.c
 own environment, working directory and log file; only the interpreter start-up and the imports of
 torch, transformers and the server (about 4-5 s of CPU per server on a 2-core machine, most of the
 test lane's subprocess time) are paid once per test worker. A request is forked only when it can be
-answered exactly as an exec would: the command is `kiln ...` on this interpreter and the environment
-differs from the zygote's own in `KILN_*` variables (and pytest's per-test
-`PYTEST_CURRENT_TEST`) alone (anything read at import time, such as
-`ATEN_CPU_CAPABILITY`, `OMP_NUM_THREADS` or `HF_*`, falls back to `subprocess.Popen`). The zygote
+answered exactly as an exec would: the command is `kiln ...` on this interpreter, and it goes to a
+zygote that was itself started with the request's environment, apart from `KILN_*` variables and
+pytest's per-test `PYTEST_CURRENT_TEST` (Kiln reads its own variables when a command runs; anything
+read at import time, such as `ATEN_CPU_CAPABILITY`, `OMP_NUM_THREADS` or `HF_*`, gets its own zygote,
+at most three per worker, then `subprocess.Popen`). The zygote
 refuses to fork while it runs a second Python thread (torch's native helper
 threads are fork-safe: DataLoader forks its workers the same way). `KILN_TEST_FORK=0` turns it off.
 
@@ -191,12 +192,12 @@ class ForkedProcess:
 
 
 class _Zygote:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(os.environ)
+        self.env = dict(env)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote", str(theirs.fileno())],
                                      pass_fds=[theirs.fileno()], cwd=Path(__file__).resolve().parents[1],
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, env=self.env)
         theirs.close()
         self.sock = mine
         self.lock = threading.Lock()
@@ -225,8 +226,27 @@ class _Zygote:
             pass
 
 
-_zygote: _Zygote | None = None
+MAX_ZYGOTES = 3  # per test worker: one per distinct import-time environment, then plain Popen
+_zygotes: dict[frozenset[tuple[str, str]], _Zygote] = {}
 _zygote_lock = threading.Lock()
+
+
+def _import_time_env(env: dict[str, str]) -> frozenset[tuple[str, str]]:
+    return frozenset((k, v) for k, v in env.items() if not k.startswith(_IMPORT_TIME_PREFIXES))
+
+
+def _zygote_for(env: dict[str, str]) -> _Zygote | None:
+    """The zygote whose interpreter started with ``env``'s import-time variables (started on first use)."""
+    key = _import_time_env(env)
+    with _zygote_lock:
+        zygote = _zygotes.get(key)
+        if zygote is not None and zygote.proc.poll() is not None:
+            zygote = None
+        if zygote is None:
+            if len(_zygotes) >= MAX_ZYGOTES and key not in _zygotes:
+                return None
+            zygote = _zygotes[key] = _Zygote(env)
+        return zygote
 
 
 def _kiln_args(cmd: list[str]) -> list[str] | None:
@@ -237,11 +257,6 @@ def _kiln_args(cmd: list[str]) -> list[str] | None:
     if cmd[:3] == [sys.executable, "-m", "kiln.cli"]:
         return cmd[3:]
     return None
-
-
-def _forkable_env(env: dict[str, str], base: dict[str, str]) -> bool:
-    keys = set(env) | set(base)
-    return all(env.get(k) == base.get(k) for k in keys if not k.startswith(_IMPORT_TIME_PREFIXES))
 
 
 def _fileno(stream: Any) -> int | None:
@@ -255,19 +270,13 @@ def _fileno(stream: Any) -> int | None:
 def popen(cmd: list[Any], *, env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
           cwd: Any = None, **kwargs: Any) -> subprocess.Popen | ForkedProcess:
     """``subprocess.Popen(cmd, ...)``, forked from the zygote when that is exactly equivalent."""
-    global _zygote
     env = dict(os.environ) if env is None else dict(env)
     args = _kiln_args(cmd)
     forkable = (os.environ.get("KILN_TEST_FORK", "1") != "0" and args is not None and not kwargs
                 and stdout is not subprocess.PIPE and stderr not in (subprocess.PIPE,)
                 and sys.platform == "linux")
-    if forkable:
-        with _zygote_lock:
-            if _zygote is None or _zygote.proc.poll() is not None:
-                _zygote = _Zygote()
-            zygote = _zygote
-        forkable = _forkable_env(env, zygote.env)
-    if not forkable:
+    zygote = _zygote_for(env) if forkable else None
+    if zygote is None:
         return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd, **kwargs)
     for stream in (stdout, stderr):
         if hasattr(stream, "flush"):
