@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 
@@ -64,17 +64,20 @@ def _ask(client: Any, model: str, question: str) -> tuple[str, str | None]:
 @dataclass
 class RunningServer:
     client: Any  # httpx.Client with base_url set
-    process: subprocess.Popen
+    process: Any  # subprocess.Popen, or what the caller's popen returns
     url: str
 
 
 @contextmanager
 def kiln_server(home: Path | None, *, extra_env: dict[str, str] | None = None,
-                timeout: float = STARTUP_TIMEOUT_S) -> Iterator[RunningServer]:
+                timeout: float = STARTUP_TIMEOUT_S, popen: Callable[..., Any] = subprocess.Popen,
+                ) -> Iterator[RunningServer]:
     """Run ``kiln serve`` on a free loopback port and yield it (with an ``httpx.Client``).
 
     The server's output goes to a temp file whose tail is printed to stderr if
-    the server dies or fails to start. It is stopped with SIGINT (then killed).
+    the server dies or fails to start. It is stopped with SIGINT (then killed). ``popen`` starts the
+    process (``subprocess.Popen``'s signature; the test suite passes one that forks a pre-imported
+    interpreter).
     """
     import httpx
 
@@ -85,7 +88,7 @@ def kiln_server(home: Path | None, *, extra_env: dict[str, str] | None = None,
     env.update(extra_env or {})
     cmd = [sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     ok = False
     url = f"http://127.0.0.1:{port}"
     try:

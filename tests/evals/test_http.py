@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kiln.demo import kiln_server
+from tests.zygote import kiln_server
 from kiln.runtime.builtin import BUILTIN_NAME
 
 RUN_TIMEOUT_S = 180.0

@@ -15,7 +15,8 @@ import stat
 
 import pytest
 
-from kiln.demo import kiln_server, wait_job
+from kiln.demo import wait_job
+from tests.zygote import kiln_server
 from kiln.runtime.builtin import BUILTIN_NAME
 from tests.evals.test_http import wait_run
 

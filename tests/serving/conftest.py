@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.zygote import popen
+
 STARTUP_TIMEOUT_S = 120
 KILN = Path(sys.executable).with_name("kiln")
 
@@ -68,7 +70,7 @@ def start_server(model_dir: Path, home: Path, *, extra_args: list[str], env_extr
     log_dir = log_dir or home
     log_path = log_dir / f"serve-{port}.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir)
+    proc = popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir)  # tests.zygote: forked
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

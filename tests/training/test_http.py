@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from kiln.demo import CORRECTION, QUESTION, correction_body, kiln_server, wait_job
+from kiln.demo import CORRECTION, QUESTION, correction_body, wait_job
+from tests.zygote import kiln_server
 from kiln.runtime.builtin import BUILTIN_NAME
 
 LONG = {"adapter": "long", "epochs": 1000, "checkpoint_interval": 5, "examples": [{"messages": [

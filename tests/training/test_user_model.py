@@ -144,7 +144,8 @@ def test_grpo_on_markerless_model(service):
 
 
 def test_demo_loop_on_markerless_model(user_model_dir, tmp_path):
-    from kiln.demo import kiln_server, run_correction
+    from kiln.demo import run_correction
+    from tests.zygote import kiln_server
 
     lines: list[str] = []
     with kiln_server(tmp_path / "home", extra_env={"KILN_MODEL_PATH": str(user_model_dir)}) as server:

@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from kiln.demo import CORRECTION, QUESTION, correction_body, kiln_server, wait_job
+from kiln.demo import CORRECTION, QUESTION, correction_body, wait_job
+from tests.zygote import kiln_server
 from kiln.runtime.builtin import BUILTIN_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
