@@ -7,7 +7,8 @@ import pytest
 
 from kiln.evals import schemas as s
 from kiln.evals.sandbox import landlock_abi
-from kiln.evals.service import EvalService, _aggregate
+from kiln.evals.evaluation import _aggregate
+from kiln.evals.service import EvalService
 
 
 @pytest.fixture(scope="module")

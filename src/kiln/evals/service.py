@@ -1,7 +1,7 @@
 """The eval service: suites, a FIFO worker thread (separate from training), runs, comparisons,
 strict replay and the post-train gate.
 
-One evaluation (:meth:`EvalService._evaluate`):
+One evaluation (:meth:`EvalService._evaluate`, :mod:`kiln.evals.evaluation`):
 
 1. **Load.** An adapter target is loaded from the adapter store into the engine under a private
    name ``kiln-eval-<hex>`` through the engine's own activation boundary (canary first), and its
@@ -22,26 +22,21 @@ identities, scorer configuration, runtime versions and the raw completions) so i
 from __future__ import annotations
 
 import logging
-import platform
 import queue
-import secrets
 import threading
 import time
-from collections import Counter
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, Unavailable
 from kiln.evals import gate as gates
 from kiln.evals import schemas as s
-from kiln.evals.scorers import Scorers, judge_prompt, judge_verdict, validate_suite
+from kiln.evals.evaluation import Evaluation, Resolved, runtime_provenance
+from kiln.evals.scorers import validate_suite
 from kiln.evals.store import (
     CANCELLED,
     FAILED,
     QUEUED,
-    RUNNING,
     SUCCEEDED,
     TERMINAL,
     RunStore,
@@ -59,10 +54,8 @@ log = logging.getLogger("kiln.evals")
 
 QUEUE_MAX = 64
 WORKER_JOIN_S = 30.0
-ROW_TIMEOUT_S = 600.0  # one generated row; an engine that stalls longer fails the run
 GATE_TIMEOUT_S = 3_600.0
 MAX_JSONL_BYTES = 32 * 1024 * 1024
-PRIVATE_PREFIX = "kiln-eval-"
 
 
 class RunCancelled(Exception):
@@ -74,43 +67,7 @@ class EvalQueueFull(Unavailable):
     default_hint = "retry after a queued evaluation has started, or cancel one"
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A target made concrete: the adapter revision (None: the base model) and its files."""
-
-    adapter: str | None
-    revision: str | None
-    path: Path | None
-
-    def identity(self, base_sha: str) -> dict[str, Any]:
-        return {"adapter": self.adapter, "revision": self.revision, "base_model_sha256": base_sha}
-
-
-def runtime_provenance(engine: Any, loaded: Any) -> dict[str, Any]:
-    """What the numbers of a run depend on besides the model and the suite."""
-    import importlib.metadata as md
-
-    def ver(dist: str) -> str | None:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return None
-
-    out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
-                           "kiln": ver("kiln"), "torch": ver("torch"), "transformers": ver("transformers"),
-                           "peft": ver("peft"), "device": str(getattr(loaded, "device", "")),
-                           "dtype": str(getattr(loaded, "dtype", ""))}
-    try:
-        import torch
-
-        out["torch_threads"] = torch.get_num_threads()
-        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # noqa: BLE001 - provenance is best effort for optional fields
-        pass
-    return out
-
-
-class EvalService:
+class EvalService(Evaluation):
     """Suites on disk, runs in SQLite, one FIFO worker thread. Built by the app, started in its lifespan."""
 
     def __init__(self, *, engine: Engine, store: AdapterStore, settings: Settings, model: LoadedModel,
@@ -500,228 +457,3 @@ class EvalService:
         verdict = "matched" if not diffs else "mismatch"
         return {**result, "replay": {"verdict": verdict, "stage": "execution", "replay_of": request["replay_of"],
                                      "differences": diffs[:50], "different_examples": len(diffs)}}
-
-    # --------------------------------------------------------- evaluation
-    @contextmanager
-    def _loaded(self, resolved: Resolved) -> Iterator[str | None]:
-        """The engine name to generate with: ``None`` for the base, else a private load of the revision."""
-        if resolved.adapter is None:
-            yield None
-            return
-        name = f"{PRIVATE_PREFIX}{secrets.token_hex(6)}"
-        assert resolved.path is not None and resolved.revision is not None
-        self.engine.activate_adapter(name, resolved.path, resolved.revision)
-        try:
-            yield name
-        finally:
-            try:
-                self.engine.deactivate_adapter(name)
-            except KilnError:
-                log.warning("private eval adapter %s was already gone", name)
-
-    def _verify_loaded(self, name: str | None, resolved: Resolved) -> None:
-        """Before generation: the engine serves exactly the resolved revision under ``name``."""
-        if name is None:
-            return
-        live = self.engine.active_adapters().get(name)
-        if live != resolved.revision:
-            raise Conflict(f"loaded {name} is revision {live}, expected {resolved.revision}",
-                           code="loaded_revision_mismatch")
-
-    def _evaluate(self, run_id: str, suite: s.SuiteSpec, target: s.Target, *, resolved: Resolved | None = None,
-                  cancel_id: str | None = None, expect: dict[str, Any] | None = None) -> dict[str, Any]:
-        cancel_id = cancel_id or run_id
-        resolved = resolved or self._resolve(target)
-        judges = [(i, sc) for i, sc in enumerate(suite.scorers) if isinstance(sc, s.JudgeScorer)]
-        judge_res = {i: self._resolve(sc.judge) for i, sc in judges}
-        gen = suite.generation
-        k = gen.samples
-        seeds = [[gen.seed + i * k + j for j in range(k)] for i in range(len(suite.examples))]
-        with ExitStack() as stack:
-            name = stack.enter_context(self._loaded(resolved))
-            judge_names = {i: stack.enter_context(self._loaded(r)) for i, r in judge_res.items()}
-            if expect is not None:  # strict replay: the loaded candidate and judges are the recorded ones
-                self._expect(expect, resolved, judge_res)
-            self._verify_loaded(name, resolved)
-            for i, r in judge_res.items():
-                self._verify_loaded(judge_names[i], r)
-            t0 = time.perf_counter()
-            prompts = [self.engine.encode_chat([m.model_dump() for m in ex.messages]) for ex in suite.examples]
-            completions = self._generate(cancel_id, prompts, seeds, gen, name, progress=run_id)
-            gen_s = time.perf_counter() - t0
-            verdicts: dict[int, list[list[tuple[bool, str]]]] = {}
-            for i, sc in judges:
-                verdicts[i] = self._judge(cancel_id, suite, sc, completions, judge_names[i])
-        self._check_cancel(cancel_id)
-        scorers = Scorers(suite, allow_code_execution=self.allow_code, sandbox=self._sandbox())
-        examples = []
-        ids = suite.example_ids()
-        for i, ex in enumerate(suite.examples):
-            samples = []
-            for j, comp in enumerate(completions[i]):
-                per = []
-                for si, spec in enumerate(suite.scorers):
-                    if si in verdicts:
-                        ok, raw = verdicts[si][i][j]
-                        per.append({"scorer": si, "type": "judge", "passed": ok, "detail": raw[:200]})
-                    else:
-                        sc_ = scorers.score(si, spec, comp["text"], ex)
-                        per.append({"scorer": si, "type": spec.type, **sc_.as_dict()})
-                samples.append({"seed": seeds[i][j], "completion": comp["text"], "finish_reason": comp["finish"],
-                                "tokens": comp["tokens"], "passed": all(p["passed"] for p in per), "scores": per})
-            passed, score = _aggregate(suite.aggregation, samples)
-            examples.append({"id": ids[i], "passed": passed, "score": score, "samples": samples})
-            self.metrics.samples(len(samples))
-        n = len(examples)
-        n_pass = sum(1 for e in examples if e["passed"])
-        aggregate = {"aggregation": suite.aggregation, "examples": n, "passed": n_pass,
-                     "accuracy": n_pass / n if n else 0.0,
-                     "mean_score": sum(e["score"] for e in examples) / n if n else 0.0,
-                     "wilson_lower_95": gates.wilson_lower(n_pass, n), "generation_s": round(gen_s, 4)}
-        provenance = {
-            "suite_name": suite.name, "suite_sha256": suite_digest(suite),
-            "generation": gen.model_dump(mode="json"), "seeds": seeds,
-            "base_model_sha256": self.loaded.base_model_sha256, "model_id": self.loaded.model_id,
-            "candidate": resolved.identity(self.loaded.base_model_sha256),
-            "judges": [{"scorer": i, **judge_res[i].identity(self.loaded.base_model_sha256)} for i, _ in judges],
-            "scorers": [sc.model_dump(mode="json") for sc in suite.scorers],
-            "runtime": runtime_provenance(self.engine, self.loaded),
-        }
-        if any(isinstance(sc, s.CodeScorer) for sc in suite.scorers):
-            from kiln.evals.sandbox import isolation
-
-            provenance["code_isolation"] = isolation()
-        return {"target": resolved.identity(self.loaded.base_model_sha256), "aggregate": aggregate,
-                "examples": examples, "provenance": provenance}
-
-    def _expect(self, prov: dict[str, Any], resolved: Resolved, judge_res: dict[int, Resolved]) -> None:
-        cand = prov["candidate"]
-        if (resolved.adapter, resolved.revision) != (cand["adapter"], cand["revision"]):
-            raise Conflict(f"replay loaded {resolved.adapter}@{resolved.revision}, recorded "
-                           f"{cand['adapter']}@{cand['revision']}", code="replay_candidate_mismatch")
-        for j in prov["judges"]:
-            r = judge_res.get(j["scorer"])
-            if r is None or (r.adapter, r.revision) != (j["adapter"], j["revision"]):
-                raise Conflict("replay loaded a different judge than the recorded one", code="replay_judge_mismatch")
-        if prov["base_model_sha256"] != self.loaded.base_model_sha256:
-            raise Conflict("the served base model changed since admission", code="replay_base_mismatch")
-
-    def _sandbox(self) -> Any:
-        if not self.allow_code:
-            return None
-        from kiln.evals.sandbox import run_python
-
-        return run_python
-
-    def _generate(self, cancel_id: str, prompts: list[list[int]], seeds: list[list[int]],
-                  gen: s.GenerationSettings, adapter: str | None, *, progress: str | None = None,
-                  ) -> list[list[dict[str, Any]]]:
-        """Submit every row (windowed by the engine's queue) and collect the finished texts."""
-        from kiln.runtime.engine import EngineOverloaded
-        from kiln.runtime.sampling import SamplingParams
-
-        window = max(1, self.engine.config.max_queued_rows // 2)
-        out: list[list[dict[str, Any]] | None] = [None] * len(prompts)
-        pending: list[tuple[int, Any]] = []
-        done = 0
-
-        def drain_one() -> None:
-            nonlocal done
-            idx, sub = pending.pop(0)
-            out[idx] = self._collect(cancel_id, sub)
-            done += 1
-            if progress is not None and (done % 8 == 0 or done == len(prompts)):
-                self.runs.progress(progress, {"generated": done, "examples": len(prompts)})
-
-        try:
-            for i, ids in enumerate(prompts):
-                self._check_cancel(cancel_id)
-                params = [SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                         seed=seed, stop=tuple(gen.stop)) for seed in seeds[i]]
-                while True:
-                    in_flight = sum(len(p.streams) for _, p in pending)
-                    if in_flight + len(params) > window and pending:
-                        drain_one()
-                        continue
-                    try:
-                        pending.append((i, self.engine.submit(ids, params, adapter=adapter, incremental=False)))
-                        break
-                    except EngineOverloaded:
-                        if not pending:
-                            time.sleep(0.05)
-                            continue
-                        drain_one()
-            while pending:
-                drain_one()
-        finally:
-            for _, sub in pending:
-                sub.cancel()
-        return [o or [] for o in out]
-
-    def _collect(self, cancel_id: str, sub: Any) -> list[dict[str, Any]]:
-        rows = []
-        try:
-            for stream in sub.streams:
-                text: list[str] = []
-                n_tokens = 0
-                reason = None
-                deadline = time.monotonic() + ROW_TIMEOUT_S
-                while reason is None:
-                    self._check_cancel(cancel_id)
-                    chunk = stream.next_chunk_sync(0.5)
-                    if chunk is None:
-                        if time.monotonic() > deadline:
-                            raise Unavailable(f"a generation row did not finish within {ROW_TIMEOUT_S:g} s",
-                                              code="eval_generation_timeout")
-                        continue
-                    text.append(chunk.text)
-                    n_tokens += len(chunk.tokens)
-                    reason = chunk.finish_reason
-                if reason == "error":
-                    raise Unavailable("the engine failed while generating an eval row", code="engine_error")
-                rows.append({"text": "".join(text), "finish": reason, "tokens": n_tokens})
-        finally:
-            sub.cancel()
-        return rows
-
-    def _judge(self, cancel_id: str, suite: s.SuiteSpec, sc: s.JudgeScorer, completions: list[list[dict[str, Any]]],
-               judge: str | None) -> list[list[tuple[bool, str]]]:
-        if sc.mode == "preference":  # the answer against the reference, from the judge's A/B logprobs
-            from kiln.judgments.scoring import preference_verdicts
-
-            return preference_verdicts(self.engine, judge, suite, completions, sc.threshold,
-                                       check=lambda: self._check_cancel(cancel_id))
-        prompts, seeds, shape = [], [], []
-        for i, ex in enumerate(suite.examples):
-            question = next((m.content for m in reversed(ex.messages) if m.role == "user"), "")
-            for comp in completions[i]:
-                rubric = judge_prompt(sc, question, ex.reference, comp["text"])
-                prompts.append(self.engine.encode_chat([{"role": "user", "content": rubric}]))
-                seeds.append([0])
-            shape.append(len(completions[i]))
-        gen = s.GenerationSettings(temperature=0.0, max_tokens=sc.max_tokens)
-        flat = self._generate(cancel_id, prompts, seeds, gen, judge)
-        out, pos = [], 0
-        for n in shape:
-            row = []
-            for _ in range(n):
-                verdict = judge_verdict(flat[pos][0]["text"])
-                row.append((verdict.passed, verdict.detail or ""))
-                pos += 1
-            out.append(row)
-        return out
-
-
-def _aggregate(aggregation: str, samples: list[dict[str, Any]]) -> tuple[bool, float]:
-    """One example's (passed, score) from its k samples."""
-    k = len(samples)
-    passes = sum(1 for x in samples if x["passed"])
-    if aggregation == "pass@k":
-        return passes > 0, 1.0 if passes else 0.0
-    if aggregation == "majority@k":
-        counts = Counter(" ".join(x["completion"].split()).casefold() for x in samples)
-        top = max(counts.values())
-        winner = next(x for x in samples if counts[" ".join(x["completion"].split()).casefold()] == top)
-        return bool(winner["passed"]), 1.0 if winner["passed"] else 0.0
-    score = passes / k if k else 0.0
-    return score >= 0.5, score
