@@ -290,6 +290,8 @@ def popen(cmd: list[Any], *, env: dict[str, str] | None = None, stdout: Any = No
         fds = [null, err]
     try:
         pid = zygote.spawn(args, env, None if cwd is None else str(cwd), fds)
+    except (OSError, RuntimeError):  # the zygote died (e.g. an import failed there): exec as usual
+        pid = None
     finally:
         if null is not None:
             os.close(null)
