@@ -9,8 +9,8 @@ import pytest
 from kiln.config import ConfigError, load_settings
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.sampling import SamplingParams
-from kiln.runtime import scheduler as scheduler_mod
-from kiln.runtime.scheduler import MIN_MIXED_PROMPT_TOKENS
+from kiln.runtime import cycle_plan
+from kiln.runtime.cycle_plan import MIN_MIXED_PROMPT_TOKENS
 from kiln.runtime.step_cost import StepCost
 from tests.runtime.test_engine import hf_greedy, loaded, reference  # noqa: F401  (module fixtures)
 
@@ -124,7 +124,7 @@ def run_joining(loaded, factor: float) -> tuple[list[tuple[int, int]], list[int]
 
 
 def test_prompt_beside_decoding_rows_is_spread_to_the_allowance(loaded, reference, monkeypatch):
-    monkeypatch.setattr(scheduler_mod, "MIXED_AGE_CYCLES", 10**9)  # FixedCost's cycles are shorter than real ones
+    monkeypatch.setattr(cycle_plan, "MIXED_AGE_CYCLES", 10**9)  # FixedCost's cycles are shorter than real ones
     cycles, a_tokens, b_tokens, b_prompt, engine = run_joining(loaded, 1.5)
     assert len(b_prompt) > 3 * MIN_MIXED_PROMPT_TOKENS
     mixed = [(d, t) for d, t in cycles if d > 0 and t > 0]
@@ -142,7 +142,7 @@ def test_the_allowance_grows_with_the_age_of_a_held_back_prompt(loaded, monkeypa
     # every real cycle outlasts many of FixedCost's predicted 1.25 ms decode cycles: with one age
     # step per 1e-6 of them the allowance is many times the prompt by the time B is planned, so
     # the cycle takes the whole prompt, as with the factor off
-    monkeypatch.setattr(scheduler_mod, "MIXED_AGE_CYCLES", 1e-6)
+    monkeypatch.setattr(cycle_plan, "MIXED_AGE_CYCLES", 1e-6)
     cycles, _, _, b_prompt, _ = run_joining(loaded, 1.5)
     mixed = [t for d, t in cycles if d > 0 and t > 0]
     assert mixed and max(mixed) == len(b_prompt)
