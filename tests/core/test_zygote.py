@@ -42,10 +42,15 @@ def test_forked_process_receives_signals(tmp_path, fork_enabled):
     env = dict(os.environ, KILN_HOME=str(tmp_path / "home"))
     proc = zygote.popen([str(zygote.KILN_SCRIPT), "serve", "--host", "127.0.0.1", "--port", "0"], env=env,
                         stdout=log, stderr=subprocess.STDOUT)
-    assert isinstance(proc, zygote.ForkedProcess)
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(60) == -signal.SIGKILL
+    try:
+        assert isinstance(proc, zygote.ForkedProcess)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(60) == -signal.SIGKILL
+    finally:  # never leave a server behind, whatever failed above
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
 
 
 def test_an_import_time_variable_gets_its_own_zygote(tmp_path, fork_enabled):
