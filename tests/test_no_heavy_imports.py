@@ -65,6 +65,7 @@ PURE_MODULES = [
     "kiln.teachers.options",
     "kiln.system.snapshot",
     "kiln.system.private_dirs",
+    "kiln.system.private_sqlite",
     "kiln.system.provenance_io",
     "kiln.teachers.runtime_hash",
     "kiln.system.supervise",

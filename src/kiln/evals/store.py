@@ -24,11 +24,11 @@ from typing import Any, Iterator
 from kiln.canonical import atomic_write_json, canonical_json, canonical_sha256
 from kiln.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from kiln.evals.schemas import SUITE_NAME_RE, SuiteSpec
+from kiln.system.private_sqlite import open_private_sqlite
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 KINDS = ("run", "comparison", "replay", "gate")
-SQLITE_BUSY_TIMEOUT_S = 10.0
 MAX_LIST_RUNS = 100
 MAX_SUITE_FILE_BYTES = 32 * 1024 * 1024
 MAX_SUITES = 10_000
@@ -152,30 +152,13 @@ class Run:
         return body
 
 
-def _private(path: Path) -> None:
-    if path.exists():
-        os.chmod(path, 0o600)
-
-
 class RunStore:
     """The runs table: a FIFO of queued runs plus every finished one."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o700)
-        if not self.path.exists():
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        _private(self.path)
-        self._conn = sqlite3.connect(str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False,
-                                     isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
+        self._conn = open_private_sqlite(self.path, _SCHEMA)
         self._lock = threading.Lock()
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(_SCHEMA)
-        for extra in ("-wal", "-shm"):
-            _private(Path(str(self.path) + extra))
         self.recovered = self._settle_interrupted()
 
     def close(self) -> None:

@@ -6,7 +6,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import os
 import secrets
 import sqlite3
 import threading
@@ -16,8 +15,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.errors import NotFound
+from kiln.system.private_sqlite import open_private_sqlite
 
-SQLITE_BUSY_TIMEOUT_S = 10.0
 FILE_NAME = "judgments.sqlite3"
 FIELDS = ("id", "prompt", "response_a", "response_b", "preferred", "rationale", "author", "created_at")
 
@@ -41,28 +40,11 @@ class JudgmentNotFound(NotFound):
     default_hint = "judgment IDs look like 'jdg-0123456789abcdef'; list them with GET /v1/judgments"
 
 
-def _private(path: Path) -> None:
-    if path.exists():
-        os.chmod(path, 0o600)
-
-
 class JudgmentStore:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o700)
-        if not self.path.exists():
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
-        _private(self.path)
-        self._conn = sqlite3.connect(str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False,
-                                     isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
+        self._conn = open_private_sqlite(self.path, _SCHEMA)
         self._lock = threading.Lock()
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(_SCHEMA)
-        for extra in ("-wal", "-shm"):
-            _private(Path(str(self.path) + extra))
 
     def close(self) -> None:
         with self._lock:
