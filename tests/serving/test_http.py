@@ -247,3 +247,4 @@ def test_config_precedence(http):
     assert s["limits.max_model_len"] == {"value": 512, "source": "cli"}
     assert s["batching.max_running_rows"] == {"value": 32, "source": "default"}
     assert all(set(v) == {"value", "source"} for v in s.values())
+    assert body["effective"]["compile_decode"] == {"requested": False, "effective": False, "error": None}

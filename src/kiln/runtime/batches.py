@@ -27,6 +27,7 @@ decode are not used.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +36,8 @@ from kiln.runtime.adapter_slots import BASE_KEY
 from kiln.runtime.lean_forward import lean_forward_for
 from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
+
+log = logging.getLogger(__name__)
 
 # A packed forward's attention spans every row's keys: tokens x rows x kv_len scores, each costing
 # heads x head_dim multiply-adds. Above this many per layer a mixed cycle uses two forwards (decode,
@@ -75,6 +78,8 @@ class Batches:
         # a power-of-two width; one compilation per (rows, width) bucket, on first use.
         self._compiled = torch.compile(self._decode_forward, dynamic=False) if compile_decode else None
         self.compiled_shapes: set[tuple[int, int]] = set()
+        # why the compiled decode was turned off (a bucket failed to compile: the engine runs eager instead)
+        self.compile_error: str | None = None
 
     def _forward(self, keys: Sequence[str], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any,
                  keep: int | torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,11 +193,33 @@ class Batches:
         ids = torch.tensor([[r.generated[-1]] for r in rows] + [[self.pad_id]] * (rows_b - n), device=dev)
         wb, wo = self._where(table, torch.arange(rows_b, device=dev), pos)
         mask = (torch.arange(width * self.kv.block_size, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
-        self.compiled_shapes.add((rows_b, width))
-        logits = self._compiled(ids, pos[:, None], mask, table, wb[:, None], wo[:, None])
+        if (rows_b, width) in self.compiled_shapes:
+            logits = self._compiled(ids, pos[:, None], mask, table, wb[:, None], wo[:, None])
+        else:  # first use of this bucket compiles it; a compiler failure turns the option off, not the engine
+            try:
+                logits = self._compiled(ids, pos[:, None], mask, table, wb[:, None], wo[:, None])
+            except Exception as exc:  # noqa: BLE001  (inductor raises its own C++/backend error types)
+                return self._compile_failed(rows, exc)
+            self.compiled_shapes.add((rows_b, width))
         for r in rows:
             r.pos += 1
         return logits[:n]
+
+    @property
+    def compiles(self) -> bool:
+        """Whether decode cycles use the compiled step (configured, and no bucket failed to compile)."""
+        return self._compiled is not None
+
+    def _compile_failed(self, rows: list[Any], exc: BaseException) -> torch.Tensor:
+        """Turns the compiled decode off after a bucket failed to compile and runs ``rows`` eagerly.
+        Positions are not advanced yet, and a partial run (a graph break before the failing piece) wrote
+        only this cycle's KV slots, which the eager decode writes again with the same values."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.compile_error = f"{type(exc).__name__}: {first}"[:500]
+        self._compiled = None
+        log.warning("batching.compile_decode is off: compiling the decode step failed (%s); decoding eagerly",
+                    self.compile_error)
+        return self.decode(rows)
 
     def decode(self, rows: list[Any]) -> torch.Tensor:
         """One token for each decoding row -> logits ``[n, vocab]`` (compiled when enabled and no

@@ -181,6 +181,14 @@ class Engine(TokenFacade):
         return {"requested": self.config.prefix_cache, "effective": self._kv.prefix_cache}
 
     @property
+    def compile_decode(self) -> dict[str, Any]:
+        """``batching.compile_decode`` as configured, whether decode cycles still use it, and why not
+        (a bucket that failed to compile turns it off; the engine decodes eagerly)."""
+        batches = self._scheduler.batches
+        return {"requested": self.config.compile_decode, "effective": batches.compiles,
+                "error": batches.compile_error}
+
+    @property
     def family(self) -> dict[str, Any] | None:
         """The model family (kiln.runtime.model_family) when the loader recorded it."""
         family = getattr(self.loaded, "family", None)

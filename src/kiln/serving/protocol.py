@@ -410,6 +410,9 @@ class EffectiveLimits(_Response):
     model_max_position_embeddings: int | None = Field(description="the model's own limit from config.json, if any")
     prefix_cache: dict[str, bool] | None = Field(None, description="batching.prefix_cache requested and effective "
                                                  "(hybrid models run without prefix reuse)")
+    compile_decode: dict[str, Any] | None = Field(None, description="batching.compile_decode requested and "
+                                                  "effective, and the compiler's error when a bucket failed to "
+                                                  "compile (the engine then decodes eagerly)")
 
 
 class ConfigResponse(_Response):

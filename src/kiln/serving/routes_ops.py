@@ -118,6 +118,8 @@ async def config(request: Request) -> JSONResponse:
             "model_max_position_embeddings": state.model.max_model_len,
             # batching.prefix_cache as requested and as used (off for hybrid models: docs/serving.md, "Model families")
             "prefix_cache": getattr(state.engine, "prefix_cache", None),
+            # batching.compile_decode as requested and as used (a bucket that fails to compile turns it off)
+            "compile_decode": getattr(state.engine, "compile_decode", None),
         },
     })
 
