@@ -168,6 +168,8 @@ def test_training_and_adapter_lifecycle(client, secure_server):
     p.AdapterList.model_validate(listed)
     assert "schema-a" in {a["name"] for a in listed["data"]}
     p.AdapterDetail.model_validate(client.get("/v1/adapters/schema-a").json())
+    receipt = client.get("/v1/adapters/schema-a/receipt").json()
+    assert p.TrainingReceipt.model_validate(receipt).schema_ == "kiln.training-receipt.v1"
     chat = client.post("/v1/chat/completions", json=_chat(secure_server, model="schema-a"))
     assert chat.status_code == 200
     models = client.get("/v1/models").json()
@@ -184,6 +186,7 @@ def test_training_and_adapter_lifecycle(client, secure_server):
         {"name": "schema-a"}, {"name": "schema-b"}]})
     assert merged.status_code == 201, merged.text
     p.AdapterMerged.model_validate(merged.json())
+    assert client.get("/v1/adapters/schema-m/receipt").json()["error"]["code"] == "receipt_not_found"
     oai.ErrorResponse.model_validate(client.delete("/v1/adapters/schema-a").json())  # 409: being served
     client.post("/v1/adapters/schema-a/unload")
     for name in ("schema-a", "schema-b", "schema-m"):

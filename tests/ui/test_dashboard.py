@@ -40,10 +40,15 @@ if not Path(CHROMIUM).is_file():  # pragma: no cover
 
 
 @pytest.fixture(scope="module")
-def server(builtin_model_dir, tmp_path_factory):
+def ui_home(builtin_model_dir, tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("kiln-ui-home")
     shutil.copytree(builtin_model_dir, home / "models" / BUILTIN_NAME)  # skip the build
-    with kiln_server(home, extra_env={"KILN_MODEL_THREADS": "1"}) as running:
+    return home
+
+
+@pytest.fixture(scope="module")
+def server(ui_home):
+    with kiln_server(ui_home, extra_env={"KILN_MODEL_THREADS": "1"}) as running:
         yield running
 
 
@@ -233,14 +238,36 @@ def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, serve
     assert server.client.get(f"/v1/train/jobs/{job_id}").json()["state"] == "succeeded"
 
 
-def test_adapter_unload_load_and_delete(page, server, artifacts):
+def test_adapter_unload_load_and_delete(page, server, artifacts, ui_home):
     c = server.client
     r = c.post("/v1/train/sft", json=correction_body("ui-adapter", "Say hi.", "Hi there.") | {"epochs": 5})
     assert r.status_code == 202, r.text
-    assert wait_job(c, r.json()["id"])["state"] == "succeeded"
+    job_id = r.json()["id"]
+    assert wait_job(c, job_id)["state"] == "succeeded"
     _open(page, "adapters")
     row = "#adapters-table tr[data-adapter='ui-adapter']"
     page.wait_for_selector(f"{row}[data-active='true']")
+    # the training receipt: summarised in the listing and on the row, whole at .../receipt
+    listed = next(a for a in c.get("/v1/adapters").json()["data"] if a["name"] == "ui-adapter")
+    assert listed["receipt"] == {"verified": True, "error": None, "job_id": job_id, "teacher_fingerprint": None,
+                                 "gate": None}
+    receipt = c.get("/v1/adapters/ui-adapter/receipt").json()
+    assert receipt["job_id"] == job_id and receipt["adapter"]["revision"] == listed["revision"]
+    assert c.get(f"/v1/adapters/ui-adapter/receipt?revision={listed['revision']}").json() == receipt
+    assert job_id in page.get_attribute(f"{row} .badge.receipt", "title")
+    bad_rev = c.get("/v1/adapters/ui-adapter/receipt?revision=xyz")
+    assert bad_rev.status_code == 400, bad_rev.text
+    path = ui_home / "adapters" / "ui-adapter" / "revisions" / listed["revision"] / "kiln-receipt.json"
+    original = path.read_bytes()
+    path.write_bytes(original.replace(job_id.encode(), b"job-0000000000000000"))  # an edited claim
+    try:
+        listed = next(a for a in c.get("/v1/adapters").json()["data"] if a["name"] == "ui-adapter")
+        assert listed["receipt"]["verified"] is False and "claims" in listed["receipt"]["error"]
+        edited = c.get("/v1/adapters/ui-adapter/receipt")
+        assert edited.status_code == 500 and edited.json()["error"]["code"] == "adapter_integrity", edited.text
+        page.wait_for_selector(f"{row} .badge.bad.receipt")
+    finally:
+        path.write_bytes(original)
     page.click(f"{row} button.unload")
     page.wait_for_selector(f"{row}[data-active='false']")
     assert "ui-adapter" not in c.get("/health").json()["adapters"]
@@ -260,6 +287,9 @@ def test_adapter_unload_load_and_delete(page, server, artifacts):
     merged = c.get("/v1/adapters/ui-merged").json()
     assert merged["kind"] == "merge" and merged["revision"][:12] in page.text_content(f"{merge} .ok")
     page.wait_for_selector("#adapters-table tr[data-adapter='ui-merged']")
+    assert merged["receipt"] is None and page.query_selector("tr[data-adapter='ui-merged'] .badge.receipt") is None
+    none = c.get("/v1/adapters/ui-merged/receipt")
+    assert none.status_code == 404 and none.json()["error"]["code"] == "receipt_not_found", none.text
 
     # the server default adapter: made and cleared from the row; the header shows the serving profile
     page.click(f"{row} button.make-default")

@@ -140,6 +140,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
     ("post", "/v1/adapters/{name}/load"): RouteDoc(p.AdapterLoaded, (400, 404, 409, 500, 503, 507)),
     ("post", "/v1/adapters/{name}/unload"): RouteDoc(p.AdapterUnloaded, (400, 404)),
     ("delete", "/v1/adapters/{name}"): RouteDoc(p.AdapterDeleted, (400, 404, 409, 500)),
+    ("get", "/v1/adapters/{name}/receipt"): RouteDoc(p.TrainingReceipt, (400, 404, 500)),
     ("get", "/v1/adapters/{name}/download"): RouteDoc(None, (400, 404, 500), media="application/gzip"),
     ("post", "/v1/adapters/{name}/upload"): RouteDoc(p.AdapterInfo, (400, 409, 429, 500), status=201,
                                                      request_media="application/gzip"),

@@ -450,6 +450,30 @@ class TrainingStatus(_Response):
     recent: list[TrainingJob]
 
 
+class ReceiptSummary(_Response):
+    verified: bool = Field(description="the revision's kiln-receipt.json binds to it (GET .../receipt has it)")
+    error: str | None = Field(description="why it does not bind (edited, another revision's, missing)")
+    job_id: str | None
+    teacher_fingerprint: str | None = Field(description="OPD: the kiln-teacher-v1 fingerprint; KD: the capture "
+                                                        "teacher's digest")
+    gate: str | None = Field(description="the post-train gate's verdict recorded in the receipt")
+
+
+class TrainingReceipt(BaseModel):
+    """``kiln.training-receipt.v1`` (docs/adapters.md): job, plan and inputs digests, teacher, code, the
+    revision it binds to, the gate verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_: str = Field(alias="schema")
+    adapter: dict[str, Any]
+    job_id: str
+    plan_sha256: str
+    inputs: dict[str, Any]
+    teacher: dict[str, Any] | None
+    code: dict[str, Any]
+    gate: dict[str, Any] | None
+
+
 class AdapterInfo(_Response):
     name: str
     revision: str
@@ -461,6 +485,7 @@ class AdapterInfo(_Response):
     active: bool
     active_revision: str | None
     quarantined: dict[str, dict[str, str]] = {}  # revision -> {reason, at}: its load or canary failed
+    receipt: ReceiptSummary | None = None  # None: a kind no training job publishes (upload, merge)
 
 
 class AdapterDetail(AdapterInfo):

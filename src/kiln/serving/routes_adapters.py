@@ -1,4 +1,4 @@
-"""HTTP routes for ``/v1/adapters``: list, inspect, load, unload, delete, upload, download, merge.
+"""HTTP routes for ``/v1/adapters``: list, inspect, receipt, load, unload, delete, upload, download, merge.
 
 The store logic lives in :mod:`kiln.adapters`; activation goes through the
 engine (``activate_adapter`` canary-checks and swaps atomically). Adapter
@@ -21,6 +21,7 @@ from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterTooLarge
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHARS, MAX_LORA_RANK, check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
+from kiln.errors import NotFound
 from kiln.serving import default_adapter
 from kiln.serving.activation import activate
 from kiln.serving.state import require_experimental
@@ -94,6 +95,7 @@ def _describe(record: AdapterRecord, active: dict[str, str], store: AdapterStore
         "active": record.name in active,
         "active_revision": active.get(record.name),
         "quarantined": store.quarantined(record.name),  # revision -> {reason, at}: refused until cleared
+        "receipt": store.receipt_summary(record),  # None: a kind no job trains (upload, merge)
     }
 
 
@@ -136,6 +138,19 @@ def get_adapter(name: str, request: Request) -> dict[str, Any]:
     """One adapter, including its full manifest."""
     record = _store(request).get(name)
     return {**_describe(record, _active(request), _store(request)), "manifest": record.manifest.to_dict()}
+
+
+@router.get("/v1/adapters/{name}/receipt")
+def get_receipt(name: str, request: Request, revision: str | None = None) -> dict[str, Any]:
+    """The training receipt of ``name`` at ``revision`` (default: HEAD), checked to bind to that revision."""
+    store = _store(request)
+    record = store.get(name, revision)  # 400 for a malformed revision, 404 for one not retained
+    body = store.verify_receipt(record)  # 500 adapter_integrity when it does not bind (as a load would say)
+    if body is None:
+        raise NotFound(f"adapter {name!r} revision {record.revision} is a {record.manifest.kind!r} revision: "
+                       "no training job made it, so it has no receipt", code="receipt_not_found",
+                       hint="receipts come with revisions published by training jobs (sft, grpo, opd, kd)")
+    return body
 
 
 @router.post("/v1/adapters/{name}/load")

@@ -853,10 +853,26 @@
         isDefault ? h('span', { class: `badge default ${defaultAdapter.serving ? 'serving' : 'bad'}`,
           text: `default ${short(defaultAdapter.revision)}${defaultAdapter.serving ? '' : ' (not served)'}`,
           title: 'requests naming the base model get this revision' }) : '',
+        receiptBadge(a),
         ...Object.entries(a.quarantined || {}).map(([rev, mark]) => h('span', {
           class: 'badge bad quarantined', text: `quarantined ${short(rev)}`,
           title: `${mark.reason} (since ${mark.at}); clear: POST /v1/adapters/{name}/quarantine/clear` }))),
       h('td', {}, actions));
+  }
+
+  // The revision's training receipt (kiln-receipt.json, checked by the server to bind to it): job and
+  // teacher in the tooltip; one that does not bind is flagged. Uploads and merges have none.
+  function receiptBadge(a) {
+    const r = a.receipt;
+    if (!r) return '';
+    if (!r.verified) {
+      return h('span', { class: 'badge bad receipt', text: 'receipt does not bind', title: r.error || '' });
+    }
+    const parts = [`job ${r.job_id}`];
+    if (r.teacher_fingerprint) parts.push(`teacher ${short(r.teacher_fingerprint)}`);
+    if (r.gate) parts.push(`gate ${r.gate}`);
+    return h('span', { class: 'badge receipt', text: 'receipt',
+      title: `${parts.join(' · ')}; GET /v1/adapters/${a.name}/receipt` });
   }
 
   let confirmingUntil = 0;
