@@ -30,6 +30,7 @@ _GROUPS: list[tuple[str, str]] = [
     ("adapters", "kiln.adapters.cli"),
     ("eval", "kiln.evals.cli"),
     ("openenv", "kiln.openenv.cli"),
+    ("judgments", "kiln.judgments.cli"),
 ]
 
 # Top-level commands: (module, function name) registered as ``kiln <name>``.

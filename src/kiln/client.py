@@ -6,8 +6,10 @@ running server share one URL option and one error rendering.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 import typer
@@ -43,6 +45,29 @@ def request(method: str, url: str, **kw: Any) -> dict[str, Any]:
         hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
         fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
     return body
+
+
+MAX_ROWS_FILE_BYTES = 64 * 1024 * 1024
+
+
+def read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """A JSONL file (one object per line) or a JSON array of objects; ``fail`` naming what is wrong."""
+    if not path.is_file():
+        fail(f"{path} is not a file")
+    if path.stat().st_size > MAX_ROWS_FILE_BYTES:
+        fail(f"{path} is larger than {MAX_ROWS_FILE_BYTES} bytes; put it in the server's data dir and use "
+             "dataset_path")
+    text = path.read_text("utf-8")
+    try:
+        if text.lstrip().startswith("["):
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        fail(f"{path}: not JSON/JSONL: {exc}")
+    if not rows or not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        fail(f"{path} must hold one JSON object per line")
+    return rows
 
 
 BarState = tuple[int | None, int, str]  # (total, completed, info) for the bar

@@ -12,6 +12,8 @@ import os
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -190,3 +192,65 @@ def test_train_judge_prefers_answers_on_held_out_pairs(server):
     # 4 completions scored 0/1 would average to a multiple of 0.25; the judge's probabilities do not.
     mean = job["result"]["report"]["mean_reward"]
     assert 0 < mean < 1 and not math.isclose(mean * 4, round(mean * 4), abs_tol=1e-9), mean
+
+
+def _kiln(server, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "judgments", *args, "--url", server.url],
+                          capture_output=True, text=True, timeout=120, input=stdin,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+def test_kiln_judgments_cli(server, tmp_path):
+    """`kiln judgments` as real subprocesses against the module's server (after the judge was trained)."""
+    c = server.client
+    before = c.get("/v1/judgments", params={"limit": 1}).json()["total"]
+    one = _kiln(server, "add", "--prompt", "What is 3+3?", "--a", "6", "--b", "I will not say.", "--preferred", "a",
+                "--author", "cli-test")
+    assert one.returncode == 0, one.stdout + one.stderr
+    stored = c.get(f"/v1/judgments/{one.stdout.strip()}").json()
+    assert (stored["prompt"], stored["preferred"], stored["author"]) == ("What is 3+3?", "a", "cli-test")
+    missing = _kiln(server, "add", "--prompt", "p", "--a", "x")
+    assert missing.returncode != 0 and "--b" in missing.stderr and "--preferred" in missing.stderr
+
+    rows = [{"prompt": f"cli q{i}", "response_a": "yes", "response_b": "no", "preferred": "b"} for i in range(3)]
+    good = tmp_path / "judgments.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = _kiln(server, "add", "--file", str(good))
+    assert ok.returncode == 0 and "recorded 3 judgments" in ok.stdout, ok.stdout + ok.stderr
+    # the server refuses line 2 (preferred "c"): line 1 is kept, the command says where it stopped
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "prompt": "cli kept"}) + "\n" + json.dumps({**rows[1], "preferred": "c"}) + "\n")
+    refused = _kiln(server, "add", "--file", str(bad))
+    assert refused.returncode != 0 and "400 invalid_request" in refused.stderr, refused.stderr
+    assert "stopped at judgment 2 of 2 (1 recorded)" in refused.stderr
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({**rows[0], "prompt": "never sent"}) + "\n" + json.dumps({**rows[0], "score": 1}) + "\n")
+    assert "unknown field(s) score" in _kiln(server, "add", "--file", str(unknown)).stderr
+    assert c.get("/v1/judgments", params={"limit": 1}).json()["total"] == before + 5
+
+    listed = _kiln(server, "list", "--newest", "--limit", "2", "--json")
+    page = json.loads(listed.stdout)
+    assert [j["prompt"] for j in page["data"]] == ["cli kept", "cli q2"] and page["total"] == before + 5
+    table = _kiln(server, "list", "--limit", "500")
+    assert table.returncode == 0 and f"{before + 5} of {before + 5} judgments" in table.stdout
+
+    out = tmp_path / "export.jsonl"
+    exported = _kiln(server, "export", "-o", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert out.read_bytes() == c.get("/v1/judgments/export").content
+    assert _kiln(server, "export").stdout.encode() == out.read_bytes()
+
+    got = _kiln(server, "compare", "--prompt", "Tell me about a lantern.", "--a", "A lantern is full of life.",
+                "--b", REFUSALS[0], "--judge", "judge", "--json")
+    assert got.returncode == 0, got.stderr
+    direct = _compare(c, "judge", "Tell me about a lantern.", "A lantern is full of life.", REFUSALS[0])
+    assert math.isclose(json.loads(got.stdout)["p_a"], direct["p_a"], abs_tol=1e-9)
+    text = _kiln(server, "compare", "--prompt", "p", "--a", "x", "--b", "y")
+    assert text.returncode == 0 and "base model" in text.stdout and "P(A better)" in text.stdout
+    absent = _kiln(server, "compare", "--prompt", "p", "--a", "x", "--b", "y", "--judge", "missing")
+    assert absent.returncode != 0 and "judge_not_loaded" in absent.stderr
+
+    queued = _kiln(server, "train", "cli-judge", "--limit", "4", "--max-steps", "1", "--no-wait")
+    assert queued.returncode == 0 and queued.stdout.startswith("submitted job-"), queued.stdout + queued.stderr
+    job = wait_job(c, queued.stdout.split()[1].rstrip(":"), timeout=JOB_TIMEOUT_S)
+    assert job["state"] == "succeeded" and job["adapter"] == "cli-judge", job.get("error")

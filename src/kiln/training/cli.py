@@ -8,31 +8,10 @@ from typing import Any, Optional
 
 import typer
 
-from kiln.client import UrlOpt, fail, request
+from kiln.client import UrlOpt, fail, read_json_rows, request
 from kiln.client import follow as follow_state
 
 app = typer.Typer(help="Submit and follow LoRA training jobs on a running server.", no_args_is_help=True)
-
-MAX_FILE_BYTES = 64 * 1024 * 1024
-
-
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    """A JSONL file (one object per line) or a JSON array."""
-    if not path.is_file():
-        fail(f"{path} is not a file")
-    if path.stat().st_size > MAX_FILE_BYTES:
-        fail(f"{path} is larger than {MAX_FILE_BYTES} bytes; put it in the server's data dir and use dataset_path")
-    text = path.read_text("utf-8")
-    try:
-        if text.lstrip().startswith("["):
-            rows = json.loads(text)
-        else:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        fail(f"{path}: not JSON/JSONL: {exc}")
-    if not rows or not all(isinstance(r, dict) for r in rows):
-        fail(f"{path} must hold one JSON object per line")
-    return rows
 
 
 def follow(url: str, job_id: str) -> dict[str, Any]:
@@ -105,7 +84,7 @@ def sft(
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
-    body["examples"] = _read_rows(file)
+    body["examples"] = read_json_rows(file)
     if distributed is not None:
         from kiln.training.run import launch
 
@@ -163,12 +142,12 @@ def grpo(
     if file is not None:
         if reward is not None or any(v is not None for v in rollout.values()):
             fail("--reward, --group-size, --iterations, --max-tokens and --temperature apply with --prompts only")
-        body["groups"] = _read_rows(file)
+        body["groups"] = read_json_rows(file)
     else:
         assert prompts is not None
         if reward is None:
             fail("--prompts needs --reward")
-        body.update(prompts=_read_rows(prompts), reward=_reward_spec(reward),
+        body.update(prompts=read_json_rows(prompts), reward=_reward_spec(reward),
                     **{k: v for k, v in rollout.items() if v is not None})
     _submit("grpo", url.rstrip("/"), body, wait)
 
@@ -262,7 +241,7 @@ def opd(
         body.update(training_mode="off_policy", teacher_jsonl=teacher_jsonl)
     else:
         assert file is not None
-        body.update(prompts=_read_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens)
+        body.update(prompts=read_json_rows(file), samples_per_prompt=samples_per_prompt, max_tokens=max_tokens)
         if ce_weight is not None:
             body["ce_weight"] = ce_weight
         if temperature is not None:
