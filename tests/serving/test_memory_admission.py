@@ -116,3 +116,32 @@ def test_training_and_adapter_loads_are_admitted_by_memory(ops_server, make_lora
     _chat_works(base, model)
     assert httpx.post(f"{base}/v1/adapters/mem-big/load", timeout=60).status_code == 200
     assert httpx.post(f"{base}/v1/adapters/mem-big/unload", timeout=60).status_code == 200
+
+
+def test_eval_private_loads_are_admitted_by_memory(ops_server, make_lora, tmp_path):  # noqa: F811
+    """An eval target's private load is admitted like any adapter load: 507 at submission when it can
+    never fit (nothing queued), and a reservation of its tensor bytes while the run holds it."""
+    from tests.evals.test_http import suite, wait_run
+
+    base = ops_server.base_url
+    with httpx.Client(base_url=base, timeout=60) as c:
+        huge = make_lora(r=1024, targets=ALL_MODULES, seed=7)
+        upload_adapter(base, "mem-eval-huge", huge, tmp_path)
+        before = len(c.get("/v1/evals/runs").json()["data"])
+        r = c.post("/v1/evals/runs", json={"inline_suite": suite("mem-huge", 2), "target": {"adapter": "mem-eval-huge"}})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "memory_budget_exceeded", r.text
+        assert "mem-eval-huge" in r.json()["error"]["message"]
+        assert len(c.get("/v1/evals/runs").json()["data"]) == before
+
+        small = make_lora(seed=8)
+        rev = upload_adapter(base, "mem-eval", small, tmp_path)
+        long = suite("mem-eval", 64, generation={"max_tokens": 24})
+        r = c.post("/v1/evals/runs", json={"inline_suite": long, "target": {"adapter": "mem-eval"}})
+        assert r.status_code == 202, r.text
+        held = _until(lambda: [x for x in _budget(base)["reservations"] if x["owner"].startswith("kiln-eval-")],
+                      "the eval's private-load reservation")[0]
+        assert held["kind"] == "adapter" and held["owner"].endswith(f"@{rev}")
+        assert held["bytes"] == adapter_bytes(small) == held["parts"]["adapter_weights"]
+        run = wait_run(c, r.json()["id"])
+        assert run["state"] == "succeeded", run["error"]
+        assert _budget(base)["reservations"] == []

@@ -26,6 +26,7 @@ from kiln.evals.store import RunStore, suite_digest
 if TYPE_CHECKING:
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
+    from kiln.runtime.memory_budget import MemoryBudget
 
 log = logging.getLogger("kiln.evals")
 
@@ -78,6 +79,8 @@ class Evaluation:
     allow_code: bool
     runs: RunStore
     metrics: Any
+    memory: MemoryBudget | None  # memory admission (kiln.runtime.memory_budget); None: no accounting
+    _gating: bool  # the run being executed is a post-train gate (its job's own reservation is not in its way)
 
     @contextmanager
     def _loaded(self, resolved: Resolved) -> Iterator[str | None]:
@@ -87,7 +90,20 @@ class Evaluation:
             return
         name = f"{PRIVATE_PREFIX}{secrets.token_hex(6)}"
         assert resolved.path is not None and resolved.revision is not None
-        self.engine.activate_adapter(name, resolved.path, resolved.revision)
+        reservation = None
+        if self.memory is not None:  # held while the private copy is loaded (409 / 507 as any adapter load)
+            from kiln.training.memory_estimate import adapter_bytes
+
+            reservation = self.memory.reserve(
+                "adapter", f"{name}@{resolved.revision}", {"adapter_weights": adapter_bytes(resolved.path)},
+                what=f"the eval's private load of {resolved.adapter!r} revision {resolved.revision[:12]}",
+                ignore_kinds=frozenset({"training"}) if self._gating else frozenset(), pending=True)
+        try:
+            self.engine.activate_adapter(name, resolved.path, resolved.revision)
+        except BaseException:
+            if reservation is not None:
+                self.memory.release(reservation)
+            raise
         try:
             yield name
         finally:
@@ -95,6 +111,8 @@ class Evaluation:
                 self.engine.deactivate_adapter(name)
             except KilnError:
                 log.warning("private eval adapter %s was already gone", name)
+            if reservation is not None:
+                self.memory.release(reservation)
 
     def _verify_loaded(self, name: str | None, resolved: Resolved) -> None:
         """Before generation: the engine serves exactly the resolved revision under ``name``."""

@@ -85,6 +85,8 @@ class EvalService(Evaluation):
         self.suites = SuiteStore(root / "suites")
         self.runs = RunStore(root / "runs.sqlite3")
         self.metrics = EvalMetrics(registry)
+        self.memory = None  # memory admission (set by the composition root): private loads reserve their bytes
+        self._gating = False
         self._queue: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()
         self._cancel: set[str] = set()
@@ -200,8 +202,8 @@ class EvalService(Evaluation):
 
     def submit_gate(self, candidate: s.AdapterRef, post_eval: s.PostEval) -> dict[str, Any]:
         suite = self._suite_of(post_eval.suite, None)
-        self._check_target(s.Target(adapter=candidate.adapter, revision=candidate.revision))
-        self._check_target(post_eval.baseline)
+        self._check_target(s.Target(adapter=candidate.adapter, revision=candidate.revision), gate=True)
+        self._check_target(post_eval.baseline, gate=True)
         return self._admit("gate", {"suite_name": suite.name, "suite": suite.model_dump(mode="json"),
                                     "candidate": candidate.model_dump(mode="json"),
                                     "post_eval": post_eval.model_dump(mode="json")})
@@ -241,9 +243,19 @@ class EvalService(Evaluation):
                     diffs.append({"field": f"{role}.revision", "recorded": ident["revision"], "now": exc.message})
         return diffs
 
-    def _check_target(self, target: s.Target) -> None:
-        if target.adapter is not None:
-            self._resolve(target)
+    def _check_target(self, target: s.Target, *, gate: bool = False) -> None:
+        """The target resolves, and its private load fits the memory budget (a post-train ``gate`` runs while its
+        job holds a training reservation, which is not counted against it)."""
+        if target.adapter is None:
+            return
+        resolved = self._resolve(target)
+        if self.memory is not None:  # 507 when its private load can never fit, 409 while reservations are in the way
+            from kiln.training.memory_estimate import adapter_bytes
+
+            assert resolved.path is not None and resolved.revision is not None
+            self.memory.check("adapter", "eval-submission", {"adapter_weights": adapter_bytes(resolved.path)},
+                              what=f"evaluating adapter {resolved.adapter!r} revision {resolved.revision[:12]}",
+                              ignore_kinds=frozenset({"training"}) if gate else frozenset())
 
     def _resolve(self, target: s.Target | s.AdapterRef | None, *, avoid: str | None = None) -> Resolved:
         """Pin a target to a revision: the given one, else the served one, else the store's HEAD."""
@@ -371,6 +383,7 @@ class EvalService(Evaluation):
 
     def _execute(self, run_id: str, kind: str, request: dict[str, Any]) -> dict[str, Any]:
         suite = s.SuiteSpec.model_validate(request["suite"])
+        self._gating = kind == "gate"  # one worker thread: the run it executes now
         if kind == "run":
             return self._evaluate(run_id, suite, s.Target.model_validate(request["target"]))
         if kind == "comparison":

@@ -129,6 +129,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
 
     teachers = build_teachers(settings, model, engine, store)
     evals = build_evals(settings, model, engine, store, metrics)
+    evals.memory = memory  # private loads of eval targets and judges reserve their bytes
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
     if trainer is not None:
         trainer.set_teachers(teachers)  # OPD jobs resolve their teacher here
