@@ -20,6 +20,13 @@ POLL_S = 0.25
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 
 UrlOpt = typer.Option(DEFAULT_URL, "--url", help="Kiln server URL ($KILN_URL)")
+API_KEY_ENV = "KILN_API_KEY"  # the bearer token of a server started with server.api_key_env
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer $KILN_API_KEY`` when that variable is set (else nothing)."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def fail(message: str) -> NoReturn:
@@ -33,7 +40,8 @@ def request(method: str, url: str, **kw: Any) -> dict[str, Any]:
     import httpx
 
     try:
-        r = httpx.request(method, url, timeout=HTTP_TIMEOUT_S, **kw)
+        headers = {**auth_headers(), **(kw.pop("headers", None) or {})}
+        r = httpx.request(method, url, timeout=HTTP_TIMEOUT_S, headers=headers, **kw)
     except httpx.HTTPError as exc:
         fail(f"cannot reach {url}: {exc} (is `kiln serve` running? pass --url)")
     try:
@@ -43,6 +51,8 @@ def request(method: str, url: str, **kw: Any) -> dict[str, Any]:
     if r.status_code >= 400:
         err = body.get("error", {}) if isinstance(body, dict) else {}
         hint = f"\nhint: {err['hint']}" if err.get("hint") else ""
+        if r.status_code == 401 and not auth_headers():
+            hint += f"\nhint: the server wants a bearer token: set {API_KEY_ENV}"
         fail(f"{r.status_code} {err.get('code', '')}: {err.get('message', r.text[:500])}{hint}")
     return body
 

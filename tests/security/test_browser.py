@@ -151,6 +151,26 @@ def test_api_key_required(auth_server):
     assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
 
 
+def test_the_kiln_cli_sends_KILN_API_KEY(auth_server):
+    """The client commands (`kiln adapters`, `kiln train`, `kiln judgments`, ...) send `KILN_API_KEY` as the
+    bearer token; without it they exit 1 with the server's 401 and a hint naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"} | {"COLUMNS": "200"}
+    args = [sys.executable, "-m", "kiln.cli", "adapters", "list", "--url", auth_server.base_url]
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 1 and "401 unauthorized" in refused.stderr and "KILN_API_KEY" in refused.stderr
+    ok = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env | {"KILN_API_KEY": API_KEY})
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    export = subprocess.run([sys.executable, "-m", "kiln.cli", "judgments", "export", "--url", auth_server.base_url],
+                            capture_output=True, text=True, timeout=120, env=env | {"KILN_API_KEY": API_KEY})
+    assert export.returncode == 0 and export.stdout == "", export.stdout + export.stderr
+    wrong = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env | {"KILN_API_KEY": "wrong"})
+    assert wrong.returncode == 1 and "401 unauthorized" in wrong.stderr
+
+
 def test_only_the_dashboards_static_shell_is_open_without_the_key(auth_server):
     """As docs/serving.md says: the shell (package HTML/JS/CSS) loads without the key and holds no
     server data (no model ID, no base-model hash); every API call it makes needs the key."""

@@ -99,10 +99,10 @@ def export(
     """Every judgment as JSONL, oldest first (what GET /v1/judgments/export streams)."""
     import httpx
 
-    from kiln.client import HTTP_TIMEOUT_S
+    from kiln.client import HTTP_TIMEOUT_S, auth_headers
 
     try:
-        with httpx.stream("GET", f"{url}/v1/judgments/export", timeout=HTTP_TIMEOUT_S) as r:
+        with httpx.stream("GET", f"{url}/v1/judgments/export", timeout=HTTP_TIMEOUT_S, headers=auth_headers()) as r:
             if r.status_code >= 400:
                 r.read()
                 request("GET", f"{url}/v1/judgments/export")  # renders the server's error and exits

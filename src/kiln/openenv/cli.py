@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from kiln.client import HTTP_TIMEOUT_S, UrlOpt, fail, follow, request
+from kiln.client import HTTP_TIMEOUT_S, UrlOpt, auth_headers, fail, follow, request
 
 app = typer.Typer(help="Collect episodes on an OpenEnv environment and train a LoRA adapter on them (GRPO).",
                   no_args_is_help=True)
@@ -175,7 +175,8 @@ def _stream_checked(url: str, f: Any, size: int, sha256: str) -> tuple[int, str]
     from kiln.openenv.schemas import ARTIFACT_SHA256_HEADER
 
     digest, seen = hashlib.sha256(), 0
-    with httpx.Client(follow_redirects=False, trust_env=False, timeout=HTTP_TIMEOUT_S) as client, \
+    with httpx.Client(follow_redirects=False, trust_env=False, timeout=HTTP_TIMEOUT_S,
+                      headers=auth_headers()) as client, \
             client.stream("GET", url) as r:
         if r.status_code != 200:
             r.read()
