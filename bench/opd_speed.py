@@ -4,7 +4,9 @@
 The student is the model with a fresh LoRA adapter; the teacher is the same base model with another
 (random, seeded) LoRA adapter, served by the engine (Kiln: a ``local`` teacher, scoring on the engine;
 TRL: the adapter merged into a second model copy, as GKDTrainer wants a model). Each method runs
-``--warmup`` steps, then ``--steps`` timed steps; the figures are medians per step.
+``--warmup`` steps, then ``--steps`` timed steps; the figures are medians per step, wall clock and the
+process's CPU time (steadier on a shared machine). ``--rounds N`` runs the OPD and SFT phases N times each,
+alternating which goes first, and prints each round's ratios and their median (load drifts between phases).
 
 * OPD step = student sampling (engine, private adapter) + teacher scoring (engine) + update.
 * SFT step = one update on ``batch x samples`` sequences of the same prompts plus completions as long as
@@ -15,6 +17,7 @@ TRL: the adapter merged into a second model copy, as GKDTrainer wants a model). 
     .venv/bin/python bench/opd_speed.py                   # 31M Qwen3 shape (bench/serving.py's qwen3-31m)
     .venv/bin/python bench/opd_speed.py --shape builtin   # the built-in model
     .venv/bin/python bench/opd_speed.py --shape 4.5m      # hidden 256, 4 layers, 4k vocab (random weights)
+    .venv/bin/python bench/opd_speed.py --no-trl --rounds 3   # Kiln only, three alternating OPD/SFT rounds
 """
 
 from __future__ import annotations
@@ -111,14 +114,16 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
         add_private_adapter(pm, "opd-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
     end_ids = sorted(end_of_turn_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None)))
     walls: list[float] = []
+    cpus: list[float] = []
     per_step: list[dict[str, float]] = []
     last: dict[str, float] = {"student_s": 0.0, "teacher_s": 0.0, "step_s": 0.0, "sampled_tokens": 0}
-    t_prev = [time.perf_counter()]
+    t_prev = [time.perf_counter(), time.process_time()]
 
     def progress(p: dict[str, Any]) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         walls.append(now - t_prev[0])
-        t_prev[0] = now
+        cpus.append(cpu - t_prev[1])
+        t_prev[:] = [now, cpu]
         per_step.append({k: p.get(k, 0.0) - last[k] for k in last})
         last.update({k: p.get(k, 0.0) for k in last})
 
@@ -136,7 +141,7 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
                      resume=None, pad_id=loaded.tokenizer.pad_token_id or 0, end_ids=end_ids, **extra)
     engine.delete_private_adapter("opd-student")
     timed = per_step[args.warmup:]
-    return {"step_s": statistics.median(walls[args.warmup:]),
+    return {"step_s": statistics.median(walls[args.warmup:]), "cpu_s": statistics.median(cpus[args.warmup:]),
             "student_s": statistics.median(s["student_s"] for s in timed),
             "teacher_s": statistics.median(s["teacher_s"] for s in timed),
             "update_s": statistics.median(s["step_s"] for s in timed),
@@ -162,18 +167,21 @@ def kiln_sft(loaded: Any, engine: Any, chats: list, completion_len: int, args: A
     with engine.ownership.exclusive():
         add_private_adapter(pm, "sft-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
     walls: list[float] = []
-    t_prev = [time.perf_counter()]
+    cpus: list[float] = []
+    t_prev = [time.perf_counter(), time.process_time()]
 
     def progress(p: dict[str, Any]) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         walls.append(now - t_prev[0])
-        t_prev[0] = now
+        cpus.append(cpu - t_prev[1])
+        t_prev[:] = [now, cpu]
 
     plan = Plan(args.lr, total, len(rows), 0, 0, max_steps=total)
     run_sft(pm, "sft-student", rows, plan, pad_id=loaded.tokenizer.pad_token_id or 0,
             hooks=Hooks(exclusive=engine.ownership.exclusive, on_progress=progress))
     engine.delete_private_adapter("sft-student")
-    return {"step_s": statistics.median(walls[args.warmup:]), "tokens": completion_len * len(rows)}
+    return {"step_s": statistics.median(walls[args.warmup:]), "cpu_s": statistics.median(cpus[args.warmup:]),
+            "tokens": completion_len * len(rows)}
 
 
 def trl_gkd(loaded: Any, adapter_dir: Path, chats: list, work: Path, args: Any) -> dict[str, Any]:
@@ -226,6 +234,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="OPD and SFT phases this many times each, alternating which runs first (a shared "
+                         "machine's load drifts between phases); ratios per round and their median")
     ap.add_argument("--no-trl", action="store_true")
     args = ap.parse_args()
 
@@ -244,18 +255,33 @@ def main() -> None:
           f"{loaded.model.config.vocab_size}), batch {args.batch} prompts x {args.samples} samples, max_tokens "
           f"{args.max_tokens}, top_k {args.top_k}, LoRA r={args.rank}; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    walls, cpus = [], []
     try:
-        opd = kiln_opd(loaded, engine, adapter_dir, chats, args)
-        comp_len = max(1, round(opd["tokens"] / (args.batch * args.samples)))
-        sft = kiln_sft(loaded, engine, chats, comp_len, args)
+        comp_len = 0
+        for r in range(args.rounds):
+            for phase in (("opd", "sft") if r % 2 == 0 else ("sft", "opd")):
+                if phase == "opd" or not comp_len:  # SFT needs OPD's mean completion length: OPD runs first once
+                    opd = kiln_opd(loaded, engine, adapter_dir, chats, args)
+                    comp_len = max(1, round(opd["tokens"] / (args.batch * args.samples)))
+                if phase == "sft":
+                    sft = kiln_sft(loaded, engine, chats, comp_len, args)
+            walls.append(opd["step_s"] / sft["step_s"])
+            cpus.append(opd["cpu_s"] / sft["cpu_s"])
+            print(f"round {r}: kiln OPD step {opd['step_s'] * 1e3:8.1f} ms  (student sampling "
+                  f"{opd['student_s'] * 1e3:.1f}, teacher {opd['teacher_s'] * 1e3:.1f}, update "
+                  f"{opd['update_s'] * 1e3:.1f}; {opd['tokens']:.0f} sampled tokens; CPU {opd['cpu_s']:.2f} s)",
+                  flush=True)
+            print(f"round {r}: kiln SFT step {sft['step_s'] * 1e3:8.1f} ms  ({sft['tokens']} completion tokens, "
+                  f"same prompts; CPU {sft['cpu_s']:.2f} s)", flush=True)
+            print(f"round {r}: OPD / SFT at equal tokens: {walls[-1]:.2f}x whole step (target <= 2x), CPU time "
+                  f"{cpus[-1]:.2f}x; update only {opd['update_s'] / sft['step_s']:.2f}x; load average "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
     finally:
         engine.stop()
-    print(f"kiln OPD step  {opd['step_s'] * 1e3:8.1f} ms  (student sampling {opd['student_s'] * 1e3:.1f}, "
-          f"teacher {opd['teacher_s'] * 1e3:.1f}, update {opd['update_s'] * 1e3:.1f}; "
-          f"{opd['tokens']:.0f} sampled tokens)")
-    print(f"kiln SFT step  {sft['step_s'] * 1e3:8.1f} ms  ({sft['tokens']} completion tokens, same prompts)")
-    print(f"OPD / SFT at equal tokens: {opd['step_s'] / sft['step_s']:.2f}x whole step (target <= 2x); "
-          f"update only {opd['update_s'] / sft['step_s']:.2f}x")
+    if args.rounds > 1:
+        print(f"OPD / SFT whole step, median of {args.rounds} rounds: {statistics.median(walls):.2f}x wall "
+              f"({', '.join(f'{w:.2f}' for w in walls)}), {statistics.median(cpus):.2f}x CPU time "
+              f"({', '.join(f'{c:.2f}' for c in cpus)})")
     if not args.no_trl:
         gkd = trl_gkd(loaded, adapter_dir, chats, work, args)
         print(f"TRL GKD step   {gkd['step_s'] * 1e3:8.1f} ms  (lmbda=1, beta=1)")

@@ -263,7 +263,8 @@ def test_rope_rows_from_the_table_equal_the_rotary_module_bitwise(gqa_model):
 
 
 def test_prompt_only_and_adapter_rows_keep_sdpa(kernel, gqa_model):
-    """A packed step of one prompt alone keeps SDPA's GEMMs; rows with an adapter run transformers' forward."""
+    """A packed step of one prompt alone keeps SDPA's GEMMs; rows with an adapter the lean forward cannot run
+    (here: no PEFT model) keep transformers' forward."""
     pool = BlockPool(CacheShape(2, 2, 64, 4), 32, 4, device="cpu", dtype=torch.float32)
     batches = Batches(pool, None, "cpu", 0, model=gqa_model, paged_attention=kernel)
     rows = _rows(pool, [(0, 8)])

@@ -104,3 +104,41 @@ def test_cache_is_keyed_by_adapter_revision(builtin_model_dir, lora_dirs):
     finally:
         engine.stop()
         plain.stop()
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_scoring_from_a_position_reuses_the_cached_prompt(loaded, block_size):
+    """``score_prompt(..., score_from=s)``: rows before ``s`` are None, the rest are those of a full scoring;
+    the prompt's blocks are published and the next scoring of the same prefix starts from them."""
+    engine = make(loaded, kv_block_size=block_size)
+    try:
+        prompt = chat(engine, QUESTIONS[0])
+        gen = engine.generate(prompt, GREEDY, timeout=60)[0].token_ids
+        s = len(prompt)
+        full = engine.score_prompt(prompt + gen, 3).result(60)  # every position, nothing reused or published
+        hits = engine.stats()["prefix_cache_hit_blocks"]  # the generation's own prompt published its blocks
+        firsts = [engine.score_prompt(prompt + gen, 3, score_from=s).result(60) for _ in range(2)]
+        assert engine.stats()["prefix_cache_hit_blocks"] >= hits + 2 * ((s - 1) // block_size)
+        for rows in firsts:
+            assert len(rows) == len(full) and all(r is None for r in rows[:s])
+            for want, got in zip(full[s:], rows[s:]):
+                assert [e.token_id for e in got] == [e.token_id for e in want]
+                assert [e.rank for e in got] == [e.rank for e in want]
+                assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+        # another completion of the same prompt (OPD's samples): the prompt comes from the cache
+        hits = engine.stats()["prefix_cache_hit_blocks"]
+        other = engine.score_prompt(prompt + gen[::-1], 3, score_from=s).result(60)
+        assert engine.stats()["prefix_cache_hit_blocks"] - hits == (s - 1) // block_size
+        ref = engine.score_prompt(prompt + gen[::-1], 3).result(60)
+        assert [[e.token_id for e in r] for r in other[s:]] == [[e.token_id for e in r] for r in ref[s:]]
+        # a prompt only ever scored: the first scoring publishes its blocks, the second reuses them
+        lone = engine.encode_chat([{"role": "user", "content": QUESTIONS[3]}]) + gen
+        hits = engine.stats()["prefix_cache_hit_blocks"]
+        engine.score_prompt(lone, 3, score_from=len(lone) - 1).result(60)
+        assert engine.stats()["prefix_cache_hit_blocks"] == hits
+        again = engine.score_prompt(lone, 3, score_from=len(lone) - 1).result(60)
+        assert engine.stats()["prefix_cache_hit_blocks"] - hits == (len(lone) - 2) // block_size
+        assert again[-1] is not None and all(r is None for r in again[:-1])
+        assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["active_rows"] == 0
+    finally:
+        engine.stop()

@@ -32,7 +32,6 @@ from typing import Any, Sequence
 
 import torch
 
-from kiln.runtime.adapter_slots import BASE_KEY
 from kiln.runtime.lean_forward import lean_forward_for
 from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
@@ -65,7 +64,7 @@ class Batches:
         if states is not None:  # those paths implement attention layers only
             lean = compile_decode = False
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
-        # used for batches whose rows all run without an adapter (kiln.runtime.lean_forward)
+        # used for batches whose rows run without an adapter or with plain LoRA ones (kiln.runtime.lean_forward)
         self.lean = lean_forward_for(model, pack=packed_weights) if lean and model is not None else None
         # reads the pool's blocks in place (kiln.runtime.paged_attention) in the lean forward's
         # decode and packed steps; None: gather + SDPA
@@ -86,8 +85,8 @@ class Batches:
         """Logits of one forward; ``keys`` are the adapter keys of the batch rows (PEFT's ``adapter_names``).
         ``padding``: a hybrid's left-padded fresh chunks, ``[rows, width]`` 1 for real tokens (the linear
         layers zero the others' inputs)."""
-        if self.lean is not None and all(k == BASE_KEY for k in keys):
-            return self.lean(ids, pos, mask, cache, keep)
+        if self._lean_runs(keys):
+            return self.lean(ids, pos, mask, cache, keep, keys)
         extra = {"adapter_names": list(keys)} if self.adapters.wrapped else {}
         if self.states is not None:  # per layer type (see Batches.prefill)
             mask = {"full_attention": mask, "linear_attention": padding}
@@ -97,6 +96,13 @@ class Batches:
         if self.states is not None:
             cache.commit()
         return logits
+
+    def _lean_runs(self, keys: Sequence[str]) -> bool:
+        """Whether the lean forward runs a batch with these adapter keys (none, or plain LoRA adapters)."""
+        if self.lean is None:
+            return False
+        wrapped = self.adapters is not None and self.adapters.wrapped
+        return self.lean.runs(keys, self.adapters.forward_model.peft_config if wrapped else None)
 
     def _step(self, rows: list[Any], table: torch.Tensor, wb: torch.Tensor | None, wo: torch.Tensor | None,
               **kw: Any) -> Any:
@@ -112,8 +118,8 @@ class Batches:
         return table[row, pos // bs], pos % bs
 
     def _in_place(self, rows: list[Any]) -> Any:
-        """The in-place attention kernel when the lean forward will run these rows (no adapter), else None."""
-        if self.paged_attention is not None and all(r.adapter_key == BASE_KEY for r in rows):
+        """The in-place attention kernel when the lean forward will run these rows, else None."""
+        if self.paged_attention is not None and self._lean_runs([r.adapter_key for r in rows]):
             return self.paged_attention
         return None
 

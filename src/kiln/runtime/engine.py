@@ -400,12 +400,17 @@ class Engine(TokenFacade):
         ``fn`` must not take exclusive ownership (it would wait on the engine itself)."""
         return self._scheduler.run_job(fn)
 
-    def score_prompt(self, prompt_ids: list[int], top_k: int, *, adapter: str | None = None) -> Future:
+    def score_prompt(self, prompt_ids: list[int], top_k: int, *, adapter: str | None = None,
+                     score_from: int = 0) -> Future:
         """Future of per-position prompt logprob rows (first ``None``), see :mod:`kiln.runtime.scoring`.
 
         The prompt is queued like a generation row (:class:`EngineOverloaded` when the queue is
         full) and prefilled in chunks within the token budget. Cancelling the future before it
         completes cancels the scoring: the engine frees its slot at the next cycle boundary.
+        ``score_from``: only the rows from this position on are wanted; rows before it may be ``None``,
+        as the prompt's first ``score_from - 1`` tokens may come from the prefix cache (and the prompt's
+        blocks are published to it), so a trainer scoring many completions of one prompt computes the
+        prompt once.
         """
         self._check_running()
         if not prompt_ids:
@@ -417,7 +422,7 @@ class Engine(TokenFacade):
         self._check_fits(len(prompt_ids))
         keys, _ = self._acquire(adapter, 1)
         fut: Future = Future()
-        row = ScoreRow(list(prompt_ids), top_k, keys[0], fut)
+        row = ScoreRow(list(prompt_ids), top_k, keys[0], fut, max(0, min(score_from, len(prompt_ids))))
         if not self._scheduler.enqueue([row]):
             self._release(keys)
             raise self._overloaded()

@@ -50,7 +50,9 @@ and RoPE rows come from a cos/sin table the model's rotary module filled once.
 It reads each weight through the module tree at every call (from the modules'
 ``_modules``/``_parameters`` dicts: ``nn.Module.__getattr__`` cost about 0.2 ms per
 step), so a model that PEFT has wrapped in place still works: a LoRA layer's frozen ``base_layer`` supplies the
-base weights, and the engine uses this path only for rows without an adapter.
+base weights. Rows with a plain LoRA adapter on the decoder's projections (a served adapter or a
+trainer's private one) run here too: each LoRA layer adds its delta per group of rows with the same
+adapter (kiln.runtime.lean_lora, which also says what stays on PEFT's forward).
 Anything it does not recognise (another architecture, a sliding-window layer, a
 non-SDPA attention implementation, an activation other than SiLU) makes
 :func:`lean_forward_for` return ``None`` and the engine keeps transformers' forward.
@@ -58,11 +60,12 @@ non-SDPA attention implementation, an activation other than SiLU) makes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from kiln.runtime.lean_lora import Groups, LoraSupport, add_fused_lora, add_lora, groups_for
 from kiln.runtime.memory import memory_total_bytes
 
 SUPPORTED = {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
@@ -126,6 +129,8 @@ class LeanForward:
         # (q_norm, k_norm weight data_ptr) -> [heads + kv_heads, 1, head_dim]: both norms in one pass
         self._qk_norm: dict[tuple[int, int], torch.Tensor] = {}
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin rows by position (in place)
+        self.lora = LoraSupport(model)  # which adapters' rows run here (kiln.runtime.lean_lora)
+        self._groups: Groups = []  # during a call: the batch's adapter groups (each LoRA layer adds their deltas)
         # packed copies are made in module order (the decoder layers, then the LM head) while they fit
         # in PACKED_WEIGHTS_MAX_BYTES; what does not fit stays on F.linear
         self._pack_budget = _pack_cap()
@@ -183,17 +188,37 @@ class LeanForward:
         w, bias = _weight(module)
         packed = self._packed.get(w.data_ptr()) if self._packed else None
         if packed is None:
-            return F.linear(x, w, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            out = F.linear(x, w, bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return add_lora(out, x, module, self._groups) if self._groups else out
 
     def _fused_linear(self, x: torch.Tensor, mods: tuple[Any, ...]) -> torch.Tensor | None:
         """``x`` through the fused pack of ``mods`` (outputs side by side), or ``None`` when there is none."""
-        entry = self._fused.get(tuple([_weight(m)[0].data_ptr() for m in mods]))
+        weights = [_weight(m)[0] for m in mods]
+        entry = self._fused.get(tuple([w.data_ptr() for w in weights]))
         if entry is None:
             return None
-        return torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
+        if self._groups:
+            add_fused_lora(out, x, mods, [w.shape[0] for w in weights], self._groups)
+        return out
+
+    def runs(self, keys: Sequence[str], configs: dict[str, Any] | None) -> bool:
+        """Whether a batch whose rows have adapters ``keys`` (``__base__``: none) runs here
+        (:class:`kiln.runtime.lean_lora.LoraSupport`); ``configs``: the PEFT model's ``peft_config``."""
+        return self.lora.runs(keys, configs)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 cache: Any, logits_to_keep: int | torch.Tensor, keys: Sequence[str] | None = None) -> torch.Tensor:
+        """Logits; ``keys``: each batch row's adapter key (``None``: no adapter), which :meth:`runs` accepted."""
+        self._groups = groups_for(keys, input_ids.device) if keys else []
+        try:
+            return self._forward(input_ids, position_ids, attention_mask, cache, logits_to_keep)
+        finally:
+            self._groups = []
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                  cache: Any, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
         from transformers.modeling_utils import slice_logits_to_keep
 

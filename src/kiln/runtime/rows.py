@@ -67,13 +67,21 @@ class Row:
 
 
 class ScoreRow:
-    """A ``prompt_logprobs`` request: the prompt prefilled in chunks, every position scored."""
+    """A ``prompt_logprobs`` request: the prompt prefilled in chunks, every position scored.
+
+    With ``score_from`` > 1 only the rows from that position on are asked for: the prompt's first
+    ``score_from - 1`` tokens may come from the prefix cache (whole blocks, keyed by the adapter key as a
+    generation row's are), rows before them are ``None``, and the row publishes its own full blocks."""
 
     scoring = True
     __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
-                 "rows", "cancelled", "state_slot")
+                 "rows", "cancelled", "state_slot", "score_from", "cache_key", "cache_uid", "registered")
 
-    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future):
+    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future, score_from: int = 0):
+        self.score_from = score_from
+        self.cache_key = adapter_key  # prefix-cache namespace (used only with score_from > 1)
+        self.cache_uid = 0
+        self.registered = 0
         self.prompt = prompt
         self.tokens = prompt
         self.top_k = top_k

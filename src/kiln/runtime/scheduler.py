@@ -343,8 +343,11 @@ class Scheduler(CyclePlanner):
     def _admit(self, row: Row | ScoreRow) -> bool:
         """Start ``row`` (cached prefix blocks attached) if the pool can hold its prompt; else ``False``."""
         kv = self.kv
-        if not row.scoring:  # scoring keeps every position's logits: it must compute them all
+        if not row.scoring:  # scoring keeps every position's logits: it computes them all, unless it
             row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, len(row.tokens) - 1)
+            row.registered = len(row.blocks)
+        elif row.score_from > 1:  # ... asks for rows from score_from on only (logits from score_from - 1)
+            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, row.score_from - 1)
             row.registered = len(row.blocks)
         need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
         states = self.batches.states
@@ -362,6 +365,8 @@ class Scheduler(CyclePlanner):
         if not row.scoring and not row.t_admit:
             row.t_admit = now
         row.prefilled = row.pos = len(row.blocks) * kv.block_size
+        if row.scoring:
+            row.rows = [None] * (row.prefilled + 1)
         self._prefilling.append(row)
         with self._cv:
             self._queued -= 1
@@ -400,8 +405,8 @@ class Scheduler(CyclePlanner):
             row.rows = [None]
         else:
             row.tokens = row.prompt + row.generated
-            row.registered = 0
-            row.cache_uid = 0
+        row.registered = 0
+        row.cache_uid = 0
         row.t_wait = time.perf_counter()
         at = next((i for i, w in enumerate(self._waiting) if w.seq == 0 or w.seq > row.seq), len(self._waiting))
         self._waiting.insert(at, row)
@@ -410,9 +415,10 @@ class Scheduler(CyclePlanner):
             self._queued += 1
             self._active -= 1
 
-    def _publish(self, row: Row) -> None:
-        """Offer ``row``'s newly completed prompt blocks to the prefix cache."""
-        if not self.kv.prefix_cache:
+    def _publish(self, row: Row | ScoreRow) -> None:
+        """Offer ``row``'s newly completed prompt blocks to the prefix cache (a scoring row's only when it
+        asked for rows from a position on: a full-prompt scoring computes every position anyway)."""
+        if not self.kv.prefix_cache or (row.scoring and row.score_from <= 1):
             return
         bs = self.kv.block_size
         while row.registered < row.prefilled // bs:
@@ -518,7 +524,10 @@ class Scheduler(CyclePlanner):
         starts = [r.prefilled for r, _ in chunks]
         logits, rows = self.batches.prefill(chunks, all_logits=True)
         for i, ((row, c), start) in enumerate(zip(chunks, starts)):
-            row.rows.extend(chunk_rows(logits[i, :c], row.prompt, start, row.top_k))
+            skip = max(0, min(c, row.score_from - 1 - start))  # positions whose rows were not asked for
+            row.rows.extend([None] * skip)
+            row.rows.extend(chunk_rows(logits[i, skip:c], row.prompt, start + skip, row.top_k))
+            self._publish(row)
         return [r for r in rows if r.prefilled == len(r.tokens)]
 
     def _choose(self, logits: torch.Tensor, rows: list[Row]) -> list[TokenChoice | None]:

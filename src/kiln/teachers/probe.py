@@ -105,8 +105,10 @@ class RemoteTeacher:
         self._transport = transport
 
     def score(self, prompts: Sequence[Sequence[int]], top_k: int, *, max_bytes: int,
-              vocab_size: int | None) -> ScoreResult:
-        """Score every prompt in one request (a list of token-ID prompts, as vLLM and Kiln accept)."""
+              vocab_size: int | None, score_from: Sequence[int] | None = None) -> ScoreResult:
+        """Score every prompt in one request (a list of token-ID prompts, as vLLM and Kiln accept).
+        ``score_from`` (the positions each caller needs rows from) is a hint a local teacher uses; over
+        HTTP every position is scored."""
         many = len(prompts) > 1
         body = self._post({"model": self.model_id, "prompt": [list(p) for p in prompts] if many else list(prompts[0]),
                            "max_tokens": 1, "temperature": 0, "prompt_logprobs": top_k}, max_bytes)
@@ -206,8 +208,12 @@ class LocalTeacher:
         self.engine, self.model_id, self.adapter, self._fingerprint = engine, model_id, adapter, fingerprint
 
     def score(self, prompts: Sequence[Sequence[int]], top_k: int, *, max_bytes: int,
-              vocab_size: int | None) -> ScoreResult:
-        futures = [self.engine.score_prompt(list(ids), top_k, adapter=self.adapter) for ids in prompts]
+              vocab_size: int | None, score_from: Sequence[int] | None = None) -> ScoreResult:
+        """``score_from[i]``: prompt ``i``'s rows before it may be ``None`` (the engine reuses cached prompt
+        blocks, :meth:`kiln.runtime.engine.Engine.score_prompt`)."""
+        starts = list(score_from) if score_from is not None else [0] * len(prompts)
+        futures = [self.engine.score_prompt(list(ids), top_k, adapter=self.adapter, score_from=s)
+                   for ids, s in zip(prompts, starts)]
         out, total = [], 0
         for fut in futures:
             rows = fut.result()

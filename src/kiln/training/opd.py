@@ -381,11 +381,13 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     check = plan.until_learned if paths is not None else None
     every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
 
-    def score(seqs: list[list[int]]) -> Any:
-        """The teacher's top-K rows for every position of ``seqs``, in one call, checked against the pin."""
+    def score(seqs: list[list[int]], starts: list[int]) -> Any:
+        """The teacher's top-K rows of ``seqs``, in one call, checked against the pin; rows before ``starts``
+        are not used (a local teacher skips them and reuses the cached prompt: its ``score_from``)."""
         check_request_fits(identity, seqs, data.top_k)
         scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
-                                                               for s in seqs), vocab_size=vocab_size)
+                                                               for s in seqs), vocab_size=vocab_size,
+                               score_from=starts)
         check_answer(scored, model_id=model_id, pinned=pinned)
         return scored
 
@@ -414,7 +416,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 dummy = end_ids[0] if end_ids else pad_id
                 loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
                     chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
-                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo]).prompts])
+                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo],
+                        [len(data.items[i].teacher_ids) + len(known) for i, known in todo]).prompts])
                 loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
             # 1. student samples every prompt x sample (and the unfinished teacher-path rows), one batch
             t0 = time.perf_counter()
@@ -440,8 +443,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             t1 = time.perf_counter()
             final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
             ask = [k for k in range(len(samples)) if final.get(k) not in path_rows]
-            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1]
-                                       for k in ask]).prompts)) if ask else {}
+            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1] for k in ask],
+                                      [len(data.items[samples[k][0]].teacher_ids) for k in ask]).prompts)) if ask else {}
             teacher_s = time.perf_counter() - t1
             rows, sampled = [], []
             for k, (i, comp) in enumerate(samples):
