@@ -1,6 +1,7 @@
 """Distillation quality on a synthetic task: SFT vs OPD (tail, renormalized, sampled_token) vs OPD + CE.
 
     .venv/bin/python bench/distill_quality.py [--seeds 2] [--steps 150] [--batch 64] [--top-k 4]
+        [--methods sft,opd_tail,tail+path,forward+ce1,kiln] [--cache /tmp/dq.pt] [--curve 25]
 
 Task: 2-digit addition with the sum written least-significant digit first
 ("07+45=" -> "250" EOS), character vocabulary shared by both models. Built and
@@ -11,13 +12,18 @@ solved offline, in this process:
 * student: Qwen3 (hidden 64, 2 layers) warmed by SFT on gold to >= ~30%.
 
 Then from the same student state, same step budget and the same seeds, each
-method trains for ``--steps`` steps of ``--batch`` prompts: ``sft`` (CE on gold),
-``opd_tail`` / ``opd_renormalized`` / ``opd_sampled_token`` (the student samples
-one completion per prompt, the teacher's top-K logprobs plus the sampled token
-score it, the losses are Kiln's own modules from :mod:`kiln.training.opd`), and
-``mixed@w`` (OPD tail + w x CE on gold, for each ``--mix-weights`` w). Printed: held-out exact match, the fraction
-of the teacher-student gap closed, wall seconds per method, and an OPD step vs
-an SFT step at equal tokens. TRL's GKDTrainer is compared only when ``trl`` is
+method trains for ``--steps`` steps: ``sft`` (CE on gold), the old OPD variants
+``opd_forward`` / ``opd_tail`` / ``opd_renormalized`` / ``opd_sampled_token``
+(one completion per prompt at temperature 1, the teacher's top-K logprobs plus
+the sampled token score it, Kiln's own loss modules from :mod:`kiln.training.opd`)
+and ``mixed@w`` (OPD tail + w x CE on gold), or any recipe named in ``--methods``
+(:class:`Recipe`: loss, sampling temperature, samples per prompt, the teacher's
+greedy answer as a teacher-path row with optional CE on it, CE on gold; ``kiln``
+is what ``POST /v1/train/opd`` runs by default). ``--cache FILE`` keeps the
+trained teacher and warmed student between runs (keyed by their settings and
+``ATEN_CPU_CAPABILITY``). Printed: held-out exact match, the fraction of the
+teacher-student gap closed, wall seconds per method, and an OPD step vs an SFT
+step at equal tokens. TRL's GKDTrainer is compared only when ``trl`` is
 installed. Targets from the issue are printed as met / not met.
 """
 
@@ -130,7 +136,10 @@ class Recipe:
     on gold); or ``<loss>`` followed by ``+`` options: ``T<t>`` sampling
     temperature, ``n<k>`` samples per prompt, ``b<k>`` prompts per step (default ``--batch``), ``path`` the
     teacher's greedy answer as one more teacher-forced row per prompt with the same loss on it (as Kiln's
-    teacher-path rows), ``pce<w>`` w x CE on that row, ``ce<w>`` w x CE on gold, ``lr<x>`` the learning rate. ``kiln`` is Kiln's shipped
+    teacher-path rows), ``pce<w>`` w x CE on that row, ``ce<w>`` w x CE on gold, ``lr<x>`` the learning rate,
+    ``k<K>`` the teacher's top-K, ``bl`` (``sampled_token`` with ``n`` >= 2) a baseline: each token's advantage
+    minus the mean advantage of the prompt's other samples at the same position (unbiased: they are independent
+    of this sample). ``sft+lr<x>``: SFT at another learning rate. ``kiln`` is Kiln's shipped
     recipe (``POST /v1/train/opd`` defaults): ``forward+T0.5+n4+path+pce3``.
     """
 
@@ -142,11 +151,15 @@ class Recipe:
     path_ce: float = 0.0
     gold_ce: float = 0.0
     lr: float = 0.0  # 0: --lr
+    top_k: int = 0  # 0: --top-k
+    baseline: bool = False  # sampled_token: subtract the mean advantage of the prompt's other samples there
     eos_mask: bool = True  # train only up to each row's first EOS (the old variants train all ANSWER_LEN tokens)
 
     @classmethod
     def parse(cls, name: str) -> "Recipe":
         name = {"kiln": "forward+T0.5+n4+path+pce3"}.get(name, name)
+        if name.startswith("sft+lr"):
+            return cls("sft", lr=float(name.removeprefix("sft+lr")), eos_mask=False)
         if name == "sft" or name.startswith("opd_"):
             return cls(name.removeprefix("opd_"), eos_mask=False)
         if name.startswith("mixed@"):
@@ -156,16 +169,18 @@ class Recipe:
             raise SystemExit(f"unknown loss in method {name!r} (one of {', '.join(OPD_LOSSES)})")
         kw: dict = {}
         for o in opts:
-            m = re.fullmatch(r"(path|pce|ce|T|n|b|lr)([0-9.e-]*)", o)
-            if m is None or (m[1] == "path") != (m[2] == ""):
+            m = re.fullmatch(r"(path|bl|pce|ce|T|n|b|lr|k)([0-9.e-]*)", o)
+            if m is None or (m[1] in ("path", "bl")) != (m[2] == ""):
                 raise SystemExit(f"unknown option {o!r} in method {name!r}")
             key, val = m[1], m[2]
             field, conv = {"path": ("path", bool), "pce": ("path_ce", float), "ce": ("gold_ce", float),
                            "T": ("temperature", float), "n": ("samples", int), "b": ("prompts", int),
-                           "lr": ("lr", float)}[key]
-            kw[field] = True if key == "path" else conv(val)
+                           "lr": ("lr", float), "k": ("top_k", int), "bl": ("baseline", bool)}[key]
+            kw[field] = True if key in ("path", "bl") else conv(val)
         if kw.get("path_ce") and not kw.get("path"):
             raise SystemExit(f"pce needs path in method {name!r}")
+        if kw.get("baseline") and (loss != "sampled_token" or kw.get("samples", 1) < 2):
+            raise SystemExit(f"bl needs sampled_token and n2 or more in method {name!r}")
         return cls(loss, **kw)
 
 
@@ -207,9 +222,19 @@ def opd_step(student, teacher, opt, prompts, answers, recipe: Recipe, top_k: int
             with torch.no_grad():
                 behaviour = torch.log_softmax(s_logits / max(recipe.temperature, 1e-6), -1).gather(
                     -1, sampled[:, None])[:, 0]
-        loss = SampledTokenLoss()(logq, t_logp.gather(-1, sampled[:, None])[:, 0], behaviour)
+        tlp = t_logp.gather(-1, sampled[:, None])[:, 0]
+        if recipe.baseline:  # leave-one-out over the prompt's other samples, position by position
+            n, k = recipe.samples, len(prompts)
+            adv = torch.zeros(valid.shape)
+            adv[valid] = (tlp - logq).detach()
+            a, v = adv[: n * k].view(k, n, -1), valid[: n * k].view(k, n, -1).float()
+            others = (v.sum(1, keepdim=True) - v).clamp(min=1)
+            base = torch.zeros(valid.shape)
+            base[: n * k] = (((a * v).sum(1, keepdim=True) - a * v) / others).reshape(n * k, -1)
+            tlp = tlp - base[valid]  # A - b: the loss's advantage is tlp - logq
+        loss = SampledTokenLoss()(logq, tlp, behaviour)
     else:
-        top = torch.topk(t_logp, top_k, -1).indices
+        top = torch.topk(t_logp, recipe.top_k or top_k, -1).indices
         if recipe.loss in ("tail", "forward"):
             ids = torch.cat([top, sampled[:, None]], 1)
             mask = torch.ones_like(ids, dtype=torch.bool)
@@ -300,6 +325,7 @@ def teacher_and_student(args, train, held) -> tuple[nn.Module, float, nn.Module,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=4)
@@ -343,7 +369,7 @@ def main() -> None:
         METHODS + tuple(f"mixed@{w}" for w in args.mix_weights.split(","))
     recipes = {m: Recipe.parse(m) for m in methods}  # every name checked before anything runs
     results: dict[str, list[tuple[float, float, list]]] = {m: [] for m in methods}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for m in methods:
             results[m].append(run_method(m, warm, teacher, train, held, seed=seed, steps=args.steps,
                                          batch=args.batch, lr=args.lr, top_k=args.top_k, hidden=hidden,
