@@ -1,6 +1,7 @@
 """Distillation quality on a synthetic task: SFT vs OPD (tail, renormalized, sampled_token) vs OPD + CE.
 
     .venv/bin/python bench/distill_quality.py [--seeds 2] [--steps 150] [--batch 64] [--top-k 4]
+        [--methods sft,opd_tail,tail+path,forward+ce1,kiln] [--cache /tmp/dq.pt] [--curve 25]
 
 Task: 2-digit addition with the sum written least-significant digit first
 ("07+45=" -> "250" EOS), character vocabulary shared by both models. Built and
@@ -11,22 +12,30 @@ solved offline, in this process:
 * student: Qwen3 (hidden 64, 2 layers) warmed by SFT on gold to >= ~30%.
 
 Then from the same student state, same step budget and the same seeds, each
-method trains for ``--steps`` steps of ``--batch`` prompts: ``sft`` (CE on gold),
-``opd_tail`` / ``opd_renormalized`` / ``opd_sampled_token`` (the student samples
-one completion per prompt, the teacher's top-K logprobs plus the sampled token
-score it, the losses are Kiln's own modules from :mod:`kiln.training.opd`), and
-``mixed@w`` (OPD tail + w x CE on gold, for each ``--mix-weights`` w). Printed: held-out exact match, the fraction
-of the teacher-student gap closed, wall seconds per method, and an OPD step vs
-an SFT step at equal tokens. TRL's GKDTrainer is compared only when ``trl`` is
+method trains for ``--steps`` steps: ``sft`` (CE on gold), the old OPD variants
+``opd_forward`` / ``opd_tail`` / ``opd_renormalized`` / ``opd_sampled_token``
+(one completion per prompt at temperature 1, the teacher's top-K logprobs plus
+the sampled token score it, Kiln's own loss modules from :mod:`kiln.training.opd`)
+and ``mixed@w`` (OPD tail + w x CE on gold), or any recipe named in ``--methods``
+(:class:`Recipe`: loss, sampling temperature, samples per prompt, the teacher's
+greedy answer as a teacher-path row with optional CE on it, CE on gold; ``kiln``
+is what ``POST /v1/train/opd`` runs by default). ``--cache FILE`` keeps the
+trained teacher and warmed student between runs (keyed by their settings and
+``ATEN_CPU_CAPABILITY``). Printed: held-out exact match, the fraction of the
+teacher-student gap closed, wall seconds per method, and an OPD step vs an SFT
+step at equal tokens. TRL's GKDTrainer is compared only when ``trl`` is
 installed. Targets from the issue are printed as met / not met.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,37 +127,129 @@ def train_until(model, data, held, target: float, *, lr: float, batch: int, max_
     return em, step
 
 
-def opd_step(student, teacher, opt, prompts, answers, loss_name: str, top_k: int, ce_weight: float,
-             gen: torch.Generator, timings: dict[str, float] | None = None) -> float:
-    from kiln.training.opd import RenormalizedReverseKL, SampledTokenLoss, TailForwardKL, TailReverseKL
+@dataclass(frozen=True)
+class Recipe:
+    """One method of the bench, parsed from its name (``--methods``).
+
+    ``sft``; ``opd_<loss>`` (the old variants: one sample per prompt at temperature 1, no teacher path, every
+    one of the ANSWER_LEN sampled tokens trained, also after an early EOS); ``mixed@w`` (old: ``tail`` + w x CE
+    on gold); or ``<loss>`` followed by ``+`` options: ``T<t>`` sampling
+    temperature, ``n<k>`` samples per prompt, ``b<k>`` prompts per step (default ``--batch``), ``path`` the
+    teacher's greedy answer as one more teacher-forced row per prompt with the same loss on it (as Kiln's
+    teacher-path rows), ``pce<w>`` w x CE on that row, ``ce<w>`` w x CE on gold, ``lr<x>`` the learning rate,
+    ``k<K>`` the teacher's top-K, ``bl`` (``sampled_token`` with ``n`` >= 2) a baseline: each token's advantage
+    minus the mean advantage of the prompt's other samples at the same position (unbiased: they are independent
+    of this sample). ``sft+lr<x>``: SFT at another learning rate. ``kiln`` is Kiln's shipped
+    recipe (``POST /v1/train/opd`` defaults): ``forward+T0.5+n4+path+pce3``.
+    """
+
+    loss: str
+    temperature: float = 1.0
+    samples: int = 1
+    prompts: int = 0
+    path: bool = False
+    path_ce: float = 0.0
+    gold_ce: float = 0.0
+    lr: float = 0.0  # 0: --lr
+    top_k: int = 0  # 0: --top-k
+    baseline: bool = False  # sampled_token: subtract the mean advantage of the prompt's other samples there
+    eos_mask: bool = True  # train only up to each row's first EOS (the old variants train all ANSWER_LEN tokens)
+
+    @classmethod
+    def parse(cls, name: str) -> "Recipe":
+        name = {"kiln": "forward+T0.5+n4+path+pce3"}.get(name, name)
+        if name.startswith("sft+lr"):
+            return cls("sft", lr=float(name.removeprefix("sft+lr")), eos_mask=False)
+        if name == "sft" or name.startswith("opd_"):
+            return cls(name.removeprefix("opd_"), eos_mask=False)
+        if name.startswith("mixed@"):
+            return cls("tail", gold_ce=float(name.split("@")[1]), eos_mask=False)
+        loss, *opts = name.split("+")
+        if loss not in OPD_LOSSES:
+            raise SystemExit(f"unknown loss in method {name!r} (one of {', '.join(OPD_LOSSES)})")
+        kw: dict = {}
+        for o in opts:
+            m = re.fullmatch(r"(path|bl|pce|ce|T|n|b|lr|k)([0-9.e-]*)", o)
+            if m is None or (m[1] in ("path", "bl")) != (m[2] == ""):
+                raise SystemExit(f"unknown option {o!r} in method {name!r}")
+            key, val = m[1], m[2]
+            field, conv = {"path": ("path", bool), "pce": ("path_ce", float), "ce": ("gold_ce", float),
+                           "T": ("temperature", float), "n": ("samples", int), "b": ("prompts", int),
+                           "lr": ("lr", float), "k": ("top_k", int), "bl": ("baseline", bool)}[key]
+            kw[field] = True if key in ("path", "bl") else conv(val)
+        if kw.get("path_ce") and not kw.get("path"):
+            raise SystemExit(f"pce needs path in method {name!r}")
+        if kw.get("baseline") and (loss != "sampled_token" or kw.get("samples", 1) < 2):
+            raise SystemExit(f"bl needs sampled_token and n2 or more in method {name!r}")
+        return cls(loss, **kw)
+
+
+OPD_LOSSES = ("forward", "tail", "renormalized", "sampled_token")
+
+
+def until_eos(comp: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` True up to and including each row's first EOS (Kiln's sampler stops there)."""
+    eos = (comp == EOS).int()
+    return (eos.cumsum(1) - eos) == 0
+
+
+def opd_step(student, teacher, opt, prompts, answers, recipe: Recipe, top_k: int, gen: torch.Generator,
+             timings: dict[str, float] | None = None) -> float:
+    """One OPD step: ``recipe.samples`` samples per prompt at ``recipe.temperature`` (plus, with ``path``, the
+    teacher's greedy answer teacher-forced), scored by the teacher, Kiln's loss averaged over every completion
+    token up to its EOS, plus the recipe's CE terms."""
+    from kiln.training.opd import CANDIDATE_LOSSES, SampledTokenLoss
 
     t0 = time.perf_counter()
     student.eval()
-    comp = decode(student, prompts, 1.0, gen)  # on-policy samples
+    rep = prompts.repeat_interleave(recipe.samples, 0)
+    comp = decode(student, rep, recipe.temperature, gen)  # on-policy samples
     student.train()
     t1 = time.perf_counter()
     with torch.no_grad():
-        t_logp = torch.log_softmax(answer_logits(teacher, prompts, comp).float(), -1).reshape(-1, VOCAB)
+        if recipe.path:  # the teacher's greedy answer (a teacher-only cost), one row per prompt
+            path = decode(teacher, prompts, 0.0)
+            rep, comp = torch.cat([rep, prompts]), torch.cat([comp, path])
+        t_logp = torch.log_softmax(answer_logits(teacher, rep, comp).float(), -1)
     t2 = time.perf_counter()
-    s_logits = answer_logits(student, prompts, comp).reshape(-1, VOCAB)
-    sampled = comp.reshape(-1)
-    if loss_name == "sampled_token":
-        logq = torch.log_softmax(s_logits.float(), -1).gather(-1, sampled[:, None])[:, 0]
-        loss = SampledTokenLoss()(logq, t_logp.gather(-1, sampled[:, None])[:, 0])
+    valid = until_eos(comp) if recipe.eos_mask else torch.ones_like(comp, dtype=torch.bool)
+    s_all = answer_logits(student, rep, comp)
+    s_logits, t_logp, sampled = s_all[valid].float(), t_logp[valid], comp[valid]
+    if recipe.loss == "sampled_token":
+        logq = torch.log_softmax(s_logits, -1).gather(-1, sampled[:, None])[:, 0]
+        behaviour = None
+        if recipe.temperature != 1.0:  # importance weight to the sampling policy, as kiln.training.opd does
+            with torch.no_grad():
+                behaviour = torch.log_softmax(s_logits / max(recipe.temperature, 1e-6), -1).gather(
+                    -1, sampled[:, None])[:, 0]
+        tlp = t_logp.gather(-1, sampled[:, None])[:, 0]
+        if recipe.baseline:  # leave-one-out over the prompt's other samples, position by position
+            n, k = recipe.samples, len(prompts)
+            adv = torch.zeros(valid.shape)
+            adv[valid] = (tlp - logq).detach()
+            a, v = adv[: n * k].view(k, n, -1), valid[: n * k].view(k, n, -1).float()
+            others = (v.sum(1, keepdim=True) - v).clamp(min=1)
+            base = torch.zeros(valid.shape)
+            base[: n * k] = (((a * v).sum(1, keepdim=True) - a * v) / others).reshape(n * k, -1)
+            tlp = tlp - base[valid]  # A - b: the loss's advantage is tlp - logq
+        loss = SampledTokenLoss()(logq, tlp, behaviour)
     else:
-        top = torch.topk(t_logp, top_k, -1).indices
-        if loss_name in ("tail", "forward"):
+        top = torch.topk(t_logp, recipe.top_k or top_k, -1).indices
+        if recipe.loss in ("tail", "forward"):
             ids = torch.cat([top, sampled[:, None]], 1)
             mask = torch.ones_like(ids, dtype=torch.bool)
             mask[:, -1] = ~(top == sampled[:, None]).any(-1)  # the sampled token once
-            loss_cls = TailReverseKL if loss_name == "tail" else TailForwardKL
-            loss = loss_cls()(s_logits, ids, t_logp.gather(-1, ids), mask)
         else:
-            mask = torch.ones_like(top, dtype=torch.bool)
-            loss = RenormalizedReverseKL()(s_logits, top, t_logp.gather(-1, top), mask)
-    if ce_weight > 0:
+            ids, mask = top, torch.ones_like(top, dtype=torch.bool)
+        loss = CANDIDATE_LOSSES[recipe.loss]()(s_logits, ids, t_logp.gather(-1, ids), mask)
+    if recipe.path_ce > 0:  # CE on the teacher path rows (the last len(prompts) rows), up to their EOS
+        n = len(prompts)
+        pv = valid[-n:]
+        loss = loss + recipe.path_ce * nn.functional.cross_entropy(s_all[-n:][pv].float(), comp[-n:][pv])
+    if recipe.gold_ce > 0:
         logits = answer_logits(student, prompts, answers)
-        loss = loss + ce_weight * nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), answers.reshape(-1))
+        loss = loss + recipe.gold_ce * nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(),
+                                                                   answers.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -162,29 +263,69 @@ def opd_step(student, teacher, opt, prompts, answers, loss_name: str, top_k: int
 METHODS = ("sft", "opd_forward", "opd_tail", "opd_renormalized", "opd_sampled_token")
 
 
-def run_method(name, warm_state, teacher, train, held, *, seed, steps, batch, lr, top_k, hidden, layers, heads):
+def run_method(name, warm_state, teacher, train, held, *, seed, steps, batch, lr, top_k, hidden, layers, heads,
+               curve: int = 0):
+    """``(held-out exact match, wall seconds, [(step, exact match)] every ``curve`` steps)``."""
+    recipe = Recipe.parse(name)
     student = make_model(hidden, layers, heads, 0)
     student.load_state_dict(warm_state)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(student.parameters(), lr=recipe.lr or lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(1000 + seed)
     sg = torch.Generator().manual_seed(2000 + seed)
+    n_prompts = recipe.prompts or batch
+    points = []
     t0 = time.perf_counter()
-    for _ in range(steps):
-        idx = torch.randint(0, len(train[0]), (batch,), generator=g)
+    for step in range(steps):
+        idx = torch.randint(0, len(train[0]), (n_prompts,), generator=g)
         p, a = train[0][idx], train[1][idx]
-        if name == "sft":
+        if recipe.loss == "sft":
             sft_step(student, opt, p, a)
-        elif name.startswith("mixed@"):
-            opd_step(student, teacher, opt, p, a, "tail", top_k, float(name.split("@")[1]), sg)
         else:
-            opd_step(student, teacher, opt, p, a, name.removeprefix("opd_"), top_k, 0.0, sg)
+            opd_step(student, teacher, opt, p, a, recipe, top_k, sg)
+        if curve and (step + 1) % curve == 0 and step + 1 < steps:
+            points.append((step + 1, round(exact_match(student, *held), 3)))
     wall = time.perf_counter() - t0
-    return exact_match(student, *held), wall
+    return exact_match(student, *held), wall, points
+
+
+def teacher_and_student(args, train, held) -> tuple[nn.Module, float, nn.Module, float]:
+    """The trained teacher and the SFT-warmed student (with ``--cache``: loaded when the file was made with the
+    same settings and ATen CPU capability, else trained and saved)."""
+    key = {"teacher_steps": args.teacher_steps, "teacher_target": args.teacher_target,
+           "student_start": args.student_start, "aten": os.environ.get("ATEN_CPU_CAPABILITY", ""),
+           "torch": str(torch.__version__)}
+    teacher, student = make_model(128, 4, 4, 0), make_model(64, 2, 4, 0)
+    if args.cache and Path(args.cache).exists():
+        saved = torch.load(args.cache)
+        if saved["key"] == key:
+            teacher.load_state_dict(saved["teacher"])
+            student.load_state_dict(saved["student"])
+            teacher.eval()
+            print(f"teacher and student from {args.cache}: teacher {saved['t_em']:.3f}, student {saved['s_em']:.3f}")
+            return teacher, saved["t_em"], student, saved["s_em"]
+    t0 = time.perf_counter()
+    n_teacher = sum(p.numel() for p in teacher.parameters())
+    t_em, t_steps = train_until(teacher, train, held, args.teacher_target, lr=3e-3, batch=128,
+                                max_steps=args.teacher_steps, every=200, seed=0)
+    teacher.eval()
+    print(f"teacher: {n_teacher / 1e6:.2f}M params, held-out exact match {t_em:.3f} after {t_steps} steps "
+          f"({time.perf_counter() - t0:.0f} s)")
+    n_student = sum(p.numel() for p in student.parameters())
+    s_em, s_steps = train_until(student, train, held, args.student_start, lr=3e-3, batch=64, max_steps=20_000,
+                                every=25, seed=1)
+    print(f"student: {n_student / 1e6:.2f}M params, warmed by SFT to {s_em:.3f} in {s_steps} steps")
+    if args.cache:
+        tmp = Path(args.cache + ".tmp")
+        torch.save({"key": key, "teacher": teacher.state_dict(), "student": student.state_dict(), "t_em": t_em,
+                    "s_em": s_em}, tmp)
+        os.replace(tmp, args.cache)
+    return teacher, t_em, student, s_em
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=4)
@@ -193,6 +334,11 @@ def main() -> None:
     ap.add_argument("--student-start", type=float, default=0.3)
     ap.add_argument("--teacher-target", type=float, default=0.9)
     ap.add_argument("--mix-weights", default="0.1,0.3,1.0", help="CE weights of the mixed recipes (OPD tail + CE)")
+    ap.add_argument("--methods", default="", help="comma-separated methods (see Recipe: e.g. sft,opd_tail,"
+                    "tail+path,forward+ce0.3,kiln); default: the five old ones and mixed@ each --mix-weights")
+    ap.add_argument("--cache", default="", help="file keeping the trained teacher and warmed student between runs")
+    ap.add_argument("--curve", type=int, default=0, help="also print held-out exact match every this many steps")
+    ap.add_argument("--no-timing", action="store_true", help="skip the OPD step vs SFT step timing")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (oversubscribing 2 shared cores is 30x slower)")
     ap.add_argument("--kd", action="store_true", help="also run the offline sparse-KD comparison at --kd-vocab")
     ap.add_argument("--kd-only", action="store_true", help="run only the offline sparse-KD comparison")
@@ -215,50 +361,54 @@ def main() -> None:
         kd_main(args, train, held)
         return
 
-    t0 = time.perf_counter()
-    teacher = make_model(128, 4, 4, 0)
-    n_teacher = sum(p.numel() for p in teacher.parameters())
-    t_em, t_steps = train_until(teacher, train, held, args.teacher_target, lr=3e-3, batch=128, max_steps=args.teacher_steps,
-                                every=200, seed=0)
-    teacher.eval()
-    print(f"teacher: {n_teacher / 1e6:.2f}M params, held-out exact match {t_em:.3f} after {t_steps} steps "
-          f"({time.perf_counter() - t0:.0f} s)")
+    teacher, t_em, student, s_em = teacher_and_student(args, train, held)
     hidden, layers, heads = 64, 2, 4
-    student = make_model(hidden, layers, heads, 0)
-    n_student = sum(p.numel() for p in student.parameters())
-    s_em, s_steps = train_until(student, train, held, args.student_start, lr=3e-3, batch=64, max_steps=20_000,
-                                every=25, seed=1)
-    print(f"student: {n_student / 1e6:.2f}M params, warmed by SFT to {s_em:.3f} in {s_steps} steps")
     warm = {k: v.clone() for k, v in student.state_dict().items()}
 
-    methods = METHODS + tuple(f"mixed@{w}" for w in args.mix_weights.split(","))
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
-    for seed in range(args.seeds):
+    methods = tuple(args.methods.split(",")) if args.methods else \
+        METHODS + tuple(f"mixed@{w}" for w in args.mix_weights.split(","))
+    recipes = {m: Recipe.parse(m) for m in methods}  # every name checked before anything runs
+    results: dict[str, list[tuple[float, float, list]]] = {m: [] for m in methods}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for m in methods:
             results[m].append(run_method(m, warm, teacher, train, held, seed=seed, steps=args.steps,
                                          batch=args.batch, lr=args.lr, top_k=args.top_k, hidden=hidden,
-                                         layers=layers, heads=heads))
+                                         layers=layers, heads=heads, curve=args.curve))
+            em, wall, points = results[m][-1]
+            print(f"  seed {seed} {m}: {em:.3f} ({wall:.0f} s){'  curve ' + str(points) if points else ''}",
+                  flush=True)
     gap = t_em - s_em
-    print(f"\n{'method':<20} {'exact match':>12} {'gap closed':>11} {'wall s':>8}   (mean of {args.seeds} seeds, "
-          f"{args.steps} steps x {args.batch} prompts, top_k {args.top_k})")
+    print(f"\n{'method':<32} {'rows/step':>9} {'exact match':>12} {'gap closed':>11} {'wall s':>8}   (mean of "
+          f"{args.seeds} seeds, {args.steps} steps, top_k {args.top_k}, lr {args.lr}, start {s_em:.3f}, "
+          f"teacher {t_em:.3f})")
     summary = {}
     for m in methods:
-        em = statistics.mean(r[0] for r in results[m])
-        wall = statistics.mean(r[1] for r in results[m])
+        r = recipes[m]
+        em = statistics.mean(x[0] for x in results[m])
+        wall = statistics.mean(x[1] for x in results[m])
         closed = (em - s_em) / gap if gap > 0 else float("nan")
-        summary[m] = (em, closed, [r[0] for r in results[m]])
-        print(f"{m:<20} {em:>12.3f} {closed:>11.2f} {wall:>8.1f}   per seed {[round(r[0], 3) for r in results[m]]}")
+        summary[m] = (em, closed, [x[0] for x in results[m]])
+        n = r.prompts or args.batch
+        rows = f"{n}" if r.loss == "sft" else f"{n}x{r.samples}" + ("+path" if r.path else "")
+        print(f"{m:<32} {rows:>9} {em:>12.3f} {closed:>11.2f} {wall:>8.1f}   per seed "
+              f"{[round(x[0], 3) for x in results[m]]}")
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
-    tail, ren = summary["opd_tail"][0], summary["opd_renormalized"][0]
-    print(f"\ntail >= renormalized + 10 points: {tail:.3f} vs {ren:.3f} -> {verdict(tail >= ren + 0.10)}")
-    st = summary["opd_sampled_token"][2]
-    print(f"sampled_token never below its start ({s_em:.3f}): {st} -> {verdict(min(st) >= s_em)}")
-    best = max((m for m in methods if m.startswith("mixed@")), key=lambda m: summary[m][1])
-    print(f"best mixed recipe ({best}) closes >= 0.75 of the gap: {summary[best][1]:.2f} -> "
-          f"{verdict(summary[best][1] >= 0.75)} (SFT alone: {summary['sft'][1]:.2f})")
+    sft = summary["sft"][0] if "sft" in summary else None
+    for m in methods:  # issue 34's targets, for every method they concern
+        r, (em, closed, per_seed) = recipes[m], summary[m]
+        if r.loss == "tail" and r.gold_ce == 0 and r.path_ce == 0 and sft is not None:
+            print(f"{m} >= SFT - 2 points: {em:.3f} vs {sft:.3f} -> {verdict(em >= sft - 0.02)}")
+        if r.gold_ce > 0:
+            print(f"mixed {m} closes >= 0.85 of the gap: {closed:.2f} -> {verdict(closed >= 0.85)}"
+                  + (f" (SFT alone: {summary['sft'][1]:.2f})" if sft is not None else ""))
+        if r.loss == "sampled_token":
+            print(f"{m} never below its start ({s_em:.3f}): {[round(x, 3) for x in per_seed]} -> "
+                  f"{verdict(min(per_seed) >= s_em)}")
+    if args.no_timing:
+        return
 
     # OPD step vs SFT step at equal tokens (teacher local), medians of interleaved repetitions.
     student = make_model(hidden, layers, heads, 0)
@@ -273,7 +423,7 @@ def main() -> None:
         sft_step(student, opt, p, a)
         sft_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        opd_step(student, teacher, opt, p, a, "tail", args.top_k, 0.0, sg, timings)
+        opd_step(student, teacher, opt, p, a, Recipe("tail", eos_mask=False), args.top_k, sg, timings)
         opd_t.append(time.perf_counter() - t)
     ratio = statistics.median(opd_t) / statistics.median(sft_t)
     total = sum(timings.values())

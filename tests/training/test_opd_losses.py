@@ -281,3 +281,65 @@ def test_ce_on_the_teacher_path_reuses_its_rows_hidden_states_and_matches_full_l
         assert math.isclose(a, b, rel_tol=1e-5)
         assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(ga, gb))
     assert grads[0][0] != grads[2][0]  # the second gold row counts
+
+
+class _TinyLM(torch.nn.Module):
+    """A 4-token autoregressive model whose logits at each position depend on the token and the position
+    (float64), with the ``model(input_ids=, attention_mask=, use_cache=).logits`` call ``opd_loss`` makes."""
+
+    def __init__(self, v: int = 4, d: int = 6, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Parameter(torch.randn(v, d, generator=g, dtype=torch.float64))
+        self.pos = torch.nn.Parameter(torch.randn(8, d, generator=g, dtype=torch.float64))
+        self.head = torch.nn.Parameter(torch.randn(d, v, generator=g, dtype=torch.float64))
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        from types import SimpleNamespace
+
+        h = torch.tanh(self.emb[input_ids] + self.pos[: input_ids.shape[1]])
+        return SimpleNamespace(logits=h @ self.head)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_token_gradient_is_the_per_token_reverse_kl_gradient_over_whole_completions(temperature):
+    """Through Kiln's own ``opd_loss`` (teacher rows, sampler log-probabilities, token mean): the sampled-token
+    loss of every 3-token completion, weighted by the probability the student samples it at ``temperature``,
+    has the gradient of ``tail`` with K = vocabulary (the exact per-token reverse KL at each visited
+    position) weighted the same way, while one completion's estimate can point against it."""
+    import itertools
+
+    from kiln.training.opd import OPDData, opd_loss
+
+    v, length, prompt = 4, 3, [0]
+    model = _TinyLM(v)
+    g = torch.Generator().manual_seed(1)
+    teacher_table = torch.log_softmax(3 * torch.randn(v, length, v, generator=g, dtype=torch.float64), -1)
+
+    def data(loss: str) -> OPDData:
+        return OPDData((), {}, 1, temperature, 1.0, length, v, loss, 0.0, 1)
+
+    grads: dict[str, list[torch.Tensor]] = {"sampled_token": [], "tail": []}
+    weights = []
+    for comp in itertools.product(range(v), repeat=length):
+        seq = prompt + list(comp)
+        with torch.no_grad():  # the probability that the student samples this completion at the temperature
+            logits = model(torch.tensor([seq])).logits[0, len(prompt) - 1: -1]
+            weights.append(float(torch.log_softmax(logits / temperature, -1).gather(
+                -1, torch.tensor(comp)[:, None]).sum().exp()))
+        rows = [{t: float(teacher_table[seq[j + len(prompt) - 1], j, t]) for t in range(v)} for j in range(length)]
+        for loss in grads:
+            model.zero_grad()
+            opd_loss(model, None, data(loss), [(prompt, list(comp))], rows, list(comp), [], pad_id=0,
+                     device="cpu").backward()
+            grads[loss].append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    assert math.isclose(sum(weights), 1.0, rel_tol=1e-9)
+    w = torch.tensor(weights, dtype=torch.float64)[:, None]
+    expected_sampled = (w * torch.stack(grads["sampled_token"])).sum(0)
+    expected_tail = (w * torch.stack(grads["tail"])).sum(0)
+    assert expected_tail.norm() > 0.05
+    diff = float((expected_sampled - expected_tail).norm() / expected_tail.norm())
+    assert diff < 1e-5, diff  # opd_loss works in float32
+    # while a single completion's sampled-token gradient can point against it (the estimator's variance)
+    cos = [float(x @ expected_tail / (x.norm() * expected_tail.norm())) for x in grads["sampled_token"]]
+    assert min(cos) < 0
