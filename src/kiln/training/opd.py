@@ -248,6 +248,7 @@ class OPDData:
     total_steps: int
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
     teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
+    rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.opd_rehearsal)
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -291,7 +292,7 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
                    request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
                    _total_steps(request, len(items), budget=budget_steps(
                        len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
-                   teacher_path=request.teacher_path)
+                   teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0)
     return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
@@ -355,13 +356,14 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
 
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
             model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
-            engine: Any = None) -> Any:
+            engine: Any = None, rehearsal: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
     With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
     adapter by key, prefix cache keyed by step: :func:`~kiln.training.engine_sampling.sample_policy`),
     interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
-    exclusive ownership (a local teacher scores on the serving engine); the step runs under it."""
+    exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
+    (:class:`~kiln.training.opd_rehearsal.Rehearsal`) adds one row per chosen prompt and step, scored by the base."""
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
@@ -433,7 +435,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             student_s = time.perf_counter() - t0
             if not samples:
                 loop.stats["student_s"] += student_s
-                loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+                loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
                 continue
             # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
             # sampled after it) is the same sequence every step: its rows are scored once and kept
@@ -459,8 +461,13 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
             if paths is not None:
                 loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
+            n_sampled = len(sampled)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
+            for r in rehearsal.for_step(step, len(chosen)) if rehearsal is not None else []:
+                pairs.append((r.prompt, r.answer))  # rehearsal: the base model's answer, its rows the "teacher"
+                rows += r.rows
+                sampled += r.answer
             # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
             gold = [(data.items[i].student_ids, data.items[i].gold_ids
                      or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
@@ -474,13 +481,26 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
             loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
             loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
-            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled))
+            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + n_sampled)
+            if rehearsal is not None:
+                loop.stats["rehearsal_rows"] = len(rehearsal)
+                loop.stats["rehearsal_tokens"] = int(loop.stats.get("rehearsal_tokens", 0) + len(sampled) - n_sampled)
             if every is not None and loop.step % every == 0 and learned():
                 loop.stats["learned_at_step"] = loop.total_steps = loop.step
-            loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+            loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
         if check is not None:
             loop.stats["learned"] = "learned_at_step" in loop.stats
     return loop.report()
+
+
+def _checkpoint_tensors(paths: Any, rehearsal: Any) -> dict[str, torch.Tensor] | None:
+    """What a checkpoint keeps besides the adapter: the teacher paths and the rehearsal questions."""
+    from kiln.training.opd_rehearsal import REHEARSAL_TENSOR
+
+    out = {} if paths is None else {PATHS_TENSOR: paths.to_tensor()}
+    if rehearsal is not None:
+        out[REHEARSAL_TENSOR] = rehearsal.to_tensor()
+    return out or None
 
 
 def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -616,9 +636,30 @@ class OPDRecipe(TrainingRecipe):
             return report
         end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+        rehearsal = self._rehearsal(resume, pad_id, end_ids) if data.rehearsal else None
         report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
                          pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
                          vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine)
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal)
         self._phase("train")
         return report
+
+    def _rehearsal(self, resume: Any, pad_id: int, end_ids: list[int]) -> Any:
+        """The job's rehearsal rows (:mod:`kiln.training.opd_rehearsal`): the questions the base model writes
+        (or, on resume, the ones the checkpoint kept), its greedy answers and its rows on them."""
+        from kiln.training.opd_rehearsal import REHEARSAL_TENSOR, build_rehearsal, questions_from_tensor, \
+            user_turn_prefix, write_questions
+
+        data, tok, engine = self.plan.data, self.ctx.model.tokenizer, self.ctx.engine
+        device = next(self.peft_model.parameters()).device
+        with self.ctx.hooks.exclusive():
+            if resume is not None and REHEARSAL_TENSOR in resume.tensors:
+                questions = questions_from_tensor(resume.tensors[REHEARSAL_TENSOR])
+            else:
+                prefix = user_turn_prefix(lambda m: tok.apply_chat_template(m, tokenize=False), engine.encode_text)
+                questions = write_questions(self.peft_model, prefix, data.rehearsal, data.max_tokens,
+                                            seed=self.plan.loop.seed, pad_id=pad_id, end_ids=end_ids, device=device)
+            return build_rehearsal(
+                self.peft_model, questions, exclude=[it.student_ids for it in data.items],
+                chat_prompt=lambda q: engine.encode_chat([{"role": "user", "content": engine.decode(q).strip()}]),
+                max_tokens=data.max_tokens, top_k=data.top_k, pad_id=pad_id, end_ids=end_ids, device=device)
