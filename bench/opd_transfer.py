@@ -206,7 +206,7 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
             shares = bucket_shares(logits, ids, lp, mask, loss)
         gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
         pairs = [(s.prompt, c) for c in comps]
-        for r in rehearse.for_step(step, 1) if rehearse is not None else []:
+        for r in rehearse.for_step(step, args.rehearsal_per_prompt) if rehearse else []:
             pairs.append((r.prompt, r.answer))
             rows += r.rows
             sampled += r.answer
@@ -443,7 +443,7 @@ def run_facts(s: Setup, args: Any) -> None:
                 t_rows += mine
                 sampled += c
             pairs = [(prompts[i], c) for i, c in pairs]
-            for r in rehearse.for_step(step, len(chosen)) if rehearse is not None else []:
+            for r in rehearse.for_step(step, len(chosen) * args.rehearsal_per_prompt) if rehearse else []:
                 pairs.append((r.prompt, r.answer))  # as kiln.training.opd.run_opd adds them
                 t_rows += r.rows
                 sampled += r.answer
@@ -539,6 +539,8 @@ def main() -> None:
     ap.add_argument("--rehearsal", type=int, default=None,
                     help="questions the base model writes for rehearsal rows (default: the request's, "
                          "kiln.training.opd_schemas.DEFAULT_OPD_REHEARSAL; 0: off)")
+    ap.add_argument("--rehearsal-per-prompt", type=int, default=d["rehearsal_per_prompt"].default,
+                    help="rehearsal rows per prompt and step (default: the request's)")
     ap.add_argument("--rehearse-exclude", action="store_true",
                     help="held-out control: drop rehearsal questions that are one of the unrelated prompts")
     ap.add_argument("--decay-steps", type=int, default=0)

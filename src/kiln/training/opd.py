@@ -249,6 +249,7 @@ class OPDData:
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
     teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
     rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.opd_rehearsal)
+    rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -292,7 +293,8 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
                    request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
                    _total_steps(request, len(items), budget=budget_steps(
                        len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
-                   teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0)
+                   teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0,
+                   rehearsal_per_prompt=request.rehearsal_per_prompt)
     return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
@@ -363,7 +365,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     adapter by key, prefix cache keyed by step: :func:`~kiln.training.engine_sampling.sample_policy`),
     interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
     exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
-    (:class:`~kiln.training.opd_rehearsal.Rehearsal`) adds one row per chosen prompt and step, scored by the base."""
+    (:class:`~kiln.training.opd_rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
+    scored by the base model."""
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
@@ -464,7 +467,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             n_sampled = len(sampled)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
-            for r in rehearsal.for_step(step, len(chosen)) if rehearsal is not None else []:
+            for r in rehearsal.for_step(step, len(chosen) * data.rehearsal_per_prompt) if rehearsal else []:
                 pairs.append((r.prompt, r.answer))  # rehearsal: the base model's answer, its rows the "teacher"
                 rows += r.rows
                 sampled += r.answer

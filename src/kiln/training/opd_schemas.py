@@ -39,6 +39,10 @@ DEFAULT_OPD_TEMPERATURE = 0.5
 # from the job's prompts; off policy: 0.
 DEFAULT_OPD_REHEARSAL = 64
 MAX_OPD_REHEARSAL = 1_024
+# rehearsal rows per prompt and step. Ten facts at once on the built-in model, rehearsal questions that are one of
+# the ten unrelated prompts the bench checks left out (held out): 1 row left 3, 1, 0 /10 unrelated answers
+# degenerate at the until_learned stop, 3 rows 0, 0, 0 /10 (bench/opd_transfer.py --facts --rehearse-exclude).
+DEFAULT_OPD_REHEARSAL_PER_PROMPT = 3
 
 
 def budget_steps(n_prompts: int, batch_size: int, samples_per_prompt: int, max_tokens: int) -> int:
@@ -87,8 +91,12 @@ class OPDRequest(_TrainCommon):
     rehearsal: int | None = Field(
         None, ge=0, le=MAX_OPD_REHEARSAL,
         description="questions the base model writes itself (adapter disabled) whose base answers are rehearsed "
-                    "beside the prompts, one row per prompt and step, under forward KL to the base model "
+                    "beside the prompts (rehearsal_per_prompt rows per prompt and step), under forward KL to the "
+                    "base model "
                     "(kiln.training.opd_rehearsal); 0: off; default: DEFAULT_OPD_REHEARSAL on policy, else 0")
+    rehearsal_per_prompt: int = Field(
+        DEFAULT_OPD_REHEARSAL_PER_PROMPT, ge=1, le=MAX_SAMPLES_PER_PROMPT,
+        description="with rehearsal: rehearsal rows added per prompt and step")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     teacher_jsonl: str | None = Field(
         None, max_length=MAX_PATH_CHARS,
