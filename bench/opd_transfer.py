@@ -19,9 +19,21 @@ installed, TRL ``GKDTrainer`` (``lmbda=1``, ``beta=1``: on-policy reverse KL; sa
 ``max_new_tokens``, steps and learning rate). Degenerate: the student's greedy answers to unrelated prompts
 that repeat one token 4+ times in a row (the base model's answers are the reference).
 
+``--facts``: ten facts at once. Every ``--trace-every`` steps it prints how many greedy answers are the teacher's,
+the number of degenerate unrelated answers, and how many prompts are "learned" (teacher path = greedy answer by a
+logit margin of 1, checked every 5 steps as ``until_learned`` does; ``--stop-when-learned`` ends a seed there, as a
+job with the defaults stops); per seed, the until_learned stop, the degenerate count then, and the mean degenerate
+count over the checks from step 30. The request defaults apply (teacher path, ``ce_weight``, ``rehearsal`` and
+``rehearsal_per_prompt``, built by :mod:`kiln.training.opd_rehearsal` as the job builds them);
+``--rehearse-exclude`` drops rehearsal questions that are one of the unrelated prompts (a held-out control).
+Experiments the recipe did not keep (docs/training.md, ten-facts table): ``--retire skip|ce`` (stop choosing a
+learned prompt, or only drop its CE), ``--lr-decay`` (linear to 0 over ``--decay-steps``), ``--weight-decay``,
+``--student-rank``.
+
     .venv/bin/python bench/opd_transfer.py                       # every method, 1 seed
     .venv/bin/python bench/opd_transfer.py --seeds 3 --trace forward,tail
-    .venv/bin/python bench/opd_transfer.py --facts --steps 200 --trace-every 16   # ten facts at once
+    .venv/bin/python bench/opd_transfer.py --facts --seeds 3 --trace-every 5 --stop-when-learned
+    .venv/bin/python bench/opd_transfer.py --facts --seeds 3 --trace-every 5 --stop-when-learned --rehearse-exclude
 """
 
 from __future__ import annotations
@@ -533,9 +545,10 @@ def main() -> None:
     ap.add_argument("--teacher-path", action="store_true", default=True,
                     help="one teacher-path row per prompt and step (kiln.training.opd_paths): the default")
     ap.add_argument("--no-teacher-path", dest="teacher_path", action="store_false")
-    ap.add_argument("--retire", default="none", choices=["none", "skip", "ce"])
-    ap.add_argument("--lr-decay", action="store_true")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--retire", default="none", choices=["none", "skip", "ce"],
+                    help="--facts experiment: a prompt learned by margin 1 is not chosen (skip) or gets no CE (ce)")
+    ap.add_argument("--lr-decay", action="store_true", help="--facts experiment: linear decay to 0")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="--facts experiment: AdamW weight decay")
     ap.add_argument("--rehearsal", type=int, default=None,
                     help="questions the base model writes for rehearsal rows (default: the request's, "
                          "kiln.training.opd_schemas.DEFAULT_OPD_REHEARSAL; 0: off)")
@@ -543,9 +556,10 @@ def main() -> None:
                     help="rehearsal rows per prompt and step (default: the request's)")
     ap.add_argument("--rehearse-exclude", action="store_true",
                     help="held-out control: drop rehearsal questions that are one of the unrelated prompts")
-    ap.add_argument("--decay-steps", type=int, default=0)
-    ap.add_argument("--stop-when-learned", action="store_true")
-    ap.add_argument("--student-rank", type=int, default=0)
+    ap.add_argument("--decay-steps", type=int, default=0, help="--lr-decay horizon (default: --steps)")
+    ap.add_argument("--stop-when-learned", action="store_true",
+                    help="--facts: end a seed where until_learned would stop the job")
+    ap.add_argument("--student-rank", type=int, default=0, help="--facts experiment: the student's LoRA rank")
     ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")
     args = ap.parse_args()
     if args.ce_weight is None:
