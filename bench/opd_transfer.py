@@ -218,10 +218,8 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
             shares = bucket_shares(logits, ids, lp, mask, loss)
         gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
         pairs = [(s.prompt, c) for c in comps]
-        for r in rehearse.for_step(step, args.rehearsal_per_prompt) if rehearse else []:
-            pairs.append((r.prompt, r.answer))
-            rows += r.rows
-            sampled += r.answer
+        if rehearse is not None:
+            rehearse.add_to_step(step, args.rehearsal_per_prompt, pairs, rows, sampled)
         value = opd_loss(s.pm, split, data, pairs, rows, sampled, gold, pad_id=s.pad, device="cpu")
         value.backward()
         opt.step()
@@ -455,10 +453,8 @@ def run_facts(s: Setup, args: Any) -> None:
                 t_rows += mine
                 sampled += c
             pairs = [(prompts[i], c) for i, c in pairs]
-            for r in rehearse.for_step(step, len(chosen) * args.rehearsal_per_prompt) if rehearse else []:
-                pairs.append((r.prompt, r.answer))  # as kiln.training.opd.run_opd adds them
-                t_rows += r.rows
-                sampled += r.answer
+            if rehearse is not None:  # as kiln.training.opd.run_opd adds them
+                rehearse.add_to_step(step, len(chosen) * args.rehearsal_per_prompt, pairs, t_rows, sampled)
             s.pm.base_model.set_adapter(name)
             gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen
                     if not (args.retire == "ce" and retired[i])] if paths and args.ce_weight else []
@@ -492,7 +488,8 @@ def run_facts(s: Setup, args: Any) -> None:
                           f"then {degenerate(s, name)}/{len(UNRELATED)}", flush=True)
                 known = (f", teacher path {paths.mean_length():.1f} tokens ({s.rounds} teacher-only calls)"
                          if paths is not None else "")
-                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, retired {sum(retired)}, degenerate "
+                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, learned by margin "
+                      f"{sum(retired)}, degenerate "
                       f"{degenerate(s, name)}/{len(UNRELATED)}, outside_top_k "
                       f"{outside_top_k(t_rows, sampled, args.top_k):.2f}{known}, {time.perf_counter() - t0:.0f} s",
                       flush=True)

@@ -22,7 +22,11 @@ def test_rows_are_handed_out_in_turn_and_questions_survive_a_checkpoint():
     assert [x.prompt for x in r.for_step(0, 2)] == [(1,), (3,)]
     assert [x.prompt for x in r.for_step(1, 2)] == [(5,), (1,)]  # wraps around
     assert Rehearsal([], []).for_step(3, 4) == [] and r.for_step(0, 0) == []
-    assert questions_from_tensor(r.to_tensor()) == [[7, 8], [9]]
+    pairs, rows, tokens = [((0,), (1,))], [{1: -0.5}], [1]  # a step's sample, then its rehearsal rows
+    assert r.add_to_step(1, 2, pairs, rows, tokens) == 2
+    assert pairs == [((0,), (1,)), ((5,), (6,)), ((1,), (2,))] and tokens == [1, 6, 2]
+    assert rows == [{1: -0.5}, {6: -0.3}, {2: -0.1}]
+    assert questions_from_tensor(r.tensors()["opd_rehearsal_questions"]) == [[7, 8], [9]]
     assert questions_from_tensor(Rehearsal([], []).to_tensor()) == []
 
 

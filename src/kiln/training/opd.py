@@ -464,13 +464,11 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
             if paths is not None:
                 loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
-            n_sampled = len(sampled)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
-            for r in rehearsal.for_step(step, len(chosen) * data.rehearsal_per_prompt) if rehearsal else []:
-                pairs.append((r.prompt, r.answer))  # rehearsal: the base model's answer, its rows the "teacher"
-                rows += r.rows
-                sampled += r.answer
+            # rehearsal rows: the base model's answers, with its rows in the teacher's place
+            added = rehearsal.add_to_step(step, len(chosen) * data.rehearsal_per_prompt, pairs, rows, sampled) \
+                if rehearsal is not None else 0
             # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
             gold = [(data.items[i].student_ids, data.items[i].gold_ids
                      or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
@@ -484,10 +482,10 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
             loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
             loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
-            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + n_sampled)
+            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled) - added)
             if rehearsal is not None:
-                loop.stats["rehearsal_rows"] = len(rehearsal)
-                loop.stats["rehearsal_tokens"] = int(loop.stats.get("rehearsal_tokens", 0) + len(sampled) - n_sampled)
+                loop.stats.update(rehearsal_rows=len(rehearsal),
+                                  rehearsal_tokens=loop.stats.get("rehearsal_tokens", 0) + added)
             if every is not None and loop.step % every == 0 and learned():
                 loop.stats["learned_at_step"] = loop.total_steps = loop.step
             loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
@@ -498,12 +496,9 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
 
 def _checkpoint_tensors(paths: Any, rehearsal: Any) -> dict[str, torch.Tensor] | None:
     """What a checkpoint keeps besides the adapter: the teacher paths and the rehearsal questions."""
-    from kiln.training.opd_rehearsal import REHEARSAL_TENSOR
-
     out = {} if paths is None else {PATHS_TENSOR: paths.to_tensor()}
-    if rehearsal is not None:
-        out[REHEARSAL_TENSOR] = rehearsal.to_tensor()
-    return out or None
+    return (out | rehearsal.tensors() if rehearsal is not None else out) or None
+
 
 
 def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -648,21 +643,12 @@ class OPDRecipe(TrainingRecipe):
         return report
 
     def _rehearsal(self, resume: Any, pad_id: int, end_ids: list[int]) -> Any:
-        """The job's rehearsal rows (:mod:`kiln.training.opd_rehearsal`): the questions the base model writes
-        (or, on resume, the ones the checkpoint kept), its greedy answers and its rows on them."""
-        from kiln.training.opd_rehearsal import REHEARSAL_TENSOR, build_rehearsal, questions_from_tensor, \
-            user_turn_prefix, write_questions
+        """The job's rehearsal rows (:func:`kiln.training.opd_rehearsal.job_rehearsal`), built under exclusive
+        ownership; on resume from the questions the checkpoint kept."""
+        from kiln.training.opd_rehearsal import REHEARSAL_TENSOR, job_rehearsal
 
-        data, tok, engine = self.plan.data, self.ctx.model.tokenizer, self.ctx.engine
-        device = next(self.peft_model.parameters()).device
+        data, tok = self.plan.data, self.ctx.model.tokenizer
         with self.ctx.hooks.exclusive():
-            if resume is not None and REHEARSAL_TENSOR in resume.tensors:
-                questions = questions_from_tensor(resume.tensors[REHEARSAL_TENSOR])
-            else:
-                prefix = user_turn_prefix(lambda m: tok.apply_chat_template(m, tokenize=False), engine.encode_text)
-                questions = write_questions(self.peft_model, prefix, data.rehearsal, data.max_tokens,
-                                            seed=self.plan.loop.seed, pad_id=pad_id, end_ids=end_ids, device=device)
-            return build_rehearsal(
-                self.peft_model, questions, exclude=[it.student_ids for it in data.items],
-                chat_prompt=lambda q: engine.encode_chat([{"role": "user", "content": engine.decode(q).strip()}]),
-                max_tokens=data.max_tokens, top_k=data.top_k, pad_id=pad_id, end_ids=end_ids, device=device)
+            return job_rehearsal(self.peft_model, lambda m: tok.apply_chat_template(m, tokenize=False),
+                                 self.ctx.engine, data, seed=self.plan.loop.seed, pad_id=pad_id, end_ids=end_ids,
+                                 saved=None if resume is None else resume.tensors.get(REHEARSAL_TENSOR))

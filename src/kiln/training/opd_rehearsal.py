@@ -60,6 +60,22 @@ class Rehearsal:
             return []
         return [self.items[(step * k + j) % len(self.items)] for j in range(k)]
 
+    def add_to_step(self, step: int, k: int, pairs: list[Any], rows: list[dict[int, float]], tokens: list[int]) -> int:
+        """Append step ``step``'s ``k`` rows to a step's (prompt, completion) ``pairs``, its per-token teacher
+        ``rows`` and its completion ``tokens``, as :func:`kiln.training.opd.opd_loss` takes them; returns the
+        number of tokens added."""
+        added = 0
+        for r in self.for_step(step, k):
+            pairs.append((r.prompt, r.answer))
+            rows += r.rows
+            tokens += r.answer
+            added += len(r.answer)
+        return added
+
+    def tensors(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the questions (:meth:`to_tensor`)."""
+        return {REHEARSAL_TENSOR: self.to_tensor()}
+
     def to_tensor(self) -> Any:
         """``[questions, longest]`` int64 question token IDs, right-padded with ``PAD`` (for a checkpoint)."""
         import torch
@@ -88,9 +104,9 @@ def write_questions(peft_model: Any, prefix: list[int], n: int, max_tokens: int,
     return [q for q in ([t for t in d if t not in ends] for d in drafts) if q]
 
 
-def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *, chat_prompt: Callable[[list[int]], list[int]],
-                    exclude: Sequence[Sequence[int]], max_tokens: int, top_k: int, pad_id: int, end_ids: Sequence[int],
-                    device: Any) -> Rehearsal:
+def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *,
+                    chat_prompt: Callable[[list[int]], list[int]], exclude: Sequence[Sequence[int]],
+                    max_tokens: int, top_k: int, pad_id: int, end_ids: Sequence[int], device: Any) -> Rehearsal:
     """The rehearsal rows for ``questions`` (token IDs of each question's text): ``chat_prompt`` turns one into
     the student's chat prompt; prompts equal to one in ``exclude`` (the job's own) and repeats are dropped; the
     base model answers each greedily and its top-K rows on the answer are kept."""
@@ -123,3 +139,20 @@ def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *, chat
         items.append(RehearsalRow(tuple(p), tuple(a), rows))
         at += len(a)
     return Rehearsal(questions, items)
+
+
+def job_rehearsal(peft_model: Any, render: Callable[[list[dict[str, Any]]], str], engine: Any, data: Any, *,
+                  seed: int, pad_id: int, end_ids: Sequence[int], saved: Any = None) -> Rehearsal:
+    """An OPD job's rehearsal rows (``data``: :class:`kiln.training.opd.OPDData`): ``data.rehearsal`` questions the
+    base model writes (or the ones a checkpoint ``saved``), turned into chat prompts with ``engine.encode_chat``
+    as the job's prompts are, the job's own prompts excluded. The caller holds exclusive ownership."""
+    device = next(peft_model.parameters()).device
+    if saved is not None:
+        questions = questions_from_tensor(saved)
+    else:
+        questions = write_questions(peft_model, user_turn_prefix(render, engine.encode_text), data.rehearsal,
+                                    data.max_tokens, seed=seed, pad_id=pad_id, end_ids=end_ids, device=device)
+    return build_rehearsal(
+        peft_model, questions, exclude=[it.student_ids for it in data.items],
+        chat_prompt=lambda q: engine.encode_chat([{"role": "user", "content": engine.decode(q).strip()}]),
+        max_tokens=data.max_tokens, top_k=data.top_k, pad_id=pad_id, end_ids=end_ids, device=device)
