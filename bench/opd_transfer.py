@@ -19,9 +19,21 @@ installed, TRL ``GKDTrainer`` (``lmbda=1``, ``beta=1``: on-policy reverse KL; sa
 ``max_new_tokens``, steps and learning rate). Degenerate: the student's greedy answers to unrelated prompts
 that repeat one token 4+ times in a row (the base model's answers are the reference).
 
+``--facts``: ten facts at once. Every ``--trace-every`` steps it prints how many greedy answers are the teacher's,
+the number of degenerate unrelated answers, and how many prompts are "learned" (teacher path = greedy answer by a
+logit margin of 1, checked every 5 steps as ``until_learned`` does; ``--stop-when-learned`` ends a seed there, as a
+job with the defaults stops); per seed, the until_learned stop, the degenerate count then, and the mean degenerate
+count over the checks from step 30. The request defaults apply (teacher path, ``ce_weight``, ``rehearsal`` and
+``rehearsal_per_prompt``, built by :mod:`kiln.training.opd_rehearsal` as the job builds them);
+``--rehearse-exclude`` drops rehearsal questions that are one of the unrelated prompts (a held-out control).
+Experiments the recipe did not keep (docs/training.md, ten-facts table): ``--retire skip|ce`` (stop choosing a
+learned prompt, or only drop its CE), ``--lr-decay`` (linear to 0 over ``--decay-steps``), ``--weight-decay``,
+``--student-rank``.
+
     .venv/bin/python bench/opd_transfer.py                       # every method, 1 seed
     .venv/bin/python bench/opd_transfer.py --seeds 3 --trace forward,tail
-    .venv/bin/python bench/opd_transfer.py --facts --steps 200 --trace-every 16   # ten facts at once
+    .venv/bin/python bench/opd_transfer.py --facts --seeds 3 --trace-every 5 --stop-when-learned
+    .venv/bin/python bench/opd_transfer.py --facts --seeds 3 --trace-every 5 --stop-when-learned --rehearse-exclude
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ METHODS = ["forward", "tail", "renormalized", "sampled_token"]
 class Setup:
     """The base model wrapped once in PEFT, the teacher adapter, prompt and the teacher's greedy answer."""
 
-    def __init__(self, threads: int, targets: list[str] | None = None):
+    def __init__(self, threads: int, targets: list[str] | None = None, student_rank: int = 0):
         import torch
         from peft import get_peft_model
 
@@ -70,6 +82,8 @@ class Setup:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.end_ids[0]
         self.path = str(lm.path)
         self.lora = lora_config(DEFAULT_LORA_RANK, 2 * DEFAULT_LORA_RANK, targets or LORA_TARGETS)
+        self.student_lora = self.lora if not student_rank else lora_config(student_rank, 2 * student_rank,
+                                                                           targets or LORA_TARGETS)
         self.current = "teacher"  # the adapter sample_rows samples with
         self.rounds = 0  # teacher-only calls that finished teacher paths
         self.pm = get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle")
@@ -173,6 +187,7 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
                    args.steps)
     learned, lls, t0 = None, [], time.perf_counter()
     paths = TeacherPaths(1, s.end_ids) if args.teacher_path else None
+    rehearse = rehearsal(s, args.rehearsal, seed, args, [s.prompt])
     for step in range(args.steps):
         s.current = name
         comps = [c for _, c in sample_rows(s, paths, [0], [s.prompt], args, seed, step, "teacher")]
@@ -202,8 +217,10 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
             ids, lp, mask = candidates(rows, sampled, args.top_k, include_sampled=True)
             shares = bucket_shares(logits, ids, lp, mask, loss)
         gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
-        value = opd_loss(s.pm, split, data, [(s.prompt, c) for c in comps], rows, sampled, gold, pad_id=s.pad,
-                         device="cpu")
+        pairs = [(s.prompt, c) for c in comps]
+        if rehearse is not None:
+            rehearse.add_to_step(step, args.rehearsal_per_prompt, pairs, rows, sampled)
+        value = opd_loss(s.pm, split, data, pairs, rows, sampled, gold, pad_id=s.pad, device="cpu")
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -351,6 +368,28 @@ def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]
     return rows + [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
 
 
+def rehearsal(s: Setup, n: int, seed: int, args: Any, prompts: list[list[int]]) -> Any:
+    """The job's rehearsal rows as :class:`kiln.training.opd.OPDRecipe` builds them (``n`` questions the base model
+    writes, its greedy answers and rows; :mod:`kiln.training.opd_rehearsal`), the job's prompts excluded, and with
+    ``--rehearse-exclude`` also any question that is one of the unrelated prompts (a held-out control)."""
+    from kiln.training.opd_rehearsal import build_rehearsal, user_turn_prefix, write_questions
+
+    if not n:
+        return None
+    prefix = user_turn_prefix(lambda m: s.tok.apply_chat_template(m, tokenize=False),
+                              lambda t: s.tok.encode(t, add_special_tokens=False))
+    questions = write_questions(s.pm, prefix, n, args.max_tokens, seed=seed, pad_id=s.pad, end_ids=s.end_ids,
+                                device="cpu")
+    r = build_rehearsal(s.pm, questions, chat_prompt=lambda q: s.encode(s.tok.decode(q).strip()),
+                        exclude=prompts + (s.unrelated if args.rehearse_exclude else []), max_tokens=args.max_tokens,
+                        top_k=args.top_k, pad_id=s.pad, end_ids=s.end_ids, device="cpu")
+    unrelated = {tuple(u) for u in s.unrelated}
+    print(f"  rehearsal: {len(questions)} questions written, {len(r)} rows kept, "
+          f"{sum(it.prompt in unrelated for it in r.items)} of them an unrelated prompt; e.g. "
+          + "; ".join(repr(s.tok.decode(q).strip()) for q in questions[:4]), flush=True)
+    return r
+
+
 def run_facts(s: Setup, args: Any) -> None:
     """Ten facts at once: a teacher SFT-trained on all of them (until each is its greedy answer), then one OPD
     job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
@@ -362,6 +401,7 @@ def run_facts(s: Setup, args: Any) -> None:
     from kiln.training.opd_paths import TeacherPaths
     from kiln.training.schemas import SFTExample
     from kiln.training.trainer import LearnedCheck, Plan, _adamw, add_private_adapter, run_sft
+    import torch
 
     rows = tokenize_sft(s.tok, [SFTExample.model_validate({"messages": [
         {"role": "user", "content": q}, {"role": "assistant", "content": a}]}) for q, a in FACTS],
@@ -377,16 +417,30 @@ def run_facts(s: Setup, args: Any) -> None:
           f"degenerate teacher {degenerate(s, 'teacher10')}/{len(UNRELATED)}")
     for seed in range(args.seeds):
         name = f"facts-{seed}"
-        opt = _adamw(add_private_adapter(s.pm, name, s.lora, seed=seed), args.lr)
+        opt = _adamw(add_private_adapter(s.pm, name, s.student_lora, seed=seed), args.lr)
+        for g in opt.param_groups:
+            g["weight_decay"] = args.weight_decay
         split = split_causal_lm(s.pm)
         data = OPDData((), {}, args.samples, args.temperature, 1.0, args.max_tokens, args.top_k, "forward",
                        args.ce_weight, args.steps)
         paths = TeacherPaths(len(FACTS), s.end_ids) if args.teacher_path else None
         all_at: list[int] = []
+        level: list[int] = []
+        margin_at: list[int] = []  # where until_learned (every 5 steps, logit margin 1) stops the job
         s.rounds = 0
         t0 = time.perf_counter()
+        retired = [False] * len(FACTS)
+        rehearse = rehearsal(s, args.rehearsal, seed, args, prompts)
+        cursor = 0
+        sched = None
+        if args.lr_decay:
+            horizon = args.decay_steps or args.steps
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1 - k / horizon))
         for step in range(args.steps):
-            chosen = [(step * args.batch + j) % len(FACTS) for j in range(args.batch)]
+            active = ([i for i in range(len(FACTS)) if not retired[i]] if args.retire == "skip" else []) \
+                or list(range(len(FACTS)))
+            chosen = [active[(cursor + j) % len(active)] for j in range(min(args.batch, len(active)))]
+            cursor += len(chosen)
             s.current = name
             pairs = sample_rows(s, paths, chosen, prompts, args, seed, step, "teacher10")
             t_rows, sampled = [], []
@@ -399,20 +453,44 @@ def run_facts(s: Setup, args: Any) -> None:
                 t_rows += mine
                 sampled += c
             pairs = [(prompts[i], c) for i, c in pairs]
+            if rehearse is not None:  # as kiln.training.opd.run_opd adds them
+                rehearse.add_to_step(step, len(chosen) * args.rehearsal_per_prompt, pairs, t_rows, sampled)
             s.pm.base_model.set_adapter(name)
-            gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen] if paths and args.ce_weight else []
+            gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen
+                    if not (args.retire == "ce" and retired[i])] if paths and args.ce_weight else []
             opd_loss(s.pm, split, data, pairs, t_rows, sampled, gold, pad_id=s.pad, device="cpu").backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+            if (step + 1) % 5 == 0 and paths is not None:
+                from kiln.training.data import Row
+                from kiln.training.trainer import greedy_margin
+                for i in range(len(FACTS)):
+                    pth = paths.prefix(i)
+                    m = greedy_margin(s.pm, [Row(prompts[i] + pth, [0] * len(prompts[i]) + [1] * len(pth))],
+                                      pad_id=s.pad, batch_size=1) if paths.complete(i) else -1.0
+                    retired[i] = m >= 1.0
+                if all(retired) and not margin_at:
+                    margin_at.append(step + 1)
+                    print(f"  seed {seed}: all retired (margin >= 1) at step {step + 1}; degenerate "
+                          f"{degenerate(s, name)}/{len(UNRELATED)}; greedy exact "
+                          f"{sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))}/10", flush=True)
+                if all(retired) and args.stop_when_learned:
+                    break
             if (step + 1) % args.trace_every == 0 or step + 1 == args.steps:
                 got = sum(s.greedy(name, p) == a for p, a in zip(prompts, answers))
+                if step + 1 >= 30:
+                    level.append(degenerate(s, name))
                 if got == len(FACTS) and not all_at:  # where a job with until_learned would stop (about)
                     all_at.append(step + 1)
                     print(f"  seed {seed}: all {got} at step {step + 1}; degenerate answers to unrelated prompts "
                           f"then {degenerate(s, name)}/{len(UNRELATED)}", flush=True)
                 known = (f", teacher path {paths.mean_length():.1f} tokens ({s.rounds} teacher-only calls)"
                          if paths is not None else "")
-                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, outside_top_k "
+                print(f"  seed {seed} step {step + 1:4d}: {got}/10 greedy = teacher's, learned by margin "
+                      f"{sum(retired)}, degenerate "
+                      f"{degenerate(s, name)}/{len(UNRELATED)}, outside_top_k "
                       f"{outside_top_k(t_rows, sampled, args.top_k):.2f}{known}, {time.perf_counter() - t0:.0f} s",
                       flush=True)
         for p, a in zip(prompts, answers):  # where a missed answer leaves the teacher's, and by how much
@@ -424,12 +502,22 @@ def run_facts(s: Setup, args: Any) -> None:
                       f"{t_lp.topk(2).values[1].exp():.2f}), student p {s_lp[a[j]].exp():.2f} vs its choice "
                       f"{s.tok.decode([got[j]])!r} {s_lp[got[j]].exp():.2f}", flush=True)
         same = sum(s.greedy(name, p) == b for p, b in zip(s.unrelated, s.base_answers))
+        print(f"  seed {seed}: until_learned stop at {margin_at[0] if margin_at else None}; "
+              f"mean degenerate over trace points from step 30: "
+              f"{sum(level) / max(1, len(level)):.2f}/{len(UNRELATED)}; "
+              + "; ".join(repr(s.tok.decode(s.greedy(name, p))) for p in s.unrelated
+                          if max_run(s.greedy(name, p)) >= 4), flush=True)
         print(f"  seed {seed}: degenerate answers to unrelated prompts {degenerate(s, name)}/{len(UNRELATED)} "
               f"(base {degenerate(s, None)}), unchanged from the base model's {same}/{len(UNRELATED)}", flush=True)
 
 
 def main() -> None:
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+    from kiln.training.opd_schemas import (
+        DEFAULT_OPD_PATH_CE_WEIGHT,
+        DEFAULT_OPD_REHEARSAL,
+        DEFAULT_OPD_TOKEN_BUDGET,
+        OPDRequest,
+    )
 
     d = OPDRequest.model_fields
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -448,17 +536,38 @@ def main() -> None:
     ap.add_argument("--lora-targets", default="", help="teacher and student LoRA targets (default: q,k,v,o_proj)")
     ap.add_argument("--teacher-margin", type=float, default=1.0,
                     help="--facts: train the teacher until each answer token leads by this logit margin")
-    ap.add_argument("--ce-weight", type=float, default=d["ce_weight"].default,
-                    help="with --teacher-path: CE on the known teacher path (sequence-level KD)")
-    ap.add_argument("--teacher-path", action="store_true",
-                    help="add one teacher-path row per prompt and step (kiln.training.opd_paths)")
+    ap.add_argument("--ce-weight", type=float, default=None,
+                    help="CE on the known teacher path (sequence-level KD); default: the request's "
+                         "(DEFAULT_OPD_PATH_CE_WEIGHT with the teacher path, else 0)")
+    ap.add_argument("--teacher-path", action="store_true", default=True,
+                    help="one teacher-path row per prompt and step (kiln.training.opd_paths): the default")
+    ap.add_argument("--no-teacher-path", dest="teacher_path", action="store_false")
+    ap.add_argument("--retire", default="none", choices=["none", "skip", "ce"],
+                    help="--facts experiment: a prompt learned by margin 1 is not chosen (skip) or gets no CE (ce)")
+    ap.add_argument("--lr-decay", action="store_true", help="--facts experiment: linear decay to 0")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="--facts experiment: AdamW weight decay")
+    ap.add_argument("--rehearsal", type=int, default=None,
+                    help="questions the base model writes for rehearsal rows (default: the request's, "
+                         "kiln.training.opd_schemas.DEFAULT_OPD_REHEARSAL; 0: off)")
+    ap.add_argument("--rehearsal-per-prompt", type=int, default=d["rehearsal_per_prompt"].default,
+                    help="rehearsal rows per prompt and step (default: the request's)")
+    ap.add_argument("--rehearse-exclude", action="store_true",
+                    help="held-out control: drop rehearsal questions that are one of the unrelated prompts")
+    ap.add_argument("--decay-steps", type=int, default=0, help="--lr-decay horizon (default: --steps)")
+    ap.add_argument("--stop-when-learned", action="store_true",
+                    help="--facts: end a seed where until_learned would stop the job")
+    ap.add_argument("--student-rank", type=int, default=0, help="--facts experiment: the student's LoRA rank")
     ap.add_argument("--batch", type=int, default=d["batch_size"].default, help="--facts: prompts per step")
     args = ap.parse_args()
+    if args.ce_weight is None:
+        args.ce_weight = DEFAULT_OPD_PATH_CE_WEIGHT if args.teacher_path else 0.0
+    if args.rehearsal is None:
+        args.rehearsal = DEFAULT_OPD_REHEARSAL
     per_step = (args.batch if args.facts else 1) * args.samples * args.max_tokens
     if args.steps is None:  # as the request computes it
         args.steps = max(math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step),
                          math.ceil(len(FACTS) / args.batch) if args.facts else 1)
-    s = Setup(args.threads, args.lora_targets.split(",") if args.lora_targets else None)
+    s = Setup(args.threads, args.lora_targets.split(",") if args.lora_targets else None, args.student_rank)
     if args.facts:
         print(f"settings: {args.steps} steps x {args.batch} prompts, {args.samples} samples x {args.max_tokens} "
               f"tokens, top_k {args.top_k}, temperature {args.temperature}, lr {args.lr}")

@@ -59,6 +59,9 @@ def test_opd_refusals_before_queueing(tutor):
     r = c.post("/v1/train/opd", json=base | {"top_k": 10_000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "top_k_too_large"
     assert c.post("/v1/train/opd", json=base | {"training_mode": "off_policy"}).status_code == 400
+    off = {"adapter": "s", "teacher": "tutor", "training_mode": "off_policy", "teacher_jsonl": "t.jsonl"}
+    r = c.post("/v1/train/opd", json=off | {"rehearsal": 4})  # rehearsal rows are on-policy only
+    assert r.status_code == 400 and "rehearsal" in r.text
     # CE needs a target: a `gold` on every prompt, or the teacher path (on by default)
     assert c.post("/v1/train/opd", json=base | {"ce_weight": 1.0, "teacher_path": False}).status_code == 400
     assert c.post("/v1/train/opd", json=base | {"loss": "jsd"}).status_code == 400
@@ -91,7 +94,12 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     its log-likelihood of that answer reaches the teacher's, and it does not collapse into repetition."""
     import math
 
-    from kiln.training.opd_schemas import DEFAULT_OPD_PATH_CE_WEIGHT, DEFAULT_OPD_TOKEN_BUDGET, OPDRequest
+    from kiln.training.opd_schemas import (
+        DEFAULT_OPD_PATH_CE_WEIGHT,
+        DEFAULT_OPD_REHEARSAL,
+        DEFAULT_OPD_TOKEN_BUDGET,
+        OPDRequest,
+    )
 
     c = tutor
     msgs = [{"role": "user", "content": MILL_Q}]
@@ -118,6 +126,9 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     config = c.get("/v1/adapters/mill-student").json()["manifest"]["config"]
     assert config["steps"] == math.ceil(DEFAULT_OPD_TOKEN_BUDGET / per_step) > 1 and config["until_learned"] is True
     assert config["teacher_path"] is True and config["ce_weight"] == DEFAULT_OPD_PATH_CE_WEIGHT > 0
+    # rehearsal (on by default): questions the base model wrote itself, answered by it, trained beside the samples
+    assert config["rehearsal"] == DEFAULT_OPD_REHEARSAL > 0
+    assert rep["rehearsal_rows"] >= 1 and rep["rehearsal_tokens"] >= rep["steps"], rep
     # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples, with CE on it)
     # is the student's: in process 8 steps with that CE, 27-32 with the path row alone, 42-57 with neither
     # (bench/opd_transfer.py)
@@ -175,10 +186,12 @@ def test_opd_with_remote_kiln_teacher_batched_scoring(srv, tutor):
     assert r.status_code == 201, r.text
     assert r.json()["fingerprint"] == c.get("/v1/teachers/tutor").json()["fingerprint"]  # same identity
     body = {"adapter": "student-http", "teacher": "tutor-http", "prompts": [{"messages": MSGS}],
-            "samples_per_prompt": 3, "max_tokens": 8, "top_k": 4, "steps": 4, "batch_size": 1, "loss": "tail"}
+            "samples_per_prompt": 3, "max_tokens": 8, "top_k": 4, "steps": 4, "batch_size": 1, "loss": "tail",
+            "rehearsal": 0}
     job = wait_job(c, c.post("/v1/train/opd", json=body).json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
     assert job["result"]["report"]["teacher_s"] > 0
+    assert "rehearsal_rows" not in job["result"]["report"]  # rehearsal 0: no rehearsal rows trained
 
 
 def test_opd_post_eval_gate_decides_activation(tutor):

@@ -224,6 +224,8 @@ def opd(
     ce_weight: Optional[float] = typer.Option(None, "--ce-weight", help="CE on each prompt's `gold`, else on the "
                                               "teacher's greedy answer (default: the server's, 3 with the teacher "
                                               "path)"),
+    rehearsal: Optional[int] = typer.Option(None, "--rehearsal", help="questions the base model writes for "
+                                            "rehearsal rows (default: the server's, 64; 0: off)"),
     seed: int = typer.Option(0),
     auto_load: bool = typer.Option(False, "--auto-load/--no-auto-load"),
     wait: bool = typer.Option(True, "--wait/--no-wait"),
@@ -246,6 +248,8 @@ def opd(
             body["ce_weight"] = ce_weight
         if temperature is not None:
             body["temperature"] = temperature
+        if rehearsal is not None:
+            body["rehearsal"] = rehearsal
     if steps is not None:
         body["steps"] = steps
     _submit("opd", url.rstrip("/"), body, wait)

@@ -248,6 +248,8 @@ class OPDData:
     total_steps: int
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd_offline.OffPolicyRow, in file order
     teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
+    rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.opd_rehearsal)
+    rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -291,7 +293,8 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
                    request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
                    _total_steps(request, len(items), budget=budget_steps(
                        len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
-                   teacher_path=request.teacher_path)
+                   teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0,
+                   rehearsal_per_prompt=request.rehearsal_per_prompt)
     return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
@@ -355,13 +358,15 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
 
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
             model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
-            engine: Any = None) -> Any:
+            engine: Any = None, rehearsal: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
     With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
     adapter by key, prefix cache keyed by step: :func:`~kiln.training.engine_sampling.sample_policy`),
     interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
-    exclusive ownership (a local teacher scores on the serving engine); the step runs under it."""
+    exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
+    (:class:`~kiln.training.opd_rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
+    scored by the base model."""
     from kiln.teachers.probe import check_answer, check_request_fits, response_cap
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
@@ -436,7 +441,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             student_s = time.perf_counter() - t0
             if not samples:
                 loop.stats["student_s"] += student_s
-                loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+                loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
                 continue
             # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
             # sampled after it) is the same sequence every step: its rows are scored once and kept
@@ -464,6 +469,9 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
             # 3. the step, under exclusive ownership
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
+            # rehearsal rows: the base model's answers, with its rows in the teacher's place
+            added = rehearsal.add_to_step(step, len(chosen) * data.rehearsal_per_prompt, pairs, rows, sampled) \
+                if rehearsal is not None else 0
             # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
             gold = [(data.items[i].student_ids, data.items[i].gold_ids
                      or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
@@ -477,13 +485,23 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
             loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
             loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
-            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled))
+            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled) - added)
+            if rehearsal is not None:
+                loop.stats.update(rehearsal_rows=len(rehearsal),
+                                  rehearsal_tokens=loop.stats.get("rehearsal_tokens", 0) + added)
             if every is not None and loop.step % every == 0 and learned():
                 loop.stats["learned_at_step"] = loop.total_steps = loop.step
-            loop.after_step(0, 0, None if paths is None else {PATHS_TENSOR: paths.to_tensor()})
+            loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
         if check is not None:
             loop.stats["learned"] = "learned_at_step" in loop.stats
     return loop.report()
+
+
+def _checkpoint_tensors(paths: Any, rehearsal: Any) -> dict[str, torch.Tensor] | None:
+    """What a checkpoint keeps besides the adapter: the teacher paths and the rehearsal questions."""
+    out = {} if paths is None else {PATHS_TENSOR: paths.to_tensor()}
+    return (out | rehearsal.tensors() if rehearsal is not None else out) or None
+
 
 
 def opd_loss(peft_model: Any, split: Any, data: OPDData, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -619,9 +637,21 @@ class OPDRecipe(TrainingRecipe):
             return report
         end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+        rehearsal = self._rehearsal(resume, pad_id, end_ids) if data.rehearsal else None
         report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
                          pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
                          vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine)
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal)
         self._phase("train")
         return report
+
+    def _rehearsal(self, resume: Any, pad_id: int, end_ids: list[int]) -> Any:
+        """The job's rehearsal rows (:func:`kiln.training.opd_rehearsal.job_rehearsal`), built under exclusive
+        ownership; on resume from the questions the checkpoint kept."""
+        from kiln.training.opd_rehearsal import REHEARSAL_TENSOR, job_rehearsal
+
+        data, tok = self.plan.data, self.ctx.model.tokenizer
+        with self.ctx.hooks.exclusive():
+            return job_rehearsal(self.peft_model, lambda m: tok.apply_chat_template(m, tokenize=False),
+                                 self.ctx.engine, data, seed=self.plan.loop.seed, pad_id=pad_id, end_ids=end_ids,
+                                 saved=None if resume is None else resume.tensors.get(REHEARSAL_TENSOR))

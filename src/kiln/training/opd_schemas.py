@@ -34,6 +34,15 @@ DEFAULT_OPD_LEARNING_RATE = 1e-2
 # answers degenerate), 10/10 at step 100 with 3.0 (0/10); one answer: learned at step 8 with 3.0 (bench/opd_transfer.py).
 DEFAULT_OPD_PATH_CE_WEIGHT = 3.0
 DEFAULT_OPD_TEMPERATURE = 0.5
+# `rehearsal` omitted on policy: the base model writes this many questions of its own and its answers to them are
+# rehearsed beside the job's prompts (kiln.training.opd_rehearsal), keeping the student near the base model away
+# from the job's prompts; off policy: 0.
+DEFAULT_OPD_REHEARSAL = 64
+MAX_OPD_REHEARSAL = 1_024
+# rehearsal rows per prompt and step. Ten facts at once on the built-in model, rehearsal questions that are one of
+# the ten unrelated prompts the bench checks left out (held out): 1 row left 3, 1, 0 /10 unrelated answers
+# degenerate at the until_learned stop, 3 rows 0, 0, 0 /10 (bench/opd_transfer.py --facts --rehearse-exclude).
+DEFAULT_OPD_REHEARSAL_PER_PROMPT = 3
 
 
 def budget_steps(n_prompts: int, batch_size: int, samples_per_prompt: int, max_tokens: int) -> int:
@@ -79,6 +88,15 @@ class OPDRequest(_TrainCommon):
         None, ge=0.0, le=100.0, description="weight of CE on `gold` completions, or with teacher_path on the "
         "teacher's greedy answer where a prompt has no gold (sequence-level KD); default: "
         "DEFAULT_OPD_PATH_CE_WEIGHT with teacher_path on policy, else 0")
+    rehearsal: int | None = Field(
+        None, ge=0, le=MAX_OPD_REHEARSAL,
+        description="questions the base model writes itself (adapter disabled) whose base answers are rehearsed "
+                    "beside the prompts (rehearsal_per_prompt rows per prompt and step), under forward KL to the "
+                    "base model "
+                    "(kiln.training.opd_rehearsal); 0: off; default: DEFAULT_OPD_REHEARSAL on policy, else 0")
+    rehearsal_per_prompt: int = Field(
+        DEFAULT_OPD_REHEARSAL_PER_PROMPT, ge=1, le=MAX_SAMPLES_PER_PROMPT,
+        description="with rehearsal: rehearsal rows added per prompt and step")
     training_mode: Literal["on_policy", "off_policy"] = "on_policy"
     teacher_jsonl: str | None = Field(
         None, max_length=MAX_PATH_CHARS,
@@ -94,6 +112,9 @@ class OPDRequest(_TrainCommon):
         if isinstance(data, dict) and data.get("ce_weight") is None:
             on_path = data.get("training_mode", "on_policy") == "on_policy" and data.get("teacher_path", True) is True
             data = {**data, "ce_weight": DEFAULT_OPD_PATH_CE_WEIGHT if on_path else 0.0}
+        if isinstance(data, dict) and data.get("rehearsal") is None:
+            on_policy = data.get("training_mode", "on_policy") == "on_policy"
+            data = {**data, "rehearsal": DEFAULT_OPD_REHEARSAL if on_policy else 0}
         return data
 
     @model_validator(mode="after")
@@ -102,9 +123,9 @@ class OPDRequest(_TrainCommon):
             if self.teacher_jsonl is None or self.prompts is not None:
                 raise ValueError("training_mode 'off_policy' takes `teacher_jsonl` (the teacher's scored corpus) "
                                  "and no `prompts`")
-            if self.loss == "sampled_token" or self.ce_weight > 0:
-                raise ValueError("off_policy trains with loss 'tail' or 'renormalized' and no ce_weight "
-                                 "(sampled_token is an on-policy estimator)")
+            if self.loss == "sampled_token" or self.ce_weight > 0 or self.rehearsal:
+                raise ValueError("off_policy trains with loss 'tail' or 'renormalized', no ce_weight and no "
+                                 "rehearsal (sampled_token is an on-policy estimator)")
             return self
         if self.prompts is None or self.teacher_jsonl is not None:
             raise ValueError("training_mode 'on_policy' takes `prompts` and no `teacher_jsonl`")
