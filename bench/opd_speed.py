@@ -108,22 +108,36 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     data = OPDData(items, {"identity": ident.identity("teacher", ("teacher", "r1", adapter_dir)).to_json(),
                            "fingerprint": fp}, args.samples, d["temperature"].default, 1.0, args.max_tokens,
                    args.top_k, d["loss"].default, DEFAULT_OPD_PATH_CE_WEIGHT, total,
-                   teacher_path=d["teacher_path"].default)
+                   teacher_path=d["teacher_path"].default, rehearsal=args.rehearsal,
+                   rehearsal_per_prompt=args.rehearsal_per_prompt)
     pm = engine.peft_model()
     with engine.ownership.exclusive():
         add_private_adapter(pm, "opd-student", lora_config(args.rank, 2 * args.rank, LORA_TARGETS), seed=0)
     end_ids = sorted(end_of_turn_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None)))
+    rehearsal, setup_s = None, 0.0
+    if args.rehearsal:  # built once per job, as OPDRecipe builds it (not part of a step)
+        from kiln.training.opd_rehearsal import job_rehearsal
+
+        t0 = time.perf_counter()
+        with engine.ownership.exclusive():
+            rehearsal = job_rehearsal(pm, lambda m: loaded.tokenizer.apply_chat_template(m, tokenize=False), engine,
+                                      data, seed=0, pad_id=loaded.tokenizer.pad_token_id or 0, end_ids=end_ids)
+        setup_s = time.perf_counter() - t0
     walls: list[float] = []
     cpus: list[float] = []
     per_step: list[dict[str, float]] = []
-    last: dict[str, float] = {"student_s": 0.0, "teacher_s": 0.0, "step_s": 0.0, "sampled_tokens": 0}
+    last: dict[str, float] = {"student_s": 0.0, "teacher_s": 0.0, "step_s": 0.0, "sampled_tokens": 0,
+                              "rehearsal_tokens": 0}
     t_prev = [time.perf_counter(), time.process_time()]
+
+    latest: dict[str, Any] = {}  # the last progress (teacher_path_tokens: the known paths' mean length)
 
     def progress(p: dict[str, Any]) -> None:
         now, cpu = time.perf_counter(), time.process_time()
         walls.append(now - t_prev[0])
         cpus.append(cpu - t_prev[1])
         t_prev[:] = [now, cpu]
+        latest.update(p)
         per_step.append({k: p.get(k, 0.0) - last[k] for k in last})
         last.update({k: p.get(k, 0.0) for k in last})
 
@@ -138,14 +152,20 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     report = run_opd(pm, "opd-student", data, plan, teacher=teacher, pinned=fp, model_id="teacher",
                      vocab_size=ident.vocab_size, hooks=Hooks(exclusive=engine.ownership.exclusive,
                                                               on_progress=progress),
-                     resume=None, pad_id=loaded.tokenizer.pad_token_id or 0, end_ids=end_ids, **extra)
+                     resume=None, pad_id=loaded.tokenizer.pad_token_id or 0, end_ids=end_ids, **extra,
+                     **({"rehearsal": rehearsal} if rehearsal is not None else {}))
     engine.delete_private_adapter("opd-student")
     timed = per_step[args.warmup:]
     return {"step_s": statistics.median(walls[args.warmup:]), "cpu_s": statistics.median(cpus[args.warmup:]),
             "student_s": statistics.median(s["student_s"] for s in timed),
             "teacher_s": statistics.median(s["teacher_s"] for s in timed),
             "update_s": statistics.median(s["step_s"] for s in timed),
-            "tokens": statistics.mean(s["sampled_tokens"] for s in timed), "loss": report.final_loss}
+            "tokens": statistics.mean(s["sampled_tokens"] for s in timed), "loss": report.final_loss,
+            "rehearsal_tokens": statistics.mean(s["rehearsal_tokens"] for s in timed),
+            # tokens the loss is on: samples, the teacher-path rows (one per prompt) and the rehearsal rows
+            "trained_tokens": statistics.mean(s["sampled_tokens"] + s["rehearsal_tokens"] for s in timed)
+                              + args.batch * float(latest.get("teacher_path_tokens") or 0.0),
+            "rehearsal_rows": len(rehearsal) if rehearsal is not None else 0, "rehearsal_setup_s": setup_s}
 
 
 def kiln_sft(loaded: Any, engine: Any, chats: list, completion_len: int, args: Any) -> dict[str, Any]:
@@ -238,7 +258,14 @@ def main() -> None:
                     help="OPD and SFT phases this many times each, alternating which runs first (a shared "
                          "machine's load drifts between phases); ratios per round and their median")
     ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--rehearsal", type=int, default=None,
+                    help="rehearsal questions (default: the request's, DEFAULT_OPD_REHEARSAL; 0: none)")
+    ap.add_argument("--rehearsal-per-prompt", type=int, default=None, help="default: the request's")
     args = ap.parse_args()
+    from kiln.training.opd_schemas import DEFAULT_OPD_REHEARSAL, DEFAULT_OPD_REHEARSAL_PER_PROMPT
+
+    args.rehearsal = DEFAULT_OPD_REHEARSAL if args.rehearsal is None else args.rehearsal
+    args.rehearsal_per_prompt = args.rehearsal_per_prompt or DEFAULT_OPD_REHEARSAL_PER_PROMPT
 
     import os
 
@@ -255,7 +282,7 @@ def main() -> None:
           f"{loaded.model.config.vocab_size}), batch {args.batch} prompts x {args.samples} samples, max_tokens "
           f"{args.max_tokens}, top_k {args.top_k}, LoRA r={args.rank}; torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    walls, cpus = [], []
+    walls, cpus, walls_trained = [], [], []
     try:
         comp_len = 0
         for r in range(args.rounds):
@@ -265,23 +292,32 @@ def main() -> None:
                     comp_len = max(1, round(opd["tokens"] / (args.batch * args.samples)))
                 if phase == "sft":
                     sft = kiln_sft(loaded, engine, chats, comp_len, args)
+                    # the same number of rows, as many tokens as OPD's loss is on (samples, paths, rehearsal)
+                    sft_trained = kiln_sft(loaded, engine, chats, max(1, round(
+                        opd["trained_tokens"] / (args.batch * args.samples))), args)
             walls.append(opd["step_s"] / sft["step_s"])
             cpus.append(opd["cpu_s"] / sft["cpu_s"])
+            walls_trained.append(opd["step_s"] / sft_trained["step_s"])
             print(f"round {r}: kiln OPD step {opd['step_s'] * 1e3:8.1f} ms  (student sampling "
                   f"{opd['student_s'] * 1e3:.1f}, teacher {opd['teacher_s'] * 1e3:.1f}, update "
-                  f"{opd['update_s'] * 1e3:.1f}; {opd['tokens']:.0f} sampled tokens; CPU {opd['cpu_s']:.2f} s)",
-                  flush=True)
+                  f"{opd['update_s'] * 1e3:.1f}; {opd['tokens']:.0f} sampled tokens, {opd['rehearsal_tokens']:.0f} "
+                  f"rehearsal tokens ({opd['rehearsal_rows']} rows, built once in {opd['rehearsal_setup_s']:.1f} s); "
+                  f"CPU {opd['cpu_s']:.2f} s)", flush=True)
             print(f"round {r}: kiln SFT step {sft['step_s'] * 1e3:8.1f} ms  ({sft['tokens']} completion tokens, "
                   f"same prompts; CPU {sft['cpu_s']:.2f} s)", flush=True)
             print(f"round {r}: OPD / SFT at equal tokens: {walls[-1]:.2f}x whole step (target <= 2x), CPU time "
                   f"{cpus[-1]:.2f}x; update only {opd['update_s'] / sft['step_s']:.2f}x; load average "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
+            print(f"round {r}: OPD / SFT at equal trained tokens ({opd['trained_tokens']:.0f}: samples, teacher paths, "
+                  f"rehearsal; SFT step {sft_trained['step_s'] * 1e3:.1f} ms): {walls_trained[-1]:.2f}x whole step",
+                  flush=True)
     finally:
         engine.stop()
     if args.rounds > 1:
         print(f"OPD / SFT whole step, median of {args.rounds} rounds: {statistics.median(walls):.2f}x wall "
               f"({', '.join(f'{w:.2f}' for w in walls)}), {statistics.median(cpus):.2f}x CPU time "
-              f"({', '.join(f'{c:.2f}' for c in cpus)})")
+              f"({', '.join(f'{c:.2f}' for c in cpus)}); at equal trained tokens {statistics.median(walls_trained):.2f}x "
+              f"wall ({', '.join(f'{w:.2f}' for w in walls_trained)})")
     if not args.no_trl:
         gkd = trl_gkd(loaded, adapter_dir, chats, work, args)
         print(f"TRL GKD step   {gkd['step_s'] * 1e3:8.1f} ms  (lmbda=1, beta=1)")
