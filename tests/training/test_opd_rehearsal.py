@@ -84,3 +84,15 @@ def test_the_base_model_writes_questions_and_its_answers_are_the_rehearsal_rows(
             assert set(it.rows[j]) == top
             assert all(abs(v - float(at[k])) < 1e-4 for k, v in it.rows[j].items())
         assert it.answer[-1] in end_ids or len(it.answer) == 24
+
+
+def test_rehearsal_defaults_follow_the_reference_policy():
+    """On by default on policy; off for off-policy jobs and for a job continuing a published adapter (its
+    reference would be the bare base model, pulling the parent's unrelated answers back); explicit values stay."""
+    from kiln.training.opd_schemas import DEFAULT_OPD_REHEARSAL, OPDRequest
+
+    body = {"adapter": "student", "teacher": "tutor",
+            "prompts": [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"}]}]}
+    assert OPDRequest.model_validate(body).rehearsal == DEFAULT_OPD_REHEARSAL
+    assert OPDRequest.model_validate(body | {"base_adapter": "parent"}).rehearsal == 0
+    assert OPDRequest.model_validate(body | {"base_adapter": "parent", "rehearsal": 8}).rehearsal == 8

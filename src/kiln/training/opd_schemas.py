@@ -36,7 +36,7 @@ DEFAULT_OPD_PATH_CE_WEIGHT = 3.0
 DEFAULT_OPD_TEMPERATURE = 0.5
 # `rehearsal` omitted on policy: the base model writes this many questions of its own and its answers to them are
 # rehearsed beside the job's prompts (kiln.training.opd_rehearsal), keeping the student near the base model away
-# from the job's prompts; off policy: 0.
+# from the job's prompts; off policy, or continuing a `base_adapter`: 0.
 DEFAULT_OPD_REHEARSAL = 64
 MAX_OPD_REHEARSAL = 1_024
 # rehearsal rows per prompt and step. Ten facts at once on the built-in model, rehearsal questions that are one of
@@ -113,8 +113,10 @@ class OPDRequest(_TrainCommon):
             on_path = data.get("training_mode", "on_policy") == "on_policy" and data.get("teacher_path", True) is True
             data = {**data, "ce_weight": DEFAULT_OPD_PATH_CE_WEIGHT if on_path else 0.0}
         if isinstance(data, dict) and data.get("rehearsal") is None:
+            # the rehearsal rows' reference is the bare base model: a job continuing a published adapter
+            # (base_adapter) would be pulled back to the base's answers away from its prompts, so it gets none
             on_policy = data.get("training_mode", "on_policy") == "on_policy"
-            data = {**data, "rehearsal": DEFAULT_OPD_REHEARSAL if on_policy else 0}
+            data = {**data, "rehearsal": DEFAULT_OPD_REHEARSAL if on_policy and not data.get("base_adapter") else 0}
         return data
 
     @model_validator(mode="after")
