@@ -106,7 +106,9 @@ def run_joining(loaded, factor: float) -> tuple[list[tuple[int, int]], list[int]
     try:
         a_prompt = engine.encode_chat([{"role": "user", "content": "Count: 1 2 3"}])
         b_prompt = engine.encode_chat([{"role": "user", "content": LONG}])
-        a_sub = engine.submit(a_prompt, [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)])
+        # A decodes long enough to still be decoding while B's prompt is spread over mixed cycles (4 tokens a
+        # cycle here), however far A got before B's thread submitted it (48 tokens were too few on a loaded CI)
+        a_sub = engine.submit(a_prompt, [SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)])
         first = a_sub.streams[0].next_chunk_sync(30)  # A is decoding before B arrives
         assert first is not None
         got: dict[str, list[int]] = {}
