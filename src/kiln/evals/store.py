@@ -16,15 +16,14 @@ import secrets
 import sqlite3
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kiln.canonical import atomic_write_json, canonical_json, canonical_sha256
 from kiln.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from kiln.evals.schemas import SUITE_NAME_RE, SuiteSpec
-from kiln.system.private_sqlite import open_private_sqlite
+from kiln.system.private_sqlite import LockedSQLite, open_private_sqlite
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -152,30 +151,13 @@ class Run:
         return body
 
 
-class RunStore:
+class RunStore(LockedSQLite):
     """The runs table: a FIFO of queued runs plus every finished one."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._conn = open_private_sqlite(self.path, _SCHEMA)
-        self._lock = threading.Lock()
+        super().__init__(open_private_sqlite(self.path, _SCHEMA))
         self.recovered = self._settle_interrupted()
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            else:
-                self._conn.execute("COMMIT")
 
     def _settle_interrupted(self) -> list[str]:
         """Runs left queued or running by a previous process fail (their worker is gone)."""

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import secrets
 import sqlite3
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.errors import NotFound
-from kiln.system.private_sqlite import open_private_sqlite
+from kiln.system.private_sqlite import LockedSQLite, open_private_sqlite
 
 FILE_NAME = "judgments.sqlite3"
 FIELDS = ("id", "prompt", "response_a", "response_b", "preferred", "rationale", "author", "created_at")
@@ -40,27 +38,10 @@ class JudgmentNotFound(NotFound):
     default_hint = "judgment IDs look like 'jdg-0123456789abcdef'; list them with GET /v1/judgments"
 
 
-class JudgmentStore:
+class JudgmentStore(LockedSQLite):
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._conn = open_private_sqlite(self.path, _SCHEMA)
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            else:
-                self._conn.execute("COMMIT")
+        super().__init__(open_private_sqlite(self.path, _SCHEMA))
 
     def add(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Insert one judgment (committed, fsynced by SQLite, before this returns)."""

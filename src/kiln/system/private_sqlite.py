@@ -1,11 +1,16 @@
 """An owner-only SQLite database in WAL mode (eval runs, judgments): directory 0700, the database and its
-``-wal``/``-shm`` files 0600, autocommit connection shared across threads (callers hold their own lock)."""
+``-wal``/``-shm`` files 0600, autocommit connection shared across threads; and :class:`LockedSQLite`, the
+one lock + transaction discipline every store over such a connection uses (eval runs, judgments, the training
+job queue)."""
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 SQLITE_BUSY_TIMEOUT_S = 10.0
 
@@ -30,3 +35,27 @@ def open_private_sqlite(path: Path, schema: str) -> sqlite3.Connection:
     for extra in ("-wal", "-shm"):
         _private(Path(str(path) + extra))
     return conn
+
+
+class LockedSQLite:
+    """A store over one autocommit connection shared across threads: ``_lock`` guards every use of ``_conn``,
+    :meth:`_tx` runs a ``BEGIN IMMEDIATE`` transaction under it (rolled back on any exception)."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")

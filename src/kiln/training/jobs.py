@@ -16,15 +16,14 @@ import json
 import os
 import secrets
 import sqlite3
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from kiln.canonical import canonical_json
 from kiln.errors import Conflict, NotFound, Unavailable
+from kiln.system.private_sqlite import LockedSQLite
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
@@ -128,7 +127,7 @@ def new_job_id() -> str:
     return "job-" + secrets.token_hex(8)
 
 
-class JobStore:
+class JobStore(LockedSQLite):
     """Thread-safe access to ``jobs.sqlite3``; one connection guarded by a lock."""
 
     def __init__(self, path: Path, *, queue_max: int,
@@ -144,36 +143,20 @@ class JobStore:
         _private_dir(self.path.parent)
         for suffix in ("", "-wal", "-shm", "-journal"):
             _private_file(Path(str(self.path) + suffix), create=not suffix)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(
+        super().__init__(sqlite3.connect(
             str(self.path), timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False, isolation_level=None
-        )
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        ))
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(_SCHEMA)
         self.reconciled: list[str] = []
         self.recovered = self._settle_interrupted(reconcile)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
 
     def _settle_interrupted(self, reconcile: Callable[[Job], dict[str, Any] | None] | None) -> list[str]:
         now = time.time()
         with self._lock:
-            interrupted = [_job(r) for r in self._db.execute("SELECT * FROM jobs WHERE state = ?", (RUNNING,))]
+            interrupted = [_job(r) for r in self._conn.execute("SELECT * FROM jobs WHERE state = ?", (RUNNING,))]
         failed = []
         for job in interrupted:
             result = reconcile(job) if reconcile is not None else None
@@ -260,20 +243,20 @@ class JobStore:
     # ------------------------------------------------------------------ reads
     def get(self, job_id: str) -> Job:
         with self._lock:
-            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise JobNotFoundError(f"no job {job_id}")
         return _job(row)
 
     def cancel_requested(self, job_id: str) -> bool:
         with self._lock:
-            row = self._db.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = self._conn.execute("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return bool(row and row["cancel_requested"])
 
     def counts(self) -> dict[str, int]:
         """Jobs by state, every state present (``kiln_training_jobs{state}``)."""
         with self._lock:
-            rows = self._db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
+            rows = self._conn.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
         return {state: 0 for state in (QUEUED, RUNNING, *sorted(TERMINAL))} | {r["state"]: r["n"] for r in rows}
 
     def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS,
@@ -287,7 +270,7 @@ class JobStore:
         marks = ",".join("?" * len(states))
         order = "DESC" if newest else "ASC"
         with self._lock:
-            rows = self._db.execute(
+            rows = self._conn.execute(
                 f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY seq {order} LIMIT ?", (*sorted(states), limit)
             ).fetchall()
         jobs = [_job(r) for r in rows]
@@ -298,7 +281,7 @@ class JobStore:
         if job.state != QUEUED:
             return None
         with self._lock:
-            (ahead,) = self._db.execute(
+            (ahead,) = self._conn.execute(
                 "SELECT COUNT(*) FROM jobs WHERE state = ? AND seq < ?", (QUEUED, job.seq)
             ).fetchone()
         return ahead + 1
