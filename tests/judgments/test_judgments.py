@@ -201,7 +201,7 @@ def _kiln(server, *args: str, stdin: str | None = None) -> subprocess.CompletedP
 
 
 def test_kiln_judgments_cli(server, tmp_path):
-    """`kiln judgments` as real subprocesses against the module's server (after the judge was trained)."""
+    """`kiln judgments` as real subprocesses against the module's server."""
     c = server.client
     before = c.get("/v1/judgments", params={"limit": 1}).json()["total"]
     one = _kiln(server, "add", "--prompt", "What is 3+3?", "--a", "6", "--b", "I will not say.", "--preferred", "a",
@@ -241,9 +241,9 @@ def test_kiln_judgments_cli(server, tmp_path):
     assert _kiln(server, "export").stdout.encode() == out.read_bytes()
 
     got = _kiln(server, "compare", "--prompt", "Tell me about a lantern.", "--a", "A lantern is full of life.",
-                "--b", REFUSALS[0], "--judge", "judge", "--json")
+                "--b", REFUSALS[0], "--json")  # the base model: this test does not depend on the judge trained above
     assert got.returncode == 0, got.stderr
-    direct = _compare(c, "judge", "Tell me about a lantern.", "A lantern is full of life.", REFUSALS[0])
+    direct = _compare(c, None, "Tell me about a lantern.", "A lantern is full of life.", REFUSALS[0])
     assert math.isclose(json.loads(got.stdout)["p_a"], direct["p_a"], abs_tol=1e-9)
     text = _kiln(server, "compare", "--prompt", "p", "--a", "x", "--b", "y")
     assert text.returncode == 0 and "base model" in text.stdout and "P(A better)" in text.stdout
