@@ -18,7 +18,7 @@ from kiln.client import UrlOpt, fail, read_json_rows, request
 app = typer.Typer(help="Record A/B judgments, train a judge adapter on them, compare two responses.",
                   no_args_is_help=True)
 
-JUDGMENT_FIELDS = ("prompt", "response_a", "response_b", "preferred", "rationale", "author")
+REQUIRED_FLAGS = {"prompt": "--prompt", "response_a": "--a", "response_b": "--b", "preferred": "--preferred"}
 
 
 @app.command("add")
@@ -43,17 +43,19 @@ def add(
     if file is not None and given:
         fail("give either --file or the judgment's fields, not both")
     if file is None:
-        missing = [f"--{'a' if k == 'response_a' else 'b' if k == 'response_b' else k}"
-                   for k in ("prompt", "response_a", "response_b", "preferred") if k not in given]
+        missing = [flag for k, flag in REQUIRED_FLAGS.items() if k not in given]
         if missing:
             fail(f"missing {', '.join(missing)} (or pass --file)")
         rows = [given]
     else:
         rows = read_json_rows(file)
+    from kiln.judgments.schemas import JudgmentCreate
+
+    fields = tuple(JudgmentCreate.model_fields)  # the wire format's fields
     for line, row in enumerate(rows, 1):  # before anything is sent
-        extra = sorted(set(row) - set(JUDGMENT_FIELDS))
+        extra = sorted(set(row) - set(fields))
         if extra:
-            fail(f"{file}: judgment {line}: unknown field(s) {', '.join(extra)}; fields: {', '.join(JUDGMENT_FIELDS)}")
+            fail(f"{file}: judgment {line}: unknown field(s) {', '.join(extra)}; fields: {', '.join(fields)}")
     for line, row in enumerate(rows, 1):
         try:
             stored = request("POST", f"{url}/v1/judgments", json=row)
