@@ -92,10 +92,10 @@ class Evaluation:
         assert resolved.path is not None and resolved.revision is not None
         reservation = None
         if self.memory is not None:  # held while the private copy is loaded (409 / 507 as any adapter load)
-            from kiln.training.memory_estimate import adapter_bytes
+            from kiln.training.memory_estimate import adapter_parts
 
             reservation = self.memory.reserve(
-                "adapter", f"{name}@{resolved.revision}", {"adapter_weights": adapter_bytes(resolved.path)},
+                "adapter", f"{name}@{resolved.revision}", adapter_parts(resolved.path),
                 what=f"the eval's private load of {resolved.adapter!r} revision {resolved.revision[:12]}",
                 ignore_kinds=frozenset({"training"}) if self._gating else frozenset(), pending=True)
         try:

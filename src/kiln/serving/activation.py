@@ -46,12 +46,12 @@ def activate(state: Any, record: Any) -> None:
     reservation = None
     owner = f"{record.name}@{record.revision}"
     if memory is not None and state.engine.active_adapters().get(record.name) != record.revision:
-        from kiln.training.memory_estimate import adapter_bytes
+        from kiln.training.memory_estimate import adapter_parts
 
         # the revision it replaces is released once the new one serves, so it does not count against it
         served = state.engine.active_adapters().get(record.name)
         ignore = {f"{record.name}@{served}"} if served else set()
-        reservation = memory.reserve("adapter", owner, {"adapter_weights": adapter_bytes(record.path)},
+        reservation = memory.reserve("adapter", owner, adapter_parts(record.path),
                                      what=f"loading adapter {record.name!r} revision {record.revision[:12]}",
                                      ignore_owners=ignore, pending=True)  # another load's sync keeps it
     try:

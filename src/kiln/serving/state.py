@@ -212,14 +212,14 @@ def restore_served(state: KilnState) -> None:
 
 def record_served_adapter(state: KilnState, memory: MemoryBudget, name: str, owner: str) -> None:
     """Reserve the bytes of an adapter revision that was loaded without admission (a job's auto_load)."""
-    from kiln.training.memory_estimate import adapter_bytes
+    from kiln.training.memory_estimate import adapter_parts
 
     try:
         record = state.store.get(name)
     except Exception:  # noqa: BLE001 - accounting must never fail the load that already happened
         return
     if f"{record.name}@{record.revision}" == owner:
-        memory.record("adapter", owner, {"adapter_weights": adapter_bytes(record.path)})
+        memory.record("adapter", owner, adapter_parts(record.path))
 
 
 def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):

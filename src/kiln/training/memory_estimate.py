@@ -106,6 +106,11 @@ def estimate_job(kind: str, request: dict[str, Any], data: Any, dims: ModelDims)
     }
 
 
+def adapter_parts(adapter_dir: Any) -> dict[str, int]:
+    """What serving an adapter revision reserves (:mod:`kiln.runtime.memory_budget`): its tensor bytes."""
+    return {"adapter_weights": adapter_bytes(adapter_dir)}
+
+
 def adapter_bytes(adapter_dir: Any) -> int:
     """Tensor bytes of a PEFT adapter directory, from its safetensors header (the file's size less the
     header when a tensor's offsets are unreadable; ``adapter_model.bin`` by its size)."""
