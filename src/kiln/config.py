@@ -176,7 +176,7 @@ class ServingSettings(_Section):
     # chat template's family; a name picks that parser (kiln.serving.tool_parsers; checked at start-up)
     tool_call_parser: str = Field("auto", min_length=1, max_length=64)
     # how reasoning is told apart from the answer (as vLLM's --reasoning-parser): "auto" picks by the chat
-    # template's family, "none" turns it off, a name picks that parser (kiln.serving.reasoning; checked at start-up)
+    # template's family, "none" turns it off, a name picks that parser (kiln.runtime.reasoning; checked at start-up)
     reasoning_parser: str = Field("auto", min_length=1, max_length=64)
     # reasoning tokens a chat answer may spend before the span is closed for it (requests' thinking_token_budget
     # when they omit it); None: unlimited. Only with a reasoning parser.

@@ -14,7 +14,7 @@ import pytest
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.loader import load_model
 from kiln.runtime.sampling import SamplingParams
-from kiln.serving.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, closing_ids, with_thinking_budget
+from kiln.runtime.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, closing_ids, with_thinking_budget
 from tests.realtok import real_model_dir
 from tests.serving.test_reasoning import r1_template
 

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from kiln.serving.reasoning import (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, check_reasoning_parser_setting,
+from kiln.runtime.reasoning import (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, check_reasoning_parser_setting,
                                     reasoning_parser_for)
 from tests.realtok import real_model_dir, real_tokenizer_dir
 from tests.serving.conftest import start_server, stop_server

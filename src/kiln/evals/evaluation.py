@@ -22,6 +22,7 @@ from kiln.evals import gate as gates
 from kiln.evals import schemas as s
 from kiln.evals.scorers import Scorers, judge_prompt, judge_verdict
 from kiln.evals.store import RunStore, suite_digest
+from kiln.runtime.chat_generation import ChatGeneration
 
 if TYPE_CHECKING:
     from kiln.runtime.engine import Engine
@@ -76,6 +77,7 @@ class Evaluation:
 
     engine: Engine
     loaded: LoadedModel
+    settings: Any  # kiln.config.Settings: serving.reasoning_parser / thinking_token_budget
     allow_code: bool
     runs: RunStore
     metrics: Any
@@ -141,8 +143,9 @@ class Evaluation:
             for i, r in judge_res.items():
                 self._verify_loaded(judge_names[i], r)
             t0 = time.perf_counter()
-            prompts = [self.engine.encode_chat([m.model_dump() for m in ex.messages]) for ex in suite.examples]
-            completions = self._generate(cancel_id, prompts, seeds, gen, name, progress=run_id)
+            contract = self._contract(gen)
+            prompts = [contract.prompt_ids([m.model_dump() for m in ex.messages]) for ex in suite.examples]
+            completions = self._generate(cancel_id, prompts, seeds, gen, name, progress=run_id, contract=contract)
             gen_s = time.perf_counter() - t0
             verdicts: dict[int, list[list[tuple[bool, str]]]] = {}
             for i, sc in judges:
@@ -162,20 +165,23 @@ class Evaluation:
                     else:
                         sc_ = scorers.score(si, spec, comp["text"], ex)
                         per.append({"scorer": si, "type": spec.type, **sc_.as_dict()})
-                samples.append({"seed": seeds[i][j], "completion": comp["text"], "finish_reason": comp["finish"],
-                                "tokens": comp["tokens"], "passed": all(p["passed"] for p in per), "scores": per})
+                samples.append({"seed": seeds[i][j], "completion": comp["text"], "reasoning": comp["reasoning"],
+                                "finish_reason": comp["finish"], "tokens": comp["tokens"],
+                                "passed": all(p["passed"] for p in per), "scores": per})
             passed, score = _aggregate(suite.aggregation, samples)
             examples.append({"id": ids[i], "passed": passed, "score": score, "samples": samples})
             self.metrics.samples(len(samples))
         n = len(examples)
         n_pass = sum(1 for e in examples if e["passed"])
+        reasoning = contract.describe(prompts)
         aggregate = {"aggregation": suite.aggregation, "examples": n, "passed": n_pass,
                      "accuracy": n_pass / n if n else 0.0,
                      "mean_score": sum(e["score"] for e in examples) / n if n else 0.0,
-                     "wilson_lower_95": gates.wilson_lower(n_pass, n), "generation_s": round(gen_s, 4)}
+                     "wilson_lower_95": gates.wilson_lower(n_pass, n), "generation_s": round(gen_s, 4),
+                     "thinking": reasoning["thinking"]}
         provenance = {
             "suite_name": suite.name, "suite_sha256": suite_digest(suite),
-            "generation": gen.model_dump(mode="json"), "seeds": seeds,
+            "generation": gen.model_dump(mode="json"), "reasoning": reasoning, "seeds": seeds,
             "base_model_sha256": self.loaded.base_model_sha256, "model_id": self.loaded.model_id,
             "candidate": resolved.identity(self.loaded.base_model_sha256),
             "judges": [{"scorer": i, **judge_res[i].identity(self.loaded.base_model_sha256)} for i, _ in judges],
@@ -208,10 +214,16 @@ class Evaluation:
 
         return run_python
 
+    def _contract(self, gen: s.GenerationSettings) -> ChatGeneration:
+        """How this suite's prompts are rendered and its answers read (kiln.runtime.chat_generation)."""
+        return ChatGeneration.for_engine(self.engine, self.settings.serving, gen.chat_template_kwargs, gen.budget(),
+                                         param="generation.thinking_token_budget")
+
     def _generate(self, cancel_id: str, prompts: list[list[int]], seeds: list[list[int]],
                   gen: s.GenerationSettings, adapter: str | None, *, progress: str | None = None,
-                  ) -> list[list[dict[str, Any]]]:
-        """Submit every row (windowed by the engine's queue) and collect the finished texts."""
+                  contract: ChatGeneration | None = None) -> list[list[dict[str, Any]]]:
+        """Submit every row (windowed by the engine's queue) and collect the finished texts, each split into its
+        answer (``text``) and ``reasoning``; a row's tokens are capped by the context left after its prompt."""
         from kiln.runtime.engine import EngineOverloaded
         from kiln.runtime.sampling import SamplingParams
 
@@ -223,7 +235,11 @@ class Evaluation:
         def drain_one() -> None:
             nonlocal done
             idx, sub = pending.pop(0)
-            out[idx] = self._collect(cancel_id, sub)
+            rows = self._collect(cancel_id, sub)
+            for row in rows:
+                answer = contract.split(row["text"], prompts[idx]) if contract is not None else None
+                row["text"], row["reasoning"] = (answer.content, answer.reasoning) if answer else (row["text"], None)
+            out[idx] = rows
             done += 1
             if progress is not None and (done % 8 == 0 or done == len(prompts)):
                 self.runs.progress(progress, {"generated": done, "examples": len(prompts)})
@@ -231,8 +247,11 @@ class Evaluation:
         try:
             for i, ids in enumerate(prompts):
                 self._check_cancel(cancel_id)
-                params = [SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                                         seed=seed, stop=tuple(gen.stop)) for seed in seeds[i]]
+                room = max(1, self.engine.config.max_model_len - len(ids))
+                params = [SamplingParams(max_tokens=min(gen.max_tokens, room), temperature=gen.temperature,
+                                         top_p=gen.top_p, seed=seed, stop=tuple(gen.stop)) for seed in seeds[i]]
+                if contract is not None:
+                    params = contract.constrain(params, ids)
                 while True:
                     in_flight = sum(len(p.streams) for _, p in pending)
                     if in_flight + len(params) > window and pending:
@@ -287,15 +306,16 @@ class Evaluation:
             return preference_verdicts(self.engine, judge, suite, completions, sc.threshold,
                                        check=lambda: self._check_cancel(cancel_id))
         prompts, seeds, shape = [], [], []
+        gen = s.GenerationSettings(temperature=0.0, max_tokens=sc.max_tokens)
+        contract = self._contract(gen)  # a thinking judge's verdict is read from its answer
         for i, ex in enumerate(suite.examples):
             question = next((m.content for m in reversed(ex.messages) if m.role == "user"), "")
             for comp in completions[i]:
                 rubric = judge_prompt(sc, question, ex.reference, comp["text"])
-                prompts.append(self.engine.encode_chat([{"role": "user", "content": rubric}]))
+                prompts.append(contract.prompt_ids([{"role": "user", "content": rubric}]))
                 seeds.append([0])
             shape.append(len(completions[i]))
-        gen = s.GenerationSettings(temperature=0.0, max_tokens=sc.max_tokens)
-        flat = self._generate(cancel_id, prompts, seeds, gen, judge)
+        flat = self._generate(cancel_id, prompts, seeds, gen, judge, contract=contract)
         out, pos = [], 0
         for n in shape:
             row = []

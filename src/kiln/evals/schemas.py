@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.runtime.chat_generation import ChatGenerationFields
 
 MAX_EXAMPLES = 2_000
 MAX_MESSAGES = 64
@@ -21,7 +22,7 @@ MAX_MESSAGE_CHARS = 32_768
 MAX_REFERENCE_CHARS = 32_768
 MAX_SCORERS = 8
 MAX_SAMPLES = 16
-MAX_EVAL_TOKENS = 1_024
+MAX_EVAL_TOKENS = 32_768  # the context left after each prompt caps a sample too
 MAX_PATTERN_CHARS = 1_024  # user-supplied regex
 MAX_SCHEMA_BYTES = 64 * 1024  # JSON Schema of a json_schema scorer
 MAX_RUBRIC_CHARS = 8_192
@@ -184,13 +185,18 @@ Scorer = Annotated[
 ]
 
 
-class GenerationSettings(_Wire):
+class GenerationSettings(_Wire, ChatGenerationFields):
+    """A suite's sampling, and its prompts' template kwargs and thinking budget (kiln.runtime.chat_generation:
+    as a chat request; the answers are split by the server's reasoning parser and scored on their content)."""
+
     temperature: float = Field(0.0, ge=0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1.0)
-    max_tokens: int = Field(64, ge=1, le=MAX_EVAL_TOKENS)
+    max_tokens: int = Field(64, ge=1, le=MAX_EVAL_TOKENS, description="per sample, at most the context left "
+                                                                      "after the prompt")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     samples: int = Field(1, ge=1, le=MAX_SAMPLES, description="k completions per example")
     stop: list[str] = Field(default_factory=list, max_length=8)
+
 
 
 class SuiteSpec(_Wire):

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from kiln.runtime.chat_generation import MAX_TEMPLATE_KWARGS, ChatTemplateKwargs, check_template_kwargs
+
 MAX_MODEL_NAME_CHARS = 256
 MAX_CONTENT_CHARS = 1_000_000
 MAX_STOP_CHARS = 256
@@ -244,26 +246,6 @@ class _Sampling(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-MAX_TEMPLATE_KWARGS = 16
-TemplateKwargName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
-TemplateKwargValue = bool | int | float | Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None
-# apply_chat_template's own parameters and the variables it sets itself: a request cannot override them
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now", "bos_token",
-    "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
-})
-
-
-def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    bad = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
-    if bad:
-        raise ValueError(f"chat_template_kwargs cannot set {bad}: the server sets them itself")
-    return value
-
-
-ChatTemplateKwargs = Annotated[dict[TemplateKwargName, TemplateKwargValue], Field(max_length=MAX_TEMPLATE_KWARGS)]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -288,7 +270,7 @@ class ChatCompletionRequest(_Sampling):
         "the reasoning span and the answer follows; omitted: serving.thinking_token_budget; null: unlimited. Needs "
         "a reasoning parser")
 
-    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
+    _check_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
@@ -346,7 +328,7 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
-    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
+    _check_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 class DetokenizeRequest(_Request):

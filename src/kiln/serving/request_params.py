@@ -16,7 +16,7 @@ from kiln.runtime.constrained import GrammarCompiler
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
 from kiln.serving.generation import check_token_ids
-from kiln.serving.reasoning import ReasoningParser, reasoning_parser_for
+from kiln.runtime.reasoning import ReasoningParser, reasoning_parser_for
 from kiln.serving.tool_parsers import ToolParser, tool_parser_for
 
 

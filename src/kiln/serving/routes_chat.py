@@ -42,7 +42,7 @@ from kiln.serving.generation import (
 )
 from kiln.serving.openai_responses import ChatCompletionResponse
 from kiln.serving.protocol import ChatCompletionRequest
-from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, with_thinking_budget
+from kiln.runtime.reasoning import ReasoningParser, prompt_opens_span, with_thinking_budget
 from kiln.serving.request_params import (
     check_tools,
     forces_call,

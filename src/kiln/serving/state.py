@@ -107,7 +107,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     from kiln.runtime.engine import Engine, EngineConfig
 
     settings = loaded_settings.settings
-    from kiln.serving.reasoning import check_reasoning_parser_setting
+    from kiln.runtime.reasoning import check_reasoning_parser_setting
     from kiln.serving.tool_parsers import check_tool_parser_setting
 
     check_tool_parser_setting(settings.serving.tool_call_parser)  # a bad name fails before the model loads

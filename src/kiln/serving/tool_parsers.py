@@ -7,7 +7,7 @@ stream incrementally (content passes through as it comes; a call's name and id g
 soon as they are written, then its arguments in fragments as they are generated, as
 OpenAI streams ``delta.tool_calls``), and writes the grammar that forces a call when ``tool_choice`` is
 ``required`` or names a function (:mod:`kiln.runtime.constrained` enforces it). A parser is bound to the
-served tokenizer (:class:`~kiln.serving.tags.TagSpelling`): where a tag such as Qwen3's ``<tool_call>``
+served tokenizer (:class:`~kiln.runtime.tags.TagSpelling`): where a tag such as Qwen3's ``<tool_call>``
 is one added token, the forcing grammar names that token, so the model writes it as the template does.
 
 ``hermes`` (Hermes, Qwen2.5/Qwen3 templates): each call is a
@@ -30,7 +30,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kiln.serving.tags import TagSpelling, partial_suffix
+from kiln.runtime.tags import TagSpelling, partial_suffix
 
 
 @dataclass(frozen=True)

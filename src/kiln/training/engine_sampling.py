@@ -13,7 +13,7 @@ are computed by the trainer's own forward pass, never taken from the sampler.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.errors import InvalidRequest
@@ -21,6 +21,7 @@ from kiln.errors import InvalidRequest
 SUBMIT_RETRY_S = 0.05
 SUBMIT_PATIENCE_S = 300.0
 ENGINE_SAMPLER = "private adapter on the engine's continuous batching (kiln.training.engine_sampling)"
+Constrain = Callable[[int, list[Any]], list[Any]]  # (prompt index, its rows' SamplingParams) -> constrained
 GENERATE_SAMPLER = "private adapter via PeftModel.generate (kiln.training.engine_sampling.sample_batch)"
 
 
@@ -56,9 +57,12 @@ def _per_prompt(value: int | Sequence[int], count: int) -> list[int]:
 
 def sample_policy(peft_model: Any, loop: Any, engine: Any, prompts: Sequence[list[int]], n: int | Sequence[int],
                   max_tokens: int | Sequence[int], temperature: float, top_p: float, *, seed: int, seed_step: int,
-                  revision: str, pad_id: int, end_ids: Sequence[int]) -> list[list[int]]:
+                  revision: str, pad_id: int, end_ids: Sequence[int],
+                  constrain: Constrain | None = None) -> list[list[int]]:
     """``n`` completions per prompt (prompt-major) from the private adapter ``loop.name`` as it is now, at
     most ``max_tokens`` each; either may be one value per prompt (all rows are sampled in one batch).
+    ``constrain(prompt index, params)`` adds each prompt's row constraints (a thinking budget:
+    :meth:`kiln.runtime.chat_generation.ChatGeneration.constrain`) on the engine; ``generate`` has none.
 
     ``seed_step`` enters every row's seed (:func:`sample_seed`), so the same step of a resumed job samples
     what the uninterrupted job did; ``revision`` names the adapter's current weights (the prefix-cache key).
@@ -70,7 +74,7 @@ def sample_policy(peft_model: Any, loop: Any, engine: Any, prompts: Sequence[lis
         if samples_on_engine(engine):
             seeds = [[sample_seed(seed, seed_step, k, j) for j in range(c)] for k, c in enumerate(counts)]
             return sample_on_engine(engine, loop.name, revision, prompts, counts, budgets, temperature, top_p,
-                                    seeds=seeds, end_ids=end_ids)
+                                    seeds=seeds, end_ids=end_ids, constrain=constrain)
         with loop.step_ownership():
             return sample_batch(peft_model, prompts, counts, budgets, temperature, top_p,
                                 seed=sample_seed(seed, seed_step, 0, 0), pad_id=pad_id, end_ids=end_ids,
@@ -120,7 +124,8 @@ def sample_batch(peft_model: Any, prompts: Sequence[list[int]], n: int | Sequenc
 
 def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[list[int]], n: int | Sequence[int],
                      max_tokens: int | Sequence[int], temperature: float, top_p: float, *,
-                     seeds: Sequence[Sequence[int]], end_ids: Sequence[int]) -> list[list[int]]:
+                     seeds: Sequence[Sequence[int]], end_ids: Sequence[int],
+                     constrain: Constrain | None = None) -> list[list[int]]:
     """``n`` completions per prompt from the engine's continuous batching with the trainer's private adapter
     ``key`` (token IDs, through the first end-of-turn token), prompt-major like :func:`sample_batch`; ``n``
     and ``max_tokens`` may be one value per prompt.
@@ -140,12 +145,14 @@ def sample_on_engine(engine: Any, key: str, revision: str, prompts: Sequence[lis
     for w in range(0, len(prompts), per_wave):
         subs: list[Any] = []
         try:
-            _submit_all(engine, subs, [(list(p), [SamplingParams(
-                max_tokens=budget, temperature=temperature, top_p=top_p, seed=sd,
-                stop_token_ids=frozenset(end_ids)) for sd in row_seeds[:c]])
-                for p, row_seeds, c, budget in zip(prompts[w:w + per_wave], seeds[w:w + per_wave],
-                                                   counts[w:w + per_wave], budgets[w:w + per_wave])
-                if c > 0], key, revision)
+            rows = []
+            for k in range(w, min(w + per_wave, len(prompts))):
+                if counts[k] <= 0:
+                    continue
+                params = [SamplingParams(max_tokens=budgets[k], temperature=temperature, top_p=top_p, seed=sd,
+                                         stop_token_ids=frozenset(end_ids)) for sd in seeds[k][:counts[k]]]
+                rows.append((list(prompts[k]), constrain(k, params) if constrain is not None else params))
+            _submit_all(engine, subs, rows, key, revision)
             for sub in subs:
                 for stream in sub.streams:
                     toks: list[int] = []

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kiln.errors import InvalidRequest
+from kiln.runtime.chat_generation import ChatGeneration
 from kiln.training.data import Row, epoch_order
 from kiln.training.engine_sampling import (
     check_samples_fit_queue,
@@ -61,6 +62,8 @@ class RolloutData:
     top_p: float
     settings: GRPOSettings
     behaviour: dict[str, Any]  # the starting policy (adapter, revision) and how it is sampled
+    gen: ChatGeneration | None = None  # how prompts are rendered and answers read (None: as the base template)
+    reasoning_loss: bool = True  # whether the reasoning span's tokens carry the advantage's loss
 
 
 def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[RolloutData]:
@@ -82,9 +85,10 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     limit = min(request.max_seq_len, engine.config.max_model_len)
     if ctx.max_seq_len_limit is not None:
         limit = min(limit, ctx.max_seq_len_limit)
+    gen = ChatGeneration.for_engine(engine, settings.serving, request.chat_template_kwargs, request.budget())
     prompt_ids = []
     for i, p in enumerate(request.prompts):
-        ids = engine.encode_chat([m.model_dump() for m in p.messages])
+        ids = gen.prompt_ids([m.model_dump() for m in p.messages])
         if len(ids) + max_tokens > limit:
             raise InvalidRequest(f"prompt {i} ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                                  f"limit of {limit}", code="sequence_too_long", param="prompts",
@@ -104,7 +108,7 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
                  "revision": None if parent is None else parent.revision, "sampler": sampler_name(engine)}
     data = RolloutData(tuple(prompt_ids), reward, group_size, iterations, max_tokens, temperature, top_p,
                        GRPOSettings(request.clip_epsilon, request.scale_rewards, request.kl_coef,
-                                    request.kl_estimator), behaviour)
+                                    request.kl_estimator), behaviour, gen, request.reasoning_loss)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
                 max_steps=request.max_steps)
     return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,
@@ -137,7 +141,8 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     loop.stats.update({"iterations": data.iterations, "iteration": loop.stats.get("iteration", 0),
                        "behaviour_policy": data.behaviour, "reward_per_iteration": rewards_hist,
                        "zero_variance_fraction_per_iteration": zero_hist,
-                       "sample_s": loop.stats.get("sample_s", 0.0), "reward_s": loop.stats.get("reward_s", 0.0)})
+                       "sample_s": loop.stats.get("sample_s", 0.0), "reward_s": loop.stats.get("reward_s", 0.0),
+                       "generation": None if data.gen is None else data.gen.describe(data.prompt_ids)})
     first_it, first_pass = divmod(loop.epoch, plan.epochs)
     saved = _saved_iteration(resume) if resume is not None and (first_pass or loop.batch) else None
     with loop.running():
@@ -184,21 +189,28 @@ def _sample_and_score(peft_model: Any, data: RolloutData, plan: Any, loop: Any, 
     """One iteration's groups: sample (the current policy, seeded by iteration), score, advantages."""
     n = len(data.prompt_ids)
     t0 = time.perf_counter()
+    gen = data.gen
     comps = sample_policy(peft_model, loop, engine, [list(p) for p in data.prompt_ids], data.group_size,
                           data.max_tokens, data.temperature, data.top_p, seed=plan.seed, seed_step=it,
-                          revision=f"step-{loop.step}", pad_id=pad_id, end_ids=end_ids)
+                          revision=f"step-{loop.step}", pad_id=pad_id, end_ids=end_ids,
+                          constrain=None if gen is None else lambda k, params: gen.constrain(params, data.prompt_ids[k]))
     t1 = time.perf_counter()
-    # score outside exclusive ownership: serving goes on meanwhile
-    texts = [decode(c) for c in comps]
+    # score outside exclusive ownership: serving goes on meanwhile; rewards read the answer, not the reasoning
+    owners = [data.prompt_ids[k // data.group_size] for k in range(len(comps))]
+    answers = [gen.split(decode(c), p) if gen is not None else None for c, p in zip(comps, owners)]
+    texts = [a.content if a is not None else decode(c) for a, c in zip(answers, comps)]
     try:
-        flat = data.reward([(k // data.group_size, t) for k, t in enumerate(texts)])
+        flat = data.reward([(k // data.group_size, t) for k, t in enumerate(texts)],
+                           [a.reasoning if a is not None else None for a in answers])
     except RewardError as exc:
         raise TrainingFailed(f"iteration {it + 1}: {exc}") from None
     t2 = time.perf_counter()
     grouped_rows, grouped_rewards = [], []
     for i, prompt in enumerate(data.prompt_ids):
         sl = slice(i * data.group_size, (i + 1) * data.group_size)
-        grouped_rows.append([Row(list(prompt) + c, [0] * len(prompt) + [1] * len(c)) for c in comps[sl]])
+        grouped_rows.append([Row(list(prompt) + c, [0] * len(prompt) + (
+            gen.answer_mask(prompt, c) if gen is not None and not data.reasoning_loss else [1] * len(c)))
+            for c in comps[sl]])
         grouped_rewards.append(flat[sl])
     items, skipped = grpo_items(grouped_rows, grouped_rewards, scale_rewards=data.settings.scale_rewards)
     rewards_hist.append(round(sum(flat) / len(flat), 6))

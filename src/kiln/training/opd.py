@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from kiln.errors import Conflict, InvalidRequest
+from kiln.runtime.chat_generation import ChatGeneration
 from kiln.training.engine_sampling import (  # noqa: F401 - sample_batch, sample_on_engine: this module's API too
     check_samples_fit_queue,
     sample_batch,
@@ -250,6 +251,7 @@ class OPDData:
     teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd_paths)
     rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.opd_rehearsal)
     rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
+    gen: Any = None  # kiln.runtime.chat_generation.ChatGeneration: prompts rendered, samples' thinking budget
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -273,13 +275,14 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
     if request.training_mode == "off_policy":
         return _prepare_off_policy(ctx, teachers, request, entry, lora, parent, limit)
     check_samples_fit_queue(engine, request.samples_per_prompt, "samples_per_prompt")
+    gen = ChatGeneration.for_engine(engine, ctx.settings.serving, request.chat_template_kwargs, request.budget())
     eos = tok.eos_token_id
     items = []
     assert request.prompts is not None
     for i, p in enumerate(request.prompts):
         msgs = [m.model_dump() for m in p.messages]
-        s_ids = engine.encode_chat(msgs)
-        t_ids = engine.encode_chat([m.model_dump() for m in (p.teacher_messages or [])] + msgs)
+        s_ids = gen.prompt_ids(msgs)
+        t_ids = gen.prompt_ids([m.model_dump() for m in (p.teacher_messages or [])] + msgs)
         gold = None
         if p.gold is not None:
             gold = tuple(engine.encode_text(p.gold)) + ((eos,) if eos is not None else ())
@@ -294,7 +297,7 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
                    _total_steps(request, len(items), budget=budget_steps(
                        len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
                    teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0,
-                   rehearsal_per_prompt=request.rehearsal_per_prompt)
+                   rehearsal_per_prompt=request.rehearsal_per_prompt, gen=gen)
     return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
 
 
@@ -379,6 +382,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     n = len(data.items)
     for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
         loop.stats.setdefault(key, 0.0)
+    if data.gen is not None:  # how the prompts were rendered: thinking on or off, the budget
+        loop.stats["generation"] = data.gen.describe([it.student_ids for it in data.items])
     paths = TeacherPaths(n, end_ids) if data.teacher_path else None
     if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
         paths.load_tensor(resume.tensors[PATHS_TENSOR])
@@ -431,9 +436,11 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
             counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
             budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+            gen = data.gen  # the thinking budget on the chosen prompts' samples (not on teacher-path continuations)
             comps = sample_policy(peft_model, loop, engine, prompts, counts, budgets, data.temperature,
                                   data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
-                                  pad_id=pad_id, end_ids=end_ids)
+                                  pad_id=pad_id, end_ids=end_ids, constrain=None if gen is None else (
+                                      lambda j, ps: gen.constrain(ps, prompts[j]) if j < len(chosen) else ps))
             k = len(chosen) * data.samples_per_prompt
             samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
             rest = iter(comps[k:])  # teacher-path rows: the known prefix + the student's sample from it

@@ -12,11 +12,12 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from kiln.runtime.chat_generation import ChatGenerationFields
 from kiln.training.schemas import MAX_MESSAGES_PER_EXAMPLE, MAX_PATH_CHARS, ChatMessage, _TrainCommon, _Wire
 
 MAX_OPD_PROMPTS = 1_000
 MAX_SAMPLES_PER_PROMPT = 64
-MAX_OPD_NEW_TOKENS = 1_024
+MAX_OPD_NEW_TOKENS = 8_192  # = MAX_SEQ_LEN: the job's context (prompt + max_tokens <= the limit) is the cap
 MAX_OPD_TOP_K = 1 << 20
 
 OPDLoss = Literal["forward", "tail", "renormalized", "sampled_token"]
@@ -66,7 +67,7 @@ class OPDPrompt(_Wire):
         return self
 
 
-class OPDRequest(_TrainCommon):
+class OPDRequest(_TrainCommon, ChatGenerationFields):
     teacher: str = Field(min_length=1, max_length=128, description="a registered teacher alias")
     prompts: list[OPDPrompt] | None = Field(None, min_length=1, max_length=MAX_OPD_PROMPTS,
                                             description="on_policy: the prompts the student answers")

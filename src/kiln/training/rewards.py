@@ -2,7 +2,9 @@
 
 :func:`build_reward` validates a request's ``reward`` against its prompts before the job is queued
 (every refusal is a 400 :class:`~kiln.errors.InvalidRequest`) and returns a :class:`RewardFn` the
-rollout loop calls once per iteration with every ``(prompt index, completion text)`` of that iteration.
+rollout loop calls once per iteration with every ``(prompt index, completion text)`` of that iteration (with a
+reasoning parser in force, the completion is the answer after the reasoning span: a reward reads the reasoning
+only when it asks for it, as the ``http`` reward does in its items' ``reasoning``).
 
 * ``scorer``: an eval scorer (:mod:`kiln.evals.scorers`) against the prompt's ``reference``;
   reward 1.0 when it passes, else 0.0. The ``judge`` scorer asks a model served by this engine (the
@@ -14,7 +16,7 @@ rollout loop calls once per iteration with every ``(prompt index, completion tex
   (:mod:`kiln.evals.sandbox`: Landlock, no network, rlimits, wall-clock kill), one process per
   scoring batch, and only when ``eval.allow_code_execution = true``. The file's SHA-256 is bound into
   the plan digest.
-* ``http``: ``POST {"items": [{"prompt_index", "messages", "completion", "reference"}]}`` to a URL
+* ``http``: ``POST {"items": [{"prompt_index", "messages", "completion", "reasoning", "reference"}]}`` to a URL
   whose host is a loopback IP literal; the answer must be ``{"rewards": [float, ...]}`` (one per item).
   No redirects, no proxy settings from the environment, a timeout and a response byte cap.
 """
@@ -78,9 +80,15 @@ class RewardFn:
     kind: str
     score_batch: Callable[[Sequence[tuple[int, str]]], list[float]]
     describe: dict[str, Any] = field(default_factory=dict)
+    reads_reasoning: bool = False  # score_batch also takes each completion's reasoning (the http reward)
 
-    def __call__(self, items: Sequence[tuple[int, str]]) -> list[float]:
-        out = self.score_batch(items)
+    def __call__(self, items: Sequence[tuple[int, str]], reasoning: Sequence[str | None] | None = None) -> list[float]:
+        """Rewards for ``(prompt index, answer)`` items; ``reasoning`` (one per item) goes to a reward that
+        reads it, never into the answer."""
+        if self.reads_reasoning:
+            out = self.score_batch(items, reasoning or [None] * len(items))  # type: ignore[call-arg]
+        else:
+            out = self.score_batch(items)
         if len(out) != len(items):
             raise RewardError(f"the {self.kind} reward returned {len(out)} values for {len(items)} completions")
         for v in out:
@@ -295,11 +303,11 @@ def _http_reward(spec: HTTPReward, prompts: Sequence[RolloutPrompt]) -> RewardFn
     url = check_loopback_url(spec.url)
     msgs = [[m.model_dump() for m in p.messages] for p in prompts]
 
-    def score(items: Sequence[tuple[int, str]]) -> list[float]:
+    def score(items: Sequence[tuple[int, str]], reasoning: Sequence[str | None]) -> list[float]:
         import httpx
 
-        body = {"items": [{"prompt_index": i, "messages": msgs[i], "completion": text,
-                           "reference": prompts[i].reference} for i, text in items]}
+        body = {"items": [{"prompt_index": i, "messages": msgs[i], "completion": text, "reasoning": r,
+                           "reference": prompts[i].reference} for (i, text), r in zip(items, reasoning)]}
         try:
             with httpx.Client(trust_env=False, follow_redirects=False, timeout=spec.timeout_s) as client, \
                     client.stream("POST", url, json=body) as r:
@@ -325,4 +333,4 @@ def _http_reward(spec: HTTPReward, prompts: Sequence[RolloutPrompt]) -> RewardFn
             raise RewardError('reward endpoint must answer {"rewards": [number, ...]}')
         return values
 
-    return RewardFn("http", score, {"type": "http", "url": url})
+    return RewardFn("http", score, {"type": "http", "url": url}, reads_reasoning=True)

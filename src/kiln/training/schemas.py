@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
+from kiln.runtime.chat_generation import ChatGenerationFields, ReasoningLossField
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
 from kiln.evals.schemas import PostEval, Scorer
 
@@ -36,7 +37,7 @@ MAX_PATH_CHARS = 1_024
 MAX_ABS_REWARD = 1e6
 MAX_ROLLOUT_PROMPTS = 256
 MAX_ROLLOUT_ITERATIONS = 1_000
-MAX_ROLLOUT_TOKENS = 1_024
+MAX_ROLLOUT_TOKENS = 8_192  # = MAX_SEQ_LEN: the job's context (prompt + max_tokens <= max_seq_len) is the cap
 MAX_REWARD_URL_CHARS = 2_048
 MAX_REWARD_TIMEOUT_S = 300.0
 MAX_REWARD_RESPONSE_BYTES = 16 * 1024 * 1024
@@ -183,7 +184,7 @@ class _TrainCommon(_Wire):
         return v
 
 
-class SFTRequest(_TrainCommon):
+class SFTRequest(_TrainCommon, ReasoningLossField):
     examples: list[SFTExample] | None = Field(None, min_length=1, max_length=MAX_INLINE_EXAMPLES)
     dataset_path: str | None = Field(None, max_length=MAX_PATH_CHARS, description="JSONL file inside the data dir")
     until_learned: bool | None = Field(
@@ -245,10 +246,11 @@ class HTTPReward(_Wire):
 
 Reward = Annotated[ScorerReward | PythonReward | HTTPReward, Field(discriminator="type")]
 # GRPORequest fields that only apply with `prompts` (left out of a pre-scored job's plan when unset).
-ROLLOUT_FIELDS = ("prompts", "reward", "group_size", "iterations", "max_tokens", "temperature", "top_p")
+ROLLOUT_FIELDS = ("prompts", "reward", "group_size", "iterations", "max_tokens", "temperature", "top_p",
+                  "chat_template_kwargs", "thinking_token_budget")
 
 
-class GRPORequest(_TrainCommon):
+class GRPORequest(_TrainCommon, ChatGenerationFields, ReasoningLossField):
     groups: list[GRPOGroup] | None = Field(None, min_length=1, max_length=MAX_GROUPS,
                                            description="pre-scored completion groups")
     prompts: list[RolloutPrompt] | None = Field(

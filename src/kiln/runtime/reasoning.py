@@ -24,7 +24,7 @@ import dataclasses
 from typing import Any
 
 from kiln.errors import InvalidRequest
-from kiln.serving.tags import partial_suffix
+from kiln.runtime.tags import partial_suffix
 
 AUTO, NONE = "auto", "none"
 SETTING = "serving.reasoning_parser"
