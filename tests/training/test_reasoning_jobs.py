@@ -78,7 +78,8 @@ def test_grpo_rewards_the_answer_not_the_reasoning(srv, reward_url):
     report = job["result"]["report"]
     assert 0.0 < report["reward_per_iteration"][0] < 1.0, report["reward_per_iteration"]
     _Capture.seen.clear()
-    job = _job(srv, {**GRPO, "adapter": "think-http", "reward": {"type": "http", "url": reward_url}})
+    job = _job(srv, {**GRPO, "adapter": "think-http", "reward": {"type": "http", "url": reward_url},
+                     "reasoning_loss": False})  # the answers alone carry the loss
     assert job["state"] == "succeeded", job
     items = _Capture.seen[0]["items"]
     assert len(items) == 16 and {it["reasoning"] for it in items} == {"banana"}
@@ -141,3 +142,49 @@ def test_opd_job_reports_whether_the_student_thought(srv, kwargs, thinking):
     generation = job["result"]["report"]["generation"]
     assert generation["thinking"] is thinking and generation["reasoning_parser"] == "qwen3"
     assert generation["chat_template_kwargs"] == (NO_THINK if not thinking else None)
+
+
+def test_sft_reasoning_loss_false_masks_the_think_span():
+    """On the real Qwen3 template an assistant turn with reasoning renders <think>...</think> before its answer:
+    with reasoning_loss (the default) both carry loss; without it only the answer (and the end of turn)."""
+    from transformers import AutoTokenizer
+
+    from kiln.training.data import tokenize_sft
+    from kiln.training.schemas import SFTExample
+
+    tok = AutoTokenizer.from_pretrained(scripted_qwen3_dir())
+    ex = SFTExample(messages=[{"role": "user", "content": "Name a fruit."},
+                              {"role": "assistant", "content": "apple", "reasoning_content": "I think of banana."}])
+    (whole,) = tokenize_sft(tok, [ex], max_seq_len=256)
+    (answer,) = tokenize_sft(tok, [ex], max_seq_len=256, reasoning_tags=("<think>", "</think>"))
+
+    def learned(row):
+        return tok.decode([t for t, m in zip(row.input_ids, row.loss_mask) if m])
+
+    assert whole.input_ids == answer.input_ids
+    assert "<think>" in learned(whole) and "banana" in learned(whole) and "apple" in learned(whole)
+    assert learned(answer).strip() == "apple<|im_end|>"
+
+
+def test_answer_mask_and_prompt_opening_on_the_real_qwen3_tokenizer():
+    """The contract's pieces on the real tokenizer: the answer mask GRPO uses with reasoning_loss false (0 through
+    </think>, 1 after), the span a constrained action opens, and thinking read from the rendered prompt."""
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.chat_generation import ChatGeneration
+    from kiln.runtime.reasoning import Qwen3ReasoningParser
+    from kiln.runtime.tokenization import Tokenization
+    from tests.scripted_model import APPLE, BANANA, END_THINK, IM_END, SP_BANANA, THINK
+
+    tokens = Tokenization(AutoTokenizer.from_pretrained(scripted_qwen3_dir()))
+    on = ChatGeneration(tokens, Qwen3ReasoningParser())
+    off = ChatGeneration(tokens, Qwen3ReasoningParser(), NO_THINK)
+    msgs = PROMPTS[0]["messages"]
+    p_on, p_off = on.prompt_ids(msgs), off.prompt_ids(msgs)
+    assert on.thinking(p_on) and not off.thinking(p_off) and not on.opened(p_on)
+    assert on.opening(p_on) == p_on + [THINK] and on.opened(on.opening(p_on)) and off.opening(p_off) == p_off
+    assert on.answer_mask(p_on, [THINK, BANANA, END_THINK, SP_BANANA, IM_END]) == [0, 0, 0, 1, 1]
+    assert on.answer_mask(p_on, [APPLE, IM_END]) == [1, 1]  # no span: all answer
+    assert on.answer_mask(p_on, [THINK, BANANA, BANANA]) == [0, 0, 0]  # never closed: all reasoning
+    a = on.split(tokens.decode([THINK, BANANA, END_THINK, SP_BANANA]), p_on)
+    assert (a.reasoning, a.content.strip()) == ("banana", "banana")

@@ -31,6 +31,7 @@ from kiln.openenv.discovery import (
     check_health,
     ws_url,
 )
+from kiln.runtime.chat_generation import Answer
 
 DONE = "done"
 MAX_STEPS = "max_steps"
@@ -157,10 +158,12 @@ class Session:
 
 def as_completion(episode: Episode) -> dict[str, Any]:
     """The episode as one GRPO completion: the first action as ``text``, every later action with the
-    observation before it as a ``turn``, the episode return as the reward (every action is trained)."""
-    out: dict[str, Any] = {"text": episode.actions[0] if episode.actions else "", "reward": episode.episode_return}
-    if len(episode.actions) > 1:
-        out["turns"] = [{"observation": o, "text": a} for o, a in zip(episode.observations, episode.actions[1:])]
+    observation before it as a ``turn``, the episode return as the reward (every action is trained). An action's
+    text is its whole generation, reasoning included (the advantage covers the whole completion)."""
+    texts = episode.completions or episode.actions
+    out: dict[str, Any] = {"text": texts[0] if texts else "", "reward": episode.episode_return}
+    if len(texts) > 1:
+        out["turns"] = [{"observation": o, "text": a} for o, a in zip(episode.observations, texts[1:])]
     return out
 
 
@@ -171,7 +174,9 @@ class Episode:
     termination: str = ""
     episode_return: float = 0.0
     steps: int = 0
-    actions: list[str] = field(default_factory=list)  # completion texts, in order
+    actions: list[str] = field(default_factory=list)  # the actions' texts (the answers after any reasoning), in order
+    reasoning: list[str | None] = field(default_factory=list)  # per action: the reasoning before it (None: none)
+    completions: list[str] = field(default_factory=list)  # per action: the whole generated text, reasoning included
     policies: list[dict[str, Any]] = field(default_factory=list)  # per action: {"adapter", "revision"} that produced it
     observations: list[str] = field(default_factory=list)  # the user turn after each action that did not end it
     exchanges: list[dict[str, Any]] = field(default_factory=list)  # {"action", "result"} per step sent
@@ -230,11 +235,13 @@ def extract_action(text: str) -> Any:
     return value
 
 
-def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, str]]], str],
+def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, str]]], Any],
          messages: list[dict[str, str]], *, validator: Any, max_steps: int, protocol_error_reward: float,
          budget: Budget, render: Callable[[dict[str, Any]], str],
          cancelled: Callable[[], bool] = lambda: False) -> Episode:
     """Run ``episode`` to termination on ``session`` (already reset); the session is closed at the end.
+    ``policy(messages)`` answers with a :class:`~kiln.runtime.chat_generation.Answer` (the action is its content) or
+    with the action's text.
     ``cancelled`` is checked before every action (raises :class:`Cancelled`)."""
     try:
         obs = episode.reset_observation
@@ -247,9 +254,14 @@ def play(session: Session, episode: Episode, policy: Callable[[list[dict[str, st
                 return episode
             if cancelled():
                 raise Cancelled("the run was cancelled")
-            text = policy(messages)
-            budget.charge(len(text.encode("utf-8")))
+            answer = policy(messages)
+            if isinstance(answer, str):  # a policy without reasoning may answer with the action's text alone
+                answer = Answer(answer, None, answer)
+            text = answer.content
+            budget.charge(len(answer.text.encode("utf-8")))
             episode.actions.append(text)
+            episode.reasoning.append(answer.reasoning)
+            episode.completions.append(answer.text)
             try:
                 action = extract_action(text)
             except ValueError as exc:

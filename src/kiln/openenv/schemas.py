@@ -8,13 +8,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.canonical import canonical_json_bytes
+from kiln.runtime.chat_generation import ChatGenerationFields
 from kiln.openenv.discovery import check_env_url
 
 MAX_INSTRUCTIONS_CHARS = 8_192
 MAX_GROUPS = 256
 MAX_GROUP_SIZE = 64
 MAX_EPISODE_STEPS = 64
-MAX_ACTION_TOKENS = 1_024
+MAX_ACTION_TOKENS = 8_192  # reasoning and action; the context left after the prompt caps it too
 MAX_RESET_BYTES = 16_384
 MAX_TRAINING_BYTES = 65_536
 ROLLOUT_OWNED = ("groups",)  # GRPO fields the run fills in; a request that sets them is refused
@@ -28,7 +29,7 @@ class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class OpenEnvRunRequest(_Wire):
+class OpenEnvRunRequest(_Wire, ChatGenerationFields):
     env_url: str = Field(description="the environment server, on loopback: http://127.0.0.1:<port>")
     instructions: str = Field("", max_length=MAX_INSTRUCTIONS_CHARS,
                               description="system prompt; the action schema is appended to it")

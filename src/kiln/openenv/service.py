@@ -51,6 +51,7 @@ from kiln.openenv.discovery import Discovery, discover
 from kiln.openenv.metrics import OpenEnvMetrics
 from kiln.openenv.policy import PolicyPin
 from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
+from kiln.runtime.chat_generation import Answer, ChatGeneration
 
 if TYPE_CHECKING:
     from kiln.config import Settings
@@ -376,12 +377,12 @@ class OpenEnvService:
                             code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
                     episode = ep.Episode(seed, data)
 
-                    def policy(msgs: list[dict[str, str]], episode: ep.Episode = episode) -> str:
-                        text, revision = generate(msgs)
+                    def policy(msgs: list[dict[str, str]], episode: ep.Episode = episode) -> Answer:
+                        answer, revision = generate(msgs)
                         episode.policies.append(pin.check(revision))
                         if rec.get("policy") is None:  # the first action: the run's policy, persisted
                             self._update(rec, policy=pin.pinned)
-                        return text
+                        return answer
 
                     episode = ep.play(session, episode, policy, messages, validator=disc.validator,
                                       max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
@@ -447,6 +448,7 @@ class OpenEnvService:
             "rollouts_sha256": sha256_hex(rollouts), "policy": rec.get("policy"),
             "groups": [{"reset": reset, "episodes": [
                 {"reset_observation": e.reset_observation, "actions": e.actions, "policies": e.policies,
+                 **({"reasoning": e.reasoning} if any(r is not None for r in e.reasoning) else {}),
                  "exchanges": e.exchanges,
                  "termination": e.termination, "return": e.episode_return, "steps": e.steps, "error": e.error}
                 for e in episodes]} for reset, episodes in played]})
@@ -546,25 +548,38 @@ class OpenEnvService:
         return fd, entry["bytes"], entry["sha256"]
 
     def _policy(self, req: OpenEnvRunRequest,
-                disc: Discovery) -> Callable[[list[dict[str, str]]], tuple[str, str | None]]:
-        """The policy's generator: messages -> (action text, the adapter revision that produced it)."""
+                disc: Discovery) -> Callable[[list[dict[str, str]]], tuple[Answer, str | None]]:
+        """The policy's generator: messages -> (its answer, the adapter revision that produced it).
+
+        Actions follow the in-process generation contract (:mod:`kiln.runtime.chat_generation`): the run's
+        ``chat_template_kwargs`` and ``thinking_token_budget``, the server's reasoning parser. Where the model may
+        think, the answer reasons first: under the action grammar the span is opened after the prompt, so the
+        grammar starts once the reasoning ends (or the budget closes it). The action is the answer after the
+        span; the reasoning is kept beside it."""
         from kiln.runtime.sampling import SamplingParams
 
         grammar = self._grammar(generation_schema(disc.action_schema)) if req.constrained else None
+        contract = ChatGeneration.for_engine(self.engine, self.settings.serving, req.chat_template_kwargs,
+                                             req.budget())
         counter = [0]
 
-        def act(messages: list[dict[str, str]]) -> str:
+        def act(messages: list[dict[str, str]]) -> tuple[Answer, str | None]:
             counter[0] += 1
-            params = SamplingParams(max_tokens=req.max_action_tokens, temperature=req.temperature,
-                                    seed=(req.seed * 1_000_003 + counter[0]) % (2**63),
-                                    constraint=None if grammar is None else self._compiler.matcher(grammar))
-            ids = self.engine.encode_chat(messages)
+            base = contract.prompt_ids(messages)
+            ids = contract.opening(base) if grammar is not None else base
+            room = max(1, self.engine.config.max_model_len - len(ids))
+            params = contract.constrain([SamplingParams(
+                max_tokens=min(req.max_action_tokens, room), temperature=req.temperature,
+                seed=(req.seed * 1_000_003 + counter[0]) % (2**63),
+                constraint=None if grammar is None else self._compiler.matcher(grammar))], ids)
             try:
                 out = self.engine.generate(ids, params, adapter=req.policy_adapter,
                                            timeout=self.cfg.generation_timeout_s)
             except TimeoutError as exc:
                 raise Unavailable(str(exc), code="policy_timeout") from None
-            return out[0].text, out[0].adapter_revision
+            answer = contract.split(out[0].text, ids)
+            opened = self.engine.decode(ids[len(base):]) if len(ids) > len(base) else ""  # the span start appended
+            return Answer(answer.content, answer.reasoning, opened + answer.text), out[0].adapter_revision
 
         return act
 

@@ -152,6 +152,15 @@ class ChatGeneration:
         start, end = tail.rfind(self.parser.START), tail.rfind(self.parser.END)
         return not (end >= 0 and end > start)
 
+    def opening(self, prompt_ids: Sequence[int]) -> list[int]:
+        """``prompt_ids`` with the reasoning span opened (its start tag appended) when the prompt leaves room to
+        reason and does not open the span itself: for a grammar that must wait until the reasoning ends (a
+        grammar over a prompt that does not open the span applies from the first token)."""
+        ids = list(prompt_ids)
+        if not self.thinking(ids) or self.opened(ids):
+            return ids
+        return ids + list(self.engine.encode_text(self.parser.START))
+
     def constrain(self, params: list[Any], prompt_ids: Sequence[int]) -> list[Any]:
         """``params`` (``SamplingParams``, one per row of this prompt) with the thinking budget applied."""
         return with_thinking_budget(params, self.parser, self.opened(prompt_ids), self.budget, self.engine)

@@ -21,7 +21,7 @@ import torch
 from kiln.canonical import strict_json_loads
 from kiln.errors import InvalidRequest, NotFound
 from kiln.training.schemas import GRPOGroup, SFTExample
-from kiln.training.templates import assistant_tokens
+from kiln.training.templates import assistant_tokens, without_reasoning
 
 MAX_DATASET_BYTES = 256 * 1024 * 1024
 MAX_DATASET_LINE_BYTES = 4 * 1024 * 1024
@@ -214,11 +214,15 @@ class Row:
 
 
 def tokenize_sft(tokenizer: Any, examples: Sequence[SFTExample], *, max_seq_len: int,
-                 end_ids: Iterable[int] = ()) -> list[Row]:
-    """Tokenize chats; the mask covers the assistant's tokens (see :mod:`kiln.training.templates`)."""
+                 end_ids: Iterable[int] = (), reasoning_tags: tuple[str, str] | None = None) -> list[Row]:
+    """Tokenize chats; the mask covers the assistant's tokens (see :mod:`kiln.training.templates`), without
+    their reasoning spans when ``reasoning_tags`` (the reasoning parser's start and end tags) are given."""
     rows: list[Row] = []
     for i, ex in enumerate(examples):
-        ids, mask = assistant_tokens(tokenizer, [m.model_dump() for m in ex.messages], end_ids=end_ids)
+        messages = [m.model_dump() for m in ex.messages]
+        ids, mask = assistant_tokens(tokenizer, messages, end_ids=end_ids)
+        if reasoning_tags is not None:
+            mask = without_reasoning(tokenizer, messages, ids, mask, reasoning_tags)
         if len(ids) > max_seq_len:
             raise TrainingDataError(
                 f"example {i} is {len(ids)} tokens; max_seq_len is {max_seq_len}",

@@ -73,7 +73,8 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     settings = ctx.settings
     engine = ctx.serving_engine("GRPO rollout")
     reward = build_reward(request.reward, request.prompts, data_dir=settings.data_path,
-                          allow_code_execution=settings.eval.allow_code_execution, engine=engine)
+                          allow_code_execution=settings.eval.allow_code_execution, engine=engine,
+                          judge_contract=ChatGeneration.for_engine(engine, settings.serving))
     parent = ctx.parent_of(request)
     lora = ctx.lora_shape(request, parent)
     group_size = request.group_size or DEFAULT_GROUP_SIZE
@@ -212,6 +213,10 @@ def _sample_and_score(peft_model: Any, data: RolloutData, plan: Any, loop: Any, 
             gen.answer_mask(prompt, c) if gen is not None and not data.reasoning_loss else [1] * len(c)))
             for c in comps[sl]])
         grouped_rewards.append(flat[sl])
+    if not any(1 in row.loss_mask for rows in grouped_rows for row in rows):
+        raise TrainingFailed(f"iteration {it + 1}: with reasoning_loss false no sample has an answer after its "
+                             "reasoning span to train on (every span was cut): raise max_tokens or set a "
+                             "thinking_token_budget")
     items, skipped = grpo_items(grouped_rows, grouped_rewards, scale_rewards=data.settings.scale_rewards)
     rewards_hist.append(round(sum(flat) / len(flat), 6))
     zero_hist.append(round(skipped / n, 6))

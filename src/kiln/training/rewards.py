@@ -100,12 +100,15 @@ class RewardFn:
 
 
 def build_reward(spec: ScorerReward | PythonReward | HTTPReward, prompts: Sequence[RolloutPrompt], *,
-                 data_dir: Any, allow_code_execution: bool, engine: Any = None) -> RewardFn:
+                 data_dir: Any, allow_code_execution: bool, engine: Any = None, judge_contract: Any = None
+                 ) -> RewardFn:
+    """``judge_contract`` (:class:`~kiln.runtime.chat_generation.ChatGeneration`, the server's defaults): how a
+    judge's prompt is rendered and its verdict read (after its reasoning)."""
     if isinstance(spec, ScorerReward):
         from kiln.evals.schemas import JudgeScorer
 
         if isinstance(spec.scorer, JudgeScorer):
-            return _judge_reward(spec.scorer, prompts, engine)
+            return _judge_reward(spec.scorer, prompts, engine, judge_contract)
         return _scorer_reward(spec, prompts, allow_code_execution=allow_code_execution)
     if isinstance(spec, PythonReward):
         return _python_reward(spec, prompts, data_dir=data_dir, allow_code_execution=allow_code_execution)
@@ -142,7 +145,7 @@ def _scorer_reward(spec: ScorerReward, prompts: Sequence[RolloutPrompt], *, allo
 # ------------------------------------------------------------------------------------ judge
 
 
-def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> RewardFn:
+def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any, contract: Any = None) -> RewardFn:
     from concurrent.futures import ThreadPoolExecutor
 
     from kiln.evals.scorers import judge_prompt, judge_verdict
@@ -170,13 +173,15 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any) -> R
 
     def one(item: tuple[int, str]) -> float:
         i, text = item
-        ids = engine.encode_chat([{"role": "user", "content": judge_prompt(spec, questions[i],
-                                                                         prompts[i].reference or "", text)}])
+        msgs = [{"role": "user", "content": judge_prompt(spec, questions[i], prompts[i].reference or "", text)}]
+        ids = contract.prompt_ids(msgs) if contract is not None else engine.encode_chat(msgs)
         try:
-            out = engine.generate(ids, params, adapter=adapter, timeout=JUDGE_TIMEOUT_S)
+            out = engine.generate(ids, contract.constrain([params], ids) if contract is not None else params,
+                                  adapter=adapter, timeout=JUDGE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001  (engine stopped, timeout, adapter unloaded: the job fails)
             raise RewardError(f"the judge failed: {type(exc).__name__}: {exc}") from None
-        return 1.0 if judge_verdict(out[0].text).passed else 0.0
+        verdict = contract.split(out[0].text, ids).content if contract is not None else out[0].text
+        return 1.0 if judge_verdict(verdict).passed else 0.0  # a thinking judge's verdict is in its answer
 
     def score(items: Sequence[tuple[int, str]]) -> list[float]:
         if adapter is not None and engine.active_adapters().get(adapter) != revision:

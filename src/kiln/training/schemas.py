@@ -19,9 +19,9 @@ from pydantic import (
 )
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
-from kiln.runtime.chat_generation import ChatGenerationFields, ReasoningLossField
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
 from kiln.evals.schemas import PostEval, Scorer
+from kiln.runtime.chat_generation import ChatGenerationFields, ReasoningLossField
 
 MAX_MESSAGE_CHARS = 32_768
 MAX_MESSAGES_PER_EXAMPLE = 64

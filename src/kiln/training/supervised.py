@@ -57,7 +57,15 @@ def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
     assert examples is not None
     if len(examples) > limits.max_examples:
         raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples", code="too_many_examples")
-    rows = tuple(tokenize_sft(ctx.model.tokenizer, examples, max_seq_len=max_len, end_ids=ctx.end_ids))
+    tags = None
+    if not request.reasoning_loss:  # the answers alone carry loss: the server's reasoning parser finds the spans
+        from kiln.runtime.reasoning import reasoning_parser_for
+
+        parser = reasoning_parser_for(ctx.settings.serving.reasoning_parser,
+                                      getattr(ctx.model.tokenizer, "chat_template", None))
+        tags = (parser.START, parser.END) if parser is not None else None
+    rows = tuple(tokenize_sft(ctx.model.tokenizer, examples, max_seq_len=max_len, end_ids=ctx.end_ids,
+                              reasoning_tags=tags))
     until_learned = request.until_learned if request.until_learned is not None else request.epochs is None
     inputs = [e.model_dump(mode="json") for e in examples]
     return _plan("sft", ctx, request, eff, inputs, SFTData(rows), len(rows), lora, parent, max_len, until_learned)

@@ -104,3 +104,19 @@ def assistant_tokens_by_diff(tokenizer: Any, messages: Sequence[dict[str, Any]],
     ids = list(enc["input_ids"])
     mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
     return ids, _trim_at_end_of_turn(ids, mask, end_ids)
+
+
+def without_reasoning(tokenizer: Any, messages: Sequence[dict[str, Any]], ids: Sequence[int], mask: Sequence[int],
+                      tags: tuple[str, str]) -> list[int]:
+    """``mask`` with the assistant turns' reasoning spans (``tags``: the reasoning parser's start and end tags,
+    with the whitespace after the end tag) taken out of the loss, so only the answers after them carry it."""
+    full = _render(tokenizer, [dict(m) for m in messages], generation_prompt=False)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != list(ids):
+        raise TemplateError("the chat template's tokens could not be matched to its text, so the reasoning spans "
+                            "cannot be located", hint="train with reasoning_loss true")
+    start, end = tags
+    spans = [(m.start(), m.end()) for m in re.finditer(re.escape(start) + ".*?" + re.escape(end) + r"\s*", full,
+                                                        re.DOTALL)]
+    return [0 if any(a < e and b > s for s, e in spans) else int(k)
+            for k, (a, b) in zip(mask, enc["offset_mapping"])]
