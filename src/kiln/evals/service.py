@@ -47,7 +47,7 @@ from kiln.evals.store import (
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterStore
     from kiln.config import Settings
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.loader import LoadedModel
 
 log = logging.getLogger("kiln.evals")
@@ -70,7 +70,7 @@ class EvalQueueFull(Unavailable):
 class EvalService(Evaluation):
     """Suites on disk, runs in SQLite, one FIFO worker thread. Built by the app, started in its lifespan."""
 
-    def __init__(self, *, engine: Engine, store: AdapterStore, settings: Settings, model: LoadedModel,
+    def __init__(self, *, engine: ServingEngine, store: AdapterStore, settings: Settings, model: LoadedModel,
                  registry: Any = None):
         from kiln.evals.metrics import EvalMetrics
 

@@ -107,6 +107,7 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
                              hint="drop min_tokens")
     comp = grammar_compiler(state)
     if asked[0] == "tool_choice":
+        assert forced is not None  # asked[0] names a field that was given
         tools, parallel = forced
         parser = tool_parser(state)
         return (lambda: comp.lark(parser.forcing_grammar(tools, parallel), "tool_choice")), "tool_choice"

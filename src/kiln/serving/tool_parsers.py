@@ -206,7 +206,7 @@ class _HermesStream(StreamState):
             out.append(CallDelta(self.calls, "", self._id, json.loads(head.group(1))))
             self.calls += 1
             self._called = True
-        if not self._scan.done:
+        if self._scan is not None and not self._scan.done:
             end = self._scan.feed(self._body, self._sent)
             if end > self._sent:
                 out.append(CallDelta(self.calls - 1, self._body[self._sent:end]))
