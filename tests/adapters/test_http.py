@@ -303,3 +303,62 @@ def test_a_failed_canary_quarantines_the_revision_until_cleared(client, server, 
     assert list(client.get("/v1/adapters/hot").json()["quarantined"]) == [rev]
     assert client.post("/v1/adapters/hot/quarantine/clear").status_code == 200
     assert client.delete("/v1/adapters/hot").status_code == 200
+
+
+def _publish_trained(state, base_info, src, name: str, job_id: str):
+    """Publish ``src`` into the running server's store as a training job does (kind sft, with a receipt)."""
+    from kiln.adapters.receipt import training_claims
+
+    from tests.adapters.conftest import stage_copy
+
+    claims = training_claims(job_id=job_id, plan_sha256="c" * 64,
+                             inputs={"inputs_sha256": "b" * 64, "dataset_sha256": "d" * 64}, teacher=None)
+    return state.store.publish(stage_copy(state.store, src), name=name, base_model_sha256=base_info.base_model_sha256,
+                               kind="sft", config={"epochs": 1, "job_id": job_id}, inputs_sha256="b" * 64,
+                               parent_revision=None, base_model_dir=base_info, receipt=claims)
+
+
+def _cli_verify(state, target: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "adapters", "verify", target], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "KILN_HOME": str(state.store.root.parent)})
+
+
+def test_a_fifo_in_place_of_a_receipt_never_blocks_the_server(client, server, make_lora, base_info):
+    """Item 1 of issue 45: a FIFO where kiln-receipt.json belongs used to block every reader forever (the list,
+    the receipt route, `kiln adapters verify`) until the server's threads ran out. Now each answers at once,
+    the adapter is marked unverified with the reason, and the server keeps answering everything else."""
+    import os
+
+    _url, state = server
+    fifo = _publish_trained(state, base_info, make_lora(seed=71), "fifo-receipt", "job-0000000000000071")
+    good = _publish_trained(state, base_info, make_lora(seed=72), "good-receipt", "job-0000000000000072")
+    receipt = fifo.path / "kiln-receipt.json"
+    receipt.unlink()
+    os.mkfifo(receipt, 0o600)
+    try:
+        for _ in range(45):  # more requests than the server has threads: none may be left stuck
+            listed = {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}
+        bad = listed["fifo-receipt"]
+        assert bad["verified"] is False and "not a regular file" in bad["error"], bad
+        assert bad["receipt"]["verified"] is False and bad["revision"] == fifo.revision
+        assert listed["good-receipt"]["verified"] is True and listed["good-receipt"]["error"] is None
+        one = client.get("/v1/adapters/fifo-receipt")
+        assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"]
+        body = _error(client.get("/v1/adapters/fifo-receipt/receipt"), 500, "adapter_integrity")
+        assert "kiln-receipt.json is not a regular file" in body["message"]
+        assert client.get(f"/v1/adapters/good-receipt/receipt?revision={good.revision}").status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/v1/models").status_code == 200
+        cli = _cli_verify(state, "fifo-receipt")
+        assert cli.returncode == 1 and "not a regular file" in cli.stderr, cli.stdout + cli.stderr
+        assert "Traceback" not in cli.stderr
+    finally:
+        try:  # a reader the old code left blocked in open() is freed by a writer
+            os.close(os.open(receipt, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert client.delete("/v1/adapters/fifo-receipt").status_code == 200
+    assert client.delete("/v1/adapters/good-receipt").status_code == 200
