@@ -362,3 +362,39 @@ def test_a_fifo_in_place_of_a_receipt_never_blocks_the_server(client, server, ma
             pass
     assert client.delete("/v1/adapters/fifo-receipt").status_code == 200
     assert client.delete("/v1/adapters/good-receipt").status_code == 200
+
+
+def test_one_damaged_adapter_is_marked_and_the_rest_are_listed(client, server, make_lora, base_info):
+    """Item 5 of issue 45: a receipt that is a directory turned GET /v1/adapters into a 500 and dropped
+    GET /v1/adapters/{name}; a damaged manifest hid every adapter. Now each damaged one is listed with
+    ``verified: false`` and the reason, the others as before, the CLI says why and exits 1, and the damaged
+    adapter can still be deleted."""
+    _url, state = server
+    dir_receipt = _publish_trained(state, base_info, make_lora(seed=81), "dir-receipt", "job-0000000000000081")
+    torn = _publish_trained(state, base_info, make_lora(seed=82), "torn-manifest", "job-0000000000000082")
+    fine = _publish_trained(state, base_info, make_lora(seed=83), "fine-one", "job-0000000000000083")
+    receipt = dir_receipt.path / "kiln-receipt.json"
+    receipt.unlink()
+    receipt.mkdir()
+    (torn.path / MANIFEST_FILE).write_bytes(b'{"schema": "kiln.adapter-manifest.v1", "name": ')
+    resp = client.get("/v1/adapters")
+    assert resp.status_code == 200, resp.text
+    listed = {a["name"]: a for a in resp.json()["data"]}
+    assert listed["dir-receipt"]["verified"] is False and "not a regular file" in listed["dir-receipt"]["error"]
+    assert listed["dir-receipt"]["revision"] == dir_receipt.revision
+    assert listed["torn-manifest"]["verified"] is False and listed["torn-manifest"]["revision"] is None
+    assert "not valid JSON" in listed["torn-manifest"]["error"], listed["torn-manifest"]
+    assert listed["fine-one"]["verified"] is True and listed["fine-one"]["revision"] == fine.revision
+    one = client.get("/v1/adapters/torn-manifest")
+    assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"] is None
+    one = client.get("/v1/adapters/dir-receipt")
+    assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"]["name"] == "dir-receipt"
+    _error(client.get("/v1/adapters/dir-receipt/receipt"), 500, "adapter_integrity")
+    _error(client.post("/v1/adapters/torn-manifest/load"), 500, "adapter_integrity")
+    for name, why in (("dir-receipt", "not a regular file"), ("torn-manifest", "not valid JSON")):
+        cli = _cli_verify(state, name)
+        assert cli.returncode == 1 and why in cli.stderr and "verify failed" in cli.stderr, cli.stderr
+        assert "Traceback" not in cli.stderr
+    for name in ("dir-receipt", "torn-manifest", "fine-one"):
+        assert client.delete(f"/v1/adapters/{name}").status_code == 200, name
+    assert not {"dir-receipt", "torn-manifest", "fine-one"} & {a["name"] for a in client.get("/v1/adapters").json()["data"]}
