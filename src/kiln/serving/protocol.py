@@ -385,6 +385,7 @@ class HealthResponse(_Response):
     admitting: int = 0  # generation requests being parsed and rendered, not yet submitted
     adapters: dict[str, str]
     adapters_not_restored: list[dict[str, str]] = []  # served before the restart, not restored: name, revision, error
+    served_set_error: str | None = None  # why <adapters>/.served.json was ignored or cannot be written
     default_adapter: dict[str, str | bool | None] | None = None  # name, revision, serving, served_revision
     ownership: dict[str, float | int | bool]
     training_attached: bool
