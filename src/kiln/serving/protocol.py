@@ -229,6 +229,10 @@ class _Sampling(_Request):
     guided_choice: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]],
                              Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = Field(
         None, description="vLLM: the output is exactly one of these strings")
+    allow_additional_properties: bool = Field(
+        False, description="Kiln: false (default): a JSON schema (response_format, guided_json, forced tool_choice) "
+        "is strict: objects that do not say additionalProperties admit only their listed properties and prefixItems "
+        "arrays no further items, as vLLM's default backend (xgrammar) decodes; true: JSON Schema's open objects")
 
     def ignored_fields(self) -> list[str]:
         """The accepted-and-ignored OpenAI fields this request set (see ``IGNORED_FIELDS``)."""
@@ -414,6 +418,10 @@ class EffectiveLimits(_Response):
     compile_decode: dict[str, Any] | None = Field(None, description="batching.compile_decode requested and "
                                                   "effective, and the compiler's error when a bucket failed to "
                                                   "compile (the engine then decodes eagerly)")
+    tool_call_parser: str | None = Field(None, description="the tool-call parser in force (serving.tool_call_parser; "
+                                         "auto resolved by the chat template's family)")
+    reasoning_parser: str | None = Field(None, description="the reasoning parser in force, null for none "
+                                         "(serving.reasoning_parser; auto resolved by the chat template's family)")
 
 
 class ConfigResponse(_Response):
