@@ -205,3 +205,26 @@ def summary(probes: ProbeSet, answers: Sequence[Sequence[int]], per_probe_kl: Se
 
 def _cut(s: str) -> str:
     return s if len(s) <= MAX_EXAMPLE_CHARS else s[: MAX_EXAMPLE_CHARS - 1] + "\u2026"
+
+
+def job_locality(peft_model: Any, adapter: str, loaded: Any, engine: Any, section: Any, request: dict[str, Any],
+                 exclusive: Callable[[], Any]) -> dict[str, Any] | None:
+    """A training job's locality figures (``adapter``: its private adapter in ``peft_model``), or None when the
+    server's ``section`` (``settings.locality``) or the job's ``request`` (its ``locality`` field) turns the
+    measure off. ``exclusive``: the job's exclusive-ownership context (the probes run under it)."""
+    from kiln.training.templates import end_of_turn_ids
+
+    if not section.measure or not request.get("measure", True):
+        return None
+    tok = loaded.tokenizer
+    end_ids = sorted(end_of_turn_ids(tok, getattr(loaded.model, "generation_config", None)))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+    codec = text_codec(tok, engine)
+    t0 = time.perf_counter()
+    with exclusive():
+        probes = probe_set(peft_model, codec, base_model_sha256=loaded.base_model_sha256, probes=section.probes,
+                           max_tokens=section.max_tokens, seed=section.seed,
+                           user_prompts=request.get("prompts") or (), pad_id=pad_id, end_ids=end_ids)
+        figures = measure(peft_model, adapter, probes, codec, max_tokens=section.max_tokens, pad_id=pad_id,
+                          end_ids=end_ids)
+    return figures | {"seconds": round(time.perf_counter() - t0, 4)}
