@@ -18,20 +18,18 @@ from typing import Any
 
 from kiln.errors import Conflict
 
-BELOW = "locality_below_threshold"
-NOT_MEASURED = "locality_not_measured"
 HINT = ("the job's adapter changed what the model answers away from what it was taught; lower learning_rate, "
         "train fewer steps or add rehearsal, or admit it anyway with the job's locality.override = true "
         "(docs/adapters.md, \"Locality guard\")")
 
 
 class LocalityBelowThreshold(Conflict):
-    code = BELOW
+    code = "locality_below_threshold"
     default_hint = HINT
 
 
 class LocalityNotMeasured(Conflict):
-    code = NOT_MEASURED
+    code = "locality_not_measured"
     default_hint = ("the guard needs the job's locality; leave locality.measure on, or admit the adapter with "
                     "locality.override = true")
 
@@ -94,3 +92,6 @@ def guard_verdict(locality: dict[str, Any] | None, policy: GuardPolicy, *, overr
     except (LocalityBelowThreshold, LocalityNotMeasured) as exc:
         verdict.update(admitted=override, code=exc.code, reason=exc.message)
     return verdict
+
+
+BELOW, NOT_MEASURED = LocalityBelowThreshold.code, LocalityNotMeasured.code
