@@ -56,6 +56,7 @@ from kiln.adapters.receipt import (
     bind,
     check_receipt,
     claims_sha256,
+    locality_summary,
     read_receipt,
     store_receipt,
 )
@@ -547,20 +548,21 @@ class AdapterStore:
     def receipt_summary(self, record: AdapterRecord) -> dict[str, Any] | None:
         """What a listing shows of the revision's receipt: None for a kind without one (upload, merge), else
         ``verified`` and, when it binds, the job, the teacher's fingerprint (OPD's kiln-teacher-v1, KD's capture
-        teacher digest) and the gate verdict;
+        teacher digest), the gate verdict and the locality figures (:func:`kiln.adapters.receipt.locality_summary`;
+        None in receipts written before jobs measured it);
         when it does not, ``error`` naming why (:meth:`verify_receipt`)."""
         try:
             body = self.verify_receipt(record)
         except AdapterIntegrityError as exc:
             return {"verified": False, "error": exc.message, "job_id": None, "teacher_fingerprint": None,
-                    "gate": None}
+                    "gate": None, "locality": None}
         if body is None:
             return None
         teacher = body.get("teacher") if isinstance(body.get("teacher"), dict) else {}
         gate = body.get("gate") if isinstance(body.get("gate"), dict) else {}
         return {"verified": True, "error": None, "job_id": body.get("job_id"),
                 "teacher_fingerprint": teacher.get("fingerprint") or teacher.get("fingerprint_sha256"),
-                "gate": gate.get("verdict")}
+                "gate": gate.get("verdict"), "locality": locality_summary(body.get("locality"))}
 
     def record_gate(self, name: str, revision: str, verdict: dict[str, Any]) -> None:
         """Add a post-train gate's verdict to the revision's receipt (one atomic rewrite, under the lock)."""

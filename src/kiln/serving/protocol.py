@@ -466,11 +466,15 @@ class ReceiptSummary(_Response):
     teacher_fingerprint: str | None = Field(description="OPD: the kiln-teacher-v1 fingerprint; KD: the capture "
                                                         "teacher's digest")
     gate: str | None = Field(description="the post-train gate's verdict recorded in the receipt")
+    locality: dict[str, Any] | None = Field(
+        None, description="the job's locality figures (probes, unchanged, unchanged_fraction, kl_mean, degenerate, "
+                          "base_degenerate, error) and the locality guard's verdict (admitted, code, override); "
+                          "None when not measured (docs/training.md, \"Locality\")")
 
 
 class TrainingReceipt(BaseModel):
     """``kiln.training-receipt.v1`` (docs/adapters.md): job, plan and inputs digests, teacher, code, the
-    revision it binds to, the gate verdict."""
+    revision it binds to, the gate verdict, the adapter's locality."""
 
     model_config = ConfigDict(extra="forbid")
     schema_: str = Field(alias="schema")
@@ -481,6 +485,7 @@ class TrainingReceipt(BaseModel):
     teacher: dict[str, Any] | None
     code: dict[str, Any]
     gate: dict[str, Any] | None
+    locality: dict[str, Any] | None = None  # jobs that measured it (kiln.training.locality)
 
 
 class AdapterInfo(_Response):
