@@ -100,7 +100,8 @@ def locality_summary(locality: Any) -> dict[str, Any] | None:
     ``override`` (None when the receipt has none: written before jobs measured it, or the measure was off)."""
     if not isinstance(locality, dict) or locality.get("measured") is False:
         return None
-    guard = locality.get("guard") if isinstance(locality.get("guard"), dict) else {}
+    raw_guard = locality.get("guard")
+    guard = raw_guard if isinstance(raw_guard, dict) else {}
     return {**{k: locality.get(k) for k in LOCALITY_SUMMARY}, "error": locality.get("error"),
             "guard": {k: guard.get(k) for k in ("admitted", "code", "override")}}
 
