@@ -55,7 +55,7 @@ from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 if TYPE_CHECKING:
     from kiln.config import Settings
     from kiln.runtime.engine import Engine
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
 log = logging.getLogger("kiln.openenv")
 

@@ -1,7 +1,7 @@
 """Wire models for ``/v1/train/*`` requests (pydantic only; no torch).
 
 Every field is bounded here; cross-field checks that need the model (token
-lengths, target modules, the adapter store) happen in :mod:`kiln.training.service`.
+lengths, target modules, the adapter store) happen in :mod:`kiln.training.queue.service`.
 """
 
 from __future__ import annotations
