@@ -149,7 +149,7 @@ def test_sft_reasoning_loss_false_masks_the_think_span():
     with reasoning_loss (the default) both carry loss; without it only the answer (and the end of turn)."""
     from transformers import AutoTokenizer
 
-    from kiln.training.data import tokenize_sft
+    from kiln.training.core.data import tokenize_sft
     from kiln.training.schemas import SFTExample
 
     tok = AutoTokenizer.from_pretrained(scripted_qwen3_dir())

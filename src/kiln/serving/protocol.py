@@ -371,6 +371,7 @@ class HealthResponse(_Response):
     admitting: int = 0  # generation requests being parsed and rendered, not yet submitted
     adapters: dict[str, str]
     adapters_not_restored: list[dict[str, str]] = []  # served before the restart, not restored: name, revision, error
+    served_set_error: str | None = None  # why <adapters>/.served.json was ignored or cannot be written
     default_adapter: dict[str, str | bool | None] | None = None  # name, revision, serving, served_revision
     ownership: dict[str, float | int | bool]
     training_attached: bool
@@ -447,11 +448,15 @@ class ReceiptSummary(_Response):
     teacher_fingerprint: str | None = Field(description="OPD: the kiln-teacher-v1 fingerprint; KD: the capture "
                                                         "teacher's digest")
     gate: str | None = Field(description="the post-train gate's verdict recorded in the receipt")
+    locality: dict[str, Any] | None = Field(
+        None, description="the job's locality figures (probes, unchanged, unchanged_fraction, kl_mean, degenerate, "
+                          "base_degenerate, error) and the locality guard's verdict (admitted, code, override); "
+                          "None when not measured (docs/training.md, \"Locality\")")
 
 
 class TrainingReceipt(BaseModel):
     """``kiln.training-receipt.v1`` (docs/adapters.md): job, plan and inputs digests, teacher, code, the
-    revision it binds to, the gate verdict."""
+    revision it binds to, the gate verdict, the adapter's locality."""
 
     model_config = ConfigDict(extra="forbid")
     schema_: str = Field(alias="schema")
@@ -462,6 +467,7 @@ class TrainingReceipt(BaseModel):
     teacher: dict[str, Any] | None
     code: dict[str, Any]
     gate: dict[str, Any] | None
+    locality: dict[str, Any] | None = None  # jobs that measured it (kiln.training.core.locality)
 
 
 class AdapterInfo(_Response):

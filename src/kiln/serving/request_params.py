@@ -109,6 +109,7 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
     comp = grammar_compiler(state)
     strict = _strictly if not req.allow_additional_properties else (lambda schema: schema)
     if asked[0] == "tool_choice":
+        assert forced is not None  # asked[0] names a field that was given
         tools, parallel = forced
         parser = tool_parser(state)
         return (lambda: comp.lark(parser.forcing_grammar(

@@ -89,6 +89,8 @@ async def health(request: Request) -> JSONResponse:
         "adapters": engine.active_adapters(),
         # served before the last restart but not restored (deleted, no longer verifying, another base): why
         "adapters_not_restored": state.adapters_not_restored,
+        # why the saved served set (<adapters>/.served.json) was ignored at start-up or cannot be written
+        "served_set_error": state.served.problem if state.served is not None else None,
         "default_adapter": default_adapter.describe(state)["default"],  # requests naming the base model get it
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
