@@ -104,7 +104,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     assert job["kind"] == "kd"
     res = job["result"]
     rep = res["report"]
-    assert res["activated"] is True
+    assert res["activated"] is True, res
     assert rep["steps"] == 8 and rep["total_steps"] == 8 and math.isfinite(rep["final_loss"])
     assert [s["action"] for s in rep["shards"]] == ["trained", "trained"]
 

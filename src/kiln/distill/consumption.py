@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from kiln.canonical import atomic_write_bytes, canonical_json_bytes, strict_json_loads
+from kiln.canonical import atomic_write_bytes, canonical_json_bytes, read_regular_file, strict_json_loads
 from kiln.distill.contract import Plan
 from kiln.distill.errors import LedgerError
-from kiln.distill.ledger import Ledger
+from kiln.distill.ledger import MAX_LEDGER_BYTES, Ledger
 from kiln.distill.paths import read_bytes_nofollow
 
 __all__ = ["CONSUMPTION_DIRNAME", "ROWS_SCHEMA", "consumption_dir", "artifact_ledger", "adopt_legacy_ledger"]
@@ -112,7 +112,7 @@ class ArtifactLedger(Ledger):
             ledger_path = self.base / f"{other['transaction_id']}.jsonl"
             if not ledger_path.exists():
                 continue
-            raw = read_bytes_nofollow(self.base, ledger_path.name, max_bytes=1 << 26)
+            raw = read_bytes_nofollow(self.base, ledger_path.name, max_bytes=MAX_LEDGER_BYTES)
             events = [strict_json_loads(line) for line in raw.splitlines() if line]
             state = events[-1]["next_state"] if events else "available"
             committed = any(e.get("checkpoint_sha256") for e in events)
@@ -125,11 +125,12 @@ class ArtifactLedger(Ledger):
                 )
 
     def _append(self, **fields: object):  # type: ignore[no-untyped-def]
-        if fields["next_state"] != "reserved":
-            return super()._append(**fields)
+        # Every append runs under the root's lock, so two consumers never interleave a read and a write
+        # of one ledger; a reservation also claims its rows there.
         with _root_lock(self.base):
-            self._write_rows()
-            self._check_rows_unclaimed()
+            if fields["next_state"] == "reserved":
+                self._write_rows()
+                self._check_rows_unclaimed()
             return super()._append(**fields)
 
 
@@ -141,12 +142,12 @@ def adopt_legacy_ledger(legacy: Path, ledger_path: Path) -> None:
     """
     if not legacy.is_file() or legacy.is_symlink():
         return
-    old = legacy.read_bytes()
+    old = read_regular_file(legacy, MAX_LEDGER_BYTES)
     if not ledger_path.exists():
         ledger_path.parent.mkdir(exist_ok=True)
         atomic_write_bytes(ledger_path, old)
         return
-    if not ledger_path.read_bytes().startswith(old):
+    if not read_regular_file(ledger_path, MAX_LEDGER_BYTES).startswith(old):
         raise LedgerError(
             f"{legacy} (a ledger from an older Kiln) records consumption that the capture's ledger {ledger_path} "
             "does not; reconcile them by hand before training"
