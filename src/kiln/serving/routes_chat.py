@@ -31,6 +31,7 @@ from kiln.serving.generation import (
     check_fits,
     check_limits,
     check_request,
+    check_rows,
     collect,
     include_usage,
     max_tokens_for,
@@ -144,6 +145,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
         raise InvalidRequest("top_logprobs requires logprobs=true", code="invalid_request", hint="set logprobs to true")
     logprobs = (top or 0) if body.logprobs else None
     check_limits(state, body, logprobs, body.stop_list())
+    check_rows(state, body.n, f"n={body.n}", "n")
     check_tools(body)
     parser = tool_parser(state) if tools_on(body) else None
     reasoner = reasoning_parser(state)
