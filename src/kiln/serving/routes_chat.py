@@ -97,6 +97,16 @@ def template_messages(messages) -> list[dict[str, Any]]:
     return out
 
 
+def rendered_chars(wire_messages, messages: list[dict[str, Any]]) -> int:
+    """Characters of every field the template renders (content, reasoning_content, tool-call names and
+    arguments, tool_call_id): what decides whether rendering and tokenizing leave the event loop."""
+    size = 0
+    for wire, m in zip(wire_messages, messages):
+        size += len(m["content"]) + len(m.get("reasoning_content") or "") + len(m.get("tool_call_id") or "")
+        size += sum(len(c.function.name) + len(c.function.arguments) for c in wire.tool_calls or ())
+    return size
+
+
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
@@ -116,7 +126,7 @@ async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
     chats are rendered and tokenized off the event loop."""
     check_messages(state, req.messages)
     messages = template_messages(req.messages)
-    size = sum(len(m["content"]) for m in messages)
+    size = rendered_chars(req.messages, messages)
     tools = _template_tools(req)
     engine = state.engine
     big = bool(tools) or bool(req.chat_template_kwargs) or size > LARGE_PROMPT_CHARS
