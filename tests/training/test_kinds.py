@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kiln.canonical import canonical_json_bytes, domain_digest
-from kiln.training import kinds
-from kiln.training.kd_schemas import KDRequest
-from kiln.training.opd_schemas import OPDRequest
-from kiln.training.plan import INPUTS_DOMAIN, PLAN_DOMAIN, RUN_ONLY_FIELDS, seal_plan
+from kiln.training.core.plan import INPUTS_DOMAIN, PLAN_DOMAIN, RUN_ONLY_FIELDS, seal_plan
+from kiln.training.kd.schemas import KDRequest
+from kiln.training.opd.schemas import OPDRequest
+from kiln.training.queue import kinds
 from kiln.training.schemas import GRPORequest, SFTRequest
 
 MSGS = [{"role": "user", "content": "q"}]
@@ -43,12 +43,13 @@ def test_dispatch_picks_the_kind_by_schema_and_request_and_runs_plans_by_payload
 
 
 def test_seal_plan_is_the_documented_digest():
-    eff = {"adapter": "a", "epochs": 2, "auto_load": True, "resume_from_job": None, "checkpoint_interval": 0}
+    eff = {"adapter": "a", "epochs": 2, "auto_load": True, "resume_from_job": None, "checkpoint_interval": 0,
+           "locality": {"override": True}}
     inputs = [{"messages": MSGS}]
     inputs_sha, plan_sha = seal_plan("sft", eff, inputs, "e" * 64)
     assert inputs_sha == domain_digest(INPUTS_DOMAIN, b"sft", canonical_json_bytes(inputs))
     config = {"adapter": "a", "epochs": 2}  # the run-only fields are left out
-    assert set(RUN_ONLY_FIELDS) == {"auto_load", "resume_from_job", "checkpoint_interval"}
+    assert set(RUN_ONLY_FIELDS) == {"auto_load", "resume_from_job", "checkpoint_interval", "locality"}
     assert plan_sha == domain_digest(PLAN_DOMAIN, canonical_json_bytes(
         {"kind": "sft", "config": config, "inputs_sha256": inputs_sha, "base_model_sha256": "e" * 64}))
     assert (eff["inputs_sha256"], eff["plan_sha256"]) == (inputs_sha, plan_sha)

@@ -25,6 +25,7 @@ status 137 at that step, so tests can kill publication at every step for real.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import os
@@ -56,6 +57,7 @@ from kiln.adapters.receipt import (
     bind,
     check_receipt,
     claims_sha256,
+    locality_summary,
     read_receipt,
     store_receipt,
 )
@@ -481,7 +483,7 @@ class AdapterStore:
     def list(self) -> list[AdapterRecord]:
         return self.scan()[0]
 
-    def scan(self) -> tuple[list[AdapterRecord], list[dict[str, str]]]:
+    def scan(self) -> tuple[builtins.list[AdapterRecord], builtins.list[dict[str, str]]]:
         """Every stored adapter at HEAD, and apart from them each one whose HEAD or manifest cannot be read
         (``{"name", "error"}``: a FIFO or directory in a file's place, damaged JSON): one damaged adapter
         never hides the rest."""
@@ -547,20 +549,21 @@ class AdapterStore:
     def receipt_summary(self, record: AdapterRecord) -> dict[str, Any] | None:
         """What a listing shows of the revision's receipt: None for a kind without one (upload, merge), else
         ``verified`` and, when it binds, the job, the teacher's fingerprint (OPD's kiln-teacher-v1, KD's capture
-        teacher digest) and the gate verdict;
+        teacher digest), the gate verdict and the locality figures (:func:`kiln.adapters.receipt.locality_summary`;
+        None in receipts written before jobs measured it);
         when it does not, ``error`` naming why (:meth:`verify_receipt`)."""
         try:
             body = self.verify_receipt(record)
         except AdapterIntegrityError as exc:
             return {"verified": False, "error": exc.message, "job_id": None, "teacher_fingerprint": None,
-                    "gate": None}
+                    "gate": None, "locality": None}
         if body is None:
             return None
         teacher = body.get("teacher") if isinstance(body.get("teacher"), dict) else {}
         gate = body.get("gate") if isinstance(body.get("gate"), dict) else {}
         return {"verified": True, "error": None, "job_id": body.get("job_id"),
                 "teacher_fingerprint": teacher.get("fingerprint") or teacher.get("fingerprint_sha256"),
-                "gate": gate.get("verdict")}
+                "gate": gate.get("verdict"), "locality": locality_summary(body.get("locality"))}
 
     def record_gate(self, name: str, revision: str, verdict: dict[str, Any]) -> None:
         """Add a post-train gate's verdict to the revision's receipt (one atomic rewrite, under the lock)."""

@@ -134,7 +134,7 @@ def check_finite(path: Path, tensors: dict[str, TensorInfo]) -> None:
             if t.end == t.start:
                 continue
             view_dtype, mask = _FLOAT_BITS[t.dtype]
-            bits = data[t.start:t.end].view(view_dtype)
+            bits: Any = data[t.start:t.end].view(view_dtype)
             bad = np.count_nonzero((bits & mask) == mask)
             if bad:
                 raise InvalidAdapter(

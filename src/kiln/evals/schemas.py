@@ -33,7 +33,8 @@ MAX_CODE_MEMORY_MB = 2_048
 SUITE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^eval-[0-9a-f]{16}$")
 REVISION_RE = re.compile(r"^[0-9a-f]{64}$")
-SUITE_NAME_SCHEMA = {"pattern": SUITE_NAME_RE.pattern, "maxLength": 64}  # published in /openapi.json
+SUITE_NAME_SCHEMA: dict[str, Any] = {"pattern": SUITE_NAME_RE.pattern, "maxLength": 64}  # published in /openapi.json
+RUN_ID_SCHEMA: dict[str, Any] = {"pattern": RUN_ID_RE.pattern}
 
 
 def _check_suite_name(v: str) -> str:
@@ -260,7 +261,7 @@ class CompareRequest(_SuiteChoice):
 
 
 class ReplayRequest(_Wire):
-    run_id: str = Field(json_schema_extra={"pattern": RUN_ID_RE.pattern})
+    run_id: str = Field(json_schema_extra=RUN_ID_SCHEMA)
 
     @field_validator("run_id")
     @classmethod

@@ -48,7 +48,7 @@ from kiln.evals.store import (
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterStore
     from kiln.config import Settings
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.loader import LoadedModel
 
 log = logging.getLogger("kiln.evals")
@@ -71,7 +71,7 @@ class EvalQueueFull(Unavailable):
 class EvalService(Evaluation):
     """Suites on disk, runs in SQLite, one FIFO worker thread. Built by the app, started in its lifespan."""
 
-    def __init__(self, *, engine: Engine, store: AdapterStore, settings: Settings, model: LoadedModel,
+    def __init__(self, *, engine: ServingEngine, store: AdapterStore, settings: Settings, model: LoadedModel,
                  registry: Any = None):
         from kiln.evals.metrics import EvalMetrics
 
@@ -258,7 +258,7 @@ class EvalService(Evaluation):
             return
         resolved = self._resolve(target)
         if self.memory is not None:  # 507 when its private load can never fit, 409 while reservations are in the way
-            from kiln.training.memory_estimate import adapter_parts
+            from kiln.training.core.memory_estimate import adapter_parts
 
             assert resolved.path is not None and resolved.revision is not None
             self.memory.check("adapter", "eval-submission", adapter_parts(resolved.path),

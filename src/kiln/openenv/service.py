@@ -57,8 +57,8 @@ from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 
 if TYPE_CHECKING:
     from kiln.config import Settings
-    from kiln.runtime.engine import Engine
-    from kiln.training.service import TrainingService
+    from kiln.runtime.serving_engine import ServingEngine
+    from kiln.training.queue.service import TrainingService
 
 log = logging.getLogger("kiln.openenv")
 
@@ -91,7 +91,7 @@ class EnvironmentIdentityChanged(Conflict):
 class OpenEnvService:
     """Runs under ``<adapters>/.openenv/runs``; ``start()`` starts the workers, ``close()`` stops them."""
 
-    def __init__(self, *, engine: Engine, trainer: TrainingService | None, settings: Settings, registry: Any = None):
+    def __init__(self, *, engine: ServingEngine, trainer: TrainingService | None, settings: Settings, registry: Any = None):
         self.engine, self.trainer, self.settings = engine, trainer, settings
         self.metrics = OpenEnvMetrics(registry)
         self.cfg = settings.openenv

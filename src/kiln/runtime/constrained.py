@@ -72,7 +72,7 @@ class GrammarTooComplex(InvalidRequest):
 def _allowed_tokens(m: Any, vocab_size: int) -> np.ndarray:
     """The token IDs matcher ``m`` allows next (one mask computation)."""
     words = (vocab_size + 31) // 32
-    mask = np.zeros(words, dtype=np.int32)
+    mask: Any = np.zeros(words, dtype=np.int32)
     m.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
     return np.flatnonzero(np.unpackbits(mask.view(np.uint8), count=vocab_size, bitorder="little"))
 
@@ -348,7 +348,7 @@ class RowConstraint:
         elif self._m.is_stopped():  # done (or broken: is_stopped includes errors): only an end token
             self._note_error()
             if self._done_words is None:
-                words = np.zeros(self._words, dtype=np.uint32)
+                words: Any = np.zeros(self._words, dtype=np.uint32)
                 for e in self._eos:
                     if 0 <= e < 32 * self._words:
                         words[e // 32] |= np.uint32(1 << (e % 32))
@@ -370,7 +370,7 @@ class RowConstraint:
         the row's generated tokens so far), in ascending row order."""
         rows, vocab = logits.shape
         words = max(c._words for _, c, _ in items)
-        bitmask = np.zeros((len(items), words), dtype=np.int32)
+        bitmask: Any = np.zeros((len(items), words), dtype=np.int32)
         base = bitmask.ctypes.data  # once: ndarray.ctypes costs microseconds
         for j, (_, c, generated) in enumerate(items):
             c._settle(generated)
@@ -428,7 +428,7 @@ def _advance(batch: Sequence[tuple[RowConstraint, int]]) -> None:
     if not live:
         return
     words = live[0]._words
-    bitmask = np.empty((len(live), words), dtype=np.int32)
+    bitmask: Any = np.empty((len(live), words), dtype=np.int32)
     base = bitmask.ctypes.data
     for j, c in enumerate(live):
         c._m.unsafe_compute_mask_ptr(base + 4 * words * j, 4 * words)

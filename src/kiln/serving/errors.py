@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import json
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, MutableMapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,7 +106,7 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
                           param=params[0] if params else None)
 
 
-def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> str:
+def allowed_methods(app: FastAPI, scope: MutableMapping[str, Any]) -> str:
     """Every method some route serves at ``scope``'s path (``/v1/adapters/merge`` is both the merge
     route, POST, and ``/v1/adapters/{name}``, GET and DELETE), for a 405's ``Allow``. A route whose path
     parameter's published pattern (:mod:`kiln.serving.path_params`) rejects the segment does not serve
@@ -122,13 +122,13 @@ def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> str:
 
     methods: set[str] = set()
     for route in leaves(app.router.routes):
-        route_methods = getattr(route, "methods", None)
+        route_methods: set[str] = set(getattr(route, "methods", None) or ())
         match, child = route.matches(scope) if route_methods else (Match.NONE, {})
         if match not in (Match.FULL, Match.PARTIAL):
             continue
         values = child.get("path_params", {})  # a parameter that can never be this segment: not this path's route
         if all(p.fullmatch(str(values.get(name, ""))) for name, p in path_param_patterns(route).items()):
-            methods |= set(route_methods)
+            methods |= route_methods
     return ", ".join(sorted(methods))
 
 

@@ -16,6 +16,7 @@ from kiln.runtime import request_trace
 from kiln.runtime.request_trace import RequestTrace
 from kiln.serving import default_adapter
 from kiln.serving.request_log import NOT_LOGGED
+from kiln.serving.request_params import reasoning_parser, tool_parser
 
 router = APIRouter()
 
@@ -122,6 +123,9 @@ async def config(request: Request) -> JSONResponse:
             "prefix_cache": getattr(state.engine, "prefix_cache", None),
             # batching.compile_decode as requested and as used (a bucket that fails to compile turns it off)
             "compile_decode": getattr(state.engine, "compile_decode", None),
+            # serving.tool_call_parser / reasoning_parser as resolved (auto: by the chat template's family)
+            "tool_call_parser": tool_parser(state).name,
+            "reasoning_parser": getattr(reasoning_parser(state), "name", None),
         },
     })
 
