@@ -20,6 +20,7 @@ import pytest
 from kiln.serving.tool_parsers import Llama3JsonParser, MistralParser, get_tool_parser, tool_parser_for
 from tests.realtok import real_model_dir
 from tests.serving.conftest import start_server, stop_server
+from tests.serving.test_strict_structured_output import SLOW_COMPILE_OK
 
 # Llama 3.1's tool-calling layout: tools described in the first user turn, a custom-tool call written as
 # {"name": ..., "parameters": ...}, built-in tools after <|python_tag|>, tool results in the ipython role.
@@ -178,7 +179,8 @@ def test_llama31_rendered_call_decodes_into_tool_calls(llama_model):
 @pytest.fixture(scope="module")
 def llama_server(llama_model, tmp_path_factory):
     srv = start_server(llama_model, tmp_path_factory.mktemp("llama-tools"),
-                       extra_args=["--no-training", "--max-model-len", "2048"], env_extra={}, config=None)
+                       extra_args=["--no-training", "--max-model-len", "2048"], env_extra=SLOW_COMPILE_OK,
+                       config=None)
     yield srv
     stop_server(srv)
 
