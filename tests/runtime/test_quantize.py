@@ -197,3 +197,31 @@ def test_correction_trained_over_the_int8_base_is_learned_and_served(int8_servic
     assert _ask(engine) != CORRECTION  # the base rows are untouched
     assert torch.equal(layer.base_layer.qweight if hasattr(layer, "base_layer") else layer.qweight, before)
     assert svc.store.get("sky").manifest.config["base_representation"] == "int8"
+
+
+def test_hybrid_int8_and_int4_serve_what_transformers_decodes_over_the_same_weights(builtin_model_dir, tmp_path):
+    """A Qwen3.5 hybrid: the Gated DeltaNet projections are quantized too (int4 takes int8 for the
+    per-head ``in_proj_a/b``, whose 4 outputs the int4 packing cannot take); the engine's greedy
+    tokens equal transformers' ``generate`` over the same quantized model."""
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.sampling import SamplingParams
+    from tests.hybrid_models import build_tiny_hybrid
+
+    from .test_hybrid import NEW_TOKENS, reference
+
+    hybrid_dir = build_tiny_hybrid(tmp_path, builtin_model_dir)
+    for mode in ("int8", "int4"):
+        loaded = load_model(hybrid_dir, device="cpu")
+        report = quantize_loaded(loaded, mode, None)
+        attn = loaded.model.model.layers[0].linear_attn
+        assert isinstance(attn.in_proj_qkv, QuantizedLinear) and attn.in_proj_qkv.mode == mode
+        assert isinstance(attn.in_proj_a, QuantizedLinear) and attn.in_proj_a.mode == "int8"
+        assert report.float_layers == 1 and report.probe_kl is not None and report.probe_kl >= 0
+        prompt = [5, 17, 33, 90, 11, 7]
+        engine = Engine(loaded, EngineConfig()).start()
+        try:
+            got = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                                  timeout=120)[0].token_ids
+        finally:
+            engine.stop()
+        assert got == reference(loaded.model, prompt), mode

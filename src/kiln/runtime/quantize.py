@@ -13,7 +13,8 @@ holding only the quantized weight; activations stay in the model's dtype:
 A kernel that is missing (or refuses the model's dtype/device) on this build is detected once with a
 tiny probe call; the layers then multiply by the weight dequantized on the fly, and the effective
 ``kernel`` says ``dequantize``. A layer whose shape the int4 packing cannot take (in-features not a
-multiple of the group) is quantized as int8 instead and counted.
+multiple of the group, out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``) is
+quantized as int8 instead and counted in the report's ``layers``.
 
 :class:`QuantizedLinear` subclasses ``nn.Linear`` (no ``weight`` parameter: ``qweight`` and its scales
 are buffers) so PEFT wraps it as a LoRA ``base_layer``: served rows and training get f32 LoRA over the
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32  # input features per int4 scale/zero
+INT4_N_MULTIPLE = 16  # the CPU int4 packing takes out-features in multiples of this (else: int8)
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's K tiling (1, 2 or 4; the kernel takes any)
 PROBE_TEXTS = (  # fixed, so the KL of two loads of one model compares
     "The quick brown fox jumps over the lazy dog. It was a bright cold day in April,",
@@ -144,6 +146,11 @@ class QuantizedLinear(torch.nn.Linear):
                f"kernel={'aten' if self.kernel else 'dequantize'}"
 
 
+def _int4_fits(lin: torch.nn.Linear) -> bool:
+    """Shapes the CPU int4 packing takes: whole groups of in-features, out-features a multiple of 16."""
+    return lin.in_features % INT4_GROUP == 0 and lin.out_features % INT4_N_MULTIPLE == 0
+
+
 def kernel_available(mode: str, dtype: torch.dtype, device: str) -> bool:
     """Whether ``mode``'s kernel runs for ``dtype`` on ``device`` in this build (one tiny call)."""
     try:
@@ -211,7 +218,7 @@ def quantize_model(model: Any, mode: str, dtype_name: str) -> QuantizationReport
     counts: dict[str, int] = {}
     with torch.no_grad():
         for parent, name, lin in targets:
-            m = mode if mode == "int8" or lin.in_features % INT4_GROUP == 0 else "int8"
+            m = mode if mode == "int8" or _int4_fits(lin) else "int8"
             parent._modules[name] = QuantizedLinear(lin, m, kernels[m])
             counts[m] = counts.get(m, 0) + 1
     float_layers = sum(1 for mod in model.modules() if type(mod) is torch.nn.Linear)
