@@ -25,9 +25,12 @@ def int8_server(builtin_model_dir, tmp_path_factory):
 
 
 def test_identity_names_the_int8_base(int8_server):
-    health = httpx.get(f"{int8_server.base_url}/health", timeout=30).json()
+    from tests.security.openapi_check import checked_client, fetch_checker
+
+    with checked_client(int8_server.base_url, fetch_checker(int8_server.base_url)) as http:  # schema-checked
+        health = http.get("/health").json()
+        config = http.get("/v1/config").json()
     assert health["base_representation"] == "int8" and health["dtype"] == "float32"
-    config = httpx.get(f"{int8_server.base_url}/v1/config", timeout=30).json()
     assert config["settings"]["model.quantize"] == {"value": "int8", "source": "cli"}
     assert config["settings"]["model.quantize_max_kl"]["source"] == "env"
     quant = config["effective"]["quantization"]
