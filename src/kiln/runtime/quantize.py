@@ -153,10 +153,12 @@ def _int4_fits(lin: torch.nn.Linear) -> bool:
 
 def kernel_available(mode: str, dtype: torch.dtype, device: str) -> bool:
     """Whether ``mode``'s kernel runs for ``dtype`` on ``device`` in this build (one tiny call)."""
+    g = torch.Generator().manual_seed(0)  # the caller's RNG state is left alone
     try:
-        lin = torch.nn.Linear(64, 16, bias=False).to(device, dtype)
+        lin = torch.nn.Linear(64, 16, bias=False, device="meta")
+        lin.weight = torch.nn.Parameter(torch.randn(16, 64, generator=g).to(device, dtype), requires_grad=False)
         layer = QuantizedLinear(lin, mode, kernel=True)
-        x = torch.randn(3, 64, dtype=dtype, device=device)
+        x = torch.randn(3, 64, generator=g).to(device, dtype)
         ref = F.linear(x, layer.dequantized())
         return bool(torch.allclose(layer._matmul(x), ref, atol=1e-2, rtol=1e-2))
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
