@@ -89,7 +89,9 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     every action of every episode, each with the conversation before it, and the mean return rises."""
     server, home = kiln
     base = server.base_url
-    train = {"adapter": "oe-guess", "learning_rate": 0.02, "epochs": 8, "lora_rank": 8, "auto_load": True}
+    train = {"adapter": "oe-guess", "learning_rate": 0.02, "epochs": 8, "lora_rank": 8, "auto_load": True,
+             # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
+             "locality": {"override": True}}
     body = _body(env_servers["counter"], "oe-guess", groups=4, group_size=8, max_steps=STEPS, training=train)
     r = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)
     assert r.status_code == 202, r.text
@@ -269,7 +271,7 @@ def test_fifo_queue_position_cancel_and_bound(kiln, env_servers):
 
 
 def _train(base, adapter, answer):
-    body = {"adapter": adapter, "auto_load": True, "epochs": 1,
+    body = {"adapter": adapter, "auto_load": True, "epochs": 1, "locality": {"override": True},
             "examples": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}]}
     r = httpx.post(f"{base}/v1/train/sft", json=body, timeout=60)
     assert r.status_code == 202, r.text

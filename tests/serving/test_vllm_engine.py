@@ -351,7 +351,8 @@ def test_correction_served_through_vllm_lora_then_swapped_and_deleted(vllm_serve
     before, _ = _chat(c, base)
     assert before != CORRECTION
     t0 = time.monotonic()
-    r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
+    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
+    r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION) | {"locality": {"override": True}})
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"])
     assert job["state"] == "succeeded", job["error"]
@@ -372,7 +373,7 @@ def test_correction_served_through_vllm_lora_then_swapped_and_deleted(vllm_serve
     # hot swap with a row in flight: revision 2 is trained without serving it, a long stream starts on
     # revision 1, then revision 2 is served; the stream ends on revision 1 (its own LoRA name in vLLM), new
     # requests get revision 2, and afterwards only revision 2 stays loaded in vLLM
-    body2 = correction_body("fix", QUESTION, SECOND) | {"auto_load": False}
+    body2 = correction_body("fix", QUESTION, SECOND) | {"auto_load": False, "locality": {"override": True}}
     job2 = wait_job(c, c.post("/v1/train/sft", json=body2).json()["id"])
     assert job2["state"] == "succeeded", job2["error"]
     second_rev = job2["result"]["revision"]

@@ -96,7 +96,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     model_id = env["srv"].model_id
     before = _target_nll(c, model_id, examples)
     body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
-            "seed": 1, "auto_load": True}
+            "seed": 1, "auto_load": True, "locality": {"override": True}}
     r = c.post("/v1/train/kd", json=body)
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=120)
@@ -105,6 +105,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     res = job["result"]
     rep = res["report"]
     assert res["activated"] is True
+    assert res["locality"]["probes"] > 0 and 0 <= res["locality"]["unchanged_fraction"] <= 1  # every kind measures
     assert rep["steps"] == 8 and rep["total_steps"] == 8 and math.isfinite(rep["final_loss"])
     assert [s["action"] for s in rep["shards"]] == ["trained", "trained"]
 
@@ -149,7 +150,7 @@ def test_kd_replay_trains_a_consumed_shard_again_only_when_asked(env):
 
     c, home, plan = env["c"], env["home"], env["plan"]
     body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
-            "seed": 1, "auto_load": True}
+            "seed": 1, "auto_load": True, "locality": {"override": True}}
     ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))
     assert [[e["next_state"] for e in _events(p)] for p in ledgers] == [["reserved", "committed"]] * 2
     r = c.post("/v1/train/kd", json=body | {"replay": True})
