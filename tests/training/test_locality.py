@@ -165,11 +165,19 @@ def test_the_guard_holds_back_a_destructive_job_and_the_override_loads_it(home):
         receipt = c.get("/v1/adapters/wrecked/receipt").json()
         assert receipt["locality"]["kl_mean"] == loc["kl_mean"]
 
+        suite = {"name": "loc-probes", "scorers": [{"type": "exact"}], "examples": [
+            {"messages": [{"role": "user", "content": q}], "reference": a} for q, a in (
+                ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"))]}
+        assert c.post("/v1/evals/suites", json=suite).status_code == 201
+        missing = c.post("/v1/train/sft", json=DESTRUCTIVE | {"locality": {"eval_suite": "no-such-suite"}})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "suite_not_found", missing.text
         over = wait_job(c, c.post("/v1/train/sft", json=DESTRUCTIVE | {"adapter": "wrecked-anyway", "locality": {
-            "override": True, "prompts": ["Which bird guards the old mill?"]}}).json()["id"])
+            "override": True, "prompts": ["Which bird guards the old mill?"], "eval_suite": "loc-probes"}}).json()["id"])
         assert over["state"] == "succeeded", over["error"]
         assert over["result"]["activated"] is True and "held_back" not in over["result"]
-        assert over["result"]["locality"]["user_probes"] == 1
+        # the job's own prompt and the suite's two prompts are probes too (unless the base wrote the same question)
+        assert 1 <= over["result"]["locality"]["user_probes"] <= 3
+        assert over["result"]["locality"]["probes"] > over["result"]["locality"]["user_probes"]
         assert over["result"]["locality"]["guard"] | {} == {**over["result"]["locality"]["guard"],
                                                              "admitted": True, "override": True}
         assert "wrecked-anyway" in [m["id"] for m in c.get("/v1/models").json()["data"]]

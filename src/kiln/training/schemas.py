@@ -20,7 +20,7 @@ from pydantic import (
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
-from kiln.evals.schemas import PostEval, Scorer
+from kiln.evals.schemas import PostEval, Scorer, _check_suite_name
 
 MAX_MESSAGE_CHARS = 32_768
 MAX_MESSAGES_PER_EXAMPLE = 64
@@ -146,9 +146,13 @@ class LocalityRequest(_Wire):
         None, min_length=1, max_length=MAX_LOCALITY_PROMPTS,
         description="your own probe questions (user messages), answered by the base model and the adapter beside "
                     "the ones the base model writes itself")
+    eval_suite: str | None = Field(None, description="an eval suite whose examples' prompts (the first 64) are probes "
+                                                    "too")
     override: bool = Field(False, description="activate (auto_load, post_eval activate_on_pass / "
                                               "set_default_on_pass) even when the locality guard would hold the "
                                               "adapter back")
+
+    _suite_name = field_validator("eval_suite")(classmethod(lambda cls, v: v if v is None else _check_suite_name(v)))
 
 
 class _TrainCommon(_Wire):
