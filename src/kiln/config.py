@@ -221,7 +221,7 @@ class VllmSettings(_Section):
     extra_args: tuple[str, ...] = ()  # more vLLM options, each one "--key=value" token Kiln does not own
 
     # lists also read "a,b" from the environment, as [server]'s do
-    _split_list = field_validator("hosts", "extra_args", mode="before")(ServerSettings._split_list.__func__)
+    _split_list = field_validator("hosts", "extra_args", mode="before")(ServerSettings._split_list.__func__)  # type: ignore[attr-defined]
 
     @field_validator("max_lora_rank")
     @classmethod

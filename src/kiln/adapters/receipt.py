@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.adapters.errors import AdapterIntegrityError
-from kiln.adapters.manifest import Manifest, load_json_object
+from kiln.adapters.manifest import Manifest, load_json_object, read_store_file
 from kiln.canonical import (
     atomic_write_bytes,
     canonical_json_bytes,
@@ -100,7 +100,8 @@ def locality_summary(locality: Any) -> dict[str, Any] | None:
     ``override`` (None when the receipt has none: written before jobs measured it, or the measure was off)."""
     if not isinstance(locality, dict) or locality.get("measured") is False:
         return None
-    guard = locality.get("guard") if isinstance(locality.get("guard"), dict) else {}
+    raw_guard = locality.get("guard")
+    guard = raw_guard if isinstance(raw_guard, dict) else {}
     return {**{k: locality.get(k) for k in LOCALITY_SUMMARY}, "error": locality.get("error"),
             "guard": {k: guard.get(k) for k in ("admitted", "code", "override")}}
 
@@ -135,9 +136,8 @@ def store_receipt(path: Path, body: dict[str, Any]) -> None:
 
 def read_receipt(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_RECEIPT_BYTES + 1)
-    except FileNotFoundError:
+        data = read_store_file(path, limit=MAX_RECEIPT_BYTES, error=AdapterIntegrityError)
+    except (FileNotFoundError, NotADirectoryError):
         raise AdapterIntegrityError(f"{path.name} is missing") from None
     return load_json_object(data, limit=MAX_RECEIPT_BYTES, what=path.name, error=AdapterIntegrityError)
 

@@ -7,12 +7,13 @@ observed on the engine thread at the moment each token is sampled.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from kiln.runtime.request_trace import PHASES
+from kiln.runtime.request_trace import PHASES, Observer
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
@@ -21,7 +22,7 @@ ADAPTER_ACTIONS = ("load", "unload")
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class Metrics:
+class Metrics(Observer):
     def __init__(self, row_stats: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -72,7 +73,7 @@ class Metrics:
             "preemptions": ("kiln_preemptions", "Running rows preempted for memory (recomputed later)"),
         }
         for key, (name, doc) in engine_gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda key=key: row_stats().get(key, 0))
+            Gauge(name, doc, registry=r).set_function(partial(lambda k: row_stats().get(k, 0), key))
         blocked = Gauge("kiln_queued_rows_blocked", "Rows waiting, by what the head of the queue waits for "
                         "(kv_budget: KV memory; running_rows: batching.max_running_rows; token_budget)",
                         ["waiting_for"], registry=r)
@@ -81,7 +82,7 @@ class Metrics:
             return st["queued_rows"] if st.get("queue_blocked_on") == reason else 0
 
         for reason in ("kv_budget", "running_rows", "token_budget"):
-            blocked.labels(waiting_for=reason).set_function(lambda reason=reason: waiting_for(reason))
+            blocked.labels(waiting_for=reason).set_function(partial(waiting_for, reason))
 
     # engine observer hooks (engine thread)
     def first_token(self, ttft_s: float) -> None:

@@ -36,7 +36,7 @@ from kiln.training.engine_sampling import (
     sample_policy,
     sampler_name,
 )
-from kiln.training.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.recipe import TrainingRecipe
 from kiln.training.rewards import RewardError, RewardFn, build_reward
 from kiln.training.schemas import GRPORequest
@@ -95,7 +95,7 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
                top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
-               **lora_fields(lora, parent))
+               **lora_fields(lora, parent), **anchor_fields(request))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
@@ -112,7 +112,8 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
 
 
 def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
-                 pad_id: int, end_ids: Sequence[int], resume: Any = None, engine: Any = None) -> Any:
+                 pad_id: int, end_ids: Sequence[int], resume: Any = None, engine: Any = None,
+                 anchor: Any = None) -> Any:
     """The loop described in the module docstring; returns the trainer's Report (stats per iteration).
 
     Checkpoints (``checkpoint_interval`` steps) carry the adapter, the optimizer and the position
@@ -165,7 +166,8 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                             break
                         loop.check_cancel()
                         chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                        grpo_step(peft_model, loop, loss_fn, s, split, items, chosen, old, offsets, pad_id=pad_id)
+                        grpo_step(peft_model, loop, loss_fn, s, split, items, chosen, old, offsets, pad_id=pad_id,
+                                  anchor=anchor)
                         loop.after_step(*((ge, b + 1) if b + 1 < batches else (ge + 1, 0)), tensors=tensors)
             loop.epoch, loop.batch, first_pass = (it + 1) * plan.epochs, 0, 0
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
@@ -284,6 +286,6 @@ class RolloutRecipe(TrainingRecipe):
         report = run_rollouts(self.peft_model, self.private, self.plan.data, self.plan.loop,
                               decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                               hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume,
-                              engine=self.ctx.engine)
+                              engine=self.ctx.engine, anchor=self.anchor(self.plan.data.prompt_ids))
         self._phase("train")
         return report

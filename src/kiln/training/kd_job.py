@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.canonical import canonical_json_bytes, sha256_file, sha256_hex
 from kiln.errors import Conflict, InvalidRequest
-from kiln.training.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.recipe import TrainingRecipe
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
     eff = request.model_dump(mode="json")
     eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
-               **lora_fields(lora, parent))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0))
     inputs = {"capture_plan_sha256": capture_sha, "shards": sorted(s.artifact_sha256 for s in shards)}
     inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
@@ -195,7 +195,8 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
 # ------------------------------------------------------------------------- the loop
 
 
-def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str) -> Any:
+def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str,
+           anchor: Any = None, pad_id: int = 0) -> Any:
     """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
     per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256."""
     from kiln.distill.faults import fault
@@ -208,7 +209,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     )
     from kiln.training.checkpoints import save_checkpoint
     from kiln.training.kd_loss import SparseKDLoss
-    from kiln.training.trainer import _Loop, adapter_state
+    from kiln.training.trainer import _Loop, adapter_state, anchor_term
 
     cplan = data.capture_plan
     loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
@@ -257,6 +258,8 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
                                 windows[b0:b0 + plan.batch_size], examples, k, vocab, loop.device, use_ce)
                             loss, _parts = kd_step_loss(peft_model, split, loss_fn, ids, att, rows, offs, sel, lp,
                                                         mask, tail, target)
+                            if anchor is not None:  # the KL-to-base anchor (kiln.training.anchor), opt-in
+                                loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
                             loop.optimizer_step(loss, int(rows.numel()), t0)
                         if loop.stats["first_loss"] is None:
                             loop.stats["first_loss"] = round(loop.loss, 6)
@@ -315,7 +318,9 @@ class KDRecipe(TrainingRecipe):
         return {"model_id": teacher.model_id, "revision": teacher.revision, "fingerprint_sha256": teacher.digest()}
 
     def train(self, resume: Any) -> Any:
+        tok = self.ctx.model.tokenizer
         report = run_kd(self.peft_model, self.private, self.plan.data, self.plan.loop, hooks=self.ctx.hooks,
-                        resume=resume, job_id=self.job_id)
+                        resume=resume, job_id=self.job_id, anchor=self.anchor([]),
+                        pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
         self._phase("train")
         return report

@@ -50,7 +50,7 @@ from kiln.training.engine_sampling import (  # noqa: F401 - sample_batch, sample
     sample_seed,
 )
 
-from kiln.training.plan import JobPlan, LoraShape, PrepareContext, lora_fields, seal_plan
+from kiln.training.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.recipe import TrainingRecipe
 
 if TYPE_CHECKING:
@@ -343,7 +343,7 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
     check = _learned_check(request)
     eff = request.model_dump(mode="json")
     eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
-               **lora_fields(lora, parent), **extra)
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0), **extra)
     inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
@@ -358,7 +358,7 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
 
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
             model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
-            engine: Any = None, rehearsal: Any = None) -> Any:
+            engine: Any = None, rehearsal: Any = None, anchor: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
     With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
@@ -371,7 +371,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     from kiln.teachers.registry import _identity_of
     from kiln.training.chunked_loss import split_causal_lm
     from kiln.training.opd_paths import TeacherPaths
-    from kiln.training.trainer import _Loop
+    from kiln.training.trainer import _Loop, anchor_term
 
     identity = _identity_of(data.teacher["identity"])
     loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
@@ -480,6 +480,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
                 t2 = time.perf_counter()
                 loss = opd_loss(peft_model, split, data, pairs, rows, sampled, gold, pad_id=pad_id,
                                 device=loop.device)
+                if anchor is not None:  # the KL-to-base anchor (kiln.training.anchor), opt-in beside rehearsal
+                    loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
                 loop.optimizer_step(loss, len(sampled), t2)
                 step_s = time.perf_counter() - t2
             loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
@@ -641,7 +643,8 @@ class OPDRecipe(TrainingRecipe):
         report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
                          pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
                          vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal)
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal,
+                         anchor=self.anchor([it.student_ids for it in data.items]))
         self._phase("train")
         return report
 

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kiln.adapters.receipt import training_claims
 from kiln.adapters.validate import WEIGHTS_FILE
@@ -137,6 +137,25 @@ class TrainingRecipe:
         verdict = guard_verdict(figures, GuardPolicy.from_settings(section), override=bool(request.get("override")))
         return {**(figures if figures is not None else {"measured": False}), "guard": verdict}
 
+    def anchor(self, own: Sequence[Sequence[int]]) -> Any:
+        """The job's KL-to-base anchor (:mod:`kiln.training.anchor`), less the rows whose prompt starts one of
+        ``own`` (the job's sequences); None when the request turns it off. The rows are built once per base
+        model and process, under exclusive ownership (the base model answers with every adapter disabled)."""
+        from kiln.training.anchor import anchor_rows, anchor_settings, base_anchor
+        from kiln.training.templates import end_of_turn_ids
+
+        settings = anchor_settings(self.plan.request)
+        if not settings.on:
+            return None
+        model = self.ctx.model
+        end_ids = sorted(end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None)))
+        pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else end_ids[0]
+        with self.ctx.engine.ownership.exclusive():
+            anchor = base_anchor(model.base_model_sha256, lambda: anchor_rows(
+                self.peft_model, model.tokenizer, settings, pad_id=pad_id, end_ids=end_ids), settings)
+        self._phase("anchor")
+        return anchor.without(own)
+
     def save(self) -> Staging:
         """Write standard PEFT files into a fresh staging dir of the adapter store."""
         staging = self.ctx.store.new_staging()
@@ -217,9 +236,10 @@ class SFTRecipe(TrainingRecipe):
     plan: JobPlan[SFTData]
 
     def train(self, resume: Checkpoint | None) -> Report:
-        report = run_sft(self.peft_model, self.private, self.plan.data.rows,
-                         step_plan(self.plan, compile=self.ctx.compile),
-                         pad_id=self.ctx.model.tokenizer.pad_token_id, hooks=self.ctx.hooks, resume=resume)
+        rows = self.plan.data.rows
+        report = run_sft(self.peft_model, self.private, rows, step_plan(self.plan, compile=self.ctx.compile),
+                         pad_id=self.ctx.model.tokenizer.pad_token_id, hooks=self.ctx.hooks, resume=resume,
+                         anchor=self.anchor([r.input_ids for r in rows]))
         self._phase("train")
         return report
 
@@ -233,7 +253,8 @@ class GRPORecipe(TrainingRecipe):
         data = self.plan.data
         report = run_grpo(self.peft_model, self.private, data.items, step_plan(self.plan, compile=self.ctx.compile),
                           data.settings, pad_id=self.ctx.model.tokenizer.pad_token_id, skipped_groups=data.skipped,
-                          hooks=self.ctx.hooks, resume=resume)
+                          hooks=self.ctx.hooks, resume=resume,
+                          anchor=self.anchor([r.input_ids for it in data.items for r in it.rows]))
         self._phase("train")
         return report
 

@@ -18,8 +18,18 @@ from kiln.training.data import (
     tokenize_grpo_group,
     tokenize_sft,
 )
-from kiln.training.plan import GRPOData, JobPlan, LoraShape, PrepareContext, SFTData, lora_fields, seal_plan
+from kiln.training.plan import (
+    GRPOData,
+    JobPlan,
+    LoraShape,
+    PrepareContext,
+    SFTData,
+    anchor_fields,
+    lora_fields,
+    seal_plan,
+)
 from kiln.training.schemas import (
+    DEFAULT_LEARNED_EVERY,
     DEFAULT_LEARNED_MAX_STEPS,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_STEPS,
@@ -28,6 +38,7 @@ from kiln.training.schemas import (
     GRPORequest,
     SFTRequest,
 )
+from kiln.training.corrections import with_corrections
 from kiln.training.trainer import GRPOSettings, LearnedCheck, Plan, grpo_items
 
 if TYPE_CHECKING:
@@ -43,7 +54,7 @@ def _start(ctx: PrepareContext, request: SFTRequest | GRPORequest
     lora = ctx.lora_shape(request, parent)
     limit = ctx.max_seq_len_limit
     max_len = request.max_seq_len if limit is None else min(request.max_seq_len, limit)
-    return parent, lora, max_len, request.model_dump(mode="json")
+    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request)
 
 
 def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
@@ -55,6 +66,9 @@ def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
         examples, eff["dataset_sha256"] = load_sft_dataset(ctx.settings.data_path, request.dataset_path,
                                                            max_examples=limits.max_examples)
     assert examples is not None
+    if request.examples is not None:  # sequential corrections: the parent's, then these (kiln.training.corrections)
+        examples, eff["corrections"], eff["replayed_corrections"] = with_corrections(
+            parent, list(examples), replay=request.replay_corrections)
     if len(examples) > limits.max_examples:
         raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples", code="too_many_examples")
     rows = tuple(tokenize_sft(ctx.model.tokenizer, examples, max_seq_len=max_len, end_ids=ctx.end_ids))
@@ -106,14 +120,19 @@ def _plan(kind: str, ctx: PrepareContext, request: SFTRequest | GRPORequest, eff
                                 max_epochs=DEFAULT_MAX_EPOCHS)
     eff.update(epochs=epochs, max_steps=max_steps, max_seq_len=max_len, **lora_fields(lora, parent))
     if kind == "sft":
+        assert isinstance(request, SFTRequest)
         eff["until_learned"] = until_learned
+        # the learned check runs once per pass over the examples (a one-example correction: every step, so it
+        # stops at the first step that reproduces it), at most every DEFAULT_LEARNED_EVERY steps
+        eff["learned_check_every"] = request.learned_check_every or min(
+            DEFAULT_LEARNED_EVERY, batches_per_epoch(n_items, request.batch_size))
     inputs_sha, plan_sha = seal_plan(kind, eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha, eff)
     check = None
     if until_learned:
         assert isinstance(request, SFTRequest)
-        check = LearnedCheck(every=request.learned_check_every, margin=request.learned_margin)
+        check = LearnedCheck(every=eff["learned_check_every"], margin=request.learned_margin)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
                 max_steps=max_steps, until_learned=check)
     return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,

@@ -414,8 +414,9 @@ def drive_sft_epochs(loop: _Loop, rows: Sequence[Row], plan: Plan, per_epoch: in
 
 
 def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
-            hooks: Hooks | None = None, resume: Checkpoint | None = None) -> Report:
-    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens).
+            hooks: Hooks | None = None, resume: Checkpoint | None = None, anchor: Any = None) -> Report:
+    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens), plus the KL-to-base term of
+    ``anchor`` (:class:`kiln.training.anchor.Anchor`) each step when given.
 
     With ``plan.until_learned`` the loop checks every ``every`` steps whether the
     targets are the greedy answer (by the margin) and stops as soon as they are;
@@ -454,11 +455,23 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
             else:
                 logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
                 loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+            if anchor is not None:
+                loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
             loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
 
     with loop.running():
         drive_sft_epochs(loop, rows, plan, per_epoch, train_batch, learned)
     return loop.report()
+
+
+def anchor_term(anchor: Any, peft_model: Any, split: SplitLM | None, loop: _Loop, pad_id: int) -> torch.Tensor:
+    """The step's KL-to-base anchor loss (zero without rows); its value is kept in the stats as ``anchor_kl``."""
+    term = anchor.loss(peft_model, split, loop.step, pad_id, loop.device)
+    if term is None:
+        return torch.zeros((), device=loop.device)
+    loop.stats["anchor_kl"] = round(float(term.detach()) / max(anchor.settings.weight, 1e-12), 6)
+    loop.stats["anchor_rows"] = len(anchor)
+    return term
 
 
 # ------------------------------------------------------------------------- GRPO
@@ -544,7 +557,7 @@ def row_offsets(items: Sequence[GRPOItem]) -> list[int]:
 
 def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
               items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[torch.Tensor], offsets: Sequence[int],
-              *, pad_id: int) -> None:
+              *, pad_id: int, anchor: Any = None) -> None:
     """One clipped GRPO optimizer step on the rows of ``items[g]`` for ``g`` in ``chosen``, under exclusive
     ownership. ``old`` holds the behaviour policy's log-probs per row (:func:`policy_logprobs`), indexed by
     ``offsets`` (:func:`row_offsets`). Shared by :func:`run_grpo` and :mod:`kiln.training.grpo_rollouts`."""
@@ -562,13 +575,15 @@ def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSet
                 ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
         logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
         loss, st = loss_fn(logp, old_padded, adv, mask, ref)
+        if anchor is not None:  # the KL-to-base anchor (kiln.training.anchor)
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
         loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
     loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
 
 
 def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, settings: GRPOSettings, *,
              pad_id: int, skipped_groups: int = 0, hooks: Hooks | None = None,
-             resume: Checkpoint | None = None) -> Report:
+             resume: Checkpoint | None = None, anchor: Any = None) -> Report:
     """Group-relative policy optimisation over fixed, pre-scored completions.
 
     The ratio's denominator (``old_logp``) is the policy at the start of the job,
@@ -596,6 +611,7 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
         old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
 
         for chosen, cursor in epoch_batches(loop, len(items), plan, per_epoch):
-            grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id)
+            grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id,
+                      anchor=anchor)
             loop.after_step(*cursor, tensors=old_tensors)
     return loop.report()
