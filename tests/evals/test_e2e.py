@@ -32,8 +32,7 @@ def suite(n: int) -> dict:
 
 
 def sft(adapter: str, n: int, shift: int, post_eval: dict) -> dict:
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    return {"adapter": adapter, "post_eval": post_eval, "locality": {"override": True}, "examples": [
+    return {"adapter": adapter, "post_eval": post_eval, "examples": [
         {"messages": [{"role": "user", "content": question(i)},
                       {"role": "assistant", "content": WORDS[(i + shift) % len(WORDS)]}]} for i in range(n)]}
 

@@ -133,9 +133,7 @@ def test_train_judge_prefers_answers_on_held_out_pairs(server):
         body = {"prompt": prompt, "response_a": answer if a_first else refusal,
                 "response_b": refusal if a_first else answer, "preferred": "a" if a_first else "b"}
         assert c.post("/v1/judgments", json=body).status_code == 201
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    r = c.post("/v1/judgments/train", json={"adapter": "judge", "auto_load": True, "limit": len(TOPICS),
-                                            "locality": {"override": True}})
+    r = c.post("/v1/judgments/train", json={"adapter": "judge", "auto_load": True, "limit": len(TOPICS)})
     assert r.status_code == 202, r.text
     out = r.json()
     # The most recent non-tie judgments: exactly the ones above, each in both orders.
@@ -143,7 +141,7 @@ def test_train_judge_prefers_answers_on_held_out_pairs(server):
     assert out["format"] == "kiln.judge-preference.v1" and len(out["judgments_sha256"]) == 64
     job = wait_job(c, out["job"]["id"], timeout=JOB_TIMEOUT_S)
     assert job["state"] == "succeeded", job["error"]
-    assert job["result"]["locality"]["probes"] > 0 and job["result"]["locality"]["guard"]["override"] is True
+    assert job["result"]["locality"]["probes"] > 0  # judge training measures its adapter's locality too
     revision = job["result"]["revision"]
 
     correct = {"judge": 0, "base": 0}

@@ -272,7 +272,7 @@ def test_fifo_queue_position_cancel_and_bound(kiln, env_servers):
 
 
 def _train(base, adapter, answer):
-    body = {"adapter": adapter, "auto_load": True, "epochs": 1, "locality": {"override": True},
+    body = {"adapter": adapter, "auto_load": True, "epochs": 1,
             "examples": [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}]}
     r = httpx.post(f"{base}/v1/train/sft", json=body, timeout=60)
     assert r.status_code == 202, r.text

@@ -148,7 +148,7 @@ def _wait(client, job_id: str) -> dict:
 def test_training_and_adapter_lifecycle(client, secure_server):
     example = {"messages": [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "Kiln."}]}
     job = client.post("/v1/train/sft", json={"adapter": "schema-a", "examples": [example], "max_steps": 2,
-                                             "epochs": 1, "auto_load": True, "locality": {"override": True}})
+                                             "epochs": 1, "auto_load": True})
     assert job.status_code == 202
     p.TrainingJob.model_validate(job.json())
     assert _wait(client, job.json()["id"])["state"] == "succeeded"

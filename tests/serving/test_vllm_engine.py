@@ -351,8 +351,7 @@ def test_correction_served_through_vllm_lora_then_swapped_and_deleted(vllm_serve
     before, _ = _chat(c, base)
     assert before != CORRECTION
     t0 = time.monotonic()
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION) | {"locality": {"override": True}})
+    r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"])
     assert job["state"] == "succeeded", job["error"]
@@ -373,7 +372,7 @@ def test_correction_served_through_vllm_lora_then_swapped_and_deleted(vllm_serve
     # hot swap with a row in flight: revision 2 is trained without serving it, a long stream starts on
     # revision 1, then revision 2 is served; the stream ends on revision 1 (its own LoRA name in vLLM), new
     # requests get revision 2, and afterwards only revision 2 stays loaded in vLLM
-    body2 = correction_body("fix", QUESTION, SECOND) | {"auto_load": False, "locality": {"override": True}}
+    body2 = correction_body("fix", QUESTION, SECOND) | {"auto_load": False}
     job2 = wait_job(c, c.post("/v1/train/sft", json=body2).json()["id"])
     assert job2["state"] == "succeeded", job2["error"]
     second_rev = job2["result"]["revision"]

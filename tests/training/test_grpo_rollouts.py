@@ -193,7 +193,7 @@ def test_resume_equals_uninterrupted(srv, reward_server):
     uninterrupted job (the checkpoint carries the iteration's groups; later iterations are seeded)."""
     body = {"prompts": PROMPTS, "reward": {"type": "http", "url": f"{reward_server}/score"}, "group_size": 4,
             "iterations": 6, "max_tokens": 4, "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
-            "checkpoint_interval": 3, "auto_load": True, "locality": {"override": True}}  # 4 steps per iteration: checkpoints fall inside them
+            "checkpoint_interval": 3, "auto_load": True}  # 4 steps per iteration: checkpoints fall inside them
     whole = _run(srv, body | {"adapter": "ro-whole"})
     assert whole["result"]["report"]["steps"] == 24
     job = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted"}).json()
@@ -221,8 +221,7 @@ def test_judge_reward(srv):
     examples = [{"messages": [{"role": "user", "content": judge_prompt(rubric, q, "answer", a)},
                               {"role": "assistant", "content": "PASS"}]}
                 for q in QUESTIONS for a in ("blue", "four", "six legs", "an apple", "answer", "spider")]
-    _run_sft = srv.post("/v1/train/sft", json={"adapter": "judge-pass", "examples": examples, "auto_load": True,
-                                                 "locality": {"override": True}})
+    _run_sft = srv.post("/v1/train/sft", json={"adapter": "judge-pass", "examples": examples, "auto_load": True})
     assert _run_sft.status_code == 202, _run_sft.text
     assert wait_job(srv, _run_sft.json()["id"], timeout=300)["state"] == "succeeded"
     means = {}

@@ -58,8 +58,7 @@ def test_serve_train_errors_and_cli(home, tmp_path):
         assert before != CORRECTION
 
         # The correction loop over HTTP: the job trains until the correction is the greedy answer.
-        # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-        r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION) | {"locality": {"override": True}})
+        r = c.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
         assert r.status_code == 202, r.text
         job = wait_job(c, r.json()["id"])
         assert job["state"] == "succeeded", job["error"]
@@ -86,8 +85,7 @@ def test_serve_train_errors_and_cli(home, tmp_path):
         data = tmp_path / "fix.jsonl"
         data.write_text(json.dumps(correction_body("x", QUESTION, "Ants have six legs.")["examples"][0]) + "\n")
         kiln = [sys.executable, "-m", "kiln.cli"]
-        out = subprocess.run(kiln + ["train", "sft", "--file", str(data), "--adapter", "cli-fix", "--url", server.url,
-                                     "--locality-override"],
+        out = subprocess.run(kiln + ["train", "sft", "--file", str(data), "--adapter", "cli-fix", "--url", server.url],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "published cli-fix revision" in out.stdout and "(serving now)" in out.stdout
@@ -147,7 +145,7 @@ def test_crash_restart_and_resume(home):
         # A running job, one queued job (queue_max 1), then 503.
         long_id = c.post("/v1/train/sft", json=LONG).json()["id"]
         _until(lambda: (c.get(f"/v1/train/jobs/{long_id}").json()["progress"].get("checkpoint_step") or 0) >= 5)
-        queued = c.post("/v1/train/sft", json=correction_body("after", QUESTION, CORRECTION) | {"epochs": 2, "locality": {"override": True}})
+        queued = c.post("/v1/train/sft", json=correction_body("after", QUESTION, CORRECTION) | {"epochs": 2})
         assert queued.status_code == 202 and queued.json()["queue_position"] == 1
         _error(c.post("/v1/train/sft", json=correction_body("more", QUESTION, CORRECTION)), 503, "training_queue_full")
         status = c.get("/v1/train/status").json()

@@ -54,8 +54,7 @@ def idle_state(c: httpx.Client) -> dict:
 @pytest.fixture(scope="module")
 def corrected(client):
     assert ask(client, client.model_id) != CORRECTION
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    r = client.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION) | {"locality": {"override": True}})
+    r = client.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
     assert r.status_code == 202, r.text
     job = wait_job(client, r.json()["id"], timeout=JOB_TIMEOUT_S)
     assert job["state"] == "succeeded", job.get("error")
@@ -89,7 +88,7 @@ def test_opd_job_runs_on_the_hybrid(client, corrected):
     r = client.post("/v1/teachers", json={"alias": "tutor", "kind": "local", "adapter": "fix"})
     assert r.status_code == 201, r.text
     body = {"adapter": "student", "teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2,
-            "max_tokens": 8, "top_k": 4, "steps": 3, "batch_size": 1, "auto_load": True, "locality": {"override": True}}
+            "max_tokens": 8, "top_k": 4, "steps": 3, "batch_size": 1, "auto_load": True}
     r = client.post("/v1/train/opd", json=body)
     assert r.status_code == 202, r.text
     job = wait_job(client, r.json()["id"], timeout=JOB_TIMEOUT_S)

@@ -96,7 +96,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     model_id = env["srv"].model_id
     before = _target_nll(c, model_id, examples)
     body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
-            "seed": 1, "auto_load": True, "locality": {"override": True}}
+            "seed": 1, "auto_load": True}
     r = c.post("/v1/train/kd", json=body)
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=120)
@@ -150,7 +150,7 @@ def test_kd_replay_trains_a_consumed_shard_again_only_when_asked(env):
 
     c, home, plan = env["c"], env["home"], env["plan"]
     body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
-            "seed": 1, "auto_load": True, "locality": {"override": True}}
+            "seed": 1, "auto_load": True}
     ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))
     assert [[e["next_state"] for e in _events(p)] for p in ledgers] == [["reserved", "committed"]] * 2
     r = c.post("/v1/train/kd", json=body | {"replay": True})

@@ -44,9 +44,7 @@ def _answer_logprob(c: httpx.Client, model: str, prompt_ids: list[int], answer_i
 @pytest.fixture(scope="module")
 def tutor(srv):
     c = httpx.Client(base_url=srv.base_url, timeout=120)
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    body = correction_body("tutor-adapter", QUESTION, CORRECTION) | {"locality": {"override": True}}
-    job = c.post("/v1/train/sft", json=body).json()
+    job = c.post("/v1/train/sft", json=correction_body("tutor-adapter", QUESTION, CORRECTION)).json()
     assert wait_job(c, job["id"], timeout=300)["state"] == "succeeded"
     r = c.post("/v1/teachers", json={"alias": "tutor", "kind": "local", "adapter": "tutor-adapter"})
     assert r.status_code == 201, r.text
@@ -105,7 +103,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
 
     c = tutor
     msgs = [{"role": "user", "content": MILL_Q}]
-    job = c.post("/v1/train/sft", json=correction_body("mill-adapter", MILL_Q, MILL_A) | {"locality": {"override": True}}).json()
+    job = c.post("/v1/train/sft", json=correction_body("mill-adapter", MILL_Q, MILL_A)).json()
     assert wait_job(c, job["id"], timeout=300)["state"] == "succeeded"
     r = c.post("/v1/teachers", json={"alias": "mill", "kind": "local", "adapter": "mill-adapter"})
     assert r.status_code == 201, r.text
@@ -117,7 +115,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     assert teacher_lp > before + 20 and _greedy(c, srv.model_id, msgs) != answer  # only the teacher knows it
 
     r = c.post("/v1/train/opd", json={"adapter": "mill-student", "teacher": "mill", "prompts": [{"messages": msgs}],
-                                      "auto_load": True, "locality": {"override": True}})
+                                      "auto_load": True})
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
@@ -167,7 +165,7 @@ def test_opd_resume_equals_uninterrupted(tutor):
     c = tutor
     body = {"teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2, "max_tokens": 8,
             "top_k": 4, "steps": 60, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
-            "auto_load": True, "locality": {"override": True}}
+            "auto_load": True}
     whole = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "whole"}).json()["id"], timeout=600)
     assert whole["state"] == "succeeded", whole.get("error")
     job = c.post("/v1/train/opd", json=body | {"adapter": "parted"}).json()
@@ -208,7 +206,7 @@ def test_opd_post_eval_gate_decides_activation(tutor):
              "generation": {"temperature": 0, "max_tokens": 16}}
     assert c.post("/v1/evals/suites", json=suite).status_code == 201
     body = {"adapter": "student-gated", "teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2,
-            "max_tokens": 8, "top_k": 4, "steps": 3, "batch_size": 1, "locality": {"override": True},
+            "max_tokens": 8, "top_k": 4, "steps": 3, "batch_size": 1,
             "post_eval": {"suite": "opd-gate", "min_pairs": 1, "min_accuracy": 0.0, "activate_on_pass": True}}
     assert c.post("/v1/train/opd", json=body | {"auto_load": True}).status_code == 400  # post_eval owns activation
     r = c.post("/v1/train/opd", json=body)
@@ -266,7 +264,7 @@ def test_opd_off_policy_from_identity_bound_teacher_jsonl(srv, tutor, home):
         return f"opd/{name}"
 
     base = {"adapter": "student-off", "teacher": "tutor", "training_mode": "off_policy", "top_k": 8,
-            "steps": 40, "learning_rate": 3e-3, "batch_size": 3, "auto_load": True, "locality": {"override": True}}
+            "steps": 40, "learning_rate": 3e-3, "batch_size": 3, "auto_load": True}
     # refusals, each before queueing
     wrong = dict(manifest, teacher_fingerprint=manifest["teacher_fingerprint"][:-4] + "0000")
     r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("wrong.jsonl", wrong, rows)})

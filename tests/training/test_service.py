@@ -63,9 +63,7 @@ def _ask(engine, adapter=None):
 
 def _sft(**kw):
     body = {"adapter": "fix", "examples": [{"messages": [
-        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": CORRECTION}]}], "auto_load": True,
-        # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-        "locality": {"override": True}}
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": CORRECTION}]}], "auto_load": True}
     body.update(kw)
     return SFTRequest.model_validate(body)
 

@@ -113,9 +113,7 @@ def test_loader_reports_the_model_length_limit(service):
 def test_sft_on_markerless_model_learns_and_serves(service):
     svc, engine = service.trainer, service.engine
     assert _ask(engine) != CORRECTION
-    # LOCALITY_OVERRIDE (issue 48): served whatever the locality guard says (tests/training/test_locality.py)
-    body = {"adapter": "sky", "auto_load": True, "locality": {"override": True}, "max_seq_len": 2048,
-            "examples": [{"messages": [
+    body = {"adapter": "sky", "auto_load": True, "max_seq_len": 2048, "examples": [{"messages": [
         {"role": "user", "content": QUESTION}, {"role": "assistant", "content": CORRECTION}]}]}
     job = svc.submit(SFTRequest.model_validate(body))
     done = _wait(svc, job["id"])
@@ -150,9 +148,7 @@ def test_demo_loop_on_markerless_model(user_model_dir, tmp_path):
     from tests.zygote import kiln_server
 
     lines: list[str] = []
-    # LOCALITY_OVERRIDE (issue 48): the demo loop on this model, the locality guard turned off for the server
-    env = {"KILN_MODEL_PATH": str(user_model_dir), "KILN_LOCALITY_GUARD": "0"}
-    with kiln_server(tmp_path / "home", extra_env=env) as server:
+    with kiln_server(tmp_path / "home", extra_env={"KILN_MODEL_PATH": str(user_model_dir)}) as server:
         run_correction(server.client, question=QUESTION, correction=CORRECTION, adapter="demo-fix",
                        echo=lines.append)
         # Serving is capped at the model's own length too, and says so.

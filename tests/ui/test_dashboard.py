@@ -188,13 +188,8 @@ def test_chat_streams_and_a_correction_is_served_by_the_new_adapter(page, server
     page.wait_for_selector(".msg.assistant.proof[data-done], #correct-status[data-held-back]")
     job = server.client.get(f"/v1/train/jobs/{page.get_attribute('#correct-status', 'data-job-id')}").json()
     assert job["state"] == "succeeded", job["error"]
-    held = job["result"].get("held_back")
-    if held:  # the locality guard did not serve the correction (docs/training.md, "Locality"): the page says why
-        assert page.get_attribute("#correct-status", "data-held-back") == held["code"]
-        assert held["reason"] in page.text_content("#correct-status") and proof.count() == 0
-        assert "ui-fix" not in [m["id"] for m in server.client.get("/v1/models").json()["data"]]
-        page.screenshot(path=artifacts / "chat-correction-held-back.png", full_page=True)
-        return
+    # the default correction is local enough for the locality guard (docs/training.md, "Locality")
+    assert "held_back" not in job["result"], (job["result"]["held_back"], page.text_content("#correct-status"))
     assert proof.get_attribute("data-done") == "true", page.text_content("#correct-error")
     assert proof.get_attribute("data-model") == "ui-fix"
     assert proof.get_attribute("data-revision") == job["result"]["revision"] != "base"
@@ -250,7 +245,7 @@ def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, serve
 
 def test_adapter_unload_load_and_delete(page, server, artifacts, ui_home):
     c = server.client
-    r = c.post("/v1/train/sft", json=correction_body("ui-adapter", "Say hi.", "Hi there.") | {"epochs": 5, "locality": {"override": True}})
+    r = c.post("/v1/train/sft", json=correction_body("ui-adapter", "Say hi.", "Hi there.") | {"epochs": 5})
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
     assert wait_job(c, job_id)["state"] == "succeeded"
@@ -262,7 +257,7 @@ def test_adapter_unload_load_and_delete(page, server, artifacts, ui_home):
     loc = listed["receipt"]["locality"]  # the job's locality figures and the guard's verdict (docs/training.md)
     assert listed["receipt"] == {"verified": True, "error": None, "job_id": job_id, "teacher_fingerprint": None,
                                  "gate": None, "locality": loc}
-    assert loc["probes"] > 0 and loc["guard"]["override"] is True
+    assert loc["probes"] > 0 and loc["guard"]["admitted"] is True
     badge = page.locator(f"{row} .badge.locality")
     assert f"locality {loc['unchanged']}/{loc['probes']}" in badge.text_content()
     assert f"{loc['unchanged']}/{loc['probes']} probe answers unchanged" in badge.get_attribute("title")
@@ -292,7 +287,7 @@ def test_adapter_unload_load_and_delete(page, server, artifacts, ui_home):
     assert page.get_attribute(f"{row} a.download", "href") == "/v1/adapters/ui-adapter/download"
     page.screenshot(path=artifacts / "adapters.png", full_page=True)
 
-    r = c.post("/v1/train/sft", json=correction_body("ui-adapter2", "Say bye.", "Bye now.") | {"epochs": 2, "locality": {"override": True}})
+    r = c.post("/v1/train/sft", json=correction_body("ui-adapter2", "Say bye.", "Bye now.") | {"epochs": 2})
     assert wait_job(c, r.json()["id"])["state"] == "succeeded"
     merge = "#merge-form"
     page.fill(f"{merge} input[name=name]", "ui-merged")
