@@ -123,10 +123,10 @@ def build(out: Path, threads: int = 2, log: Any = print) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.runtime.builtin import bench_model_path
-    from kiln.training.data import collate, tokenize_sft
-    from kiln.training.losses import sft_loss
+    from kiln.training.core.data import collate, tokenize_sft
+    from kiln.training.losses.sft import sft_loss
     from kiln.training.schemas import SFTExample
-    from kiln.training.templates import end_of_turn_ids
+    from kiln.training.core.templates import end_of_turn_ids
 
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
