@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,6 +58,13 @@ HOLDOUT = True  # the anchor never rehearses a probe question (--no-holdout: it 
 DEGENERATE_RUN = 4  # a token repeated this many times in a row
 
 
+def degenerate_text(text: str) -> bool:
+    """Text that repeats a 1-6 character piece DEGENERATE_RUN times in a row ("millararararar")."""
+    import re
+
+    return re.search(r"(.{1,6}?)\1{%d,}" % (DEGENERATE_RUN - 1), text) is not None
+
+
 def max_run(tokens: list[int]) -> int:
     best = run = 0
     for i, t in enumerate(tokens):
@@ -66,8 +74,7 @@ def max_run(tokens: list[int]) -> int:
 
 
 def degenerate(tokens: list[int], base: list[int] | None = None) -> bool:
-    """A token repeated DEGENERATE_RUN times in a row (more than the base answer repeats), or an answer that
-    never ends within the budget while the base's does."""
+    """A token repeated DEGENERATE_RUN times in a row (more than the base answer repeats it)."""
     limit = DEGENERATE_RUN if base is None else max(DEGENERATE_RUN, max_run(base) + 1)
     return max_run(tokens) >= limit
 
@@ -251,17 +258,67 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
         print(f"{label:<36} {steps:>6} {secs:>7.2f} {right:>4}/{n} {same:>7}/10 {bad:>10}")
 
 
+# the fields that give a job the defaults before the anchor (main before issue 48)
+PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False}
+
+
+def server_run(n: int, extra: dict[str, Any]) -> None:
+    """``n`` corrections on ``kiln serve`` with the request defaults (plus ``extra`` fields), each continuing the
+    adapter the one before published (``base_adapter``); per job: steps, submit -> served seconds, and after the
+    last one the answers of the adapter to the corrected and the probe questions, through the HTTP API."""
+    import httpx
+
+    from kiln.demo import _ask, kiln_server, wait_job
+
+    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={
+            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}) as srv:
+        c: httpx.Client = srv.client
+        base_id = c.get("/v1/models").json()["data"][0]["id"]
+        base = [_ask(c, base_id, q)[0] for q in PROBES]
+        adapter = "fix"
+        print(f"{'job':>3} {'steps':>5} {'learned':>7} {'submit->served s':>16} {'server train s':>14}  load")
+        for i, (q, a) in enumerate(FACTS[:n]):
+            body = {"adapter": adapter, "auto_load": True,
+                    "examples": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}],
+                    **({"base_adapter": adapter} if i else {}), **extra}
+            t0 = time.perf_counter()
+            r = c.post("/v1/train/sft", json=body)
+            r.raise_for_status()
+            job = wait_job(c, r.json()["id"])
+            served = time.perf_counter() - t0
+            if job["state"] != "succeeded":
+                raise SystemExit(f"job {i + 1} {job['state']}: {job.get('error')}")
+            rep = job["result"]["report"]
+            phases = job["result"]["timings_s"]
+            print(f"{i + 1:>3} {rep['steps']:>5} {str(rep.get('learned')):>7} {served:>16.2f} "
+                  f"{phases.get('train', 0):>14.2f}  {os.getloadavg()[0]:.1f}  "
+                  + " ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "total"))
+        right = sum(_ask(c, adapter, q)[0].strip() == a for q, a in FACTS[:n])
+        after = [_ask(c, adapter, q)[0] for q in PROBES]
+        same = sum(x == y for x, y in zip(after, base))
+        bad = sum(degenerate_text(m) and not degenerate_text(b) for m, b in zip(after, base))
+        print(f"after {n}: corrected {right}/{n}, probes unchanged {same}/10, degenerate {bad}")
+        for q, x, y in zip(PROBES, base, after):
+            if x != y:
+                print(f"  changed: {q!r}: {x!r} -> {y!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("world", choices=["builtin", "world"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sequential", type=int, default=0)
     ap.add_argument("--only", default="", help="comma-separated setting labels to run")
+    ap.add_argument("--server", action="store_true", help="on kiln serve with the request defaults")
+    ap.add_argument("--previous", action="store_true", help="--server: with the previous defaults' fields")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
     args = ap.parse_args()
     global HOLDOUT
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
+    if args.server:
+        server_run(max(1, args.sequential), PREVIOUS_FIELDS if args.previous else {})
+        return
     from kiln.runtime.builtin import bench_model_path
 
     m = Model(str(bench_model_path()), args.threads)
