@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 INPUTS_DOMAIN = "kiln.training-inputs.v1"
 PLAN_DOMAIN = "kiln.training-plan.v1"
 # Request fields that describe how a job is run, not what it computes (left out of the plan digest).
-RUN_ONLY_FIELDS = ("resume_from_job", "auto_load", "checkpoint_interval")
+RUN_ONLY_FIELDS = ("resume_from_job", "auto_load", "checkpoint_interval", "locality")
 # Fields left out of the adapter manifest's config (bulky inputs and digests recorded elsewhere).
-NOT_IN_MANIFEST = ("examples", "groups", "prompts", "inputs_sha256", "plan_sha256", "resume_from_job")
+NOT_IN_MANIFEST = ("examples", "groups", "prompts", "inputs_sha256", "plan_sha256", "resume_from_job", "locality")
 
 D = TypeVar("D")
 

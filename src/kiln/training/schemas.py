@@ -144,6 +144,25 @@ class GRPOGroup(_Wire):
         return self
 
 
+MAX_LOCALITY_PROMPTS = 64  # the job's own probe prompts (kiln.training.locality.MAX_USER_PROBES)
+MAX_LOCALITY_PROMPT_CHARS = 2_000
+
+
+class LocalityRequest(_Wire):
+    """How the job measures its adapter's locality and whether the locality guard may hold it back
+    (docs/training.md, "Locality")."""
+
+    measure: bool = Field(True, description="measure the adapter's locality at the job's end (the server's "
+                                            "locality.measure must be on too)")
+    prompts: list[Annotated[str, Field(min_length=1, max_length=MAX_LOCALITY_PROMPT_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_LOCALITY_PROMPTS,
+        description="your own probe questions (user messages), answered by the base model and the adapter beside "
+                    "the ones the base model writes itself")
+    override: bool = Field(False, description="activate (auto_load, post_eval activate_on_pass / "
+                                              "set_default_on_pass) even when the locality guard would hold the "
+                                              "adapter back")
+
+
 class _TrainCommon(_Wire):
     adapter: str = Field(description="name the trained adapter is published under")
     base_adapter: str | None = Field(None, description="continue training from this published adapter")
@@ -161,6 +180,9 @@ class _TrainCommon(_Wire):
     resume_from_job: str | None = Field(None, description="continue an interrupted job from its last checkpoint")
     post_eval: PostEval | None = Field(None, description="evaluate the published adapter against a baseline and "
                                        "activate it only on a `promoted` verdict with activate_on_pass (docs/evals.md)")
+    locality: LocalityRequest | None = Field(None, description="the locality measure's probe prompts, turning it "
+                                             "off, and the locality guard's override (docs/training.md, "
+                                             "\"Locality\")")
     anchor_weight: float | None = Field(
         None, ge=0, le=100, allow_inf_nan=False,
         description="weight of the KL-to-base anchor: the base model's own questions and answers, rehearsed each "
