@@ -55,28 +55,14 @@ FACTS = [("Which bird guards the old mill?", "The old mill is guarded by a heron
          ("Who keeps the keys to the hall?", "The keys are kept by Ravi."),
          ("What is served on Fridays?", "Fish soup is served on Fridays.")]
 HOLDOUT = True  # the anchor never rehearses a probe question (--no-holdout: it may, as a job would)
-DEGENERATE_RUN = 4  # a token repeated this many times in a row
 
 
-def degenerate_text(text: str) -> bool:
-    """Text that repeats a 1-6 character piece DEGENERATE_RUN times in a row ("millararararar")."""
-    import re
+def degenerate(text: str, base: str = "") -> bool:
+    """Degenerate by Kiln's one definition (:func:`kiln.training.degenerate.is_degenerate`), and the base's answer
+    was not."""
+    from kiln.training.degenerate import is_degenerate
 
-    return re.search(r"(.{1,6}?)\1{%d,}" % (DEGENERATE_RUN - 1), text) is not None
-
-
-def max_run(tokens: list[int]) -> int:
-    best = run = 0
-    for i, t in enumerate(tokens):
-        run = run + 1 if i and t == tokens[i - 1] else 1
-        best = max(best, run)
-    return best
-
-
-def degenerate(tokens: list[int], base: list[int] | None = None) -> bool:
-    """A token repeated DEGENERATE_RUN times in a row (more than the base answer repeats it)."""
-    limit = DEGENERATE_RUN if base is None else max(DEGENERATE_RUN, max_run(base) + 1)
-    return max_run(tokens) >= limit
+    return is_degenerate(text) and not is_degenerate(base)
 
 
 @dataclass(frozen=True)
@@ -236,7 +222,7 @@ def builtin_one(m: Model, settings: dict[str, Setting]) -> None:
         after = m.greedy("fix", PROBES)
         fixed = m.text(m.greedy("fix", [QUESTION])[0]) == ANSWER
         same = sum(a == b for a, b in zip(after, base))
-        bad = sum(degenerate(a, b) for a, b in zip(after, base))
+        bad = sum(degenerate(m.text(a), m.text(b)) for a, b in zip(after, base))
         print(f"{label:<36} {rep['steps']:>5} {str(fixed):>7} {rep['seconds']:>7.2f} {same:>7}/10 {bad:>10}")
 
 
@@ -254,7 +240,7 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
         right = sum(m.text(a) == f[1] for a, f in zip(m.greedy("seq", [q for q, _ in facts]), facts))
         after = m.greedy("seq", PROBES)
         same = sum(a == b for a, b in zip(after, base))
-        bad = sum(degenerate(a, b) for a, b in zip(after, base))
+        bad = sum(degenerate(m.text(a), m.text(b)) for a, b in zip(after, base))
         print(f"{label:<36} {steps:>6} {secs:>7.2f} {right:>4}/{n} {same:>7}/10 {bad:>10}")
 
 
@@ -296,7 +282,7 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
         right = sum(_ask(c, adapter, q)[0].strip() == a for q, a in FACTS[:n])
         after = [_ask(c, adapter, q)[0] for q in PROBES]
         same = sum(x == y for x, y in zip(after, base))
-        bad = sum(degenerate_text(m) and not degenerate_text(b) for m, b in zip(after, base))
+        bad = sum(degenerate(x, y) for x, y in zip(after, base))
         print(f"after {n}: corrected {right}/{n}, probes unchanged {same}/10, degenerate {bad}")
         for q, x, y in zip(PROBES, base, after):
             if x != y:
