@@ -16,7 +16,7 @@ vocab 4096) and a 1.2M student (hidden 128, 2 layers) sharing one tokenizer.
 3. Sparse-KD step (CE + coarse-tail KL, LoRA r=8) vs a CE-only step on the same
    tokens. Target: <= 1.15x.
 4. A KD step through full ``[B, T, V]`` logits vs the chunked LM head
-   (``kiln.training.kd_loss.linear_sparse_kd``): step time and peak RSS, one
+   (``kiln.training.losses.kd.linear_sparse_kd``): step time and peak RSS, one
    process per variant (``--kd-vocab 32768 --kd-hidden 256``; ``--only-kd-memory``).
 
 The quality comparison on a synthetic task is shared with the OPD issue and is
@@ -56,8 +56,8 @@ def kd_step_child(variant: str, vocab: int, hidden: int, batch: int, seq: int, t
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kiln.distill.train import kd_step_loss
-    from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.kd_loss import SparseKDLoss
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.kd import SparseKDLoss
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
@@ -125,7 +125,7 @@ def main() -> None:
     from kiln.distill import shards
     from kiln.distill.capture import LocalTeacherScorer, _encode, _payload_name, load_examples, pad_windows
     from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples
-    from kiln.training.kd_loss import SparseKDLoss
+    from kiln.training.losses.kd import SparseKDLoss
     from tests.distill.tinymodels import build_tiny_model, capture_in_process, make_plan, synthetic_examples
 
     vocab = 4096

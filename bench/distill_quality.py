@@ -15,7 +15,7 @@ Then from the same student state, same step budget and the same seeds, each
 method trains for ``--steps`` steps: ``sft`` (CE on gold), the old OPD variants
 ``opd_forward`` / ``opd_tail`` / ``opd_renormalized`` / ``opd_sampled_token``
 (one completion per prompt at temperature 1, the teacher's top-K logprobs plus
-the sampled token score it, Kiln's own loss modules from :mod:`kiln.training.opd`)
+the sampled token score it, Kiln's own loss modules from :mod:`kiln.training.losses.opd`)
 and ``mixed@w`` (OPD tail + w x CE on gold), or any recipe named in ``--methods``
 (:class:`Recipe`: loss, sampling temperature, samples per prompt, the teacher's
 greedy answer as a teacher-path row with optional CE on it, CE on gold; ``kiln``
@@ -198,7 +198,8 @@ def opd_step(student, teacher, opt, prompts, answers, recipe: Recipe, top_k: int
     """One OPD step: ``recipe.samples`` samples per prompt at ``recipe.temperature`` (plus, with ``path``, the
     teacher's greedy answer teacher-forced), scored by the teacher, Kiln's loss averaged over every completion
     token up to its EOS, plus the recipe's CE terms."""
-    from kiln.training.opd import CANDIDATE_LOSSES, SampledTokenLoss
+    from kiln.training.losses.opd import SampledTokenLoss
+    from kiln.training.opd.job import CANDIDATE_LOSSES
 
     t0 = time.perf_counter()
     student.eval()
@@ -218,7 +219,7 @@ def opd_step(student, teacher, opt, prompts, answers, recipe: Recipe, top_k: int
     if recipe.loss == "sampled_token":
         logq = torch.log_softmax(s_logits, -1).gather(-1, sampled[:, None])[:, 0]
         behaviour = None
-        if recipe.temperature != 1.0:  # importance weight to the sampling policy, as kiln.training.opd does
+        if recipe.temperature != 1.0:  # importance weight to the sampling policy, as kiln.training.opd.step does
             with torch.no_grad():
                 behaviour = torch.log_softmax(s_logits / max(recipe.temperature, 1e-6), -1).gather(
                     -1, sampled[:, None])[:, 0]
@@ -492,7 +493,7 @@ def kd_capture(teacher: nn.Module, prompts: torch.Tensor, answers: torch.Tensor,
 def kd_run(method: str, warm_state, shape, teacher, capture, train, held, *, seed, steps, batch, lr, vocab):
     """``sft`` (CE on gold), ``sparse_kd`` (CE + coarse-tail KL from the capture, Kiln's SparseKDLoss) or
     ``dense_kd`` (CE + full forward KL from the live teacher), same steps, batches and seed."""
-    from kiln.training.kd_loss import SparseKDLoss
+    from kiln.training.losses.kd import SparseKDLoss
 
     student = make_model(*shape, 0, vocab)
     student.load_state_dict(warm_state)

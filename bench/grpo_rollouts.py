@@ -138,7 +138,7 @@ def serve_client(engine, stop, latencies: list) -> None:
 def kiln_grpo(state, engine, args: argparse.Namespace, sampler: str, round_: int) -> dict:
     """One Kiln rollout job; ``sampler`` "generate" makes the job sample as engines without private-adapter
     sampling do (one batched ``PeftModel.generate``)."""
-    from kiln.training import engine_sampling
+    from kiln.training.core import engine_sampling
     from kiln.training.schemas import GRPORequest
 
     on_engine = engine_sampling.samples_on_engine

@@ -110,10 +110,15 @@ def training_chats(facts: list[Fact]) -> list[tuple[str, str]]:
 
 
 def cache_dir() -> Path:
+    """Keyed by everything the weights depend on: the world, the shape, the schedule and the transformers version
+    (not this file's bytes, so moving an import does not retrain it)."""
+    import json
     from importlib.metadata import version
 
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(version("transformers").encode())
+    what = {"lands": N_LANDS, "seed": SEED, "shape": SHAPE, "epochs": EPOCHS, "batch": BATCH, "lr": LR,
+            "names": [ONSETS, VOWELS, CODAS], "forms": FORMS, "transformers": version("transformers"),
+            "torch": version("torch"), "loss": "sft_loss_from_hidden, OneCycleLR pct_start 0.05"}
+    h = hashlib.sha256(json.dumps(what, sort_keys=True).encode())
     return Path(tempfile.gettempdir()) / "kiln-knowledge-world" / h.hexdigest()[:16]
 
 
@@ -123,10 +128,10 @@ def build(out: Path, threads: int = 2, log: Any = print) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.runtime.builtin import bench_model_path
-    from kiln.training.data import collate, tokenize_sft
-    from kiln.training.chunked_loss import sft_loss_from_hidden
+    from kiln.training.core.chunked_loss import sft_loss_from_hidden
+    from kiln.training.core.data import collate, tokenize_sft
     from kiln.training.schemas import SFTExample
-    from kiln.training.templates import end_of_turn_ids
+    from kiln.training.core.templates import end_of_turn_ids
 
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)

@@ -1,6 +1,6 @@
 """Does a correction change what it targets and nothing else? Locality of Kiln's training, measured (issue 48).
 
-Two worlds, the same loop (Kiln's own :func:`kiln.training.trainer.run_sft` on a ``PeftModel`` in process,
+Two worlds, the same loop (Kiln's own :func:`kiln.training.sft.job.run_sft` on a ``PeftModel`` in process,
 with the settings a job resolves, or a plain PEFT loop as the peer):
 
 * ``builtin``: the built-in model (0.37M parameters) and ten questions its base answers right (the six
@@ -59,9 +59,9 @@ HOLDOUT = True  # the anchor never rehearses a probe question (--no-holdout: it 
 
 
 def degenerate(text: str, base: str = "") -> bool:
-    """Degenerate by Kiln's one definition (:func:`kiln.training.degenerate.is_degenerate`), and the base's answer
+    """Degenerate by Kiln's one definition (:func:`kiln.training.core.degenerate.is_degenerate`), and the base's answer
     was not."""
-    from kiln.training.degenerate import is_degenerate
+    from kiln.training.core.degenerate import is_degenerate
 
     return is_degenerate(text) and not is_degenerate(base)
 
@@ -92,8 +92,8 @@ class Model:
         from peft import get_peft_model
 
         from kiln.runtime.loader import load_model
-        from kiln.training.templates import end_of_turn_ids
-        from kiln.training.trainer import lora_config
+        from kiln.training.core.templates import end_of_turn_ids
+        from kiln.training.core.lora import lora_config
 
         torch.set_num_threads(threads)
         lm = load_model(path, device="cpu", dtype="float32")
@@ -104,12 +104,12 @@ class Model:
         self._anchor: dict[tuple[Any, ...], Any] = {}
 
     def prompt(self, question: str) -> list[int]:
-        from kiln.training.data import grpo_prompt_ids
+        from kiln.training.core.data import grpo_prompt_ids
 
         return grpo_prompt_ids(self.tok, [{"role": "user", "content": question}])
 
     def rows(self, pairs: list[tuple[str, str]]) -> list[Any]:
-        from kiln.training.data import tokenize_sft
+        from kiln.training.core.data import tokenize_sft
         from kiln.training.schemas import SFTExample
 
         ex = [SFTExample.model_validate({"messages": [{"role": "user", "content": q},
@@ -122,7 +122,7 @@ class Model:
 
         import torch
 
-        from kiln.training.engine_sampling import sample_batch
+        from kiln.training.core.engine_sampling import sample_batch
 
         prompts = [self.prompt(q) for q in questions]
         out: list[list[int]] = []
@@ -140,7 +140,7 @@ class Model:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
     def anchor(self, s: Setting) -> Any:
-        from kiln.training.anchor import AnchorSettings, anchor_rows, base_anchor
+        from kiln.training.core.anchor import AnchorSettings, anchor_rows, base_anchor
 
         settings = AnchorSettings(questions=s.anchor, per_step=s.anchor_per_step, weight=s.anchor_weight)
         return base_anchor(f"bench:{id(self)}", lambda: anchor_rows(self.pm, self.tok, settings, pad_id=self.pad,
@@ -151,7 +151,9 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
           exclude: list[str] = (), seed: int = 0) -> dict[str, Any]:
     """Train adapter ``name`` on ``pairs`` with setting ``s`` (from ``init`` weights when given); returns the
     report's figures. ``exclude``: questions the anchor must not rehearse (the bench's probes: held out)."""
-    from kiln.training.trainer import LearnedCheck, Plan, add_private_adapter, lora_config, run_sft
+    from kiln.training.core.loop import LearnedCheck, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
+    from kiln.training.sft.job import run_sft
 
     if name in m.pm.peft_config:
         m.pm.delete_adapter(name)
@@ -172,7 +174,7 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
 
 
 def adapter_state(m: Model, name: str) -> Any:
-    from kiln.training.trainer import adapter_state as state
+    from kiln.training.core.lora import adapter_state as state
 
     return {k: v.detach().clone() for k, v in state(m.pm, name).items()}
 

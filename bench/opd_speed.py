@@ -68,7 +68,7 @@ def teacher_adapter(loaded: Any, out: Path, rank: int) -> Path:
     import torch
     from peft import get_peft_model
 
-    from kiln.training.trainer import lora_config, save_adapter_files
+    from kiln.training.core.lora import lora_config, save_adapter_files
 
     from transformers import AutoModelForCausalLM
 
@@ -93,10 +93,11 @@ def prompts_for(loaded: Any, batch: int) -> list[list[dict[str, str]]]:
 def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any) -> dict[str, Any]:
     from kiln.teachers.kiln_identity import KilnTeacherIdentity
     from kiln.teachers.probe import LocalTeacher
-    from kiln.training.opd import OPDData, OPDItem, run_opd
-    from kiln.training.opd_schemas import DEFAULT_OPD_PATH_CE_WEIGHT, OPDRequest
-    from kiln.training.templates import end_of_turn_ids
-    from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config
+    from kiln.training.opd.job import OPDData, OPDItem, run_opd
+    from kiln.training.opd.schemas import DEFAULT_OPD_PATH_CE_WEIGHT, OPDRequest
+    from kiln.training.core.templates import end_of_turn_ids
+    from kiln.training.core.loop import Hooks, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
 
     engine.activate_adapter("teacher", adapter_dir, "r1")
     ident = KilnTeacherIdentity(loaded, max_model_len=engine.config.max_model_len, max_top_k=args.top_k)
@@ -116,7 +117,7 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     end_ids = sorted(end_of_turn_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None)))
     rehearsal, setup_s = None, 0.0
     if args.rehearsal:  # built once per job, as OPDRecipe builds it (not part of a step)
-        from kiln.training.opd_rehearsal import job_rehearsal
+        from kiln.training.core.rehearsal import job_rehearsal
 
         t0 = time.perf_counter()
         with engine.ownership.exclusive():
@@ -141,7 +142,7 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
         per_step.append({k: p.get(k, 0.0) - last[k] for k in last})
         last.update({k: p.get(k, 0.0) for k in last})
 
-    import kiln.training.trainer as trainer_mod
+    import kiln.training.core.loop as trainer_mod
 
     trainer_mod.PROGRESS_EVERY_S = 0.0  # a progress callback after every step: per-step times
     plan = Plan(args.lr, 1, len(chats), 0, 0, max_steps=total)
@@ -171,8 +172,10 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
 def kiln_sft(loaded: Any, engine: Any, chats: list, completion_len: int, args: Any) -> dict[str, Any]:
     import torch
 
-    from kiln.training.data import Row
-    from kiln.training.trainer import Hooks, Plan, add_private_adapter, lora_config, run_sft
+    from kiln.training.core.data import Row
+    from kiln.training.core.loop import Hooks, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
+    from kiln.training.sft.job import run_sft
 
     gen = torch.Generator().manual_seed(3)
     vocab = loaded.model.config.vocab_size
@@ -211,7 +214,7 @@ def trl_gkd(loaded: Any, adapter_dir: Path, chats: list, work: Path, args: Any) 
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from kiln.training.trainer import lora_config
+    from kiln.training.core.lora import lora_config
 
     path = str(loaded.path)
     student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -262,7 +265,7 @@ def main() -> None:
                     help="rehearsal questions (default: the request's, DEFAULT_OPD_REHEARSAL; 0: none)")
     ap.add_argument("--rehearsal-per-prompt", type=int, default=None, help="default: the request's")
     args = ap.parse_args()
-    from kiln.training.opd_schemas import DEFAULT_OPD_REHEARSAL, DEFAULT_OPD_REHEARSAL_PER_PROMPT
+    from kiln.training.opd.schemas import DEFAULT_OPD_REHEARSAL, DEFAULT_OPD_REHEARSAL_PER_PROMPT
 
     args.rehearsal = DEFAULT_OPD_REHEARSAL if args.rehearsal is None else args.rehearsal
     args.rehearsal_per_prompt = args.rehearsal_per_prompt or DEFAULT_OPD_REHEARSAL_PER_PROMPT

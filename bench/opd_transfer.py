@@ -2,9 +2,9 @@
 
 Teacher: the built-in model with an SFT adapter that learned one answer (trained until it is the greedy
 answer, as ``kiln demo`` does). Student: the base model with a fresh adapter. Each OPD step uses Kiln's own
-parts: the student samples with :func:`kiln.training.engine_sampling.sample_batch`, the teacher's rows are
+parts: the student samples with :func:`kiln.training.core.engine_sampling.sample_batch`, the teacher's rows are
 :func:`kiln.runtime.scoring.prompt_logprob_rows` (what a ``local`` teacher answers), the update is
-:func:`kiln.training.opd.opd_loss` + AdamW, with the request defaults of ``POST /v1/train/opd`` unless a flag
+:func:`kiln.training.opd.step.opd_loss` + AdamW, with the request defaults of ``POST /v1/train/opd`` unless a flag
 says otherwise. Per step it prints, over the sampled completion positions:
 
 * ``ent``: the student's entropy (nats); ``t_ent``: the teacher's at the same positions;
@@ -24,7 +24,7 @@ the number of degenerate unrelated answers, and how many prompts are "learned" (
 logit margin of 1, checked every 5 steps as ``until_learned`` does; ``--stop-when-learned`` ends a seed there, as a
 job with the defaults stops); per seed, the until_learned stop, the degenerate count then, and the mean degenerate
 count over the checks from step 30. The request defaults apply (teacher path, ``ce_weight``, ``rehearsal`` and
-``rehearsal_per_prompt``, built by :mod:`kiln.training.opd_rehearsal` as the job builds them);
+``rehearsal_per_prompt``, built by :mod:`kiln.training.core.rehearsal` as the job builds them);
 ``--rehearse-exclude`` drops rehearsal questions that are one of the unrelated prompts (a held-out control).
 Experiments the recipe did not keep (docs/training.md, ten-facts table): ``--retire skip|ce`` (stop choosing a
 learned prompt, or only drop its CE), ``--lr-decay`` (linear to 0 over ``--decay-steps``), ``--weight-decay``,
@@ -69,10 +69,12 @@ class Setup:
         from peft import get_peft_model
 
         from kiln.runtime.loader import load_model
-        from kiln.training.data import tokenize_sft
+        from kiln.training.core.data import tokenize_sft
         from kiln.training.schemas import DEFAULT_LORA_RANK, SFTExample
-        from kiln.training.templates import end_of_turn_ids
-        from kiln.training.trainer import LearnedCheck, Plan, add_private_adapter, lora_config, run_sft
+        from kiln.training.core.templates import end_of_turn_ids
+        from kiln.training.core.loop import LearnedCheck, Plan
+        from kiln.training.core.lora import add_private_adapter, lora_config
+        from kiln.training.sft.job import run_sft
         from kiln.runtime.builtin import bench_model_path as built_model_path
 
         torch.set_num_threads(threads)
@@ -152,7 +154,7 @@ def bucket_shares(logits: Any, ids: Any, lp: Any, mask: Any, loss: str) -> tuple
     """The tail bucket's share of the bucketed loss and of the norm of its gradient on the student logits."""
     import torch
 
-    from kiln.training.opd import EPS, _xlogy_ratio
+    from kiln.training.losses.opd import EPS, _xlogy_ratio
 
     z = logits.detach().float().requires_grad_(True)
     logq = torch.log_softmax(z, -1).gather(-1, ids)
@@ -174,10 +176,13 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
     import torch
 
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.opd import OPDData, _completion_logits, candidates, opd_loss
-    from kiln.training.opd_paths import TeacherPaths
-    from kiln.training.trainer import _adamw, add_private_adapter
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.opd import candidates
+    from kiln.training.opd.job import OPDData
+    from kiln.training.opd.step import completion_logits, opd_loss
+    from kiln.training.opd.paths import TeacherPaths
+    from kiln.training.core.loop import _adamw
+    from kiln.training.core.lora import add_private_adapter
 
     name = f"opd-{loss}-{seed}"
     params = add_private_adapter(s.pm, name, s.lora, seed=seed)
@@ -213,7 +218,7 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
         shares = (float("nan"), float("nan"))
         if trace and loss in ("forward", "tail"):
             with torch.no_grad():
-                logits = _completion_logits(s.pm, [(s.prompt, c) for c in comps], "cpu")
+                logits = completion_logits(s.pm, [(s.prompt, c) for c in comps], "cpu")
             ids, lp, mask = candidates(rows, sampled, args.top_k, include_sampled=True)
             shares = bucket_shares(logits, ids, lp, mask, loss)
         gold = [(s.prompt, tuple(paths.prefix(0)))] if paths is not None and args.ce_weight else []
@@ -241,7 +246,9 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
 
 def run_sft_baseline(s: Setup, seed: int, args: Any) -> dict[str, Any]:
     """SFT on the teacher's answer, same adapter shape and learning rate, greedy checked every step."""
-    from kiln.training.trainer import Hooks, Plan, add_private_adapter, run_sft
+    from kiln.training.core.loop import Hooks, Plan
+    from kiln.training.core.lora import add_private_adapter
+    from kiln.training.sft.job import run_sft
 
     name = f"sft-{seed}"
     add_private_adapter(s.pm, name, s.lora, seed=seed)
@@ -252,7 +259,7 @@ def run_sft_baseline(s: Setup, seed: int, args: Any) -> dict[str, Any]:
             learned.append(p["step"])
 
     t0 = time.perf_counter()
-    import kiln.training.trainer as trainer_mod
+    import kiln.training.core.loop as trainer_mod
 
     every = trainer_mod.PROGRESS_EVERY_S
     trainer_mod.PROGRESS_EVERY_S = 0.0  # a progress call (and a greedy check) after every step
@@ -272,7 +279,7 @@ def run_gkd(s: Setup, seed: int, args: Any, work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from kiln.training.trainer import save_adapter_files
+    from kiln.training.core.lora import save_adapter_files
 
     tdir = work / "teacher"
     if not tdir.exists():
@@ -339,11 +346,11 @@ FACTS = [(QUESTION, ANSWER),
 
 def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]], args: Any, seed: int,
                 step: int, teacher: str) -> list[tuple[int, list[int]]]:
-    """A step's rows as :func:`kiln.training.opd.run_opd` samples them, in one batch: ``args.samples`` per chosen
-    prompt, plus with ``paths`` one teacher-path row per prompt (:mod:`kiln.training.opd_paths`), the path
+    """A step's rows as :func:`kiln.training.opd.job.run_opd` samples them, in one batch: ``args.samples`` per chosen
+    prompt, plus with ``paths`` one teacher-path row per prompt (:mod:`kiln.training.opd.paths`), the path
     finished first by the teacher alone (as a local teacher answers: the row after a dummy end token)."""
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.engine_sampling import sample_batch, sample_seed
+    from kiln.training.core.engine_sampling import sample_batch, sample_seed
 
     def score_next(todo: list[tuple[int, list[int]]]) -> list[dict[int, float]]:
         out = []
@@ -369,10 +376,10 @@ def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]
 
 
 def rehearsal(s: Setup, n: int, seed: int, args: Any, prompts: list[list[int]]) -> Any:
-    """The job's rehearsal rows as :class:`kiln.training.opd.OPDRecipe` builds them (``n`` questions the base model
-    writes, its greedy answers and rows; :mod:`kiln.training.opd_rehearsal`), the job's prompts excluded, and with
+    """The job's rehearsal rows as :class:`kiln.training.opd.job.OPDRecipe` builds them (``n`` questions the base model
+    writes, its greedy answers and rows; :mod:`kiln.training.core.rehearsal`), the job's prompts excluded, and with
     ``--rehearse-exclude`` also any question that is one of the unrelated prompts (a held-out control)."""
-    from kiln.training.opd_rehearsal import build_rehearsal, user_turn_prefix, write_questions
+    from kiln.training.core.rehearsal import build_rehearsal, user_turn_prefix, write_questions
 
     if not n:
         return None
@@ -395,12 +402,16 @@ def run_facts(s: Setup, args: Any) -> None:
     job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
     of the student's greedy answers are the teacher's every ``--trace-every`` steps, and the degenerate count."""
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.data import tokenize_sft
-    from kiln.training.opd import OPDData, opd_loss, outside_top_k
-    from kiln.training.opd_paths import TeacherPaths
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.core.data import tokenize_sft
+    from kiln.training.losses.opd import outside_top_k
+    from kiln.training.opd.job import OPDData
+    from kiln.training.opd.step import opd_loss
+    from kiln.training.opd.paths import TeacherPaths
     from kiln.training.schemas import SFTExample
-    from kiln.training.trainer import LearnedCheck, Plan, _adamw, add_private_adapter, run_sft
+    from kiln.training.core.loop import LearnedCheck, Plan, _adamw
+    from kiln.training.core.lora import add_private_adapter
+    from kiln.training.sft.job import run_sft
     import torch
 
     rows = tokenize_sft(s.tok, [SFTExample.model_validate({"messages": [
@@ -453,7 +464,7 @@ def run_facts(s: Setup, args: Any) -> None:
                 t_rows += mine
                 sampled += c
             pairs = [(prompts[i], c) for i, c in pairs]
-            if rehearse is not None:  # as kiln.training.opd.run_opd adds them
+            if rehearse is not None:  # as kiln.training.opd.job.run_opd adds them
                 rehearse.add_to_step(step, len(chosen) * args.rehearsal_per_prompt, pairs, t_rows, sampled)
             s.pm.base_model.set_adapter(name)
             gold = [(prompts[i], tuple(paths.prefix(i))) for i in chosen
@@ -464,8 +475,8 @@ def run_facts(s: Setup, args: Any) -> None:
             if sched is not None:
                 sched.step()
             if (step + 1) % 5 == 0 and paths is not None:
-                from kiln.training.data import Row
-                from kiln.training.trainer import greedy_margin
+                from kiln.training.core.data import Row
+                from kiln.training.core.loop import greedy_margin
                 for i in range(len(FACTS)):
                     pth = paths.prefix(i)
                     m = greedy_margin(s.pm, [Row(prompts[i] + pth, [0] * len(prompts[i]) + [1] * len(pth))],
@@ -512,7 +523,7 @@ def run_facts(s: Setup, args: Any) -> None:
 
 
 def main() -> None:
-    from kiln.training.opd_schemas import (
+    from kiln.training.opd.schemas import (
         DEFAULT_OPD_PATH_CE_WEIGHT,
         DEFAULT_OPD_REHEARSAL,
         DEFAULT_OPD_TOKEN_BUDGET,
@@ -540,7 +551,7 @@ def main() -> None:
                     help="CE on the known teacher path (sequence-level KD); default: the request's "
                          "(DEFAULT_OPD_PATH_CE_WEIGHT with the teacher path, else 0)")
     ap.add_argument("--teacher-path", action="store_true", default=True,
-                    help="one teacher-path row per prompt and step (kiln.training.opd_paths): the default")
+                    help="one teacher-path row per prompt and step (kiln.training.opd.paths): the default")
     ap.add_argument("--no-teacher-path", dest="teacher_path", action="store_false")
     ap.add_argument("--retire", default="none", choices=["none", "skip", "ce"],
                     help="--facts experiment: a prompt learned by margin 1 is not chosen (skip) or gets no CE (ce)")
@@ -548,7 +559,7 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0, help="--facts experiment: AdamW weight decay")
     ap.add_argument("--rehearsal", type=int, default=None,
                     help="questions the base model writes for rehearsal rows (default: the request's, "
-                         "kiln.training.opd_schemas.DEFAULT_OPD_REHEARSAL; 0: off)")
+                         "kiln.training.opd.schemas.DEFAULT_OPD_REHEARSAL; 0: off)")
     ap.add_argument("--rehearsal-per-prompt", type=int, default=d["rehearsal_per_prompt"].default,
                     help="rehearsal rows per prompt and step (default: the request's)")
     ap.add_argument("--rehearse-exclude", action="store_true",

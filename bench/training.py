@@ -8,7 +8,7 @@
    (hidden 512, 8 layers, vocab 32000, where the [B, T, V] logits dominate
    activation memory); r=8 on q/k/v/o, batch 8 x 128 tokens, the same random
    token data, batch order, LoRA init and number of timed steps for every peer:
-   plain PyTorch + PEFT loop, Kiln's trainer (`kiln.training.trainer.run_sft` on
+   plain PyTorch + PEFT loop, Kiln's trainer (`kiln.training.sft.job.run_sft` on
    the engine's PEFT wrapping, each step under exclusive ownership; chunked
    head + loss, fused AdamW, packing as an SFT job has it), Kiln without packing
    (`kiln_no_packing`), with gradient checkpointing (`kiln_grad_ckpt`), with the
@@ -112,7 +112,7 @@ def _vocab(model_dir: Path) -> int:
 def _phases(model_dir: Path, steps: int) -> list[list[list[int]]]:
     """Warm-up rows and timed rows, each in the order Kiln's trainer walks them (one epoch, seed SEED)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from kiln.training.data import epoch_order
+    from kiln.training.core.data import epoch_order
 
     data = bench_data(WARMUP + steps, _vocab(model_dir))
     out = []
@@ -179,22 +179,19 @@ def peer_plain(model_dir: Path, steps: int) -> dict[str, Any]:
 def peer_kiln(model_dir: Path, steps: int, variant: str = "") -> dict[str, Any]:
     import torch
 
-    import kiln.training.trainer as trainer_mod
+    import kiln.training.core.loop as loop_mod
+    import kiln.training.sft.job as sft_mod
     from kiln.runtime.adapter_slots import AdapterSlots
     from kiln.runtime.ownership import AcceleratorOwnership
-    from kiln.training.data import Row
-    from kiln.training.trainer import (
-        Hooks,
-        Plan,
-        add_private_adapter,
-        lora_config,
-        run_sft,
-    )
+    from kiln.training.core.data import Row
+    from kiln.training.core.loop import Hooks, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
+    from kiln.training.sft.job import run_sft
 
     if variant == "full_logits":  # the step before the chunked head: model(...).logits + sft_loss
-        trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
+        sft_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
     elif variant == "foreach_adamw":  # the optimizer before: AdamW's default (foreach) implementation
-        trainer_mod._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # type: ignore[assignment]
+        loop_mod._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)  # type: ignore[assignment]
     # Step options as a job gets them: packing on (the SFT request default), the others off.
     options = {"packing": variant != "no_packing", "gradient_checkpointing": variant == "grad_ckpt",
                "compile": variant == "compile"}
@@ -282,21 +279,16 @@ def run_peer(name: str, model_dir: Path, steps: int) -> dict[str, Any]:
 
 def bench_grpo(builtin_dir: Path, steps: int, group: int = 8, groups_per_step: int = 4,
                full_logits: bool = False) -> dict[str, Any]:
-    import kiln.training.trainer as trainer_mod
+    import kiln.training.grpo.job as grpo_mod
     from kiln.runtime.adapter_slots import AdapterSlots
     from kiln.runtime.loader import load_model
     from kiln.runtime.ownership import AcceleratorOwnership
-    from kiln.training.data import tokenize_grpo_group
+    from kiln.training.core.data import tokenize_grpo_group
+    from kiln.training.core.loop import Hooks, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
+    from kiln.training.grpo.job import run_grpo
+    from kiln.training.grpo.step import GRPOSettings, grpo_items
     from kiln.training.schemas import GRPOGroup
-    from kiln.training.trainer import (
-        GRPOSettings,
-        Hooks,
-        Plan,
-        add_private_adapter,
-        grpo_items,
-        lora_config,
-        run_grpo,
-    )
 
     lm = load_model(builtin_dir, device="cpu")
     ownership = AcceleratorOwnership()
@@ -309,15 +301,15 @@ def bench_grpo(builtin_dir: Path, steps: int, group: int = 8, groups_per_step: i
                         for c in range(group)]}) for g in range(groups_per_step * steps)]
     rows = [tokenize_grpo_group(lm.tokenizer, g, max_seq_len=512) for g in groups]
     items, _ = grpo_items(rows, [[c.reward for c in g.completions] for g in groups], scale_rewards=True)
-    split = trainer_mod.split_causal_lm
+    split = grpo_mod.split_causal_lm
     if full_logits:
-        trainer_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
+        grpo_mod.split_causal_lm = lambda model: None  # type: ignore[assignment]
     try:
         rep = run_grpo(peft_model, "kiln-grpo", items, Plan(1e-4, 1, groups_per_step, SEED),
                        GRPOSettings(kl_coef=0.04), pad_id=lm.tokenizer.pad_token_id,
                        hooks=Hooks(exclusive=ownership.exclusive))
     finally:
-        trainer_mod.split_causal_lm = split
+        grpo_mod.split_causal_lm = split
     return {"kiln_step_s": rep.train_seconds / rep.steps, "steps": rep.steps, "loss_after_n": rep.final_loss,
             "rows_per_step": group * groups_per_step}
 

@@ -110,7 +110,7 @@ def test_the_order_refuses_an_upward_import():
     assert upward_imports("kiln.runtime.vllm_process", {"kiln.teachers.supervise", "kiln.cluster.ranks"}) == [
         "kiln.cluster.ranks (domain)", "kiln.teachers.supervise (domain)"]
     assert upward_imports("kiln.config", {"kiln.runtime.vllm_process"}) == ["kiln.runtime.vllm_process (runtime)"]
-    assert upward_imports("kiln.training.service", {"kiln.serving.app"}) == ["kiln.serving.app (serving)"]
-    assert upward_imports("kiln.serving.app", {"kiln.training.service", "kiln.system.supervise", "json"}) == []
+    assert upward_imports("kiln.training.queue.service", {"kiln.serving.app"}) == ["kiln.serving.app (serving)"]
+    assert upward_imports("kiln.serving.app", {"kiln.training.queue.service", "kiln.system.supervise", "json"}) == []
     assert layer_of("kiln.distill.cli") == layer_of("kiln.teachers.registry_cli") == CLI
     assert layer_of("kiln.distill.train") > layer_of("kiln.distill.shards")

@@ -46,7 +46,7 @@ def _preload() -> None:
     import kiln.serving.state  # noqa: F401
     import kiln.runtime.engine  # noqa: F401
     import kiln.runtime.loader  # noqa: F401
-    import kiln.training.service  # noqa: F401
+    import kiln.training.queue.service  # noqa: F401
     import transformers  # noqa: F401
     from transformers.models.qwen3 import modeling_qwen3  # noqa: F401  (the built-in model's family)
     import uvicorn  # noqa: F401

@@ -45,7 +45,7 @@ def source_codes() -> dict[str, set[str]]:
                 found.append(_str(keywords.get("code")))
                 if name in POSITIONAL and len(node.args) > POSITIONAL[name]:
                     found.append(_str(node.args[POSITIONAL[name]]))
-                if name == "_refuse" and rel == "training/rewards.py" and len(node.args) > 1:
+                if name == "_refuse" and rel == "training/grpo/rewards.py" and len(node.args) > 1:
                     found.append(_str(node.args[1]))
                 error = keywords.get("error")
                 if isinstance(error, ast.Tuple) and error.elts:

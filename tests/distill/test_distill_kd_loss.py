@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kiln.distill.probability import coarse_tail_forward_kl  # noqa: E402
-from kiln.training.kd_loss import SparseKDLoss, coarse_tail_kl  # noqa: E402
+from kiln.training.losses.kd import SparseKDLoss, coarse_tail_kl  # noqa: E402
 
 
 def _teacher(n: int, v: int, seed: int) -> torch.Tensor:
@@ -121,7 +121,7 @@ def test_fused_backward_equals_autograd_reference(temperature, ce_weight, kd_wei
 @pytest.mark.parametrize("ce_weight,kd_weight", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.0)])
 def test_linear_sparse_kd_from_hidden_states_equals_the_loss_on_full_logits(temperature, ce_weight, kd_weight):
     """Chunked head (3 rows of logits at a time): same loss, d/dh and d/dW as SparseKDLoss on h @ W^T."""
-    from kiln.training.kd_loss import linear_sparse_kd
+    from kiln.training.losses.kd import linear_sparse_kd
 
     n, h_dim, v, k = 8, 5, 17, 3
     g = torch.Generator().manual_seed(11)

@@ -31,7 +31,7 @@ def test_offline_sparse_kd_gradient_equals_dense_kd_at_full_vocabulary(tmp_path,
 
     from transformers import AutoModelForCausalLM
 
-    from kiln.training.kd_loss import SparseKDLoss
+    from kiln.training.losses.kd import SparseKDLoss
 
     t_model = AutoModelForCausalLM.from_pretrained(teacher).eval()  # float32, as captured
     with torch.no_grad():

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 
 from kiln.openenv import episode as ep
 from kiln.runtime.tokenization import Tokenization
-from kiln.training.grpo_rollouts import multi_turn_items
-from kiln.training.losses import group_advantages
+from kiln.training.grpo.rollouts import multi_turn_items
+from kiln.training.losses.grpo import group_advantages
 from kiln.training.schemas import GRPORequest
 from tests.openenv.test_episodes import _episode
 

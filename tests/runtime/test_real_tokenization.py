@@ -62,7 +62,7 @@ def test_chat_rendering_matches_transformers(tokens):
 
 
 def test_sft_assistant_span_is_the_answer(tokens):
-    from kiln.training.templates import assistant_tokens, end_of_turn_ids
+    from kiln.training.core.templates import assistant_tokens, end_of_turn_ids
 
     family, tok = tokens
     hf = tok.tokenizer

@@ -53,7 +53,7 @@ def built(builtin_model_dir, tmp_path_factory):
 def test_build_state_wires_one_store_and_one_engine(built):
     from kiln.adapters.store import AdapterStore
     from kiln.runtime.engine import Engine
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
     assert isinstance(built.engine, Engine) and isinstance(built.store, AdapterStore)
     assert isinstance(built.trainer, TrainingService)

@@ -139,7 +139,7 @@ def test_training_examples_render_reasoning_content_through_the_template():
     from transformers import AutoTokenizer
 
     from kiln.training.schemas import SFTExample
-    from kiln.training.templates import assistant_tokens
+    from kiln.training.core.templates import assistant_tokens
 
     tok = AutoTokenizer.from_pretrained(real_tokenizer_dir("qwen3"))
     ex = SFTExample(messages=[{"role": "user", "content": "Is 7 prime?"},

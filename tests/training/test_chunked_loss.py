@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.chunked_loss import (
+from kiln.training.core.chunked_loss import (
     linear_cross_entropy_sum,
     linear_token_logprobs,
     sft_loss_from_hidden,
     split_causal_lm,
 )
-from kiln.training.losses import sft_loss, shifted_token_logprobs
+from kiln.training.losses.sft import sft_loss, shifted_token_logprobs
 
 TOL = 1e-5
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from kiln.errors import KilnError
-from kiln.training.data import load_sft_dataset, open_dataset
+from kiln.training.core.data import load_sft_dataset, open_dataset
 
 ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 SECRET = {"messages": [{"role": "user", "content": "secret"}, {"role": "assistant", "content": "outside"}]}
@@ -53,7 +53,7 @@ def test_directory_swapped_after_it_was_entered_still_reads_inside(dirs, monkeyp
     """The swap lands between walking into `sub` and opening the file (the window a
     check-then-open implementation has): the open is relative to the directory already
     entered, so it reads the inside file, never the symlink's target."""
-    import kiln.training.data as data_mod
+    import kiln.training.core.data as data_mod
 
     data, outside = dirs
     real_open = os.open

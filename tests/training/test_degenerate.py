@@ -1,10 +1,10 @@
-"""The degenerate-answer detector (kiln.training.degenerate): loops of a unit with a letter, by coverage."""
+"""The degenerate-answer detector (kiln.training.core.degenerate): loops of a unit with a letter, by coverage."""
 
 from __future__ import annotations
 
 import pytest
 
-from kiln.training.degenerate import MIN_LOOP_CHARS, count_degenerate, is_degenerate, loop_chars
+from kiln.training.core.degenerate import MIN_LOOP_CHARS, count_degenerate, is_degenerate, loop_chars
 
 
 @pytest.mark.parametrize("text", [

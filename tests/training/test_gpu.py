@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.data import Row, collate
+from kiln.training.core.data import Row, collate
 from kiln.training.schemas import GRPOGroup, SFTExample
 
 CUDA = torch.cuda.is_available()
@@ -25,7 +25,7 @@ def _model(builtin_model_dir, device, dtype):
     from peft import get_peft_model
 
     from kiln.runtime.loader import load_model
-    from kiln.training.trainer import lora_config
+    from kiln.training.core.lora import lora_config
 
     lm = load_model(builtin_model_dir, device=device, dtype=dtype)
     return get_peft_model(lm.model, lora_config(2, 4, ["q_proj"]), adapter_name="idle"), lm
@@ -35,18 +35,13 @@ def _model(builtin_model_dir, device, dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_sft_and_grpo_train_on_cuda(builtin_model_dir, dtype):
-    from kiln.training.data import tokenize_grpo_group, tokenize_sft
-    from kiln.training.templates import end_of_turn_ids
-    from kiln.training.trainer import (
-        GRPOSettings,
-        LearnedCheck,
-        Plan,
-        add_private_adapter,
-        grpo_items,
-        lora_config,
-        run_grpo,
-        run_sft,
-    )
+    from kiln.training.core.data import tokenize_grpo_group, tokenize_sft
+    from kiln.training.core.loop import LearnedCheck, Plan
+    from kiln.training.core.lora import add_private_adapter, lora_config
+    from kiln.training.core.templates import end_of_turn_ids
+    from kiln.training.grpo.job import run_grpo
+    from kiln.training.grpo.step import GRPOSettings, grpo_items
+    from kiln.training.sft.job import run_sft
 
     if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")

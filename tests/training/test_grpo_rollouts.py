@@ -264,7 +264,7 @@ def test_group_size_above_the_engine_queue_is_refused():
 
     from kiln.errors import InvalidRequest
     from kiln.runtime.engine import EngineConfig
-    from kiln.training.engine_sampling import check_samples_fit_queue
+    from kiln.training.core.engine_sampling import check_samples_fit_queue
 
     engine = SimpleNamespace(config=EngineConfig(max_queued_rows=8))
     check_samples_fit_queue(engine, 8, "group_size")

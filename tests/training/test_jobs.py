@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from kiln.training.jobs import (
+from kiln.training.queue.jobs import (
     CANCELLED,
     FAILED,
     QUEUED,

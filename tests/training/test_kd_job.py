@@ -181,8 +181,8 @@ def test_kd_job_killed_after_its_checkpoint_reconciles_on_resume_without_retrain
     the job appends exactly one commit naming that checkpoint, then trains only the second shard. The slow
     variant first dies right after a reservation: the next job releases it (no checkpoint holds it)."""
     from kiln.distill.faults import FAULT_ENV, FAULT_EXIT_CODE
-    from kiln.training.checkpoints import list_checkpoints
-    from kiln.training.kd_job import checkpoint_digest
+    from kiln.training.core.checkpoints import list_checkpoints
+    from kiln.training.kd.job import checkpoint_digest
 
     home, plan, model_dir = tmp_path / "home", env["plan"], env["srv"].model_dir
     shutil.copytree(env["home"] / "data" / "runs" / "cap", home / "data" / "runs" / "cap")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kiln.canonical import canonical_json_bytes, domain_digest
-from kiln.training import kinds
-from kiln.training.kd_schemas import KDRequest
-from kiln.training.opd_schemas import OPDRequest
-from kiln.training.plan import INPUTS_DOMAIN, PLAN_DOMAIN, RUN_ONLY_FIELDS, seal_plan
+from kiln.training.core.plan import INPUTS_DOMAIN, PLAN_DOMAIN, RUN_ONLY_FIELDS, seal_plan
+from kiln.training.kd.schemas import KDRequest
+from kiln.training.opd.schemas import OPDRequest
+from kiln.training.queue import kinds
 from kiln.training.schemas import GRPORequest, SFTRequest
 
 MSGS = [{"role": "user", "content": "q"}]

@@ -1,4 +1,4 @@
-"""Locality: the measure every job reports (kiln.training.locality), the guard that holds back activation
+"""Locality: the measure every job reports (kiln.training.core.locality), the guard that holds back activation
 (kiln.adapters.locality_guard), the receipt's optional claim, and the whole loop through a real server."""
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def peft(builtin_model_dir):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kiln.training.templates import end_of_turn_ids
-    from kiln.training.trainer import add_private_adapter, lora_config
+    from kiln.training.core.templates import end_of_turn_ids
+    from kiln.training.core.lora import add_private_adapter, lora_config
 
     tok = AutoTokenizer.from_pretrained(str(builtin_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(builtin_model_dir), dtype=torch.float32)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kiln.training.losses import GRPOLoss, group_advantages, kl_penalty, sft_loss, shifted_token_logprobs
+from kiln.training.losses.grpo import GRPOLoss, group_advantages, kl_penalty
+from kiln.training.losses.sft import sft_loss, shifted_token_logprobs
 
 
 def _logsumexp(xs):

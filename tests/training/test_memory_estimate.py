@@ -1,5 +1,5 @@
 """The memory admission arithmetic: the budget's 409/507 classification and reservations
-(kiln.runtime.memory_budget), and a job's estimate on the built-in model (kiln.training.memory_estimate).
+(kiln.runtime.memory_budget), and a job's estimate on the built-in model (kiln.training.core.memory_estimate).
 The same paths run over a real server in tests/serving/test_memory_admission.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from kiln.errors import Conflict, InsufficientMemory
 from kiln.runtime.memory_budget import MemoryBudget
-from kiln.training.memory_estimate import ACTIVATION_FACTOR, LORA_BYTES_PER_PARAM, estimate_job, model_dims
+from kiln.training.core.memory_estimate import ACTIVATION_FACTOR, LORA_BYTES_PER_PARAM, estimate_job, model_dims
 
 
 def test_budget_classifies_never_fits_and_not_now_and_releases():
@@ -77,9 +77,9 @@ def dims(builtin_model_dir):
 
 
 def test_job_estimate_parts_on_the_builtin_model(dims):
-    from kiln.training.chunked_loss import CHUNK_ELEMENTS
-    from kiln.training.data import Row
-    from kiln.training.plan import SFTData
+    from kiln.training.core.chunked_loss import CHUNK_ELEMENTS
+    from kiln.training.core.data import Row
+    from kiln.training.core.plan import SFTData
 
     rows = SFTData(tuple(Row([1] * n, [1] * n) for n in (10, 30, 20)))
     request = {"batch_size": 2, "max_seq_len": 256, "lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"]}

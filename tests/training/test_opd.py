@@ -94,7 +94,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     its log-likelihood of that answer reaches the teacher's, and it does not collapse into repetition."""
     import math
 
-    from kiln.training.opd_schemas import (
+    from kiln.training.opd.schemas import (
         DEFAULT_OPD_PATH_CE_WEIGHT,
         DEFAULT_OPD_REHEARSAL,
         DEFAULT_OPD_TOKEN_BUDGET,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kiln.training.opd import (
+from kiln.training.losses.opd import (
     RenormalizedReverseKL,
     SampledTokenLoss,
     TailForwardKL,
@@ -153,7 +153,7 @@ def test_sampled_token_loss_pushes_toward_teacher():
 
 
 def test_outside_top_k_share():
-    from kiln.training.opd import outside_top_k
+    from kiln.training.losses.opd import outside_top_k
 
     rows = [{5: -0.1, 6: -2.0, 9: -5.0}, {5: -0.1, 6: -2.0}]  # row 0: token 9 is the sampled one, outside top-2
     assert outside_top_k(rows, [9, 6], 2) == 0.5
@@ -170,7 +170,7 @@ def test_missing_sampled_token_uses_tail_mass():
 def test_chunked_candidate_loss_matches_full_logits_with_gradients():
     """The OPD head path (completion positions only, candidate columns only, a chunk at a time, gradient
     computed in forward) gives the full-logits loss and the same gradients on the hidden states."""
-    from kiln.training.opd_head import candidate_loss_mean
+    from kiln.training.opd.head import candidate_loss_mean
 
     g = torch.Generator().manual_seed(0)
     n, hdim, v, k = 37, 16, 300, 6
@@ -199,8 +199,8 @@ def test_engine_sampling_in_waves_is_seeded_per_row(builtin_model_dir):
     wave size); after a weight change, a new revision never reuses prefix-cache blocks of the old weights."""
     from kiln.runtime.engine import Engine, EngineConfig
     from kiln.runtime.loader import load_model
-    from kiln.training.opd import sample_batch, sample_on_engine
-    from kiln.training.trainer import add_private_adapter, lora_config
+    from kiln.training.core.engine_sampling import sample_batch, sample_on_engine
+    from kiln.training.core.lora import add_private_adapter, lora_config
 
     loaded = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
     engine = Engine(loaded, EngineConfig(max_model_len=256, max_queued_rows=8, max_running_rows=4)).start()
@@ -254,9 +254,10 @@ def test_ce_on_the_teacher_path_reuses_its_rows_hidden_states_and_matches_full_l
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.opd import OPDData, opd_loss
-    from kiln.training.trainer import lora_config
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.core.lora import lora_config
+    from kiln.training.opd.job import OPDData
+    from kiln.training.opd.step import opd_loss
 
     torch.manual_seed(0)
     pm = get_peft_model(AutoModelForCausalLM.from_pretrained(str(builtin_model_dir)),
@@ -309,7 +310,8 @@ def test_sampled_token_gradient_is_the_per_token_reverse_kl_gradient_over_whole_
     position) weighted the same way, while one completion's estimate can point against it."""
     import itertools
 
-    from kiln.training.opd import OPDData, opd_loss
+    from kiln.training.opd.job import OPDData
+    from kiln.training.opd.step import opd_loss
 
     v, length, prompt = 4, 3, [0]
     model = _TinyLM(v)

@@ -1,8 +1,8 @@
-"""OPD teacher-path rows (kiln.training.opd_paths): what a scored draft proves, teacher-only discovery, checkpoints."""
+"""OPD teacher-path rows (kiln.training.opd.paths): what a scored draft proves, teacher-only discovery, checkpoints."""
 
 from __future__ import annotations
 
-from kiln.training.opd_paths import TeacherPaths, teacher_top1
+from kiln.training.opd.paths import TeacherPaths, teacher_top1
 
 END = 0
 
@@ -66,7 +66,7 @@ def test_discover_finishes_the_chosen_paths_with_the_teacher_alone():
 def test_default_steps_are_a_token_budget_per_prompt():
     """`steps` omitted: DEFAULT_OPD_TOKEN_BUDGET sampled tokens per prompt, so ten prompts get ten times one
     prompt's visits (a budget for the whole job gave ten facts 24 steps, 0/10 learned)."""
-    from kiln.training.opd_schemas import DEFAULT_OPD_TOKEN_BUDGET, budget_steps
+    from kiln.training.opd.schemas import DEFAULT_OPD_TOKEN_BUDGET, budget_steps
 
     assert budget_steps(1, 4, 4, 32) == DEFAULT_OPD_TOKEN_BUDGET // 128 == 96
     assert budget_steps(10, 4, 4, 32) == 240

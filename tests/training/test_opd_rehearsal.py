@@ -1,4 +1,4 @@
-"""OPD rehearsal rows (kiln.training.opd_rehearsal) on the built-in model: the questions the base model writes,
+"""OPD rehearsal rows (kiln.training.core.rehearsal) on the built-in model: the questions the base model writes,
 its answers and rows, what a step trains on, and the checkpoint round trip."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.opd_rehearsal import Rehearsal, RehearsalRow, questions_from_tensor, user_turn_prefix
+from kiln.training.core.rehearsal import Rehearsal, RehearsalRow, questions_from_tensor, user_turn_prefix
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_content():
@@ -35,8 +35,8 @@ def student(builtin_model_dir):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kiln.training.templates import end_of_turn_ids
-    from kiln.training.trainer import lora_config
+    from kiln.training.core.lora import lora_config
+    from kiln.training.core.templates import end_of_turn_ids
 
     tok = AutoTokenizer.from_pretrained(str(builtin_model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(builtin_model_dir), dtype=torch.float32)
@@ -54,7 +54,7 @@ def test_the_base_model_writes_questions_and_its_answers_are_the_rehearsal_rows(
     """Questions sampled from the base model after the user-turn prefix (seeded: the same twice), repeats and the
     job's own prompts dropped, each answered greedily by the base model (the adapter disabled, whatever its
     weights), and each row holds the base's top-K log-probabilities plus the answer token's."""
-    from kiln.training.opd_rehearsal import build_rehearsal, write_questions
+    from kiln.training.core.rehearsal import build_rehearsal, write_questions
 
     pm, tok, end_ids = student
     pad = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
@@ -89,7 +89,7 @@ def test_the_base_model_writes_questions_and_its_answers_are_the_rehearsal_rows(
 def test_rehearsal_defaults_follow_the_reference_policy():
     """On by default on policy; off for off-policy jobs and for a job continuing a published adapter (its
     reference would be the bare base model, pulling the parent's unrelated answers back); explicit values stay."""
-    from kiln.training.opd_schemas import DEFAULT_OPD_REHEARSAL, OPDRequest
+    from kiln.training.opd.schemas import DEFAULT_OPD_REHEARSAL, OPDRequest
 
     body = {"adapter": "student", "teacher": "tutor",
             "prompts": [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"}]}]}

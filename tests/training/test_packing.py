@@ -6,20 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.checkpoints import latest_checkpoint
-from kiln.training.chunked_loss import split_causal_lm
-from kiln.training.data import Row, collate, collate_packed, pack_bins, tokenize_sft
+from kiln.training.core.checkpoints import latest_checkpoint
+from kiln.training.core.chunked_loss import split_causal_lm
+from kiln.training.core.data import Row, collate, collate_packed, pack_bins, tokenize_sft
+from kiln.training.core.errors import JobCancelled, TrainingFailed
+from kiln.training.core.loop import Hooks, Plan
+from kiln.training.core.lora import adapter_state, add_private_adapter, lora_config
 from kiln.training.schemas import SFTExample
-from kiln.training.trainer import (
-    Hooks,
-    JobCancelled,
-    Plan,
-    TrainingFailed,
-    adapter_state,
-    add_private_adapter,
-    lora_config,
-    run_sft,
-)
+from kiln.training.sft.job import run_sft
 
 # Lengths differ a lot, as in real chat data: short corrections next to one long answer.
 EXAMPLES = [
@@ -100,7 +94,7 @@ def test_packed_batch_equals_each_row_alone(model_and_rows):
 
 
 def _sft_loss_and_grads(peft_model, batch):
-    from kiln.training.chunked_loss import sft_loss_from_hidden
+    from kiln.training.core.chunked_loss import sft_loss_from_hidden
 
     split = split_causal_lm(peft_model)
     peft_model.zero_grad(set_to_none=True)
@@ -123,7 +117,7 @@ def test_packed_loss_and_gradients_equal_padded(model_and_rows):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(model_and_rows):
-    from kiln.training.step import TrunkRunner
+    from kiln.training.core.step import TrunkRunner
 
     peft_model, rows, pad = model_and_rows
     batch = collate_packed(rows, pad)

@@ -1,5 +1,5 @@
-"""Learning that keeps what the model knew: the KL-to-base anchor (kiln.training.anchor) and sequential
-corrections that replay the adapter's stored ones (kiln.training.corrections), unit and through a real server."""
+"""Learning that keeps what the model knew: the KL-to-base anchor (kiln.training.core.anchor) and sequential
+corrections that replay the adapter's stored ones (kiln.training.sft.corrections), unit and through a real server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from kiln.demo import wait_job
 from kiln.runtime.builtin import BUILTIN_NAME
-from kiln.training.corrections import bounded, stored_corrections, with_corrections
+from kiln.training.sft.corrections import bounded, stored_corrections, with_corrections
 from kiln.training.schemas import SFTExample
 from tests.zygote import kiln_server
 
@@ -61,8 +61,8 @@ def peft_builtin(builtin_model_dir):
     from peft import get_peft_model
 
     from kiln.runtime.loader import load_model
-    from kiln.training.templates import end_of_turn_ids
-    from kiln.training.trainer import lora_config
+    from kiln.training.core.templates import end_of_turn_ids
+    from kiln.training.core.lora import lora_config
 
     lm = load_model(str(builtin_model_dir), device="cpu", dtype="float32")
     end_ids = sorted(end_of_turn_ids(lm.tokenizer, lm.model.generation_config))
@@ -72,9 +72,9 @@ def peft_builtin(builtin_model_dir):
 def test_the_anchor_is_zero_at_the_base_and_pulls_a_moved_adapter_back(peft_builtin):
     """The anchor's rows are the base model's own answers with its top-K rows: a fresh adapter (LoRA B = 0) is
     the base, so the KL is ~0; a perturbed adapter has a positive KL whose gradient reaches the adapter."""
-    from kiln.training.anchor import Anchor, AnchorSettings, anchor_rows
-    from kiln.training.chunked_loss import split_causal_lm
-    from kiln.training.trainer import add_private_adapter, lora_config
+    from kiln.training.core.anchor import Anchor, AnchorSettings, anchor_rows
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.core.lora import add_private_adapter, lora_config
 
     pm, tok, end_ids = peft_builtin
     settings = AnchorSettings(questions=8, per_step=4, weight=1.0, max_tokens=16)

@@ -196,7 +196,7 @@ def test_cancel_running_job_queue_full_and_resume(service):
 def test_shutdown_with_a_running_job_then_restart_and_resume(service):
     """The default lane's fast variant of the SIGKILL end-to-end test (slow lane): a service
     stopped mid-job fails it with a resume hint; a new service on the same home resumes it."""
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
     svc = service.trainer
     long = svc.submit(_sft(adapter="restart", epochs=400, checkpoint_interval=5, auto_load=False))

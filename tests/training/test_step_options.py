@@ -24,7 +24,7 @@ def _sft(**kw):
 
 
 def test_resume_with_a_changed_step_option_is_refused(service):
-    from kiln.training.checkpoints import latest_checkpoint
+    from kiln.training.core.checkpoints import latest_checkpoint
 
     svc = service.trainer
     plan = svc.prepare(_sft(epochs=400))

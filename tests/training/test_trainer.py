@@ -5,22 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.checkpoints import latest_checkpoint, list_checkpoints
-from kiln.training.data import TrainingDataError, tokenize_grpo_group, tokenize_sft
+from kiln.training.core.checkpoints import latest_checkpoint, list_checkpoints
+from kiln.training.core.data import TrainingDataError, tokenize_grpo_group, tokenize_sft
 from kiln.training.schemas import GRPOGroup, SFTExample
-from kiln.training.trainer import (
-    GRPOSettings,
-    Hooks,
-    JobCancelled,
-    Plan,
-    TrainingFailed,
-    add_private_adapter,
-    adapter_state,
-    grpo_items,
-    lora_config,
-    run_grpo,
-    run_sft,
-)
+from kiln.training.core.errors import JobCancelled, TrainingFailed
+from kiln.training.core.loop import Hooks, Plan
+from kiln.training.core.lora import add_private_adapter, adapter_state, lora_config
+from kiln.training.grpo.job import run_grpo
+from kiln.training.grpo.step import GRPOSettings, grpo_items
+from kiln.training.sft.job import run_sft
 
 EXAMPLES = [
     SFTExample.model_validate({"messages": [
@@ -67,8 +60,8 @@ def test_grpo_completion_mask(loaded):
 
 
 def test_right_padding_without_mask_matches_unpadded_rows(loaded):
-    from kiln.training.data import collate
-    from kiln.training.trainer import _sequence_logprobs
+    from kiln.training.core.data import collate
+    from kiln.training.grpo.step import _sequence_logprobs
 
     peft_model, tok = loaded
     rows = tokenize_sft(tok, EXAMPLES[:1] + [SFTExample.model_validate({"messages": [
@@ -128,7 +121,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(loaded, tmp_path):
 
 
 def test_checkpoint_for_another_plan_is_refused(loaded, tmp_path):
-    from kiln.training.checkpoints import CheckpointError
+    from kiln.training.core.checkpoints import CheckpointError
 
     peft_model, tok = loaded
     _train(peft_model, tok, name="run1", hooks=Hooks(checkpoint_root=tmp_path, plan_sha256="one"))
@@ -150,8 +143,8 @@ def test_grpo_skips_zero_variance_groups_and_moves_toward_reward(loaded):
     add_private_adapter(peft_model, "g", lora_config(8, 16, ["q_proj", "v_proj"]), seed=0)
 
     def seq_logp(row):
-        from kiln.training.data import collate
-        from kiln.training.losses import shifted_token_logprobs
+        from kiln.training.core.data import collate
+        from kiln.training.losses.sft import shifted_token_logprobs
         b = collate([row], tok.pad_token_id)
         with torch.no_grad():
             lp = shifted_token_logprobs(peft_model(input_ids=b["input_ids"]).logits, b["input_ids"])

@@ -46,7 +46,7 @@ def _tok(path):
 
 
 def test_turn_by_turn_spans_equal_the_generation_markers(builtin_model_dir):
-    from kiln.training.templates import assistant_tokens, assistant_tokens_by_diff, has_generation_markers
+    from kiln.training.core.templates import assistant_tokens, assistant_tokens_by_diff, has_generation_markers
 
     tok = _tok(builtin_model_dir)
     assert has_generation_markers(tok)
@@ -56,8 +56,8 @@ def test_turn_by_turn_spans_equal_the_generation_markers(builtin_model_dir):
 
 
 def test_markerless_template_masks_each_assistant_turn(user_model_dir):
-    from kiln.training.data import tokenize_sft
-    from kiln.training.templates import has_generation_markers
+    from kiln.training.core.data import tokenize_sft
+    from kiln.training.core.templates import has_generation_markers
 
     tok = _tok(user_model_dir)
     assert not has_generation_markers(tok)

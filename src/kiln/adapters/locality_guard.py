@@ -1,6 +1,6 @@
 """The locality guard: an adapter whose locality falls under the configured thresholds is not served on its own.
 
-A training job measures its adapter's locality (:mod:`kiln.training.locality`). Before the job activates the
+A training job measures its adapter's locality (:mod:`kiln.training.core.locality`). Before the job activates the
 adapter by itself (``auto_load``, ``post_eval.activate_on_pass``, ``post_eval.set_default_on_pass``) it asks
 :func:`guard_verdict`; an adapter under ``[locality]`` ``min_unchanged`` / ``max_degenerate`` / ``max_kl`` is
 published but held back, and the verdict (code ``locality_below_threshold``, or ``locality_not_measured``

@@ -85,7 +85,7 @@ def training_claims(*, job_id: str, plan_sha256: str, inputs: dict[str, Any], te
                     locality: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a training job states before publication: the job, its plan digest, its inputs' digests, the
     teacher it learned from (OPD, KD), the code that ran it and, when measured, its adapter's ``locality``
-    (:mod:`kiln.training.locality`, with the locality guard's verdict). Their :func:`claims_sha256` goes into
+    (:mod:`kiln.training.core.locality`, with the locality guard's verdict). Their :func:`claims_sha256` goes into
     the manifest config as ``receipt_sha256``, so the revision ID covers them."""
     claims = {"schema": RECEIPT_SCHEMA, "job_id": job_id, "plan_sha256": plan_sha256, "inputs": inputs,
               "teacher": teacher, "code": code_version()}
@@ -100,7 +100,8 @@ def locality_summary(locality: Any) -> dict[str, Any] | None:
     ``override`` (None when the receipt has none: written before jobs measured it, or the measure was off)."""
     if not isinstance(locality, dict) or locality.get("measured") is False:
         return None
-    guard = locality.get("guard") if isinstance(locality.get("guard"), dict) else {}
+    raw_guard = locality.get("guard")
+    guard = raw_guard if isinstance(raw_guard, dict) else {}
     return {**{k: locality.get(k) for k in LOCALITY_SUMMARY}, "error": locality.get("error"),
             "guard": {k: guard.get(k) for k in ("admitted", "code", "override")}}
 

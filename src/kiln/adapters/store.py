@@ -25,6 +25,7 @@ status 137 at that step, so tests can kill publication at every step for real.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import os
@@ -482,7 +483,7 @@ class AdapterStore:
     def list(self) -> list[AdapterRecord]:
         return self.scan()[0]
 
-    def scan(self) -> tuple[list[AdapterRecord], list[dict[str, str]]]:
+    def scan(self) -> tuple[builtins.list[AdapterRecord], builtins.list[dict[str, str]]]:
         """Every stored adapter at HEAD, and apart from them each one whose HEAD or manifest cannot be read
         (``{"name", "error"}``: a FIFO or directory in a file's place, damaged JSON): one damaged adapter
         never hides the rest."""

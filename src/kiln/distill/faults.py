@@ -32,7 +32,7 @@ TRAIN_FAULT_POINTS = (
     "train_after_commit",
     "train_after_release",
 )
-# The server's KD job (kiln.training.kd_job.run_kd): the whole `kiln serve` process dies there.
+# The server's KD job (kiln.training.kd.job.run_kd): the whole `kiln serve` process dies there.
 KD_JOB_FAULT_POINTS = ("kd_job_after_reserve", "kd_job_after_checkpoint")
 
 

@@ -8,7 +8,7 @@ it never loads a teacher. For every available shard of one run, in shard order:
    latest durable checkpoint already records this reservation: append exactly
    one commit, never retrain) or *release* it (crash before the checkpoint);
 3. reserve, train one pass over the shard (CE on the target + coarse-tail
-   forward KL, ``kiln.training.kd_loss.SparseKDLoss``), write a durable
+   forward KL, ``kiln.training.losses.kd.SparseKDLoss``), write a durable
    checkpoint (temp dir, fsync, one rename), commit with the checkpoint's SHA-256.
 
 Training resumes from the latest checkpoint (trainable weights and optimizer
@@ -178,7 +178,7 @@ def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
 def kd_loss_split(model):
     """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
     (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
-    from kiln.training.chunked_loss import split_causal_lm
+    from kiln.training.core.chunked_loss import split_causal_lm
 
     return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
 
@@ -189,7 +189,7 @@ def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tai
     if split is None:
         logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[rows, offs]
         return loss_fn(logits, sel, lp, mask, tail, target)
-    from kiln.training.kd_loss import linear_sparse_kd
+    from kiln.training.losses.kd import linear_sparse_kd
 
     h = split.hidden(ids, att)[rows, offs]
     return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
@@ -326,7 +326,7 @@ def train_sparse_kd(
 
     from kiln.distill.local import check_model_dir, check_tokenizer_dir
     from kiln.runtime.loader import inspect_model_dir, load_model
-    from kiln.training.kd_loss import SparseKDLoss
+    from kiln.training.losses.kd import SparseKDLoss
 
     out = Path(out_dir)
     plan, todo, skipped = available_shards(run_root)

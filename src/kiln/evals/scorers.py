@@ -209,7 +209,7 @@ class Scorers:
 
 # ------------------------------------------------------------------------------------ judge
 # The judge itself is a model (the engine's base model or an adapter) and runs where an engine is:
-# evals (kiln.evals.service) and GRPO rewards (kiln.training.rewards) build its prompt and read its
+# evals (kiln.evals.service) and GRPO rewards (kiln.training.grpo.rewards) build its prompt and read its
 # verdict with these two functions.
 JUDGE_PLACEHOLDER = re.compile(r"\{(question|reference|answer)\}")
 JUDGE_VERDICT_WORD = re.compile(r"\b(PASS|FAIL)\b", re.IGNORECASE)

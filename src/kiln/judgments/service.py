@@ -20,7 +20,7 @@ from kiln.judgments.store import FILE_NAME, JudgmentStore
 
 if TYPE_CHECKING:
     from kiln.config import Settings
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
 MIN_TRAIN_JUDGMENTS = 2
 

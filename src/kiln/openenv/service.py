@@ -58,7 +58,7 @@ from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 if TYPE_CHECKING:
     from kiln.config import Settings
     from kiln.runtime.serving_engine import ServingEngine
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
 log = logging.getLogger("kiln.openenv")
 

@@ -120,7 +120,7 @@ class Metrics(Observer):
         self.training_tps.set(value)
 
     def training_locality(self, kind: str, locality: dict | None, held_back: bool) -> None:
-        """A finished job's locality figures (kiln.training.locality), by job kind; ``held_back``: the locality
+        """A finished job's locality figures (kiln.training.core.locality), by job kind; ``held_back``: the locality
         guard held back the activation the job asked for."""
         if held_back:
             self._locality["held_back"].labels(kind=kind).inc()

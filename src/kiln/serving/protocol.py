@@ -485,7 +485,7 @@ class TrainingReceipt(BaseModel):
     teacher: dict[str, Any] | None
     code: dict[str, Any]
     gate: dict[str, Any] | None
-    locality: dict[str, Any] | None = None  # jobs that measured it (kiln.training.locality)
+    locality: dict[str, Any] | None = None  # jobs that measured it (kiln.training.core.locality)
 
 
 class AdapterInfo(_Response):

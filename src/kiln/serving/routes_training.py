@@ -1,8 +1,8 @@
-"""HTTP routes for ``/v1/train/*``: submit jobs (one route per kind in :mod:`kiln.training.kinds`), follow
+"""HTTP routes for ``/v1/train/*``: submit jobs (one route per kind in :mod:`kiln.training.queue.kinds`), follow
 and cancel them.
 
 Thin layer: the wire models live in :mod:`kiln.training.schemas`, the logic in
-:class:`kiln.training.service.TrainingService` (``get_state(request).trainer``,
+:class:`kiln.training.queue.service.TrainingService` (``get_state(request).trainer``,
 built by :func:`kiln.serving.state.build_state`). Responses are validated
 against the :mod:`kiln.serving.protocol` models (``response_model``) and carry no
 absolute server paths (:mod:`kiln.serving.paths`).
@@ -18,11 +18,11 @@ from pydantic import BaseModel
 from kiln.errors import NotFound, Unavailable
 from kiln.serving.protocol import TrainingJob, TrainingStatus
 from kiln.serving.state import get_state, require_experimental
-from kiln.training.kinds import JobKind, wire_kinds
+from kiln.training.queue.kinds import JobKind, wire_kinds
 from kiln.training.schemas import JOB_ID_RE
 
 if TYPE_CHECKING:
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
 router = APIRouter(tags=["training"])
 
@@ -59,7 +59,7 @@ def _submit_route(kind: JobKind[Any, Any]) -> None:
     router.post(f"/v1/train/{kind.kind}", status_code=202, response_model=TrainingJob)(submit)
 
 
-for _kind in wire_kinds():  # one route per wire kind of the registry (kiln.training.kinds)
+for _kind in wire_kinds():  # one route per wire kind of the registry (kiln.training.queue.kinds)
     _submit_route(_kind)
 
 

@@ -5,7 +5,7 @@ model (device and dtype resolved there), builds the engine on it (the built-in
 :class:`~kiln.runtime.engine.Engine` or the vLLM facade, one
 :class:`~kiln.runtime.serving_engine.ServingEngine` seam), ONE
 :class:`~kiln.adapters.store.AdapterStore` over ``adapters_path``, the teacher service,
-the eval service, the :class:`~kiln.training.service.TrainingService` (when
+the eval service, the :class:`~kiln.training.queue.service.TrainingService` (when
 ``training.enabled``; it gets the teachers and the evals for its OPD jobs and post-train
 gates) and the OpenEnv run service, each with its dependencies handed to it explicitly.
 Nothing starts here (OpenEnv's restart recovery reads its run records); the app's lifespan
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.vllm_engine import VllmEngine
     from kiln.teachers.service import TeacherService
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
 
 @dataclass
@@ -212,7 +212,7 @@ def restore_served(state: KilnState) -> None:
 
 def record_served_adapter(state: KilnState, memory: MemoryBudget, name: str, owner: str) -> None:
     """Reserve the bytes of an adapter revision that was loaded without admission (a job's auto_load)."""
-    from kiln.training.memory_estimate import adapter_parts
+    from kiln.training.core.memory_estimate import adapter_parts
 
     try:
         record = state.store.get(name)
@@ -236,7 +236,7 @@ def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, met
 
 def build_training(settings: Settings, engine: Engine, store: AdapterStore, model: LoadedModel) -> TrainingService:
     """The training service over the serving engine's model and the one adapter store (not started)."""
-    from kiln.training.service import TrainingService
+    from kiln.training.queue.service import TrainingService
 
     return TrainingService(engine=engine, store=store, settings=settings, model=model)
 

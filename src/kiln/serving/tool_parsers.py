@@ -387,6 +387,11 @@ class Llama3JsonParser(ToolParser):
     HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
     _SEP = re.compile(r"\s*;?\s*")
 
+    def after_sep(self, body: str, pos: int) -> int:
+        """Where the separator (possibly empty) that starts at ``pos`` ends."""
+        sep = self._SEP.match(body, pos)
+        return sep.end() if sep is not None else pos
+
     def _body(self, text: str) -> str | None:
         """The text after an optional tag when the answer starts like a call, else ``None``."""
         body = text.lstrip()
@@ -396,7 +401,8 @@ class Llama3JsonParser(ToolParser):
 
     def calls_in(self, body: str) -> tuple[list[ParsedCall], int]:
         """The calls at the start of ``body`` and where the last whole one (and its separator) ends."""
-        calls, pos = [], 0
+        calls: list[ParsedCall] = []
+        pos = 0
         while pos < len(body):
             head = self.HEAD.match(body, pos)
             if head is None:
@@ -411,7 +417,7 @@ class Llama3JsonParser(ToolParser):
             except ValueError:
                 break
             calls.append(ParsedCall(json.loads(head.group(1)), body[head.end():end]))
-            pos = self._SEP.match(body, close.end()).end()
+            pos = self.after_sep(body, close.end())
         return calls, pos
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -473,7 +479,7 @@ class _LlamaStream(StreamState):
         out: list[CallDelta] = []
         while True:
             if self._scan is None:
-                head = self._p.HEAD.match(body, self._p._SEP.match(body, self._done).end())
+                head = self._p.HEAD.match(body, self._p.after_sep(body, self._done))
                 if head is None:
                     return out
                 out.append(CallDelta(self.calls, "", ParsedCall("", "").id, json.loads(head.group(1))))
@@ -574,7 +580,8 @@ def _named_call(x: Any) -> bool:
 
 def _complete_objects(text: str) -> list[ParsedCall]:
     """The whole ``{"name", "arguments"}`` objects at the start of an unfinished JSON array's text."""
-    out, pos, dec = [], 0, json.JSONDecoder()
+    out: list[ParsedCall] = []
+    pos, dec = 0, json.JSONDecoder()
     while True:
         pos = len(text) - len(text[pos:].lstrip(" \n,"))
         try:
@@ -588,7 +595,8 @@ def _complete_objects(text: str) -> list[ParsedCall]:
 
 class _MistralStream(_SectionStream):
     def _calls(self, section: str) -> list[ParsedCall]:
-        return self._p.calls_in(section)[0]  # a call is whole once its JSON closes
+        calls: list[ParsedCall] = self._p.calls_in(section)[0]  # a call is whole once its JSON closes
+        return calls
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, DeepSeekV3Parser, Llama3JsonParser,

@@ -1,15 +1,15 @@
 """``torchrun --nproc_per_node N -m kiln.training.run``: one training job across torchrun's processes.
 
-It runs the same job recipe as the server (:class:`kiln.training.recipe.SFTRecipe`:
+It runs the same job recipe as the server (:class:`kiln.training.sft.job.SFTRecipe`:
 plan -> setup -> train -> save -> publish), outside the server, on a model
 loaded by each rank from the Kiln home:
 
 * the request is the HTTP API's body (``POST /v1/train/sft``), read by rank 0
   and sent to every rank; every rank validates it into the same
-  :class:`~kiln.training.plan.JobPlan` (the ranks' plan digests must agree);
-* the training loop is :func:`kiln.training.distributed.run_sft_distributed`
+  :class:`~kiln.training.core.plan.JobPlan` (the ranks' plan digests must agree);
+* the training loop is :func:`kiln.training.sft.distributed.run_sft_distributed`
   (DDP over the LoRA parameters) with more than one process, and the server's
-  own :func:`kiln.training.trainer.run_sft` with one;
+  own :func:`kiln.training.sft.job.run_sft` with one;
 * rank 0 writes the checkpoints, the job's status and result, and publishes
   the adapter through the adapter store while the other ranks wait at a barrier.
 
@@ -40,8 +40,13 @@ from kiln.canonical import (
     strict_json_loads,
 )
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound
-from kiln.training.checkpoints import Checkpoint, list_checkpoints
-from kiln.training.distributed import (
+from kiln.training.core.checkpoints import Checkpoint, list_checkpoints
+from kiln.training.core.loop import Hooks, Report
+from kiln.training.core.plan import JobPlan, ResumeCheck, SFTData, prepare_context
+from kiln.training.core.recipe import RecipeContext, step_plan
+from kiln.training.queue.jobs import new_job_id
+from kiln.training.schemas import JOB_ID_RE, SFTRequest
+from kiln.training.sft.distributed import (
     DistributedError,
     World,
     barrier,
@@ -52,12 +57,7 @@ from kiln.training.distributed import (
     init_world,
     run_sft_distributed,
 )
-from kiln.training.jobs import new_job_id
-from kiln.training.plan import JobPlan, ResumeCheck, SFTData, prepare_context
-from kiln.training.recipe import RecipeContext, SFTRecipe, step_plan
-from kiln.training.schemas import JOB_ID_RE, SFTRequest
-from kiln.training.supervised import prepare_sft
-from kiln.training.trainer import Hooks, Report
+from kiln.training.sft.job import SFTRecipe, prepare_sft
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord, AdapterStore, Staging
@@ -161,7 +161,7 @@ def on_main(world: World, fn: Callable[[], Any]) -> Any:
 
 
 class DistributedRecipe(SFTRecipe):
-    """:class:`~kiln.training.recipe.SFTRecipe` across a torchrun world: rank 0 resumes, saves and publishes."""
+    """:class:`~kiln.training.sft.job.SFTRecipe` across a torchrun world: rank 0 resumes, saves and publishes."""
 
     def __init__(self, plan: JobPlan[SFTData], ctx: RecipeContext, *, job_id: str, world: World,
                  micro_batch_size: int | None = None, fsdp: bool = False):

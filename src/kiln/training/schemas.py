@@ -1,7 +1,7 @@
 """Wire models for ``/v1/train/*`` requests (pydantic only; no torch).
 
 Every field is bounded here; cross-field checks that need the model (token
-lengths, target modules, the adapter store) happen in :mod:`kiln.training.service`.
+lengths, target modules, the adapter store) happen in :mod:`kiln.training.queue.service`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ DEFAULT_MIN_STEPS = 20  # when `epochs` is omitted: enough epochs for this many 
 DEFAULT_MAX_EPOCHS = 50  # ...but never more than this many epochs
 DEFAULT_SEQ_LEN = 1_024
 
-# The KL-to-base anchor (kiln.training.anchor, docs/training.md "Locality"): the base model's own questions and
+# The KL-to-base anchor (kiln.training.core.anchor, docs/training.md "Locality"): the base model's own questions and
 # greedy answers, rehearsed each step under forward KL to the base so a job changes what it targets and little
 # else. Measured on the built-in model (bench/locality.py): see the defaults' rationale in docs/training.md.
 DEFAULT_ANCHOR_WEIGHT = 4.0
@@ -144,7 +144,7 @@ class GRPOGroup(_Wire):
         return self
 
 
-MAX_LOCALITY_PROMPTS = 64  # the job's own probe prompts (kiln.training.locality.MAX_USER_PROBES)
+MAX_LOCALITY_PROMPTS = 64  # the job's own probe prompts (kiln.training.core.locality.MAX_USER_PROBES)
 MAX_LOCALITY_PROMPT_CHARS = 2_000
 
 

@@ -1,0 +1,282 @@
+"""The shared training loop: optimizer, cancel, checkpoints, progress and the learned check.
+
+The model being trained is the engine's own ``PeftModel``: the job adds a
+private adapter to it (:mod:`kiln.training.core.lora`), and every optimizer step
+runs inside ``exclusive()`` (the accelerator-ownership lock) with that adapter
+active, then hands the model back to serving. Serving names its adapter per row,
+so the private adapter is never applied to a request; the previously active
+adapter is put back when the loop ends.
+
+Batches are right-padded and the forward passes no attention mask: under causal
+attention a real token never sees the padding after it, so its logits equal
+those of the unpadded row (up to float rounding), and padded positions carry no
+loss. Without a mask the attention kernel keeps its plain causal path.
+
+Each job kind (:mod:`kiln.training.sft.job`, :mod:`kiln.training.grpo.job`, ...) reads top to
+bottom: build the loop, restore a checkpoint if given, then
+``for batch: forward -> loss -> backward -> step``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
+from kiln.training.core.chunked_loss import chunk_rows, split_causal_lm
+from kiln.training.core.data import Row, collate, collate_packed, epoch_order
+from kiln.training.core.errors import JobCancelled, TrainingFailed
+from kiln.training.core.lora import adapter_state, make_trainable, private_parameters, release_private
+
+PROGRESS_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that determines the arithmetic of a run (hashed for resume)."""
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    seed: int
+    checkpoint_interval: int = 0
+    max_steps: int | None = None  # cap on optimizer steps (None: epochs x batches)
+    until_learned: "LearnedCheck | None" = None  # SFT: stop once the targets are the greedy answer
+    # How each step is computed (see :class:`StepOptions`); recorded in checkpoints, and a resume with
+    # other values is refused. Default off: callers that predate them compute exactly what they did.
+    packing: bool = False  # SFT: pack a batch's rows into fewer sequences when that removes padding
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward instead of keeping activations
+    compile: bool = False  # torch.compile the trunk (static shapes per length bucket)
+
+    def step_options(self) -> dict[str, bool]:
+        """The settings that change a step's float arithmetic but not what it computes."""
+        return {"packing": self.packing, "gradient_checkpointing": self.gradient_checkpointing,
+                "compile": self.compile}
+
+
+@dataclass(frozen=True)
+class LearnedCheck:
+    """Stop SFT once every assistant token is the model's greedy choice by ``margin`` (logits).
+
+    Under teacher forcing, "the target token is the argmax at every assistant
+    position" is exactly "greedy decoding reproduces every assistant turn"
+    (through its end-of-turn token). The margin makes that robust to the small
+    numerical differences between this forward pass and the serving path
+    (KV cache, batch shapes, another CPU's kernels).
+    """
+
+    every: int = 5
+    margin: float = 1.0
+
+
+@dataclass
+class Hooks:
+    """How the loop talks to the outside world; defaults make it self-contained."""
+
+    exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext
+    should_cancel: Callable[[], bool] = lambda: False
+    on_progress: Callable[[dict[str, Any]], None] = lambda p: None
+    checkpoint_root: Path | None = None
+    plan_sha256: str = ""
+
+
+@dataclass
+class Report:
+    steps: int
+    total_steps: int
+    final_loss: float
+    tokens: int
+    train_seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "total_steps": self.total_steps,
+            "final_loss": self.final_loss,
+            "tokens": self.tokens,
+            "train_seconds": round(self.train_seconds, 4),
+            "tokens_per_s": round(self.tokens / self.train_seconds, 2) if self.train_seconds > 0 else None,
+            **self.extra,
+        }
+
+
+# ------------------------------------------------------------------ shared loop
+
+
+def _adamw(params: Sequence[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW, fused where this torch supports it for these parameters (one kernel for all
+    adapter tensors: 1.7 -> 0.3 ms per step for the 64 LoRA tensors of the 31M bench shape)."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+class _Loop:
+    """Optimizer, counters, progress and checkpoints shared by both loops."""
+
+    def __init__(self, peft_model: Any, name: str, plan: Plan, hooks: Hooks, total_steps: int,
+                 resume: Checkpoint | None):
+        self.peft_model, self.name, self.plan, self.hooks = peft_model, name, plan, hooks
+        self.total_steps = total_steps if plan.max_steps is None else min(total_steps, plan.max_steps)
+        self.params = private_parameters(peft_model, name)
+        self.device = self.params[0].device
+        self.previous = peft_model.active_adapter
+        self.opt = _adamw(self.params, plan.learning_rate)
+        self.step, self.epoch, self.batch = 0, 0, 0
+        self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
+        self.stats: dict[str, Any] = {}
+        self._last_progress = 0.0
+        if resume is not None:
+            self._restore(resume)
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        from peft import set_peft_model_state_dict
+
+        # Checkpoints written before these options existed computed every step with all of them off.
+        saved = {k: False for k in self.plan.step_options()} | dict(ckpt.stats.get("step_options") or {})
+        changed = [f"{k}={saved[k]} -> {v}" for k, v in self.plan.step_options().items() if saved.get(k) != v]
+        if changed:
+            raise TrainingFailed(
+                f"checkpoint {ckpt.path.name} was written with other step settings ({', '.join(changed)}); "
+                "exact resume needs the settings it was written with: resubmit with them"
+            )
+        set_peft_model_state_dict(self.peft_model, ckpt.adapter_state, adapter_name=self.name)
+        self.opt.load_state_dict(ckpt.optimizer_state)
+        torch.set_rng_state(ckpt.rng_state)
+        self.step, self.epoch, self.batch = ckpt.step, ckpt.epoch, ckpt.batch
+        self.tokens = int(ckpt.stats.get("tokens", 0))
+        self.train_s = float(ckpt.stats.get("train_s", 0.0))
+        self.loss = float(ckpt.stats.get("loss", float("nan")))
+        self.stats.update(ckpt.stats.get("extra", {}))
+        self.stats["resumed_from_step"] = ckpt.step
+        self.checkpoint_step = ckpt.step
+
+    checkpoint_step = 0
+
+    @contextmanager
+    def running(self) -> Iterator["_Loop"]:
+        """Around the whole loop: put the previously active adapter back at the end, whatever happens."""
+        try:
+            yield self
+        finally:
+            with self.hooks.exclusive():
+                release_private(self.peft_model, self.name, self.previous)
+
+    @contextmanager
+    def step_ownership(self) -> Iterator[None]:
+        """Exclusive ownership for one step, with the private adapter active and trainable."""
+        with self.hooks.exclusive():
+            make_trainable(self.peft_model, self.name, self.params)
+            yield
+
+    def check_cancel(self) -> None:
+        if self.hooks.should_cancel():
+            raise JobCancelled(self.step)
+
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def optimizer_step(self, loss: torch.Tensor, tokens: int, started: float) -> None:
+        if not torch.isfinite(loss):
+            raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = float(loss.detach())
+        self.step += 1
+        self.tokens += tokens
+        self.train_s += time.perf_counter() - started
+
+    def after_step(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        self.epoch, self.batch = next_epoch, next_batch
+        p = self.plan
+        if (p.checkpoint_interval and self.hooks.checkpoint_root is not None
+                and self.step % p.checkpoint_interval == 0 and self.step < self.total_steps):
+            save_checkpoint(
+                self.hooks.checkpoint_root, step=self.step, epoch=next_epoch, batch=next_batch,
+                plan_sha256=self.hooks.plan_sha256, adapter_state=adapter_state(self.peft_model, self.name),
+                optimizer_state=self.opt.state_dict(), tensors=tensors,
+                stats={"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss, "extra": self.stats,
+                       "step_options": self.plan.step_options()},
+            )
+            self.checkpoint_step = self.step
+        now = time.perf_counter()
+        if now - self._last_progress >= PROGRESS_EVERY_S or self.step == self.total_steps:
+            self._last_progress = now
+            self.hooks.on_progress(self.progress())
+
+    def progress(self) -> dict[str, Any]:
+        per_step = self.train_s / self.step if self.step else None
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "epoch": self.epoch,
+            "loss": None if math.isnan(self.loss) else round(self.loss, 6),
+            "tokens_per_s": round(self.tokens / self.train_s, 1) if self.train_s > 0 else None,
+            "eta_s": round(per_step * (self.total_steps - self.step), 2) if per_step is not None else None,
+            "checkpoint_step": self.checkpoint_step,
+            **self.stats,
+        }
+
+    def report(self) -> Report:
+        return Report(self.step, self.total_steps, self.loss, self.tokens, self.train_s, dict(self.stats))
+
+
+# ------------------------------------------------------------ learned check
+
+
+def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_size: int,
+                  packing: bool = False) -> float:
+    """The smallest ``logit(target) - max(logit(other))`` over all loss-masked tokens of ``rows``.
+
+    Positive means greedy decoding reproduces every target (see :class:`LearnedCheck`).
+    With ``packing`` (and a split head) each batch's rows are packed as in training.
+    """
+    device = next(peft_model.parameters()).device
+    worst = math.inf
+    split = split_causal_lm(peft_model)
+    with torch.no_grad():
+        for i in range(0, len(rows), batch_size):
+            if split is not None:  # logits only at the target positions, a chunk at a time
+                batch = (collate_packed if packing else collate)(rows[i:i + batch_size], pad_id, device)
+                ids = batch["input_ids"]
+                r, c = batch["loss_mask"][:, 1:].bool().nonzero(as_tuple=True)
+                hidden = split.hidden(ids, position_ids=batch.get("position_ids"))[r, c]
+                targets = ids[r, c + 1].unsqueeze(-1)
+                step = chunk_rows(split.head.weight.shape[0])
+                for s in range(0, max(1, hidden.shape[0]), step):
+                    logits = (hidden[s:s + step] @ split.head.weight.t()).float()
+                    t = targets[s:s + step]
+                    margin = logits.gather(-1, t).squeeze(-1) - logits.scatter(-1, t, float("-inf")).amax(-1)
+                    worst = min(worst, float(margin.min()))
+                continue
+            batch = collate(rows[i:i + batch_size], pad_id, device)
+            logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1, :].float()
+            targets = batch["input_ids"][:, 1:].unsqueeze(-1)
+            mask = batch["loss_mask"][:, 1:].bool()
+            chosen = logits.gather(-1, targets).squeeze(-1)
+            others = logits.scatter(-1, targets, float("-inf")).amax(-1)
+            worst = min(worst, float((chosen - others)[mask].min()))
+    return worst
+
+
+def epoch_batches(loop: _Loop, count: int, plan: Plan, per_epoch: int) -> Iterator[tuple[Any, tuple[int, int]]]:
+    """The job's seeded batches of ``count`` items from the loop's cursor on, as (item indices, the
+    cursor after that batch); cancellation is checked before each batch, and it ends once the loop
+    is done (step cap reached)."""
+    for epoch in range(loop.epoch, plan.epochs):
+        order = epoch_order(count, seed=plan.seed, epoch=epoch)
+        for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
+            if loop.done():
+                return
+            loop.check_cancel()
+            yield order[b * plan.batch_size:(b + 1) * plan.batch_size], (
+                (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0))

@@ -1,0 +1,125 @@
+"""One clipped GRPO optimizer step, and what it needs: groups with advantages, the behaviour policy's log-probs.
+
+Shared by pre-scored GRPO (:mod:`kiln.training.grpo.job`) and GRPO with rollouts
+(:mod:`kiln.training.grpo.rollouts`). Batches are right-padded and the forward passes no attention mask
+(see :mod:`kiln.training.core.loop`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kiln.training.core.anchor import anchor_term
+from kiln.training.core.chunked_loss import SplitLM, linear_token_logprobs
+from kiln.training.core.data import Row, collate
+from kiln.training.core.loop import _Loop
+from kiln.training.losses.grpo import GRPOLoss, group_advantages
+from kiln.training.losses.sft import shifted_token_logprobs
+
+
+@dataclass(frozen=True)
+class GRPOItem:
+    """One usable group: its rows and one advantage per row."""
+
+    rows: list[Row]
+    advantages: torch.Tensor  # [G]
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    clip_epsilon: float = 0.2
+    scale_rewards: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+def grpo_items(groups_rows: Sequence[list[Row]], rewards: Sequence[Sequence[float]], *,
+               scale_rewards: bool) -> tuple[list[GRPOItem], int]:
+    """Compute advantages; drop zero-variance groups. Returns ``(items, skipped)``."""
+    items, skipped = [], 0
+    for rows, r in zip(groups_rows, rewards):
+        adv = group_advantages(torch.tensor(list(r), dtype=torch.float64), scale_by_std=scale_rewards)
+        if adv is None:
+            skipped += 1
+        else:
+            items.append(GRPOItem(list(rows), adv))
+    return items, skipped
+
+
+def _sequence_logprobs(peft_model: Any, batch: dict[str, torch.Tensor], split: SplitLM | None = None,
+                       mask: torch.Tensor | None = None, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T-1]`` log-probabilities of each next token (right padding, no mask: see the module docstring).
+
+    With ``split`` the head runs a chunk at a time; with ``mask`` (``[B, T-1]``) too, only
+    at the masked positions, the others taken from ``fill`` (``[B, T-1]``, detached).
+    """
+    ids = batch["input_ids"]
+    if split is None:
+        return shifted_token_logprobs(peft_model(input_ids=ids, use_cache=False).logits, ids)
+    hidden = split.hidden(ids)
+    if mask is None:
+        b, t = ids.shape
+        flat = linear_token_logprobs(hidden[:, :-1].reshape(b * (t - 1), -1), split.head.weight,
+                                     ids[:, 1:].reshape(-1))
+        return flat.view(b, t - 1)
+    assert fill is not None
+    rows, cols = mask.bool().nonzero(as_tuple=True)
+    chosen = linear_token_logprobs(hidden[rows, cols], split.head.weight, ids[rows, cols + 1])
+    return fill.detach().index_put((rows, cols), chosen)
+
+
+def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows_logp), width), dtype=torch.float32, device=device)
+    for i, v in enumerate(rows_logp):
+        out[i, : v.numel()] = v
+    return out
+
+
+def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loop: _Loop,
+                    split: SplitLM | None) -> list[torch.Tensor]:
+    """Per row of every item, the current policy's token log-probs (``[len - 1]``), without gradients:
+    the ratio's denominator for the GRPO updates that follow."""
+    old: list[torch.Tensor] = []
+    with torch.no_grad(), loop.step_ownership():
+        for item in items:
+            lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
+            old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
+    return old
+
+
+def row_offsets(items: Sequence[GRPOItem]) -> list[int]:
+    """``offsets[g]`` is the index of item ``g``'s first row in the flat per-row list; the last entry is the total."""
+    offsets = [0]
+    for item in items:
+        offsets.append(offsets[-1] + len(item.rows))
+    return offsets
+
+
+def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
+              items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[torch.Tensor], offsets: Sequence[int],
+              *, pad_id: int, anchor: Any = None) -> None:
+    """One clipped GRPO optimizer step on the rows of ``items[g]`` for ``g`` in ``chosen``, under exclusive
+    ownership. ``old`` holds the behaviour policy's log-probs per row (:func:`policy_logprobs`), indexed by
+    ``offsets`` (:func:`row_offsets`). Shared by :func:`run_grpo` and :mod:`kiln.training.grpo.rollouts`."""
+    rows = [r for g in chosen for r in items[g].rows]
+    adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
+    old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
+    batch = collate(rows, pad_id, loop.device)
+    mask = batch["loss_mask"][:, 1:]
+    with loop.step_ownership():
+        t0 = time.perf_counter()
+        ref = None
+        old_padded = _padded(list(old_lp), mask.shape[1], loop.device)
+        if settings.kl_coef > 0:
+            with torch.no_grad(), peft_model.disable_adapter():
+                ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+        logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
+        loss, st = loss_fn(logp, old_padded, adv, mask, ref)
+        if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor)
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+        loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+    loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})

@@ -1,0 +1,328 @@
+"""Sparse-KD jobs on the server: train the served model's LoRA adapter from an offline capture run.
+
+``POST /v1/train/kd`` names a capture run root (``kiln distill capture --out``)
+under the server's data dir. :func:`prepare_kd` validates it before queueing:
+every shard is verified (:func:`kiln.distill.train.available_shards`), the
+capture plan's ``student`` must be the served checkpoint and its ``tokenizer``
+the served tokenizer (the same checks ``train_sparse_kd`` makes), and its
+``vocab_size`` the model's output width. The worker then consumes each shard
+through the consumption ledger, as :func:`kiln.distill.train.train_sparse_kd`
+does: reserve -> train one pass (each optimizer step under exclusive ownership)
+-> durable checkpoint -> commit with the checkpoint's SHA-256. The adapter is
+published with manifest kind ``kd``, its config binding ``capture_plan_sha256``.
+
+Ledgers live under ``<home>/training/kd/<capture plan sha256>/<adapter>/``: a
+consumer is one adapter name of one served model, so a shard trains a given
+adapter once. A second job for the same run and adapter is refused (409
+``capture_consumed``) unless it sets ``replay`` (a chained replay, only under
+``replay: chained``); shards captured since the last job are trained alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.canonical import canonical_json_bytes, sha256_file, sha256_hex
+from kiln.errors import Conflict, InvalidRequest
+from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.recipe import TrainingRecipe
+
+if TYPE_CHECKING:
+    from kiln.training.kd.schemas import KDRequest
+
+
+@dataclass(frozen=True)
+class KDShard:
+    transaction_id: str
+    shard_dir: Path
+    artifact_sha256: str
+    steps_per_pass: int
+
+
+@dataclass(frozen=True)
+class KDData:
+    run_root: Path
+    capture_plan: Any  # kiln.distill.contract.Plan
+    shards: tuple[KDShard, ...]
+    ledger_root: Path
+    passes: int  # passes over each shard this job makes (request.epochs)
+    replay: bool
+    ce_weight: float
+    kd_weight: float
+    total_steps: int
+
+
+def checkpoint_digest(path: Path) -> str:
+    """SHA-256 of a checkpoint directory: the canonical list of its files (path, size, SHA-256)."""
+    files = []
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        digest, size = sha256_file(f)
+        files.append({"path": f.name, "size": size, "sha256": digest})
+    return sha256_hex(canonical_json_bytes({"schema": "kiln.kd-job-checkpoint.v1", "files": files}))
+
+
+def _ledger(ledger_root: Path, shard: KDShard, capture_plan: Any) -> Any:
+    from kiln.distill.ledger import Ledger
+
+    return Ledger(ledger_root / f"{shard.transaction_id}.jsonl", shard.shard_dir, capture_plan)
+
+
+def _check_binding(ctx: PrepareContext, plan: Any) -> None:
+    """The capture plan must bind the served checkpoint, tokenizer and vocabulary (409 naming the field)."""
+    from kiln.distill.errors import ContractError
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+
+    path = ctx.model.path
+    if plan.student.revision != ctx.model.base_model_sha256:
+        raise Conflict(f"the capture plan's student.revision {plan.student.revision} is not the served model "
+                       f"({ctx.model.base_model_sha256})", code="capture_student_mismatch",
+                       param="student.revision", hint="capture with a plan whose student is the served model")
+    try:
+        check_model_dir(plan.student, path, "student")
+    except ContractError as exc:
+        raise Conflict(str(exc), code="capture_student_mismatch", param="student") from None
+    try:
+        check_tokenizer_dir(plan.tokenizer, path, "student")
+    except ContractError as exc:
+        raise Conflict(str(exc), code="capture_tokenizer_mismatch", param="tokenizer") from None
+    head = ctx.model.model.get_output_embeddings()
+    width = int(head.weight.shape[0]) if head is not None else None
+    if width != plan.tokenizer.vocab_size:
+        raise Conflict(f"the served model's output width {width} differs from the capture plan's "
+                       f"tokenizer.vocab_size {plan.tokenizer.vocab_size}", code="capture_vocab_mismatch",
+                       param="tokenizer.vocab_size")
+
+
+def _check_not_in_use(ctx: PrepareContext, capture_sha: str, adapter: str) -> None:
+    from kiln.training.queue import jobs as jobstates
+
+    if ctx.jobs is None:  # no queue (kiln train run): nothing else consumes it here
+        return
+    for job in ctx.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING})):
+        if job.kind == "kd" and job.adapter == adapter and job.request.get("capture_plan_sha256") == capture_sha:
+            raise Conflict(f"job {job.id} is already consuming this capture for adapter {adapter!r}",
+                           code="capture_in_use", hint="wait for it to finish")
+
+
+def _check_open_reservation(ctx: PrepareContext, ledger: Any, resume_from: str | None) -> None:
+    """A reservation left open by a failed job whose checkpoint holds its training: only resuming it may
+    close it (reconcile); one made before a durable checkpoint is released by the next job."""
+    from kiln.errors import NotFound
+    from kiln.training.core.checkpoints import list_checkpoints
+    from kiln.training.core.checkpoints import load_checkpoint as _load
+
+    run_id, rid = ledger.view.open_reservation
+    if run_id == resume_from or ctx.jobs is None:
+        return
+    try:
+        owner = ctx.jobs.get(run_id)
+    except NotFound:
+        return
+    found = list_checkpoints(ctx.checkpoint_root(owner.id))
+    if not found:
+        return
+    ckpt = _load(found[-1], plan_sha256=owner.request.get("plan_sha256", ""))
+    if any(c["reservation_id"] == rid for c in ckpt.stats.get("extra", {}).get("kd_commits", [])):
+        raise Conflict(f"a shard is reserved by job {owner.id}, whose checkpoint holds its training",
+                       code="capture_reserved", hint=f"resubmit with resume_from_job={owner.id!r}")
+
+
+def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
+    """Validate a KD request against the capture run, the served model and the ledgers; return its plan."""
+    from kiln.distill.errors import DistillError
+    from kiln.distill.train import _windows, available_shards, load_shard_examples
+    from kiln.training.core.data import TrainingDataError, confined_data_dir
+    from kiln.training.core.loop import Plan
+
+    ctx.check_adapter_name(request.adapter)
+    root = confined_data_dir(ctx.settings.data_path, request.run, label="run")
+    try:
+        plan, todo, _skipped = available_shards(root)
+    except DistillError as exc:
+        raise TrainingDataError(f"run {request.run!r}: {exc}", code="invalid_capture", param="run") from None
+    _check_binding(ctx, plan)
+    limit = ctx.max_seq_len_limit
+    if limit is not None and plan.capture.max_sequence_length > limit:
+        raise InvalidRequest(f"the capture's max_sequence_length {plan.capture.max_sequence_length} exceeds the "
+                             f"served model's limit {limit}", code="sequence_too_long", param="run")
+    passes = request.epochs or 1
+    if (passes > 1 or request.replay) and plan.consumption.replay != "chained":
+        raise Conflict(f"this capture's consumption policy is replay {plan.consumption.replay!r} "
+                       f"({plan.consumption.trajectory}); epochs > 1 and replay need 'chained'",
+                       code="replay_forbidden", param="replay")
+    parent = ctx.parent_of(request)
+    lora = ctx.lora_shape(request, parent)
+    capture_sha = plan.digest()
+    _check_not_in_use(ctx, capture_sha, request.adapter)
+    ledger_root = ctx.root / "kd" / capture_sha / request.adapter
+    shards, fresh_steps = [], 0
+    for shard_dir, head in todo:
+        try:
+            examples = load_shard_examples(shard_dir, head, plan)
+            windows = len(_windows(examples, plan.capture.max_sequence_length))
+            data_shard = KDShard(head.transaction_id, shard_dir, head.digest(),
+                                 math.ceil(windows / request.batch_size))
+            ledger = _ledger(ledger_root, data_shard, plan)
+        except DistillError as exc:
+            raise TrainingDataError(f"run {request.run!r}: {exc}", code="invalid_capture", param="run") from None
+        if ledger.view.state == "reserved":
+            _check_open_reservation(ctx, ledger, request.resume_from_job)
+        shards.append(data_shard)
+        fresh_steps += data_shard.steps_per_pass if ledger.view.commits == 0 else 0
+    if not fresh_steps and not request.replay and request.resume_from_job is None:
+        raise Conflict(f"every shard of run {request.run!r} was already consumed by adapter {request.adapter!r}",
+                       code="capture_consumed", param="replay",
+                       hint="set replay=true for a chained replay, capture new shards, or train another adapter")
+    total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
+    eff = request.model_dump(mode="json")
+    eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0))
+    inputs = {"capture_plan_sha256": capture_sha, "shards": sorted(s.artifact_sha256 for s in shards)}
+    inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
+    if request.resume_from_job is not None:
+        ctx.check_resumable(request.resume_from_job, plan_sha)
+    data = KDData(root, plan, tuple(shards), ledger_root, passes, request.replay, request.ce_weight,
+                  request.kd_weight, total)
+    loop = Plan(request.learning_rate, passes, request.batch_size, request.seed, 0, max_steps=None)
+    return JobPlan("kd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
+                   request.auto_load, request.resume_from_job)
+
+
+# ------------------------------------------------------------------------- the loop
+
+
+def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str,
+           anchor: Any = None, pad_id: int = 0) -> Any:
+    """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
+    per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256."""
+    from kiln.distill.faults import fault
+    from kiln.distill.train import (
+        _batch_tensors,
+        _windows,
+        kd_loss_split,
+        kd_step_loss,
+        load_shard_examples,
+    )
+    from kiln.training.core.anchor import anchor_term
+    from kiln.training.core.checkpoints import save_checkpoint
+    from kiln.training.core.loop import _Loop
+    from kiln.training.core.lora import adapter_state
+    from kiln.training.losses.kd import SparseKDLoss
+
+    cplan = data.capture_plan
+    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    loop.stats.setdefault("kd_commits", [])
+    loop.stats.setdefault("first_loss", None)
+    loss_fn = SparseKDLoss(ce_weight=data.ce_weight, kd_weight=data.kd_weight,
+                           temperature=cplan.probability.temperature)
+    use_ce = cplan.consumption.trajectory == "teacher-expert"
+    split = kd_loss_split(peft_model)
+    k, limit, vocab = cplan.probability.top_k, cplan.capture.max_sequence_length, cplan.tokenizer.vocab_size
+    data.ledger_root.mkdir(parents=True, exist_ok=True)
+    resume_digest = None if resume is None else checkpoint_digest(resume.path)
+    actions: dict[str, str] = {}
+    with loop.running():
+        for shard in data.shards:
+            ledger = _ledger(data.ledger_root, shard, cplan)
+            mine = [c for c in loop.stats["kd_commits"] if c["transaction_id"] == shard.transaction_id]
+            if ledger.view.state == "reserved":
+                if any(c["reservation_id"] == ledger.view.open_reservation[1] for c in mine):
+                    ledger.reconcile(resume_digest)  # crash after the checkpoint, before the commit
+                    actions[shard.transaction_id] = "reconciled"
+                else:
+                    ledger.release()  # reserved before any durable checkpoint: nothing was consumed
+            if ledger.view.commits > len(mine) and not data.replay:
+                actions.setdefault(shard.transaction_id, "already-committed")
+                continue
+            while len(mine) < data.passes:
+                loop.check_cancel()
+                rid = f"{job_id}.{shard.transaction_id}.r{len(ledger.view.reservation_ids)}"
+                if ledger.view.commits:
+                    ledger.replay(job_id, rid)
+                    actions[shard.transaction_id] = "replayed"
+                else:
+                    ledger.reserve(job_id, rid)
+                    actions[shard.transaction_id] = "trained"
+                fault("kd_job_after_reserve")
+                checkpointed = False
+                try:
+                    examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
+                    windows = _windows(examples, limit)
+                    for b0 in range(0, len(windows), plan.batch_size):
+                        loop.check_cancel()
+                        with loop.step_ownership():
+                            t0 = time.perf_counter()
+                            ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                                windows[b0:b0 + plan.batch_size], examples, k, vocab, loop.device, use_ce)
+                            loss, _parts = kd_step_loss(peft_model, split, loss_fn, ids, att, rows, offs, sel, lp,
+                                                        mask, tail, target)
+                            if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in
+                                loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+                            loop.optimizer_step(loss, int(rows.numel()), t0)
+                        if loop.stats["first_loss"] is None:
+                            loop.stats["first_loss"] = round(loop.loss, 6)
+                        loop.after_step(len(mine), b0 // plan.batch_size + 1)
+                    entry = {"transaction_id": shard.transaction_id, "artifact_sha256": ledger.artifact_sha256,
+                             "reservation_id": rid}
+                    extra = loop.stats | {"kd_commits": loop.stats["kd_commits"] + [entry]}
+                    with loop.step_ownership():
+                        path = save_checkpoint(
+                            hooks.checkpoint_root, step=loop.step, epoch=len(mine) + 1, batch=0,
+                            plan_sha256=hooks.plan_sha256, adapter_state=adapter_state(peft_model, name),
+                            optimizer_state=loop.opt.state_dict(),
+                            stats={"tokens": loop.tokens, "train_s": loop.train_s, "loss": loop.loss,
+                                   "extra": extra})
+                    checkpointed = True
+                    loop.stats["kd_commits"] = extra["kd_commits"]
+                except BaseException:
+                    if not checkpointed and ledger.view.state == "reserved":
+                        ledger.release()  # no durable checkpoint holds this pass: give the shard back
+                    raise
+                fault("kd_job_after_checkpoint")  # crash tests: durable checkpoint, no commit yet
+                digest = checkpoint_digest(path)
+                ledger.commit(digest)
+                entry["checkpoint_sha256"] = digest
+                loop.checkpoint_step = loop.step
+                mine.append(entry)
+        if loop.step == 0:
+            raise Conflict("nothing left to consume: every shard was committed before this job ran",
+                           code="capture_consumed")
+        loop.hooks.on_progress(loop.progress())
+    report = loop.report()
+    report.extra["shards"] = [{"transaction_id": s.transaction_id, "action": actions.get(s.transaction_id)}
+                              for s in data.shards]
+    return report
+
+
+def _head(shard: KDShard) -> Any:
+    from kiln.distill import shards as shardlib
+
+    head = shardlib.read_manifest_chain(shard.shard_dir)[-1]
+    if head.digest() != shard.artifact_sha256:
+        raise Conflict(f"shard {shard.transaction_id} changed since the job was submitted", code="capture_changed")
+    return head
+
+
+# ------------------------------------------------------------------------- the recipe
+
+
+class KDRecipe(TrainingRecipe):
+    """A KD job: setup -> train (ledger-consumed shards) -> save -> publish (kind ``kd``) -> activate."""
+
+    plan: JobPlan[KDData]
+
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        teacher = self.plan.data.capture_plan.teacher  # the capture plan's teacher fingerprint
+        return {"model_id": teacher.model_id, "revision": teacher.revision, "fingerprint_sha256": teacher.digest()}
+
+    def train(self, resume: Any) -> Any:
+        tok = self.ctx.model.tokenizer
+        report = run_kd(self.peft_model, self.private, self.plan.data, self.plan.loop, hooks=self.ctx.hooks,
+                        resume=resume, job_id=self.job_id, anchor=self.anchor([]),
+                        pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+        self._phase("train")
+        return report

@@ -1,0 +1,383 @@
+"""On-policy distillation (OPD): prepare and run one job.
+
+The student samples completions for each prompt (on the serving engine's
+continuous batching with the job's private adapter, the sampler GRPO rollouts
+share: :mod:`kiln.training.core.engine_sampling`),
+the teacher scores prompt + completion once per training batch (top-K prompt
+logprobs, numeric token IDs; every answer must carry the pinned fingerprint),
+and the optimizer step pulls the student toward the teacher on the student's
+own tokens. With ``teacher_path`` each step also trains on one row per prompt holding the teacher's greedy
+answer, found through scoring calls (:mod:`kiln.training.opd.paths`), and ``until_learned`` stops the job once
+those answers are the student's greedy answers.
+The losses are :mod:`kiln.training.losses.opd`; one step's loss is :func:`kiln.training.opd.step.opd_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from kiln.errors import Conflict, InvalidRequest
+from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy
+from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.recipe import TrainingRecipe
+from kiln.training.losses.opd import outside_top_k
+from kiln.training.opd.step import opd_loss
+
+if TYPE_CHECKING:
+    from kiln.adapters.store import AdapterRecord
+    from kiln.teachers.service import TeacherService
+    from kiln.training.opd.schemas import OPDRequest
+
+DEFAULT_LEARNED_EVERY_OPD = 5  # until_learned: check every this many steps (at least once per pass over the prompts)
+PATHS_TENSOR = "opd_teacher_paths"  # checkpoint tensor: kiln.training.opd.paths.TeacherPaths
+
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class OPDItem:
+    student_ids: tuple[int, ...]
+    teacher_ids: tuple[int, ...]
+    gold_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class OPDData:
+    items: tuple[OPDItem, ...]
+    teacher: dict[str, Any]  # the pinned registry entry (fingerprint, identity, url/kind, model_id)
+    samples_per_prompt: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    top_k: int
+    loss: str
+    ce_weight: float
+    total_steps: int
+    corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd.offline.OffPolicyRow, in file order
+    teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd.paths)
+    rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.core.rehearsal)
+    rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
+
+
+def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
+    """Validate an OPD request against the model, the store and the teacher registry; return its plan."""
+    teachers = ctx.teachers
+    if teachers is None:
+        raise Conflict("teachers are not available in this process", code="teachers_unavailable")
+    ctx.check_adapter_name(request.adapter)
+    entry = teachers.registry.pin(request.teacher)
+    max_k = entry["identity"]["max_top_k"]
+    if request.top_k > max_k:
+        raise InvalidRequest(f"top_k={request.top_k} exceeds teacher {request.teacher!r}'s max_top_k={max_k}",
+                             code="top_k_too_large", param="top_k", hint=f"use top_k <= {max_k}")
+    parent = ctx.parent_of(request)
+    lora = ctx.lora_shape(request, parent)
+    from kiln.training.opd.schemas import budget_steps
+
+    tok = ctx.model.tokenizer
+    engine = ctx.serving_engine("OPD")
+    limit = min(request.max_seq_len, engine.config.max_model_len, entry["identity"]["max_model_len"])
+    if request.training_mode == "off_policy":
+        return _prepare_off_policy(ctx, teachers, request, entry, lora, parent, limit)
+    check_samples_fit_queue(engine, request.samples_per_prompt, "samples_per_prompt")
+    eos = tok.eos_token_id
+    items = []
+    assert request.prompts is not None
+    for i, p in enumerate(request.prompts):
+        msgs = [m.model_dump() for m in p.messages]
+        s_ids = engine.encode_chat(msgs)
+        t_ids = engine.encode_chat([m.model_dump() for m in (p.teacher_messages or [])] + msgs)
+        gold = None
+        if p.gold is not None:
+            gold = tuple(engine.encode_text(p.gold)) + ((eos,) if eos is not None else ())
+        longest = max(len(s_ids), len(t_ids)) + request.max_tokens
+        if longest > limit or (gold is not None and len(s_ids) + len(gold) > limit):
+            raise InvalidRequest(f"prompt {i} plus max_tokens ({longest} tokens) exceeds the limit of {limit}",
+                                 code="sequence_too_long", hint="shorten the prompt or lower max_tokens")
+        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
+    inputs = [p.model_dump(mode="json") for p in request.prompts]
+    data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
+                   request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
+                   _total_steps(request, len(items), budget=budget_steps(
+                       len(items), request.batch_size, request.samples_per_prompt, request.max_tokens)),
+                   teacher_path=request.teacher_path, rehearsal=request.rehearsal or 0,
+                   rehearsal_per_prompt=request.rehearsal_per_prompt)
+    return _job_plan(ctx, request, entry, lora, parent, data, inputs, {})
+
+
+def _total_steps(request: OPDRequest, n_items: int, *, budget: int = 0) -> int:
+    """``steps``, or: one pass over the items x ``epochs``, raised to ``budget`` steps (on-policy: the token
+    budget, :func:`kiln.training.opd.schemas.budget_steps`); capped by ``max_steps``."""
+    total = request.steps
+    if total is None:
+        total = max((request.epochs or 1) * math.ceil(n_items / request.batch_size), budget)
+    return total if request.max_steps is None else min(total, request.max_steps)
+
+
+def _learned_check(request: OPDRequest) -> Any:
+    """``until_learned`` (default: on when ``steps`` is omitted and ``teacher_path`` is on): stop once every
+    prompt's teacher path is whole and is the student's greedy answer."""
+    from kiln.training.core.loop import LearnedCheck
+    from kiln.training.schemas import DEFAULT_LEARNED_MARGIN
+
+    on = request.until_learned if request.until_learned is not None else request.steps is None
+    return LearnedCheck(every=DEFAULT_LEARNED_EVERY_OPD, margin=DEFAULT_LEARNED_MARGIN) \
+        if on and request.teacher_path and request.training_mode == "on_policy" else None
+
+
+def _prepare_off_policy(ctx: PrepareContext, teachers: TeacherService, request: OPDRequest, entry: dict[str, Any],
+                        lora: LoraShape, parent: AdapterRecord | None, limit: int) -> JobPlan[OPDData]:
+    """Off-policy: read and bind-check the teacher JSONL (:mod:`kiln.training.opd.offline`) before queueing."""
+    from kiln.training.opd.offline import load_teacher_jsonl
+
+    assert request.teacher_jsonl is not None
+    student_tok = teachers.identity.tokenizer()[0]
+    corpus = load_teacher_jsonl(ctx.settings.data_path, request.teacher_jsonl, entry,
+                                student_vocab=teachers.identity.vocab_size,
+                                student_tokenizer_sha256=student_tok, max_len=limit)
+    data = OPDData((), entry, 1, 0.0, 1.0, 0, request.top_k, request.loss, 0.0,
+                   _total_steps(request, len(corpus.rows)), corpus.rows)
+    return _job_plan(ctx, request, entry, lora, parent, data, {"teacher_jsonl_sha256": corpus.sha256},
+                     {"teacher_jsonl_sha256": corpus.sha256, "teacher_jsonl_rows": len(corpus.rows)})
+
+
+def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], lora: LoraShape,
+              parent: AdapterRecord | None, data: OPDData, inputs: Any, extra: dict[str, Any]) -> JobPlan[OPDData]:
+    """The effective request (binding the teacher's fingerprint and identity), its digests (resume checks the
+    plan digest) and the plan."""
+    from kiln.training.core.loop import Plan
+
+    check = _learned_check(request)
+    eff = request.model_dump(mode="json")
+    eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0), **extra)
+    inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
+    if request.resume_from_job is not None:
+        ctx.check_resumable(request.resume_from_job, plan_sha)
+    loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
+                max_steps=data.total_steps, until_learned=check)
+    return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
+                   request.auto_load, request.resume_from_job)
+
+
+# ------------------------------------------------------------------------- the loop
+
+
+def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
+            model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
+            engine: Any = None, rehearsal: Any = None, anchor: Any = None) -> Any:
+    """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
+
+    With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
+    adapter by key, prefix cache keyed by step: :func:`~kiln.training.core.engine_sampling.sample_policy`),
+    interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
+    exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
+    (:class:`~kiln.training.core.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
+    scored by the base model."""
+    from kiln.teachers.probe import check_answer, check_request_fits, response_cap
+    from kiln.teachers.registry import _identity_of
+    from kiln.training.core.anchor import anchor_term
+    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.core.loop import _Loop
+    from kiln.training.opd.paths import TeacherPaths
+
+    identity = _identity_of(data.teacher["identity"])
+    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    split = split_causal_lm(peft_model)  # logits only at completion positions, a chunk at a time
+    n = len(data.items)
+    for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
+        loop.stats.setdefault(key, 0.0)
+    paths = TeacherPaths(n, end_ids) if data.teacher_path else None
+    if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
+        paths.load_tensor(resume.tensors[PATHS_TENSOR])
+    path_rows: dict[int, list[dict[int, float]]] = {}  # prompt -> teacher rows of its final teacher path
+    check = plan.until_learned if paths is not None else None
+    every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
+
+    def score(seqs: list[list[int]], starts: list[int]) -> Any:
+        """The teacher's top-K rows of ``seqs``, in one call, checked against the pin; rows before ``starts``
+        are not used (a local teacher skips them and reuses the cached prompt: its ``score_from``)."""
+        check_request_fits(identity, seqs, data.top_k)
+        scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
+                                                               for s in seqs), vocab_size=vocab_size,
+                               score_from=starts)
+        check_answer(scored, model_id=model_id, pinned=pinned)
+        return scored
+
+    def learned() -> bool:
+        """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
+        from kiln.training.core.data import Row
+        from kiln.training.core.loop import greedy_margin
+
+        assert paths is not None and check is not None
+        if not all(paths.complete(i) for i in range(n)):
+            return False
+        rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
+                for i, it in enumerate(data.items)]
+        with loop.step_ownership():
+            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
+        loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin
+
+    with loop.running():
+        while not loop.done():
+            loop.check_cancel()
+            step = loop.step
+            chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
+            if paths is not None:  # 0. finish the chosen prompts' teacher paths (teacher calls where unfinished)
+                t_d = time.perf_counter()
+                dummy = end_ids[0] if end_ids else pad_id
+                loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
+                    chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
+                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo],
+                        [len(data.items[i].teacher_ids) + len(known) for i, known in todo]).prompts])
+                loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
+            # 1. student samples every prompt x sample (and the unfinished teacher-path rows), one batch
+            t0 = time.perf_counter()
+            todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
+            prompts = [list(data.items[i].student_ids) for i in chosen]
+            prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
+            counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
+            budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+            comps = sample_policy(peft_model, loop, engine, prompts, counts, budgets, data.temperature,
+                                  data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
+                                  pad_id=pad_id, end_ids=end_ids)
+            k = len(chosen) * data.samples_per_prompt
+            samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
+            rest = iter(comps[k:])  # teacher-path rows: the known prefix + the student's sample from it
+            samples += [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
+            student_s = time.perf_counter() - t0
+            if not samples:
+                loop.stats["student_s"] += student_s
+                loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
+                continue
+            # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
+            # sampled after it) is the same sequence every step: its rows are scored once and kept
+            t1 = time.perf_counter()
+            final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
+            ask = [k for k in range(len(samples)) if final.get(k) not in path_rows]
+            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1] for k in ask],
+                                      [len(data.items[samples[k][0]].teacher_ids) for k in ask]).prompts)) if ask else {}
+            teacher_s = time.perf_counter() - t1
+            rows, sampled = [], []
+            for k, (i, comp) in enumerate(samples):
+                if k in got:
+                    start = len(data.items[i].teacher_ids)
+                    mine = [got[k].rows[start + j] or {} for j in range(len(comp))]
+                    if k in final:
+                        path_rows[i] = mine
+                else:
+                    mine = path_rows[i]
+                if paths is not None:
+                    paths.observe(i, comp, mine)
+                rows += mine
+                sampled += comp
+            loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
+            if paths is not None:
+                loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
+            # 3. the step, under exclusive ownership
+            pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
+            # rehearsal rows: the base model's answers, with its rows in the teacher's place
+            added = rehearsal.add_to_step(step, len(chosen) * data.rehearsal_per_prompt, pairs, rows, sampled) \
+                if rehearsal is not None else 0
+            # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
+            gold = [(data.items[i].student_ids, data.items[i].gold_ids
+                     or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
+                if data.ce_weight > 0 else []
+            with loop.step_ownership():
+                t2 = time.perf_counter()
+                loss = opd_loss(peft_model, split, data, pairs, rows, sampled, gold, pad_id=pad_id,
+                                device=loop.device)
+                if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in beside rehearsal
+                    loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+                loop.optimizer_step(loss, len(sampled), t2)
+                step_s = time.perf_counter() - t2
+            loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
+            loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
+            loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
+            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled) - added)
+            if rehearsal is not None:
+                loop.stats.update(rehearsal_rows=len(rehearsal),
+                                  rehearsal_tokens=loop.stats.get("rehearsal_tokens", 0) + added)
+            if every is not None and loop.step % every == 0 and learned():
+                loop.stats["learned_at_step"] = loop.total_steps = loop.step
+            loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
+        if check is not None:
+            loop.stats["learned"] = "learned_at_step" in loop.stats
+    return loop.report()
+
+
+def _checkpoint_tensors(paths: Any, rehearsal: Any) -> dict[str, torch.Tensor] | None:
+    """What a checkpoint keeps besides the adapter: the teacher paths and the rehearsal questions."""
+    out = {} if paths is None else {PATHS_TENSOR: paths.to_tensor()}
+    return (out | rehearsal.tensors() if rehearsal is not None else out) or None
+
+
+
+# ------------------------------------------------------------------------- the recipe
+
+
+class OPDRecipe(TrainingRecipe):
+    """An OPD job: re-probe the pinned teacher (before taking the accelerator), then setup -> train -> save ->
+    publish (manifest kind ``opd``, config binding the teacher's fingerprint and identity) -> activate."""
+
+    plan: JobPlan[OPDData]
+
+    def run(self) -> dict[str, Any]:
+        if not self.plan.data.corpus:  # off-policy never asks the teacher: the corpus carries its rows
+            entry = self.plan.data.teacher
+            registry = self._teachers().registry
+            self.teacher = registry.client_for(entry)
+            registry.probe(entry, self.teacher, pinned=entry["fingerprint"])
+            self._phase("probe")
+        return super().run()
+
+    def receipt_teacher(self) -> dict[str, Any] | None:
+        entry = self.plan.data.teacher  # the pinned registry entry: its kiln-teacher-v1 fingerprint
+        return {"fingerprint": entry["fingerprint"], "alias": entry.get("alias"), "model_id": entry.get("model_id")}
+
+    def _teachers(self) -> TeacherService:
+        if self.ctx.teachers is None:
+            raise Conflict("teachers are not available in this process", code="teachers_unavailable")
+        return self.ctx.teachers
+
+    def train(self, resume: Any) -> Any:
+        from kiln.training.core.templates import end_of_turn_ids
+
+        data = self.plan.data
+        tok = self.ctx.model.tokenizer
+        if data.corpus:
+            from kiln.training.opd.offline import run_opd_offline
+
+            report = run_opd_offline(self.peft_model, self.private, data, data.corpus, self.plan.loop,
+                                     hooks=self.ctx.hooks, resume=resume,
+                                     pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
+            self._phase("train")
+            return report
+        end_ids = sorted(end_of_turn_ids(tok, getattr(self.ctx.model.model, "generation_config", None)))
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+        rehearsal = self._rehearsal(resume, pad_id, end_ids) if data.rehearsal else None
+        report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
+                         pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
+                         vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal,
+                         anchor=self.anchor([it.student_ids for it in data.items]))
+        self._phase("train")
+        return report
+
+    def _rehearsal(self, resume: Any, pad_id: int, end_ids: list[int]) -> Any:
+        """The job's rehearsal rows (:func:`kiln.training.core.rehearsal.job_rehearsal`), built under exclusive
+        ownership; on resume from the questions the checkpoint kept."""
+        from kiln.training.core.rehearsal import REHEARSAL_TENSOR, job_rehearsal
+
+        data, tok = self.plan.data, self.ctx.model.tokenizer
+        with self.ctx.hooks.exclusive():
+            return job_rehearsal(self.peft_model, lambda m: tok.apply_chat_template(m, tokenize=False),
+                                 self.ctx.engine, data, seed=self.plan.loop.seed, pad_id=pad_id, end_ids=end_ids,
+                                 saved=None if resume is None else resume.tensors.get(REHEARSAL_TENSOR))
