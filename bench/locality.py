@@ -210,8 +210,12 @@ SETTINGS = {
     "a64 x8 w4, mlp, m0.5/1, lr 3e-3": Setting("a64mlp", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4,
                                                margin=0.5, every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "a64 x8 w4, m1/5, lr 3e-3": Setting("a64m1", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4),
-    "a64 x4 w4, m1/1, lr 5e-3 (new defaults)": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4,
+    "a64 x4 w4, m1/1, lr 5e-3": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4,
                                                         anchor_weight=4, every=1),
+    "a64 x8 w8, m1/1, lr 1e-3": Setting("a8-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                        every=1),
+    "a64 x4 w4, m1/1, lr 1e-3": Setting("new-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                        every=1),
     "anchor, mlp, m0.5/1, lr 3e-3": Setting("a-mlp", lr=3e-3, anchor=32, margin=0.5, every=1,
                                             targets=("down_proj", "gate_proj", "up_proj")),
 }
@@ -298,6 +302,10 @@ WORLD_SETTINGS = {
     "Kiln defaults (anchor + replay)": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                                every=1, replay=True),
     "Kiln previous defaults": Setting("previous", replay=False),
+    "anchor + replay, lr 1e-3": Setting("a-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                        every=1, replay=True),
+    "anchor x8 w8 + replay, lr 1e-3": Setting("a8-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8,
+                                              anchor_weight=8, every=1, replay=True),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 

@@ -50,7 +50,7 @@ DEFAULT_LEARNED_EVERY = 5
 DEFAULT_LEARNED_MARGIN = 1.0
 DEFAULT_LEARNED_MAX_STEPS = 300
 MAX_STEPS = 1_000_000
-DEFAULT_LEARNING_RATE = 5e-3
+DEFAULT_LEARNING_RATE = 1e-3
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the Gated DeltaNet projections of a Qwen3.5 hybrid (transformers 5.23 names): added to the default
@@ -63,9 +63,9 @@ DEFAULT_SEQ_LEN = 1_024
 # The KL-to-base anchor (kiln.training.core.anchor, docs/training.md "Locality"): the base model's own questions and
 # greedy answers, rehearsed each step under forward KL to the base so a job changes what it targets and little
 # else. Measured on the built-in model (bench/locality.py): see the defaults' rationale in docs/training.md.
-DEFAULT_ANCHOR_WEIGHT = 4.0
+DEFAULT_ANCHOR_WEIGHT = 8.0
 DEFAULT_ANCHOR_QUESTIONS = 64
-DEFAULT_ANCHOR_PER_STEP = 4
+DEFAULT_ANCHOR_PER_STEP = 8
 MAX_ANCHOR_QUESTIONS = 1_024
 MAX_ANCHOR_PER_STEP = 256
 # Sequential corrections: an SFT job continuing `base_adapter` replays the corrections stored with its revision
