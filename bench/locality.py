@@ -13,12 +13,15 @@ with the settings a job resolves, or a plain PEFT loop as the peer):
   fluency (no degenerate answer), beside a plain PEFT loop at lr 1e-4 and Kiln's previous defaults.
 
 ``--server`` runs the built-in correction end to end on ``kiln serve`` with the request defaults (submit ->
-served seconds, the answers through the OpenAI API).
+served seconds, the answers through the HTTP API; ``--sequential N``: N corrections, each continuing the adapter;
+``--previous``: with the fields of the defaults before the anchor). ``--grpo``: GRPO with rollouts rewarded for
+one word, with the defaults and with lr 0.02 for 12 iterations, with and without the anchor.
 
     .venv/bin/python bench/locality.py builtin                     # the settings table
     .venv/bin/python bench/locality.py builtin --sequential 10
-    .venv/bin/python bench/locality.py builtin --server
-    .venv/bin/python bench/locality.py world --corrections 1,10,100
+    .venv/bin/python bench/locality.py builtin --server --sequential 10
+    .venv/bin/python bench/locality.py builtin --grpo
+    .venv/bin/python bench/locality.py world --corrections 1,10,100 --only defaults,previous,plain
 """
 
 from __future__ import annotations
@@ -210,9 +213,9 @@ SETTINGS = {
     "a64 x8 w4, mlp, m0.5/1, lr 3e-3": Setting("a64mlp", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4,
                                                margin=0.5, every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "a64 x8 w4, m1/5, lr 3e-3": Setting("a64m1", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4),
-    "a64 x4 w4, m1/1, lr 5e-3": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4,
+    "a64 x4 w4, m1/1, lr 5e-3": Setting("a4-lr5e-3", lr=5e-3, anchor=64, anchor_per_step=4,
                                                         anchor_weight=4, every=1),
-    "a64 x8 w8, m1/1, lr 1e-3": Setting("a8-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+    "defaults: a64 x8 w8, m1/1, lr 1e-3": Setting("defaults", lr=1e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
                                         every=1),
     "a64 x4 w4, m1/1, lr 1e-3": Setting("new-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                         every=1),
@@ -299,13 +302,13 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------ world
 
 WORLD_SETTINGS = {
-    "Kiln defaults (anchor + replay)": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
-                                               every=1, replay=True),
+    "Kiln defaults: anchor x8 w8 + replay, lr 1e-3": Setting("defaults", lr=1e-3, anchor=64, anchor_per_step=8,
+                                                             anchor_weight=8, every=1, replay=True),
+    "anchor x4 w4 + replay, lr 5e-3": Setting("a-lr5e-3", lr=5e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                              every=1, replay=True),
     "Kiln previous defaults": Setting("previous", replay=False),
     "anchor + replay, lr 1e-3": Setting("a-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                         every=1, replay=True),
-    "anchor x8 w8 + replay, lr 1e-3": Setting("a8-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8,
-                                              anchor_weight=8, every=1, replay=True),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
