@@ -371,7 +371,8 @@ def server_grpo() -> None:
     the first and last iteration, then the probes' greedy answers against the base's."""
     from kiln.demo import _ask, kiln_server, wait_job
 
-    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={"KILN_TRAINING_ENABLED": "1"}) as srv:
+    env = {"KILN_TRAINING_ENABLED": "1"}
+    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env=env) as srv:
         c = srv.client
         base_id = c.get("/v1/models").json()["data"][0]["id"]
         base = [_ask(c, base_id, q)[0] for q in PROBES]
