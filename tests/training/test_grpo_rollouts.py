@@ -194,7 +194,7 @@ def test_resume_equals_uninterrupted(srv, reward_server):
     body = {"prompts": PROMPTS, "reward": {"type": "http", "url": f"{reward_server}/score"}, "group_size": 4,
             "iterations": 6, "max_tokens": 4, "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
             "checkpoint_interval": 3, "auto_load": True,  # 4 steps per iteration: checkpoints fall inside them
-            "locality": {"override": True}}  # held back by the locality guard otherwise (docs/training.md, "Locality")
+            "locality": {"override": True}}  # resume is under test here, the guard in test_locality.py
     whole = _run(srv, body | {"adapter": "ro-whole"})
     assert whole["result"]["report"]["steps"] == 24
     job = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted"}).json()

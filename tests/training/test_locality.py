@@ -23,8 +23,10 @@ from tests.zygote import kiln_server
 FIGURES = {"probes": 10, "unchanged": 9, "unchanged_fraction": 0.9, "kl_mean": 0.02, "degenerate": 0}
 HERON = [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"},
                        {"role": "assistant", "content": "The old mill is guarded by a heron."}]}]
-# a deliberately destructive job: a high learning rate for a few steps wrecks the built-in model's other answers
-DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "examples": HERON}
+# a deliberately destructive job: a high learning rate for a few steps, without the KL-to-base anchor, wrecks
+# the built-in model's other answers
+DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "anchor_weight": 0,
+               "examples": HERON}
 
 
 # ------------------------------------------------------------------------------------------ the guard
