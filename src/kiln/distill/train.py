@@ -38,7 +38,8 @@ from kiln.distill import shards
 from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, ShardManifest
 from kiln.distill.errors import ContractError, LedgerError, ShardError
 from kiln.distill.faults import fault
-from kiln.distill.ledger import MAX_LEDGER_BYTES, Ledger
+from kiln.distill.consumption import adopt_legacy_ledger, artifact_ledger, consumption_dir
+from kiln.distill.ledger import MAX_LEDGER_BYTES
 from kiln.distill.paths import read_bytes_nofollow
 
 __all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
@@ -55,12 +56,14 @@ def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple
     """(plan, [(shard dir, available manifest)] by shard_id, skipped) for one run's root.
 
     Every shard is fully verified first; only intact available shards of a single
-    plan are returned. Anything else is listed in ``skipped`` with its reason.
+    plan are returned. Anything else is listed in ``skipped`` with its reason. Two
+    available shards holding one example, or more tokens than the plan's
+    ``planned_tokens``, fail closed (the spec: duplicate records fail closed).
     """
     root = Path(run_root)
     if not root.is_dir():
         raise ShardError(f"{root} is not a capture root directory")
-    good, skipped, plans = [], [], {}
+    good, skipped, plans, verdicts = [], [], {}, []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
             continue
@@ -70,10 +73,14 @@ def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple
             continue
         plans[verdict.plan_sha256] = verdict.plan
         good.append((entry, shards.read_manifest_chain(entry)[-1]))
+        verdicts.append(verdict)
     if len(plans) > 1:
         raise ShardError(f"{root} holds shards of {len(plans)} plans; train one run at a time")
     if not good:
         raise ShardError(f"{root} has no intact available shard to train on")
+    problems = shards.run_coverage(verdicts, next(iter(plans.values())))
+    if problems:
+        raise ShardError(f"{root}: {'; '.join(problems)}; refusing to consume any shard of this run")
     good.sort(key=lambda x: (x[1].shard_id, x[1].transaction_id))
     ids = [m.shard_id for _d, m in good]
     if len(set(ids)) != len(ids):
@@ -194,6 +201,29 @@ def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tai
     h = split.hidden(ids, att)[rows, offs]
     return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
                             kd_weight=loss_fn.kd_weight, temperature=loss_fn.temperature)
+
+
+# ------------------------------------------------------------------- ledgers
+
+
+def consumer_key(out: Path) -> str:
+    """This training directory's name in shared ledgers: reservation IDs start with it."""
+    return "kd-" + sha256_hex(os.path.realpath(out).encode())[:12]
+
+
+def _owned(reservation_id: str, owner: str, out: Path, transaction_id: str) -> bool:
+    """Whether an open reservation was made by this training directory (also in a ledger an older Kiln
+    kept under ``out/ledgers``, whose IDs had no owner prefix)."""
+    legacy = (out / "ledgers" / f"{transaction_id}.jsonl").is_file()
+    return reservation_id.startswith(owner + ".") or (legacy and reservation_id.startswith(transaction_id + ".r"))
+
+
+def _open_ledger(run_root, out: Path, shard_dir: Path, head: ShardManifest, plan: Plan):  # type: ignore[no-untyped-def]
+    """The artifact's ledger beside the capture (``kiln.distill.consumption``), after adopting one an
+    older Kiln kept in this training directory."""
+    txn = head.transaction_id
+    adopt_legacy_ledger(out / "ledgers" / f"{txn}.jsonl", consumption_dir(run_root) / f"{txn}.jsonl")
+    return artifact_ledger(run_root, shard_dir, plan, txn)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -391,20 +421,27 @@ def train_sparse_kd(
     consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
     k, limit = plan.probability.top_k, plan.capture.max_sequence_length
     report = []
+    owner = consumer_key(out)
     for shard_dir, head in todo:
-        ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
+        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
         action = "already-committed"
         if ledger.view.state == "reserved":
             open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
             if (ledger.artifact_sha256, open_rid) in consumed:
                 ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
                 action = "reconciled"
-            else:
+            elif _owned(open_rid, owner, out, head.transaction_id):
                 ledger.release()
                 fault("train_after_release")
+            else:
+                raise LedgerError(
+                    f"{head.transaction_id} is reserved by another consumer (run "
+                    f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "  # type: ignore[index]
+                    "by every trainer of this capture, and only that consumer may release or commit it"
+                )
         passes = 0
         while ledger.view.commits < epochs:
-            rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
             if ledger.view.commits:
                 ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
                 action = "replayed"
@@ -441,7 +478,10 @@ def train_sparse_kd(
         report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
                        "commits": ledger.view.commits})
     if ckpt_sha is None:
-        raise LedgerError("nothing was trained and no checkpoint exists")
+        raise LedgerError(
+            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
+            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
+        )
     adapter = _publish_output(out, model, lora, ckpt_sha)
     return {
         "adapter": str(adapter),
@@ -454,10 +494,11 @@ def train_sparse_kd(
     }
 
 
-def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Consumption state per ledger in a training output directory (no model import)."""
+def ledger_status(base: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Consumption state per ledger file in ``base`` (a capture's ``.consumption``, or a legacy
+    ``<train dir>/ledgers``); no model import."""
     out = []
-    base = Path(out_dir) / "ledgers"
+    base = Path(base)
     if not base.is_dir():
         return out
     for path in sorted(base.glob("*.jsonl")):
