@@ -157,7 +157,7 @@ class ChatGeneration:
         reason and does not open the span itself: for a grammar that must wait until the reasoning ends (a
         grammar over a prompt that does not open the span applies from the first token)."""
         ids = list(prompt_ids)
-        if not self.thinking(ids) or self.opened(ids):
+        if self.parser is None or not self.thinking(ids) or self.opened(ids):
             return ids
         return ids + list(self.engine.encode_text(self.parser.START))
 
