@@ -117,7 +117,7 @@ def kiln_opd(loaded: Any, engine: Any, adapter_dir: Path, chats: list, args: Any
     end_ids = sorted(end_of_turn_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None)))
     rehearsal, setup_s = None, 0.0
     if args.rehearsal:  # built once per job, as OPDRecipe builds it (not part of a step)
-        from kiln.training.opd.rehearsal import job_rehearsal
+        from kiln.training.core.rehearsal import job_rehearsal
 
         t0 = time.perf_counter()
         with engine.ownership.exclusive():

@@ -24,7 +24,7 @@ the number of degenerate unrelated answers, and how many prompts are "learned" (
 logit margin of 1, checked every 5 steps as ``until_learned`` does; ``--stop-when-learned`` ends a seed there, as a
 job with the defaults stops); per seed, the until_learned stop, the degenerate count then, and the mean degenerate
 count over the checks from step 30. The request defaults apply (teacher path, ``ce_weight``, ``rehearsal`` and
-``rehearsal_per_prompt``, built by :mod:`kiln.training.opd.rehearsal` as the job builds them);
+``rehearsal_per_prompt``, built by :mod:`kiln.training.core.rehearsal` as the job builds them);
 ``--rehearse-exclude`` drops rehearsal questions that are one of the unrelated prompts (a held-out control).
 Experiments the recipe did not keep (docs/training.md, ten-facts table): ``--retire skip|ce`` (stop choosing a
 learned prompt, or only drop its CE), ``--lr-decay`` (linear to 0 over ``--decay-steps``), ``--weight-decay``,
@@ -176,7 +176,7 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
     import torch
 
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.opd import candidates
     from kiln.training.opd.job import OPDData
     from kiln.training.opd.step import completion_logits, opd_loss
@@ -377,9 +377,9 @@ def sample_rows(s: Setup, paths: Any, chosen: list[int], prompts: list[list[int]
 
 def rehearsal(s: Setup, n: int, seed: int, args: Any, prompts: list[list[int]]) -> Any:
     """The job's rehearsal rows as :class:`kiln.training.opd.job.OPDRecipe` builds them (``n`` questions the base model
-    writes, its greedy answers and rows; :mod:`kiln.training.opd.rehearsal`), the job's prompts excluded, and with
+    writes, its greedy answers and rows; :mod:`kiln.training.core.rehearsal`), the job's prompts excluded, and with
     ``--rehearse-exclude`` also any question that is one of the unrelated prompts (a held-out control)."""
-    from kiln.training.opd.rehearsal import build_rehearsal, user_turn_prefix, write_questions
+    from kiln.training.core.rehearsal import build_rehearsal, user_turn_prefix, write_questions
 
     if not n:
         return None
@@ -402,7 +402,7 @@ def run_facts(s: Setup, args: Any) -> None:
     job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
     of the student's greedy answers are the teacher's every ``--trace-every`` steps, and the degenerate count."""
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.data import tokenize_sft
     from kiln.training.losses.opd import outside_top_k
     from kiln.training.opd.job import OPDData

@@ -80,10 +80,7 @@ def real_model_dir(family: str, *, hidden: int = 64, layers: int = 1, seed: int 
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=target.parent))
-    for name in FILES:
-        shutil.copy2(tok_dir / name, staged / name)
+    staged = staged_tokenizer(tok_dir, target)
     if chat_template is not None:
         cfg_path = staged / "tokenizer_config.json"
         tok_cfg = json.loads(cfg_path.read_text("utf-8"))
@@ -99,8 +96,22 @@ def real_model_dir(family: str, *, hidden: int = 64, layers: int = 1, seed: int 
                       bos_token_id=tok.bos_token_id)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(cfg).save_pretrained(str(staged), safe_serialization=True)
+    return publish(staged, target)
+
+
+def staged_tokenizer(tok_dir: Path, target: Path) -> Path:
+    """A fresh directory beside ``target`` holding a copy of the tokenizer files (a model is built in it)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(dir=target.parent))
+    for name in FILES:
+        shutil.copy2(tok_dir / name, staged / name)
+    return staged
+
+
+def publish(staged: Path, target: Path) -> Path:
+    """Rename the built ``staged`` directory to ``target`` (another session may have published it first)."""
     try:
         staged.rename(target)
-    except OSError:  # another session published it first
+    except OSError:
         shutil.rmtree(staged, ignore_errors=True)
     return target

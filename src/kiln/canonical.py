@@ -13,10 +13,12 @@ transformers or vLLM.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import io
 import json
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
@@ -32,6 +34,10 @@ __all__ = [
     "ordered_json_bytes",
     "sha256_hex",
     "sha256_file",
+    "NotRegularFileError",
+    "FileTooLargeError",
+    "open_regular",
+    "read_regular_file",
     "canonical_sha256",
     "domain_digest",
     "base64url_nopad",
@@ -103,10 +109,63 @@ def canonical_sha256(value: Any) -> str:
     return sha256_hex(canonical_json_bytes(value))
 
 
+class NotRegularFileError(OSError):
+    """A path names a FIFO, directory, socket, device or symlink where a regular file belongs."""
+
+
+class FileTooLargeError(OSError):
+    """A regular file holds more bytes than its reader's limit (found before reading it whole)."""
+
+
+_REGULAR_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                       | getattr(os, "O_CLOEXEC", 0))
+
+
+def open_regular(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A blocking read descriptor on the regular file ``path`` (relative to ``dir_fd`` when given).
+
+    The one way Kiln opens a file it did not just write (its store, KILN_HOME, an operator's path):
+    ``O_NONBLOCK`` so a FIFO never waits for a writer, ``O_NOFOLLOW`` so a final symlink is refused,
+    then ``fstat`` before any byte is read; anything but a regular file raises
+    :class:`NotRegularFileError` (a missing file raises ``FileNotFoundError`` as ``open`` does)."""
+    try:
+        fd = os.open(path, _REGULAR_OPEN_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFileError(errno.ELOOP, f"{os.fspath(path)} is a symlink; refused") from None
+        if exc.errno == errno.ENXIO:  # a socket or a device with nothing behind it
+            raise NotRegularFileError(errno.ENXIO, f"{os.fspath(path)} is not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+            raise NotRegularFileError(errno.EINVAL, f"{os.fspath(path)} is a {kind}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path: str | os.PathLike[str], max_bytes: int, *, dir_fd: int | None = None) -> bytes:
+    """All bytes of the regular file ``path`` (see :func:`open_regular`), at most ``max_bytes``:
+    a larger file raises :class:`FileTooLargeError`, found by ``fstat`` before reading and again
+    while reading (a file that grows meanwhile); never more than ``max_bytes + 1`` bytes are read."""
+    fd = open_regular(path, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise FileTooLargeError(errno.EFBIG, f"{os.fspath(path)} is {size} bytes, over the limit of {max_bytes}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise FileTooLargeError(errno.EFBIG, f"{os.fspath(path)} grew past the limit of {max_bytes} bytes")
+    return data
+
+
 def sha256_file(path: str | os.PathLike[str], *, expected_size: int | None = None) -> tuple[str, int]:
-    """Stream a file's SHA-256 and byte count without following a final symlink."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
+    """Stream a regular file's SHA-256 and byte count (:func:`open_regular`: no FIFO, no final symlink)."""
+    fd = open_regular(path)
     h = hashlib.sha256()
     n = 0
     with os.fdopen(fd, "rb") as f:

@@ -147,6 +147,20 @@ class AdapterSettings(_Section):
     default: str = Field("", max_length=200, pattern=r"^([A-Za-z0-9._-]+(@[0-9a-f]{64})?)?$")
 
 
+class LocalitySettings(_Section):
+    """``[locality]``: what every training job measures of its adapter's locality, and the guard that holds
+    back activation under its thresholds (docs/training.md, "Locality"; docs/adapters.md, "Locality guard")."""
+
+    measure: bool = True  # measure every job's locality (a job's request can turn it off: locality.measure)
+    probes: int = Field(16, ge=0, le=256)  # questions the base model writes for the probe set (repeats dropped)
+    max_tokens: int = Field(24, ge=1, le=256)  # tokens per probe answer
+    seed: int = Field(0, ge=0, le=2**31 - 1)  # seeds the probe questions (cached per base model and settings)
+    guard: bool = True  # auto_load, post_eval activate_on_pass / set_default_on_pass hold back an adapter under the thresholds
+    min_unchanged: float = Field(0.8, ge=0.0, le=1.0, allow_inf_nan=False)  # least share of probe answers unchanged
+    max_degenerate: int = Field(0, ge=0, le=256)  # most probe answers the adapter makes degenerate
+    max_kl: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False)  # most mean KL(base || adapter) per token, nats; 0: no bound
+
+
 class EvalSettings(_Section):
     eval_dir: str | None = None  # suites, datasets and the runs database; default: $KILN_HOME/evals
     allow_code_execution: bool = False  # the `code` scorer runs model output in a sandbox (docs/evals.md)
@@ -207,7 +221,7 @@ class VllmSettings(_Section):
     extra_args: tuple[str, ...] = ()  # more vLLM options, each one "--key=value" token Kiln does not own
 
     # lists also read "a,b" from the environment, as [server]'s do
-    _split_list = field_validator("hosts", "extra_args", mode="before")(ServerSettings._split_list.__func__)
+    _split_list = field_validator("hosts", "extra_args", mode="before")(ServerSettings._split_list.__func__)  # type: ignore[attr-defined]
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -262,6 +276,7 @@ class Settings(_Section):
     limits: LimitsSettings = LimitsSettings()
     training: TrainingSettings = TrainingSettings()
     adapters: AdapterSettings = AdapterSettings()
+    locality: LocalitySettings = LocalitySettings()
     eval: EvalSettings = EvalSettings()
     teachers: TeachersSettings = TeachersSettings()
     openenv: OpenEnvSettings = OpenEnvSettings()

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from kiln.config import ENV_PREFIX, SECTIONS, TOP_LEVEL, Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -23,7 +25,7 @@ SCHEMA = DOCS / "kiln-config.schema.json"
 _FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
 
 
-def _comments(cls: type) -> dict[str, str]:
+def _comments(cls: type[BaseModel]) -> dict[str, str]:
     """Field name -> the comment on its line, or the comment lines right above it."""
     out: dict[str, str] = {}
     above: list[str] = []

@@ -303,3 +303,98 @@ def test_a_failed_canary_quarantines_the_revision_until_cleared(client, server, 
     assert list(client.get("/v1/adapters/hot").json()["quarantined"]) == [rev]
     assert client.post("/v1/adapters/hot/quarantine/clear").status_code == 200
     assert client.delete("/v1/adapters/hot").status_code == 200
+
+
+def _publish_trained(state, base_info, src, name: str, job_id: str):
+    """Publish ``src`` into the running server's store as a training job does (kind sft, with a receipt)."""
+    from kiln.adapters.receipt import training_claims
+
+    from tests.adapters.conftest import stage_copy
+
+    claims = training_claims(job_id=job_id, plan_sha256="c" * 64,
+                             inputs={"inputs_sha256": "b" * 64, "dataset_sha256": "d" * 64}, teacher=None)
+    return state.store.publish(stage_copy(state.store, src), name=name, base_model_sha256=base_info.base_model_sha256,
+                               kind="sft", config={"epochs": 1, "job_id": job_id}, inputs_sha256="b" * 64,
+                               parent_revision=None, base_model_dir=base_info, receipt=claims)
+
+
+def _cli_verify(state, target: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "adapters", "verify", target], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "KILN_HOME": str(state.store.root.parent)})
+
+
+def test_a_fifo_in_place_of_a_receipt_never_blocks_the_server(client, server, make_lora, base_info):
+    """Item 1 of issue 45: a FIFO where kiln-receipt.json belongs used to block every reader forever (the list,
+    the receipt route, `kiln adapters verify`) until the server's threads ran out. Now each answers at once,
+    the adapter is marked unverified with the reason, and the server keeps answering everything else."""
+    import os
+
+    _url, state = server
+    fifo = _publish_trained(state, base_info, make_lora(seed=71), "fifo-receipt", "job-0000000000000071")
+    good = _publish_trained(state, base_info, make_lora(seed=72), "good-receipt", "job-0000000000000072")
+    receipt = fifo.path / "kiln-receipt.json"
+    receipt.unlink()
+    os.mkfifo(receipt, 0o600)
+    try:
+        for _ in range(45):  # more requests than the server has threads: none may be left stuck
+            listed = {a["name"]: a for a in client.get("/v1/adapters").json()["data"]}
+        bad = listed["fifo-receipt"]
+        assert bad["verified"] is False and "not a regular file" in bad["error"], bad
+        assert bad["receipt"]["verified"] is False and bad["revision"] == fifo.revision
+        assert listed["good-receipt"]["verified"] is True and listed["good-receipt"]["error"] is None
+        one = client.get("/v1/adapters/fifo-receipt")
+        assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"]
+        body = _error(client.get("/v1/adapters/fifo-receipt/receipt"), 500, "adapter_integrity")
+        assert "kiln-receipt.json is not a regular file" in body["message"]
+        assert client.get(f"/v1/adapters/good-receipt/receipt?revision={good.revision}").status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/v1/models").status_code == 200
+        cli = _cli_verify(state, "fifo-receipt")
+        assert cli.returncode == 1 and "not a regular file" in cli.stderr, cli.stdout + cli.stderr
+        assert "Traceback" not in cli.stderr
+    finally:
+        try:  # a reader the old code left blocked in open() is freed by a writer
+            os.close(os.open(receipt, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    assert client.delete("/v1/adapters/fifo-receipt").status_code == 200
+    assert client.delete("/v1/adapters/good-receipt").status_code == 200
+
+
+def test_one_damaged_adapter_is_marked_and_the_rest_are_listed(client, server, make_lora, base_info):
+    """Item 5 of issue 45: a receipt that is a directory turned GET /v1/adapters into a 500 and dropped
+    GET /v1/adapters/{name}; a damaged manifest hid every adapter. Now each damaged one is listed with
+    ``verified: false`` and the reason, the others as before, the CLI says why and exits 1, and the damaged
+    adapter can still be deleted."""
+    _url, state = server
+    dir_receipt = _publish_trained(state, base_info, make_lora(seed=81), "dir-receipt", "job-0000000000000081")
+    torn = _publish_trained(state, base_info, make_lora(seed=82), "torn-manifest", "job-0000000000000082")
+    fine = _publish_trained(state, base_info, make_lora(seed=83), "fine-one", "job-0000000000000083")
+    receipt = dir_receipt.path / "kiln-receipt.json"
+    receipt.unlink()
+    receipt.mkdir()
+    (torn.path / MANIFEST_FILE).write_bytes(b'{"schema": "kiln.adapter-manifest.v1", "name": ')
+    resp = client.get("/v1/adapters")
+    assert resp.status_code == 200, resp.text
+    listed = {a["name"]: a for a in resp.json()["data"]}
+    assert listed["dir-receipt"]["verified"] is False and "not a regular file" in listed["dir-receipt"]["error"]
+    assert listed["dir-receipt"]["revision"] == dir_receipt.revision
+    assert listed["torn-manifest"]["verified"] is False and listed["torn-manifest"]["revision"] is None
+    assert "not valid JSON" in listed["torn-manifest"]["error"], listed["torn-manifest"]
+    assert listed["fine-one"]["verified"] is True and listed["fine-one"]["revision"] == fine.revision
+    one = client.get("/v1/adapters/torn-manifest")
+    assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"] is None
+    one = client.get("/v1/adapters/dir-receipt")
+    assert one.status_code == 200 and one.json()["verified"] is False and one.json()["manifest"]["name"] == "dir-receipt"
+    _error(client.get("/v1/adapters/dir-receipt/receipt"), 500, "adapter_integrity")
+    _error(client.post("/v1/adapters/torn-manifest/load"), 500, "adapter_integrity")
+    for name, why in (("dir-receipt", "not a regular file"), ("torn-manifest", "not valid JSON")):
+        cli = _cli_verify(state, name)
+        assert cli.returncode == 1 and why in cli.stderr and "verify failed" in cli.stderr, cli.stderr
+        assert "Traceback" not in cli.stderr
+    for name in ("dir-receipt", "torn-manifest", "fine-one"):
+        assert client.delete(f"/v1/adapters/{name}").status_code == 200, name
+    assert not {"dir-receipt", "torn-manifest", "fine-one"} & {a["name"] for a in client.get("/v1/adapters").json()["data"]}

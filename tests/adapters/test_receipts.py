@@ -93,6 +93,30 @@ def test_the_gate_verdict_is_recorded_atomically_and_still_verifies(trained, sto
     assert check_receipt(receipt, record.manifest, (record.path / MANIFEST_FILE).read_bytes()) == []
 
 
+def test_a_locality_claim_binds_and_receipts_without_one_still_verify(make_lora, publish_copy, store, trained):
+    """Jobs that measured locality add it to their claims (so the revision ID covers it and an edit is found);
+    receipts written before that, without the key, verify as before and list no locality."""
+    locality = {"probes": 11, "unchanged": 4, "unchanged_fraction": 0.3636, "kl_mean": 0.5, "degenerate": 0,
+                "base_degenerate": 0, "guard": {"admitted": False, "code": "locality_below_threshold",
+                                                "override": False, "reason": "x", "enabled": True}}
+    claims = training_claims(job_id="job-00000000000000bb", plan_sha256=PLAN, inputs={"inputs_sha256": INPUTS},
+                             teacher=None, locality=locality)
+    record = publish_copy(make_lora(seed=7), name="measured", inputs_sha256=INPUTS,
+                          config={"epochs": 1, "job_id": "job-00000000000000bb"}, receipt=claims)
+    body = json.loads((record.path / RECEIPT_FILE).read_text())
+    manifest_bytes = (record.path / MANIFEST_FILE).read_bytes()
+    assert body["locality"] == locality and check_receipt(body, record.manifest, manifest_bytes) == []
+    summary = store.receipt_summary(record)
+    assert summary["verified"] is True and summary["locality"]["unchanged"] == 4
+    assert summary["locality"]["guard"] == {"admitted": False, "code": "locality_below_threshold", "override": False}
+    edited = {**body, "locality": {**locality, "unchanged": 11, "unchanged_fraction": 1.0}}
+    assert any("claims hash" in p for p in check_receipt(edited, record.manifest, manifest_bytes))
+    assert check_receipt({**body, "extra": 1}, record.manifest, manifest_bytes)[0].startswith("not a")
+    old = trained()  # a receipt without the key
+    assert "locality" not in json.loads((old.path / RECEIPT_FILE).read_text())
+    assert store.receipt_summary(old)["verified"] is True and store.receipt_summary(old)["locality"] is None
+
+
 def test_kiln_adapters_verify_passes_then_fails_on_any_tampering(trained, make_lora, publish_copy, store, tmp_path):
     home = store.root.parent  # the store fixture lives at <tmp>/adapters: the default layout under KILN_HOME
     first = trained(seed=3, job_id="job-0000000000000003")

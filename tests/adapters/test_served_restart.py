@@ -104,3 +104,52 @@ def test_default_adapter_serves_base_requests_pinned_and_survives_restart(builti
         assert _chat_revision(srv, base) == rev
     finally:
         stop_server(srv)
+
+
+def test_a_damaged_served_set_is_ignored_and_reported_not_fatal(builtin_model_dir, tmp_path):
+    """Item 2 of issue 45: a directory, or 200 KB of deeply nested JSON, in place of ``.served.json`` made
+    ``kiln serve`` exit 3 with a traceback. Now start-up logs it, serves no restored adapters, and names the
+    problem in ``/health`` (``served_set_error``); a valid set written later clears it on the next start."""
+    home = tmp_path / "home"
+    served = home / "adapters" / ".served.json"
+    served.mkdir(parents=True)
+    args = ["--threads", "1", "--no-training"]
+    for damage in ("directory", "nested"):
+        srv = start_server(builtin_model_dir, home, extra_args=args, env_extra={}, config=None, log_dir=tmp_path)
+        try:
+            health = httpx.get(f"{srv.base_url}/health").json()
+            assert health["status"] == "ok" and health["adapters"] == {}
+            problem = health["served_set_error"]
+            assert problem and ".served.json" in problem, health
+            assert ("regular file" if damage == "directory" else "invalid") in problem, problem
+        finally:
+            assert stop_server(srv) == 0
+        log = srv.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and ".served.json" in log
+        if damage == "directory":
+            served.rmdir()
+            served.write_bytes(b"[" * 100_000 + b"]" * 100_000)  # 200 KB, under the size limit, far too deep
+    srv = start_server(builtin_model_dir, home, extra_args=args, env_extra={}, config=None, log_dir=tmp_path)
+    try:  # the last start rewrote the file with the set it served: a valid (empty) one
+        assert httpx.get(f"{srv.base_url}/health").json()["served_set_error"] is None
+    finally:
+        stop_server(srv)
+
+
+def test_the_served_set_reader_refuses_every_damaged_file_without_raising(tmp_path):
+    import os
+
+    from kiln.adapters.served import ServedSet
+
+    served = ServedSet(tmp_path)
+    assert served.load() == ({}, None) and served.problem is None  # no file: nothing to report
+    for damage in ("fifo", "garbage", "too_large", "wrong_schema"):
+        if served.path.exists():
+            served.path.unlink()
+        if damage == "fifo":
+            os.mkfifo(served.path)
+        else:
+            served.path.write_bytes({"garbage": b"\xff\x00{not json", "too_large": b" " * (300 << 10),
+                                     "wrong_schema": b'{"schema": "other", "adapters": {}}'}[damage])
+        assert served.load() == ({}, None)
+        assert served.problem and ".served.json" in served.problem, damage

@@ -89,7 +89,10 @@ def test_run_trains_an_adapter_and_the_return_rises(kiln, env_servers):
     every action of every episode, each with the conversation before it, and the mean return rises."""
     server, home = kiln
     base = server.base_url
-    train = {"adapter": "oe-guess", "learning_rate": 0.02, "epochs": 8, "lora_rank": 8, "auto_load": True}
+    # lr 0.02 x 8 epochs is far from local: the locality guard would hold the adapter back (that is tested in
+    # tests/training/test_locality.py); here the run's mechanics are under test, so the operator overrides it
+    train = {"adapter": "oe-guess", "learning_rate": 0.02, "epochs": 8, "lora_rank": 8, "auto_load": True,
+             "locality": {"override": True}}
     body = _body(env_servers["counter"], "oe-guess", groups=4, group_size=8, max_steps=STEPS, training=train)
     r = httpx.post(f"{base}/v1/openenv/runs", json=body, timeout=60)
     assert r.status_code == 202, r.text

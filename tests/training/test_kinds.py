@@ -43,12 +43,13 @@ def test_dispatch_picks_the_kind_by_schema_and_request_and_runs_plans_by_payload
 
 
 def test_seal_plan_is_the_documented_digest():
-    eff = {"adapter": "a", "epochs": 2, "auto_load": True, "resume_from_job": None, "checkpoint_interval": 0}
+    eff = {"adapter": "a", "epochs": 2, "auto_load": True, "resume_from_job": None, "checkpoint_interval": 0,
+           "locality": {"override": True}}
     inputs = [{"messages": MSGS}]
     inputs_sha, plan_sha = seal_plan("sft", eff, inputs, "e" * 64)
     assert inputs_sha == domain_digest(INPUTS_DOMAIN, b"sft", canonical_json_bytes(inputs))
     config = {"adapter": "a", "epochs": 2}  # the run-only fields are left out
-    assert set(RUN_ONLY_FIELDS) == {"auto_load", "resume_from_job", "checkpoint_interval"}
+    assert set(RUN_ONLY_FIELDS) == {"auto_load", "resume_from_job", "checkpoint_interval", "locality"}
     assert plan_sha == domain_digest(PLAN_DOMAIN, canonical_json_bytes(
         {"kind": "sft", "config": config, "inputs_sha256": inputs_sha, "base_model_sha256": "e" * 64}))
     assert (eff["inputs_sha256"], eff["plan_sha256"]) == (inputs_sha, plan_sha)

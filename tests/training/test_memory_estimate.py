@@ -77,7 +77,7 @@ def dims(builtin_model_dir):
 
 
 def test_job_estimate_parts_on_the_builtin_model(dims):
-    from kiln.training.core.chunked_loss import CHUNK_ELEMENTS
+    from kiln.training.losses.chunked import CHUNK_ELEMENTS
     from kiln.training.core.data import Row
     from kiln.training.core.plan import SFTData
 

@@ -1,4 +1,4 @@
-"""OPD rehearsal rows (kiln.training.opd.rehearsal) on the built-in model: the questions the base model writes,
+"""OPD rehearsal rows (kiln.training.core.rehearsal) on the built-in model: the questions the base model writes,
 its answers and rows, what a step trains on, and the checkpoint round trip."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.opd.rehearsal import Rehearsal, RehearsalRow, questions_from_tensor, user_turn_prefix
+from kiln.training.core.rehearsal import Rehearsal, RehearsalRow, questions_from_tensor, user_turn_prefix
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_content():
@@ -54,7 +54,7 @@ def test_the_base_model_writes_questions_and_its_answers_are_the_rehearsal_rows(
     """Questions sampled from the base model after the user-turn prefix (seeded: the same twice), repeats and the
     job's own prompts dropped, each answered greedily by the base model (the adapter disabled, whatever its
     weights), and each row holds the base's top-K log-probabilities plus the answer token's."""
-    from kiln.training.opd.rehearsal import build_rehearsal, write_questions
+    from kiln.training.core.rehearsal import build_rehearsal, write_questions
 
     pm, tok, end_ids = student
     pad = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]

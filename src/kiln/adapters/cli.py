@@ -14,7 +14,7 @@ app = typer.Typer(help="List, load, unload and delete adapters on a running serv
 REVISION_CHARS = 12
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -21,9 +21,12 @@ from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, NAME_RE, is_valid_name  #
 from kiln.adapters.errors import InvalidAdapter
 from kiln.canonical import (
     CanonicalJSONError,
+    FileTooLargeError,
+    NotRegularFileError,
     canonical_json_bytes,
     domain_digest,
     is_lower_hex64,
+    read_regular_file,
     strict_json_loads,
 )
 
@@ -39,6 +42,23 @@ MAX_LORA_RANK = 1024
 # Response header naming the adapter revision that produced (or is) the payload.
 ADAPTER_REVISION_HEADER = "x-kiln-adapter-revision"
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def read_store_file(path: Any, *, limit: int, error: type[Exception]) -> bytes:
+    """The bytes of one file of the adapter store (a manifest, receipt, HEAD, quarantine or served-set
+    file), read by :func:`kiln.canonical.read_regular_file`: a FIFO, directory, socket, device or symlink
+    in its place, a file over ``limit`` bytes or one that cannot be read raises ``error`` naming it at
+    once (never a blocking open); a missing one raises ``FileNotFoundError``/``NotADirectoryError``."""
+    try:
+        return read_regular_file(path, limit)
+    except (FileNotFoundError, NotADirectoryError):
+        raise
+    except NotRegularFileError as exc:
+        raise error(f"{path.name} is not a regular file ({exc.strerror})") from None
+    except FileTooLargeError:
+        raise error(f"{path.name} is larger than the limit of {limit} bytes") from None
+    except OSError as exc:
+        raise error(f"{path.name} cannot be read: {exc.strerror or exc}") from None
 
 
 def load_json_object(data: bytes, *, limit: int, what: str, error: type[Exception]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.adapters.errors import AdapterIntegrityError
-from kiln.adapters.manifest import Manifest, load_json_object
+from kiln.adapters.manifest import Manifest, load_json_object, read_store_file
 from kiln.canonical import (
     atomic_write_bytes,
     canonical_json_bytes,
@@ -46,6 +46,8 @@ GIT_TIMEOUT_S = 5.0
 _BINDING = ("name", "revision", "manifest_sha256", "kind", "base_model_sha256", "inputs_sha256",
             "parent_revision", "config_sha256")
 _KEYS = {"schema", "adapter", "job_id", "plan_sha256", "inputs", "teacher", "code", "gate"}
+# claims a receipt may carry or not: receipts written before they existed verify unchanged
+_OPTIONAL_KEYS = {"locality"}
 
 
 def config_sha256(config: dict[str, Any]) -> str:
@@ -79,13 +81,29 @@ def code_version() -> dict[str, str | None]:
     return {"kiln_version": __version__, "git_commit": commit}
 
 
-def training_claims(*, job_id: str, plan_sha256: str, inputs: dict[str, Any], teacher: dict[str, Any] | None
-                    ) -> dict[str, Any]:
+def training_claims(*, job_id: str, plan_sha256: str, inputs: dict[str, Any], teacher: dict[str, Any] | None,
+                    locality: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a training job states before publication: the job, its plan digest, its inputs' digests, the
-    teacher it learned from (OPD, KD) and the code that ran it. Their :func:`claims_sha256` goes into the
-    manifest config as ``receipt_sha256``, so the revision ID covers them."""
-    return {"schema": RECEIPT_SCHEMA, "job_id": job_id, "plan_sha256": plan_sha256, "inputs": inputs,
-            "teacher": teacher, "code": code_version()}
+    teacher it learned from (OPD, KD), the code that ran it and, when measured, its adapter's ``locality``
+    (:mod:`kiln.training.core.locality`, with the locality guard's verdict). Their :func:`claims_sha256` goes into
+    the manifest config as ``receipt_sha256``, so the revision ID covers them."""
+    claims = {"schema": RECEIPT_SCHEMA, "job_id": job_id, "plan_sha256": plan_sha256, "inputs": inputs,
+              "teacher": teacher, "code": code_version()}
+    return claims | ({"locality": locality} if locality is not None else {})
+
+
+LOCALITY_SUMMARY = ("probes", "unchanged", "unchanged_fraction", "kl_mean", "degenerate", "base_degenerate")
+
+
+def locality_summary(locality: Any) -> dict[str, Any] | None:
+    """What a listing shows of a receipt's ``locality``: the figures, and the guard's ``admitted``, ``code`` and
+    ``override`` (None when the receipt has none: written before jobs measured it, or the measure was off)."""
+    if not isinstance(locality, dict) or locality.get("measured") is False:
+        return None
+    raw_guard = locality.get("guard")
+    guard = raw_guard if isinstance(raw_guard, dict) else {}
+    return {**{k: locality.get(k) for k in LOCALITY_SUMMARY}, "error": locality.get("error"),
+            "guard": {k: guard.get(k) for k in ("admitted", "code", "override")}}
 
 
 def claims_sha256(claims: dict[str, Any]) -> str:
@@ -118,9 +136,8 @@ def store_receipt(path: Path, body: dict[str, Any]) -> None:
 
 def read_receipt(path: Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_RECEIPT_BYTES + 1)
-    except FileNotFoundError:
+        data = read_store_file(path, limit=MAX_RECEIPT_BYTES, error=AdapterIntegrityError)
+    except (FileNotFoundError, NotADirectoryError):
         raise AdapterIntegrityError(f"{path.name} is missing") from None
     return load_json_object(data, limit=MAX_RECEIPT_BYTES, what=path.name, error=AdapterIntegrityError)
 
@@ -128,11 +145,11 @@ def read_receipt(path: Path) -> dict[str, Any]:
 def check_receipt(body: dict[str, Any], manifest: Manifest, manifest_bytes: bytes) -> list[str]:
     """Every way ``body`` fails to be the training receipt of exactly this revision (empty: it binds).
 
-    The claims (all but ``adapter`` and ``gate``) must hash to the manifest config's ``receipt_sha256``
+    The claims (all but ``adapter`` and ``gate``; ``locality`` only in receipts of jobs that measured it) must hash to the manifest config's ``receipt_sha256``
     (so an edited claim changes nothing the revision covers without being found), and ``adapter`` must
     equal what the manifest states (name, revision, the manifest's own SHA-256, kind, base, inputs,
     parent, config digest)."""
-    if body.get("schema") != RECEIPT_SCHEMA or set(body) != _KEYS:
+    if body.get("schema") != RECEIPT_SCHEMA or not _KEYS <= set(body) <= _KEYS | _OPTIONAL_KEYS:
         return [f"not a {RECEIPT_SCHEMA} receipt (schema {body.get('schema')!r}, keys {sorted(body)})"]
     problems = []
     have = body["adapter"] if isinstance(body["adapter"], dict) else {}

@@ -11,14 +11,18 @@ that no longer verify, another base model) is left out and reported in ``/health
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kiln.adapters.manifest import is_valid_name
-from kiln.canonical import atomic_write_bytes, canonical_json_bytes, is_lower_hex64
+from kiln.canonical import (
+    atomic_write_bytes,
+    canonical_json_bytes,
+    is_lower_hex64,
+    read_regular_file,
+    strict_json_loads,
+)
 
 SERVED_SCHEMA = "kiln-served-adapters-v1"
 SERVED_FILE = ".served.json"  # a leading dot: never an adapter name
@@ -35,42 +39,58 @@ class ServedSet:
         self.path = Path(store_root) / SERVED_FILE
         self._public = public  # names worth restoring (not an eval's private load)
         self.default: tuple[str, str] | None = None  # the server default adapter (name, pinned revision)
+        self.load_problem: str | None = None  # why the saved file was ignored at the last load (for /health)
+        self.save_problem: str | None = None  # why the last save failed (cleared by one that succeeds)
 
     def save(self, active: Mapping[str, str]) -> None:
         entries = {n: r for n, r in sorted(active.items()) if self._public(n)}
         doc: dict = {"schema": SERVED_SCHEMA, "adapters": entries}
         if self.default is not None:
             doc["default"] = {"name": self.default[0], "revision": self.default[1]}
-        atomic_write_bytes(self.path, canonical_json_bytes(doc) + b"\n", mode=0o600)
+        try:
+            atomic_write_bytes(self.path, canonical_json_bytes(doc) + b"\n", mode=0o600)
+            self.save_problem = None
+        except OSError as exc:  # a directory in its place: serving goes on, the set is not kept
+            self.save_problem = f"{SERVED_FILE} cannot be written ({exc.strerror or exc}); the served set is not kept"
+            log.warning("served adapter set %s cannot be written: %s", self.path, exc)
+
+    @property
+    def problem(self) -> str | None:
+        """What ``/health`` reports as ``served_set_error``: why the saved set was ignored, why it cannot be
+        written, or None."""
+        return "; ".join(p for p in (self.load_problem, self.save_problem) if p) or None
 
     def load(self) -> tuple[dict[str, str], tuple[str, str] | None]:
-        """The saved set and default; ``({}, None)`` when there is none. A file that is not a valid set is
-        logged and ignored."""
+        """The saved set and default; ``({}, None)`` when there is none. A file that is not a valid set (a
+        directory or FIFO in its place, too large, too deep, not the schema) is logged and ignored, and why is
+        kept in :attr:`problem` for ``/health``."""
+        self.load_problem = None
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            raw = read_regular_file(self.path, MAX_SERVED_BYTES)
         except FileNotFoundError:
             return {}, None
-        except OSError as exc:
-            log.warning("served adapter set %s unreadable (%s); starting with none", self.path, exc.strerror)
-            return {}, None
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_SERVED_BYTES + 1)
+        except OSError as exc:  # NotRegularFileError, FileTooLargeError, EACCES ...
+            return self._ignore(f"unreadable: {exc.strerror or exc}")
         try:
-            doc = json.loads(raw) if len(raw) <= MAX_SERVED_BYTES else None
+            doc = strict_json_loads(raw)
             entries = doc["adapters"] if isinstance(doc, dict) and doc.get("schema") == SERVED_SCHEMA else None
             if not isinstance(entries, dict) or len(entries) > MAX_SERVED or not all(
                     is_valid_name(n) and is_lower_hex64(r) for n, r in entries.items()):
-                raise ValueError("not a kiln-served-adapters-v1 document")
+                raise ValueError(f"not a {SERVED_SCHEMA} document")
             default = doc.get("default")
             if default is not None:
                 if not (isinstance(default, dict) and set(default) == {"name", "revision"}
                         and is_valid_name(default["name"]) and is_lower_hex64(default["revision"])):
                     raise ValueError("its default is not {name, revision}")
                 default = (default["name"], default["revision"])
-        except (ValueError, KeyError) as exc:
-            log.warning("served adapter set %s is invalid (%s); starting with none", self.path, exc)
-            return {}, None
+        except (ValueError, KeyError) as exc:  # CanonicalJSONError (a ValueError) covers too-deep JSON
+            return self._ignore(f"invalid: {str(exc)[:200]}")
         return dict(entries), default
+
+    def _ignore(self, why: str) -> tuple[dict[str, str], None]:
+        self.load_problem = f"{SERVED_FILE} {why}; no adapters were restored from it"
+        log.warning("served adapter set %s %s; starting with none", self.path, why)
+        return {}, None
 
     def restore(self, store, activate: Callable[[Any], None]) -> tuple[list[dict[str, str]], tuple[str, str] | None]:
         """Activate (``activate(record)``: base, quarantine and canary checked there) every saved adapter at its

@@ -25,6 +25,7 @@ status 137 at that step, so tests can kill publication at every step for real.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import os
@@ -47,6 +48,7 @@ from kiln.adapters.manifest import (
     check_name,
     is_valid_name,
     check_revision,
+    read_store_file,
     utc_now,
 )
 from kiln.adapters.receipt import (
@@ -55,6 +57,7 @@ from kiln.adapters.receipt import (
     bind,
     check_receipt,
     claims_sha256,
+    locality_summary,
     read_receipt,
     store_receipt,
 )
@@ -68,9 +71,11 @@ from kiln.adapters.validate import (
 )
 from kiln.canonical import (
     CanonicalJSONError,
+    NotRegularFileError,
     atomic_publish_dir,
     atomic_write_bytes,
     atomic_write_json,
+    is_lower_hex64,
     sha256_file,
     strict_json_loads,
 )
@@ -384,26 +389,23 @@ class AdapterStore:
     def _read_head(self, name: str) -> tuple[str, list[str]] | None:
         path = self.root / name / HEAD_FILE
         try:
-            data = path.read_bytes()[: MAX_HEAD_BYTES + 1]
+            data = read_store_file(path, limit=MAX_HEAD_BYTES, error=AdapterIntegrityError)
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
             obj = strict_json_loads(data) if len(data) <= MAX_HEAD_BYTES else None
         except CanonicalJSONError:
             obj = None
-        if not isinstance(obj, dict) or set(obj) != {"revision", "history"} or not isinstance(obj["history"], list):
+        if not isinstance(obj, dict) or set(obj) != {"revision", "history"} or not isinstance(obj["history"], list) \
+                or not all(is_lower_hex64(r) for r in [obj["revision"], *obj["history"]]):
             raise AdapterIntegrityError(f"{path} is corrupt")
-        check_revision(obj["revision"])
-        for r in obj["history"]:
-            check_revision(r)
         return obj["revision"], list(obj["history"])
 
     def _load_record(self, name: str, revision: str) -> AdapterRecord:
         rev_dir = self.root / name / REVISIONS_DIR / revision
         mpath = rev_dir / MANIFEST_FILE
         try:
-            with open(mpath, "rb") as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+            data = read_store_file(mpath, limit=MAX_MANIFEST_BYTES, error=AdapterIntegrityError)
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise AdapterNotFound(f"adapter {name!r} has no revision {revision}") from exc
         try:
@@ -443,7 +445,7 @@ class AdapterStore:
         """``{revision: {"reason", "at"}}`` of ``name``'s quarantined revisions (``{}`` when none)."""
         path = self.root / name / QUARANTINE_FILE
         try:
-            data = path.read_bytes()[: MAX_HEAD_BYTES * 64 + 1]
+            data = read_store_file(path, limit=MAX_HEAD_BYTES * 64, error=AdapterIntegrityError)
         except (FileNotFoundError, NotADirectoryError):
             return {}
         try:
@@ -479,7 +481,13 @@ class AdapterStore:
         return is_valid_name(name) and (self.root / name / HEAD_FILE).is_file()
 
     def list(self) -> list[AdapterRecord]:
-        records = []
+        return self.scan()[0]
+
+    def scan(self) -> tuple[builtins.list[AdapterRecord], builtins.list[dict[str, str]]]:
+        """Every stored adapter at HEAD, and apart from them each one whose HEAD or manifest cannot be read
+        (``{"name", "error"}``: a FIFO or directory in a file's place, damaged JSON): one damaged adapter
+        never hides the rest."""
+        records, damaged = [], []
         for entry in sorted(self.root.iterdir()):
             if not NAME_RE.fullmatch(entry.name) or not entry.is_dir():
                 continue  # the store's own dot-dirs, or something not put here by Kiln
@@ -487,7 +495,9 @@ class AdapterStore:
                 records.append(self.get(entry.name))
             except AdapterNotFound:
                 continue  # deleted meanwhile, or a first publication that never reached HEAD
-        return records
+            except AdapterIntegrityError as exc:
+                damaged.append({"name": entry.name, "error": exc.message})
+        return records, damaged
 
     def verify(self, name: str, revision: str | None = None) -> AdapterRecord:
         """Re-hash every file against the manifest; raise :class:`AdapterIntegrityError` on any mismatch."""
@@ -500,12 +510,13 @@ class AdapterStore:
         for fname, entry in sorted(expected.items()):
             path = record.path / fname
             try:
-                if not stat.S_ISREG(os.lstat(path).st_mode):
-                    problems.append(f"{fname} is not a regular file")
-                    continue
                 digest, size = sha256_file(path)
             except FileNotFoundError:
                 problems.append(f"{fname} is missing")
+                continue
+            except OSError as exc:  # a FIFO, directory, device or symlink (NotRegularFileError), unreadable
+                problems.append(f"{fname} is not a regular file" if isinstance(exc, NotRegularFileError)
+                                else f"{fname} cannot be read: {exc.strerror or exc}")
                 continue
             if size != entry.size:
                 problems.append(f"{fname} has {size} bytes, manifest says {entry.size}")
@@ -528,7 +539,9 @@ class AdapterStore:
         except AdapterIntegrityError as exc:
             raise AdapterIntegrityError(f"{where}: {exc.message}", hint="revisions trained before receipts "
                                         "existed have none; retrain to get one") from None
-        problems = check_receipt(body, record.manifest, (record.path / MANIFEST_FILE).read_bytes())
+        manifest_bytes = read_store_file(record.path / MANIFEST_FILE, limit=MAX_MANIFEST_BYTES,
+                                         error=AdapterIntegrityError)
+        problems = check_receipt(body, record.manifest, manifest_bytes)
         if problems:
             raise AdapterIntegrityError(f"{where}: {RECEIPT_FILE}: " + "; ".join(problems))
         return body
@@ -536,20 +549,21 @@ class AdapterStore:
     def receipt_summary(self, record: AdapterRecord) -> dict[str, Any] | None:
         """What a listing shows of the revision's receipt: None for a kind without one (upload, merge), else
         ``verified`` and, when it binds, the job, the teacher's fingerprint (OPD's kiln-teacher-v1, KD's capture
-        teacher digest) and the gate verdict;
+        teacher digest), the gate verdict and the locality figures (:func:`kiln.adapters.receipt.locality_summary`;
+        None in receipts written before jobs measured it);
         when it does not, ``error`` naming why (:meth:`verify_receipt`)."""
         try:
             body = self.verify_receipt(record)
         except AdapterIntegrityError as exc:
             return {"verified": False, "error": exc.message, "job_id": None, "teacher_fingerprint": None,
-                    "gate": None}
+                    "gate": None, "locality": None}
         if body is None:
             return None
         teacher = body.get("teacher") if isinstance(body.get("teacher"), dict) else {}
         gate = body.get("gate") if isinstance(body.get("gate"), dict) else {}
         return {"verified": True, "error": None, "job_id": body.get("job_id"),
                 "teacher_fingerprint": teacher.get("fingerprint") or teacher.get("fingerprint_sha256"),
-                "gate": gate.get("verdict")}
+                "gate": gate.get("verdict"), "locality": locality_summary(body.get("locality"))}
 
     def record_gate(self, name: str, revision: str, verdict: dict[str, Any]) -> None:
         """Add a post-train gate's verdict to the revision's receipt (one atomic rewrite, under the lock)."""
@@ -577,12 +591,16 @@ class AdapterStore:
                 removed += 1
         return removed
 
-    def delete(self, name: str) -> AdapterRecord:
+    def delete(self, name: str) -> AdapterRecord | None:
         """Remove an adapter with all its revisions; returns the record that was HEAD.
 
-        Callers that serve adapters must refuse this while the adapter is active.
+        Callers that serve adapters must refuse this while the adapter is active. A damaged one (its HEAD or
+        manifest unreadable) is removed too, and ``None`` returned for its record.
         """
-        record = self.get(name)
+        try:
+            record: AdapterRecord | None = self.get(name)
+        except AdapterIntegrityError:
+            record = None
         with self._locked():
             target = self.root / TRASH_DIR / f"{name}-{uuid.uuid4().hex}"
             try:

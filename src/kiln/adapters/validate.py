@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 import time
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.adapters.errors import AdapterUnavailable, InvalidAdapter
-from kiln.adapters.manifest import MAX_LORA_RANK, shorten
-from kiln.canonical import CanonicalJSONError, strict_json_loads
+from kiln.adapters.manifest import MAX_LORA_RANK, read_store_file, shorten
+from kiln.canonical import CanonicalJSONError, NotRegularFileError, open_regular, strict_json_loads
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -68,10 +69,14 @@ class LoraSummary:
 
 def read_safetensors_header(path: Path, *, max_file_bytes: int = MAX_ADAPTER_WEIGHTS_BYTES) -> dict[str, TensorInfo]:
     """Parse a safetensors header (bounded) and check that offsets tile the data section."""
-    size = path.stat().st_size
-    if size > max_file_bytes:
-        raise InvalidAdapter(f"{path.name} is {size} bytes; the limit is {max_file_bytes}")
-    with open(path, "rb") as f:
+    try:
+        fd = open_regular(path)  # a FIFO or device in its place is refused before anything blocks
+    except NotRegularFileError:
+        raise InvalidAdapter(f"{path.name} is not a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > max_file_bytes:
+            raise InvalidAdapter(f"{path.name} is {size} bytes; the limit is {max_file_bytes}")
         head = f.read(8)
         if len(head) != 8:
             raise InvalidAdapter(f"{path.name} is too short to be safetensors")
@@ -129,7 +134,7 @@ def check_finite(path: Path, tensors: dict[str, TensorInfo]) -> None:
             if t.end == t.start:
                 continue
             view_dtype, mask = _FLOAT_BITS[t.dtype]
-            bits = data[t.start:t.end].view(view_dtype)
+            bits: Any = data[t.start:t.end].view(view_dtype)
             bad = np.count_nonzero((bits & mask) == mask)
             if bad:
                 raise InvalidAdapter(
@@ -141,12 +146,10 @@ def check_finite(path: Path, tensors: dict[str, TensorInfo]) -> None:
 
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise InvalidAdapter(f"{path.name} is missing")
-    if path.stat().st_size > MAX_ADAPTER_CONFIG_BYTES:
-        raise InvalidAdapter(f"{path.name} is larger than {MAX_ADAPTER_CONFIG_BYTES} bytes")
     try:
-        cfg = strict_json_loads(path.read_bytes())
+        cfg = strict_json_loads(read_store_file(path, limit=MAX_ADAPTER_CONFIG_BYTES, error=InvalidAdapter))
+    except (FileNotFoundError, NotADirectoryError):
+        raise InvalidAdapter(f"{path.name} is missing") from None
     except CanonicalJSONError as exc:
         raise InvalidAdapter(f"{path.name} is not valid JSON: {exc}") from exc
     if not isinstance(cfg, dict):

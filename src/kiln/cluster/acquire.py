@@ -249,7 +249,7 @@ def _minting_authority():  # type: ignore[no-untyped-def]
 
     def mint(cls: type, record: AcquisitionRecord, obs: DeclaredObservation,
              decision: RankPopulationDecision) -> Any:
-        instance = object.__new__(cls)
+        instance: Any = object.__new__(cls)
         object.__setattr__(instance, "_sealed", (record, obs, decision, tag(cls.__name__, record, obs, decision)))
         return instance
 
@@ -503,7 +503,7 @@ def _run_workers(plan: WorldPlan, port: int, incarnation: str, layout: Layout, w
                 failure = f"the workers were still running after {allowed_s:.0f} s"
                 break
             for sentinel in multiprocessing.connection.wait(list(pending), timeout=remaining):
-                proc = pending.pop(sentinel)
+                proc = pending.pop(sentinel)  # type: ignore[arg-type]  # the keys are the sentinels waited on
                 proc.join()
                 if proc.exitcode != 0:
                     failure = _worker_failure(workdir, proc)

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable
 
-from kiln.canonical import JSONLNormalizationError, atomic_write_bytes, jsonl_c14n
+from kiln.canonical import (
+    FileTooLargeError,
+    JSONLNormalizationError,
+    atomic_write_bytes,
+    jsonl_c14n,
+    read_regular_file,
+)
 from kiln.distill.contract import (
     CONSUMPTION_EVENT_SCHEMA,
     ConsumptionEvent,
@@ -164,13 +170,22 @@ class Ledger:
                 f"{head.state!r}{why}; capture a new shard instead"
             )
 
+    def _raw(self) -> bytes:
+        """The ledger's bytes (``b""`` when it does not exist yet): a regular file of at most
+        ``MAX_LEDGER_BYTES`` (:func:`kiln.canonical.read_regular_file`), anything else a :class:`LedgerError`."""
+        try:
+            return read_regular_file(self.path, MAX_LEDGER_BYTES)
+        except FileNotFoundError:
+            return b""
+        except FileTooLargeError:
+            raise LedgerError(f"{self.path} is over the {MAX_LEDGER_BYTES}-byte ledger limit") from None
+        except OSError as exc:
+            raise LedgerError(f"{self.path} cannot be read: {exc.strerror or exc}") from None
+
     def _read(self) -> list[ConsumptionEvent]:
-        if not self.path.exists():
+        raw = self._raw()
+        if not raw:
             return []
-        size = self.path.stat().st_size
-        if size > MAX_LEDGER_BYTES:
-            raise LedgerError(f"{self.path} is {size} bytes, over the {MAX_LEDGER_BYTES}-byte ledger limit")
-        raw = self.path.read_bytes()
         try:
             digest = jsonl_c14n(raw, max_rows=MAX_LEDGER_EVENTS)
         except JSONLNormalizationError as exc:
@@ -195,7 +210,7 @@ class Ledger:
             }
         )
         view = apply_event(self.view, event, self.policy)
-        on_disk = self.path.read_bytes() if self.path.exists() else b""
+        on_disk = self._raw()
         if on_disk != b"".join(e.canonical_bytes() + b"\n" for e in self.events):
             raise LedgerError(f"{self.path} changed under this process; reopen the ledger")
         atomic_write_bytes(self.path, on_disk + event.canonical_bytes() + b"\n")

@@ -14,6 +14,7 @@ import posixpath
 import stat
 from pathlib import Path
 
+from kiln.canonical import FileTooLargeError, NotRegularFileError, read_regular_file
 from kiln.distill.errors import PathSafetyError
 
 __all__ = [
@@ -110,24 +111,16 @@ def read_bytes_nofollow(root: str | os.PathLike[str], rel: str, *, max_bytes: in
     parts = rel.split("/")
     dir_fd = _open_dir_chain(root, parts[:-1])
     try:
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
-            fd = os.open(parts[-1], os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-        except OSError as exc:
-            _raise_unsafe(exc, repr(rel))
-            raise
+        return read_regular_file(parts[-1], max_bytes, dir_fd=dir_fd)
+    except NotRegularFileError as exc:
+        raise PathSafetyError(f"{rel!r} is a symlink or not a regular file; refusing to read it") from exc
+    except FileTooLargeError as exc:
+        raise PathSafetyError(f"{rel!r} is over the {max_bytes}-byte limit") from exc
+    except OSError as exc:
+        _raise_unsafe(exc, repr(rel))
+        raise
     finally:
         os.close(dir_fd)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise PathSafetyError(f"{rel!r} is not a regular file")
-        if st.st_size > max_bytes:
-            raise PathSafetyError(f"{rel!r} is {st.st_size} bytes, over the {max_bytes}-byte limit")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise PathSafetyError(f"{rel!r} grew past the {max_bytes}-byte limit while being read")
-    return data
 
 
 def read_file_nofollow(path: str | os.PathLike[str], *, max_bytes: int) -> bytes:

@@ -35,10 +35,10 @@ from kiln.canonical import (
     strict_json_loads,
 )
 from kiln.distill import shards
-from kiln.distill.contract import Plan, ShardManifest
+from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, ShardManifest
 from kiln.distill.errors import ContractError, LedgerError, ShardError
 from kiln.distill.faults import fault
-from kiln.distill.ledger import Ledger
+from kiln.distill.ledger import MAX_LEDGER_BYTES, Ledger
 from kiln.distill.paths import read_bytes_nofollow
 
 __all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
@@ -178,7 +178,7 @@ def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
 def kd_loss_split(model):
     """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
     (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
 
     return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
 
@@ -208,7 +208,7 @@ def _checkpoint_dirs(out: Path) -> list[Path]:
 
 def _checkpoint_record(ckpt: Path) -> tuple[dict[str, Any], str]:
     """(state, checkpoint_sha256) after re-hashing every file the checkpoint lists."""
-    raw = (ckpt / "CHECKPOINT.json").read_bytes()
+    raw = read_bytes_nofollow(ckpt, "CHECKPOINT.json", max_bytes=MAX_ARTIFACT_JSON_BYTES)
     doc = strict_json_loads(raw)
     if doc.get("schema") != CHECKPOINT_SCHEMA:
         raise ContractError(f"{ckpt}: not a {CHECKPOINT_SCHEMA} checkpoint")
@@ -463,7 +463,8 @@ def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     for path in sorted(base.glob("*.jsonl")):
         from kiln.distill.contract import ConsumptionEvent
 
-        events = [ConsumptionEvent.parse(line) for line in path.read_bytes().splitlines() if line]
+        raw = read_bytes_nofollow(base, path.name, max_bytes=MAX_LEDGER_BYTES)
+        events = [ConsumptionEvent.parse(line) for line in raw.splitlines() if line]
         last = events[-1] if events else None
         out.append(
             {

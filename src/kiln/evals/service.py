@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from kiln.canonical import FileTooLargeError, NotRegularFileError, read_regular_file
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, Unavailable
 from kiln.evals import gate as gates
 from kiln.evals import schemas as s
@@ -47,7 +48,7 @@ from kiln.evals.store import (
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterStore
     from kiln.config import Settings
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.serving_engine import ServingEngine
     from kiln.runtime.loader import LoadedModel
 
 log = logging.getLogger("kiln.evals")
@@ -70,7 +71,7 @@ class EvalQueueFull(Unavailable):
 class EvalService(Evaluation):
     """Suites on disk, runs in SQLite, one FIFO worker thread. Built by the app, started in its lifespan."""
 
-    def __init__(self, *, engine: Engine, store: AdapterStore, settings: Settings, model: LoadedModel,
+    def __init__(self, *, engine: ServingEngine, store: AdapterStore, settings: Settings, model: LoadedModel,
                  registry: Any = None):
         from kiln.evals.metrics import EvalMetrics
 
@@ -162,13 +163,13 @@ class EvalService(Evaluation):
             if cur.is_symlink():
                 raise InvalidRequest("dataset_path must not traverse symlinks", code="dataset_outside_eval_dir")
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            data = read_regular_file(path, MAX_JSONL_BYTES)
         except FileNotFoundError:
             raise NotFound(f"no dataset {rel!r} in eval_dir/datasets", code="dataset_not_found") from None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_JSONL_BYTES + 1)
-        if len(data) > MAX_JSONL_BYTES:
-            raise InvalidRequest(f"{rel} is larger than {MAX_JSONL_BYTES} bytes", code="dataset_too_large")
+        except NotRegularFileError:
+            raise InvalidRequest(f"dataset_path {rel!r} is not a regular file", code="dataset_not_file") from None
+        except FileTooLargeError:
+            raise InvalidRequest(f"{rel} is larger than {MAX_JSONL_BYTES} bytes", code="dataset_too_large") from None
         return data.decode("utf-8")
 
     def _suite_of(self, name: str | None, inline: s.SuiteSpec | None) -> s.SuiteSpec:

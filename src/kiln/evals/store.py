@@ -11,7 +11,6 @@ Standard library + pydantic only.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -20,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.canonical import atomic_write_json, canonical_json, canonical_sha256
+from kiln.canonical import (
+    FileTooLargeError,
+    NotRegularFileError,
+    atomic_write_json,
+    canonical_json,
+    canonical_sha256,
+    read_regular_file,
+)
 from kiln.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from kiln.evals.schemas import SUITE_NAME_RE, SuiteSpec
 from kiln.system.private_sqlite import LockedSQLite, open_private_sqlite
@@ -92,13 +98,13 @@ class SuiteStore:
     def get(self, name: str) -> SuiteSpec:
         path = self._path(name)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            data = read_regular_file(path, MAX_SUITE_FILE_BYTES)
         except FileNotFoundError:
             raise SuiteNotFound(f"no suite {name!r}") from None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_SUITE_FILE_BYTES + 1)
-        if len(data) > MAX_SUITE_FILE_BYTES:
-            raise PayloadTooLarge(f"suite file {name!r} is larger than {MAX_SUITE_FILE_BYTES} bytes")
+        except NotRegularFileError:  # a FIFO, directory or symlink in the suite store: no usable suite
+            raise SuiteNotFound(f"suite file {name!r} is not a regular file; it is ignored") from None
+        except FileTooLargeError:
+            raise PayloadTooLarge(f"suite file {name!r} is larger than {MAX_SUITE_FILE_BYTES} bytes") from None
         return SuiteSpec.model_validate_json(data)
 
     def delete(self, name: str) -> dict[str, Any]:

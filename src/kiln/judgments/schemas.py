@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kiln.adapters.manifest import MAX_LORA_RANK
 from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.training.schemas import LocalityRequest
 
 MAX_PROMPT_CHARS = 16_384
 MAX_RESPONSE_CHARS = 16_384
@@ -100,6 +101,8 @@ class JudgeTrainRequest(_Wire):
     lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     auto_load: bool = Field(False, description="serve the judge once published")
+    locality: LocalityRequest | None = Field(None, description="the SFT job's locality measure and guard override "
+                                             "(docs/training.md, \"Locality\")")
 
     @field_validator("adapter")
     @classmethod

@@ -118,7 +118,8 @@ def preference_verdicts(engine: Any, judge: str | None, suite: Any, completions:
                         threshold: float, *, check: Callable[[], None] | None = None) -> list[list[tuple[bool, str]]]:
     """An eval's ``judge`` scorer in preference mode: per example and sample, (passed, detail) where
     passed is P(sample better than the example's reference) >= ``threshold``."""
-    items, shape = [], []
+    items: list[Any] = []
+    shape: list[int] = []
     for ex, comps in zip(suite.examples, completions):
         question = last_user_text(ex.messages)
         items.extend((question, c["text"], ex.reference) for c in comps)

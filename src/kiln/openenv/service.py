@@ -30,11 +30,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import ValidationError
 
 from kiln.canonical import (
+    NotRegularFileError,
     atomic_write_bytes,
     atomic_write_json,
     canonical_json,
     canonical_json_bytes,
     domain_digest,
+    open_regular,
+    read_regular_file,
     sha256_hex,
     strict_json_loads,
 )
@@ -54,7 +57,7 @@ from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
 
 if TYPE_CHECKING:
     from kiln.config import Settings
-    from kiln.runtime.engine import Engine
+    from kiln.runtime.serving_engine import ServingEngine
     from kiln.training.queue.service import TrainingService
 
 log = logging.getLogger("kiln.openenv")
@@ -88,7 +91,7 @@ class EnvironmentIdentityChanged(Conflict):
 class OpenEnvService:
     """Runs under ``<adapters>/.openenv/runs``; ``start()`` starts the workers, ``close()`` stops them."""
 
-    def __init__(self, *, engine: Engine, trainer: TrainingService | None, settings: Settings, registry: Any = None):
+    def __init__(self, *, engine: ServingEngine, trainer: TrainingService | None, settings: Settings, registry: Any = None):
         self.engine, self.trainer, self.settings = engine, trainer, settings
         self.metrics = OpenEnvMetrics(registry)
         self.cfg = settings.openenv
@@ -136,12 +139,12 @@ class OpenEnvService:
         queued = []
         for d in sorted(self.root.iterdir()):
             path = d / RUN_FILE
-            if not RUN_ID_RE.match(d.name) or not path.is_file() or path.stat().st_size > MAX_RUN_FILE_BYTES:
+            if not RUN_ID_RE.match(d.name) or not path.is_file():
                 continue
             try:
-                rec = strict_json_loads(path.read_bytes())
+                rec = strict_json_loads(read_regular_file(path, MAX_RUN_FILE_BYTES))
                 req = OpenEnvRunRequest.model_validate(rec["request"])
-            except (ValueError, KeyError, ValidationError):
+            except (OSError, ValueError, KeyError, ValidationError):  # OSError: not a regular file, too large
                 log.warning("skipping unreadable OpenEnv run %s", path)
                 continue
             self._runs[rec["id"]] = rec
@@ -529,7 +532,11 @@ class OpenEnvService:
         if entry is None:
             raise NotFound(f"run {run_id} has no published artifact {name!r}", code="artifact_not_found",
                            hint="the run's `artifacts` lists what can be downloaded")
-        fd = os.open(self.root / run_id / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = open_regular(self.root / run_id / name)
+        except NotRegularFileError as exc:
+            raise ArtifactIntegrityError(f"artifact {name} of run {run_id} is not a regular file "
+                                         f"({exc.strerror})") from None
         try:
             st = os.fstat(fd)
             digest = hashlib.sha256()

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from kiln.adapter_names import MAX_ADAPTER_NAME_CHARS, is_valid_name  # the one adapter-name rule
 from kiln.errors import InvalidRequest
-from kiln.runtime.adapter_refs import AdapterRefs, UnknownAdapter  # noqa: F401  (UnknownAdapter: the engines raise it)
+from kiln.runtime.adapter_refs import AdapterRefs
+from kiln.runtime.adapter_refs import UnknownAdapter as UnknownAdapter  # re-exported: the engines raise it
 
 BASE_KEY = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 PLACEHOLDER_KEY = "__kiln_placeholder__"

@@ -219,7 +219,7 @@ class GrammarCompiler:
         ``{"$ref": "#"}``) is refused now instead of ending a generation with invalid output."""
         m = base.deep_copy()
         words = (self.vocab_size + 31) // 32
-        mask = np.zeros(words, dtype=np.int32)
+        mask: Any = np.zeros(words, dtype=np.int32)
         eos = [e for e in self.eos_ids if e < 32 * words]
         for step in range(PROBE_TOKENS):
             m.unsafe_compute_mask_ptr(mask.ctypes.data, 4 * words)
@@ -326,7 +326,7 @@ class RowConstraint:
         elif self._m.is_stopped():  # done (or broken: is_stopped includes errors): only an end token
             self._note_error()
             if self._done_words is None:
-                words = np.zeros(self._words, dtype=np.uint32)
+                words: Any = np.zeros(self._words, dtype=np.uint32)
                 for e in self._eos:
                     if 0 <= e < 32 * self._words:
                         words[e // 32] |= np.uint32(1 << (e % 32))
@@ -348,7 +348,7 @@ class RowConstraint:
         the row's generated tokens so far), in ascending row order."""
         rows, vocab = logits.shape
         words = max(c._words for _, c, _ in items)
-        bitmask = np.zeros((len(items), words), dtype=np.int32)
+        bitmask: Any = np.zeros((len(items), words), dtype=np.int32)
         base = bitmask.ctypes.data  # once: ndarray.ctypes costs microseconds
         for j, (_, c, generated) in enumerate(items):
             c._settle(generated)
@@ -406,7 +406,7 @@ def _advance(batch: Sequence[tuple[RowConstraint, int]]) -> None:
     if not live:
         return
     words = live[0]._words
-    bitmask = np.empty((len(live), words), dtype=np.int32)
+    bitmask: Any = np.empty((len(live), words), dtype=np.int32)
     base = bitmask.ctypes.data
     for j, c in enumerate(live):
         c._m.unsafe_compute_mask_ptr(base + 4 * words * j, 4 * words)

@@ -41,7 +41,8 @@ class ModelDirInfo:
     @property
     def max_position_embeddings(self) -> int | None:
         """The longest sequence the model supports, from ``config.json`` (None when it does not say)."""
-        cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+        text = self.config.get("text_config")
+        cfg = text if isinstance(text, dict) else self.config
         value = cfg.get("max_position_embeddings")
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

@@ -80,3 +80,22 @@ def row_phases(row: Any, end: float) -> dict[str, float]:
             out["prefill"] = max(0.0, end - admitted)
     out["lock_wait"] = row.lock_wait
     return out
+
+
+class Observer:
+    """Metrics hooks the engine calls from its thread (no-ops by default)."""
+
+    def first_token(self, ttft_s: float) -> None: ...
+
+    def inter_token(self, itl_s: float) -> None: ...
+
+    def tokens_generated(self, count: int) -> None: ...
+
+    def queue_wait(self, wait_s: float) -> None:
+        """A row was admitted after waiting ``wait_s`` in the queue (for a running-row slot or KV memory)."""
+
+    def request_phases(self, phases: dict[str, float]) -> None:
+        """A generated row ended: its seconds per phase (:func:`row_phases`)."""
+
+    def adapter_transition(self, action: str, seconds: float) -> None:
+        """An adapter ``load`` or ``unload`` took ``seconds`` (ownership wait, swap and canary)."""

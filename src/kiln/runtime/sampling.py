@@ -238,11 +238,12 @@ def select_tokens(
         logp = torch.nan_to_num(raw[wi].log_softmax(-1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
         picked = logp.gather(1, chosen[wi][:, None]).squeeze(1).tolist()
         kmax = max(params[i].logprobs or 0 for i in want)
-        top_v, top_i = (logp.topk(kmax, dim=-1) if kmax > 0 else (None, None))
+        top = logp.topk(kmax, dim=-1) if kmax > 0 else None
         for j, i in enumerate(want):
             out[i].logprob = picked[j]
             k = params[i].logprobs or 0
-            if k:
+            if k and top is not None:
+                top_v, top_i = top
                 out[i].top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
     advance = [(p.constraint, ids[i]) for i, p in enumerate(params) if p.constraint is not None]
     # constrained rows: consume the picked tokens (grammars prepare their next masks off this thread)
@@ -251,9 +252,9 @@ def select_tokens(
     return out
 
 
-def _by_kind(items: list[tuple], at: int) -> dict[type, list[tuple]]:
+def _by_kind(items: list[tuple], at: int) -> dict[Any, list[tuple]]:
     """``items`` grouped by the type of their constraint (``item[at]``), order kept within each group."""
-    groups: dict[type, list[tuple]] = {}
+    groups: dict[Any, list[tuple]] = {}
     for item in items:
         groups.setdefault(type(item[at]), []).append(item)
     return groups

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from kiln.errors import Internal, InvalidRequest, RateLimited, Unavailable
+from kiln.runtime.request_trace import Observer as Observer  # re-exported: the engines take one
 from kiln.runtime.sampling import TokenChoice
 
 if TYPE_CHECKING:
@@ -48,25 +49,6 @@ class PromptTooLong(InvalidRequest):
 
     code = "context_length_exceeded"
     default_hint = "shorten the prompt or lower max_tokens"
-
-
-class Observer:
-    """Metrics hooks the engine calls from its thread (no-ops by default)."""
-
-    def first_token(self, ttft_s: float) -> None: ...
-
-    def inter_token(self, itl_s: float) -> None: ...
-
-    def tokens_generated(self, count: int) -> None: ...
-
-    def queue_wait(self, wait_s: float) -> None:
-        """A row was admitted after waiting ``wait_s`` in the queue (for a running-row slot or KV memory)."""
-
-    def request_phases(self, phases: dict[str, float]) -> None:
-        """A generated row ended: its seconds per phase (:func:`kiln.runtime.request_trace.row_phases`)."""
-
-    def adapter_transition(self, action: str, seconds: float) -> None:
-        """An adapter ``load`` or ``unload`` took ``seconds`` (ownership wait, swap and canary)."""
 
 
 class Admission:

@@ -305,6 +305,7 @@ class VllmEngine(TokenFacade):
         """Acquire the world vLLM formed (its workers' rank reports) and decide it with the rank law."""
         from kiln.runtime.vllm_process import decide_world
 
+        assert self.incarnation is not None, "the world is checked after the child has started"
         self.observation, self.rank_decision = decide_world(self.plan, self.process.log_lines(), self.incarnation,
                                                             complete=True)
         if not self.rank_decision.coherent:

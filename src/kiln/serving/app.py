@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
 from kiln.config import LoadedSettings
 from kiln.serving.body_limit import BodyLimitMiddleware
@@ -83,7 +83,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     app.state.kiln = kiln_state
     app.state.redact_paths = redact
     install_error_handlers(app, redact.text)
-    routers = (*OPENAI_ROUTERS, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
+    routers: tuple[APIRouter, ...] = (*OPENAI_ROUTERS, ops_router, routes_training.router, routes_adapters.router, routes_ui.router)
     routers += (routes_evals.router,)
     from kiln.serving import routes_teachers  # noqa: E402  (teachers: registry and probes)
     routers += (routes_teachers.router,)

@@ -54,7 +54,8 @@ def serve(
     home: Optional[str] = typer.Option(None, help="Kiln home directory [home] (default $KILN_HOME, ~/.cache/kiln)"),
     engine: Optional[str] = typer.Option(None, "--engine", help="builtin | vllm (a vLLM subprocess) [serving.engine]"),
     tool_call_parser: Optional[str] = typer.Option(
-        None, "--tool-call-parser", help="auto (by chat template) | hermes | deepseek_v3 [serving.tool_call_parser]"),
+        None, "--tool-call-parser",
+        help="auto (by chat template) | hermes | deepseek_v3 | llama3_json | mistral [serving.tool_call_parser]"),
     reasoning_parser: Optional[str] = typer.Option(
         None, "--reasoning-parser", help="auto (by chat template) | none | qwen3 | deepseek_r1 "
                                          "[serving.reasoning_parser]"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import json
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, MutableMapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,7 +106,7 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
                           param=params[0] if params else None)
 
 
-def allowed_methods(app: FastAPI, scope: dict[str, Any]) -> str:
+def allowed_methods(app: FastAPI, scope: MutableMapping[str, Any]) -> str:
     """Every method some route serves at ``scope``'s path (``/v1/adapters/merge`` is both the merge
     route, POST, and ``/v1/adapters/{name}``, GET and DELETE), for a 405's ``Allow``."""
     from starlette.routing import Match

@@ -234,7 +234,7 @@ def _raise_on_engine_error(reasons) -> None:
 # costs more event-loop time per request than the rest of the response path.
 
 
-def _top_entry(token: str, logprob: float) -> dict:
+def _top_entry(token: str, logprob: float | None) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 

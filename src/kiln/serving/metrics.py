@@ -7,12 +7,13 @@ observed on the engine thread at the moment each token is sampled.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from kiln.runtime.request_trace import PHASES
+from kiln.runtime.request_trace import PHASES, Observer
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
@@ -21,7 +22,7 @@ ADAPTER_ACTIONS = ("load", "unload")
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class Metrics:
+class Metrics(Observer):
     def __init__(self, row_stats: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -57,6 +58,7 @@ class Metrics:
                                          "accelerator ownership", buckets=DURATION_BUCKETS, registry=r)
         self.training_tps = Gauge("kiln_training_tokens_per_second", "The running training job's tokens per "
                                   "second of training time (0 when no job runs)", registry=r)
+        self._locality = _locality_metrics(r)
         self._counts: dict[str, Callable[[], dict[str, int]]] = {}
         r.register(_CountsCollector(self._counts))
         active = Gauge("kiln_active_rows", "Rows admitted to the engine and not yet cleaned up", registry=r)
@@ -71,7 +73,7 @@ class Metrics:
             "preemptions": ("kiln_preemptions", "Running rows preempted for memory (recomputed later)"),
         }
         for key, (name, doc) in engine_gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda key=key: row_stats().get(key, 0))
+            Gauge(name, doc, registry=r).set_function(partial(lambda k: row_stats().get(k, 0), key))
         blocked = Gauge("kiln_queued_rows_blocked", "Rows waiting, by what the head of the queue waits for "
                         "(kv_budget: KV memory; running_rows: batching.max_running_rows; token_budget)",
                         ["waiting_for"], registry=r)
@@ -80,7 +82,7 @@ class Metrics:
             return st["queued_rows"] if st.get("queue_blocked_on") == reason else 0
 
         for reason in ("kv_budget", "running_rows", "token_budget"):
-            blocked.labels(waiting_for=reason).set_function(lambda reason=reason: waiting_for(reason))
+            blocked.labels(waiting_for=reason).set_function(partial(waiting_for, reason))
 
     # engine observer hooks (engine thread)
     def first_token(self, ttft_s: float) -> None:
@@ -117,6 +119,20 @@ class Metrics:
     def training_tokens_per_s(self, value: float) -> None:
         self.training_tps.set(value)
 
+    def training_locality(self, kind: str, locality: dict | None, held_back: bool) -> None:
+        """A finished job's locality figures (kiln.training.core.locality), by job kind; ``held_back``: the locality
+        guard held back the activation the job asked for."""
+        if held_back:
+            self._locality["held_back"].labels(kind=kind).inc()
+        if not locality or locality.get("unchanged_fraction") is None:
+            return
+        self._locality["unchanged"].labels(kind=kind).observe(locality["unchanged_fraction"])
+        self._locality["last_unchanged"].labels(kind=kind).set(locality["unchanged_fraction"])
+        self._locality["kl"].labels(kind=kind).set(locality.get("kl_mean") or 0.0)
+        self._locality["degenerate"].labels(kind=kind).set(locality.get("degenerate") or 0)
+        if locality.get("seconds") is not None:
+            self._locality["seconds"].labels(kind=kind).observe(locality["seconds"])
+
     def bind_counts(self, kind: str, counts: Callable[[], dict[str, int]]) -> None:
         """``kind`` (training | eval): the function giving its jobs by state, read at each scrape."""
         self._counts[kind] = counts
@@ -139,6 +155,26 @@ class Metrics:
 
 COUNT_GAUGES = {"training": ("kiln_training_jobs", "Training jobs by state"),
                 "eval": ("kiln_eval_runs", "Eval runs by state")}
+
+
+def _locality_metrics(r: CollectorRegistry) -> dict[str, Any]:
+    """The locality measure's metrics, each labelled by job kind (docs/training.md, "Locality")."""
+    fractions = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+    return {
+        "unchanged": Histogram("kiln_training_locality_unchanged_fraction", "Share of the locality probes whose "
+                               "greedy answer a finished job's adapter left unchanged", ["kind"], buckets=fractions,
+                               registry=r),
+        "last_unchanged": Gauge("kiln_training_locality_last_unchanged_fraction", "The last finished job's share of "
+                                "unchanged probe answers", ["kind"], registry=r),
+        "kl": Gauge("kiln_training_locality_last_kl", "The last finished job's mean KL(base || adapter) per probe "
+                    "answer token, nats", ["kind"], registry=r),
+        "degenerate": Gauge("kiln_training_locality_last_degenerate", "Probe answers the last finished job's adapter "
+                            "made degenerate", ["kind"], registry=r),
+        "seconds": Histogram("kiln_training_locality_seconds", "What the locality measure cost a job", ["kind"],
+                             buckets=DURATION_BUCKETS, registry=r),
+        "held_back": Counter("kiln_training_locality_held_back", "Activations the locality guard held back",
+                             ["kind"], registry=r),
+    }
 
 
 class _CountsCollector:

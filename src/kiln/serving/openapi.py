@@ -162,7 +162,7 @@ ROUTE_DOCS: dict[tuple[str, str], RouteDoc] = {
 
 
 def _component_schemas() -> dict[str, Any]:
-    models = {oai.ErrorResponse}
+    models: set[type[BaseModel]] = {oai.ErrorResponse}
     for doc in ROUTE_DOCS.values():
         models |= {m for m in (doc.model, doc.stream_event) if m is not None}
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],

@@ -229,6 +229,10 @@ class _Sampling(_Request):
     guided_choice: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]],
                              Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = Field(
         None, description="vLLM: the output is exactly one of these strings")
+    allow_additional_properties: bool = Field(
+        False, description="Kiln: false (default): a JSON schema (response_format, guided_json, forced tool_choice) "
+        "is strict: objects that do not say additionalProperties admit only their listed properties and prefixItems "
+        "arrays no further items, as vLLM's default backend (xgrammar) decodes; true: JSON Schema's open objects")
 
     def ignored_fields(self) -> list[str]:
         """The accepted-and-ignored OpenAI fields this request set (see ``IGNORED_FIELDS``)."""
@@ -385,6 +389,7 @@ class HealthResponse(_Response):
     admitting: int = 0  # generation requests being parsed and rendered, not yet submitted
     adapters: dict[str, str]
     adapters_not_restored: list[dict[str, str]] = []  # served before the restart, not restored: name, revision, error
+    served_set_error: str | None = None  # why <adapters>/.served.json was ignored or cannot be written
     default_adapter: dict[str, str | bool | None] | None = None  # name, revision, serving, served_revision
     ownership: dict[str, float | int | bool]
     training_attached: bool
@@ -413,6 +418,10 @@ class EffectiveLimits(_Response):
     compile_decode: dict[str, Any] | None = Field(None, description="batching.compile_decode requested and "
                                                   "effective, and the compiler's error when a bucket failed to "
                                                   "compile (the engine then decodes eagerly)")
+    tool_call_parser: str | None = Field(None, description="the tool-call parser in force (serving.tool_call_parser; "
+                                         "auto resolved by the chat template's family)")
+    reasoning_parser: str | None = Field(None, description="the reasoning parser in force, null for none "
+                                         "(serving.reasoning_parser; auto resolved by the chat template's family)")
 
 
 class ConfigResponse(_Response):
@@ -457,11 +466,15 @@ class ReceiptSummary(_Response):
     teacher_fingerprint: str | None = Field(description="OPD: the kiln-teacher-v1 fingerprint; KD: the capture "
                                                         "teacher's digest")
     gate: str | None = Field(description="the post-train gate's verdict recorded in the receipt")
+    locality: dict[str, Any] | None = Field(
+        None, description="the job's locality figures (probes, unchanged, unchanged_fraction, kl_mean, degenerate, "
+                          "base_degenerate, error) and the locality guard's verdict (admitted, code, override); "
+                          "None when not measured (docs/training.md, \"Locality\")")
 
 
 class TrainingReceipt(BaseModel):
     """``kiln.training-receipt.v1`` (docs/adapters.md): job, plan and inputs digests, teacher, code, the
-    revision it binds to, the gate verdict."""
+    revision it binds to, the gate verdict, the adapter's locality."""
 
     model_config = ConfigDict(extra="forbid")
     schema_: str = Field(alias="schema")
@@ -472,6 +485,7 @@ class TrainingReceipt(BaseModel):
     teacher: dict[str, Any] | None
     code: dict[str, Any]
     gate: dict[str, Any] | None
+    locality: dict[str, Any] | None = None  # jobs that measured it (kiln.training.core.locality)
 
 
 class AdapterInfo(_Response):

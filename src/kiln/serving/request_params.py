@@ -14,6 +14,7 @@ from typing import Any, Callable
 from kiln.errors import InvalidRequest
 from kiln.runtime.constrained import GrammarCompiler
 from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.strict_schema import close_schema
 from kiln.serving.generation import check_token_ids
 from kiln.serving.reasoning import ReasoningParser, reasoning_parser_for
 from kiln.serving.tool_parsers import ToolParser, tool_parser_for
@@ -106,13 +107,19 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
                              "where the output ends)", code="invalid_request", param="min_tokens",
                              hint="drop min_tokens")
     comp = grammar_compiler(state)
+    strict = _strictly if not req.allow_additional_properties else (lambda schema: schema)
     if asked[0] == "tool_choice":
+        assert forced is not None  # asked[0] names a field that was given
         tools, parallel = forced
         parser = tool_parser(state)
-        return (lambda: comp.lark(parser.forcing_grammar(tools, parallel), "tool_choice")), "tool_choice"
+        return (lambda: comp.lark(parser.forcing_grammar(
+            [{**t, "parameters": strict(t["parameters"] or {"type": "object"})} for t in tools], parallel),
+            "tool_choice")), "tool_choice"
     if asked[0] == "response_format":
-        schema = rf.json_schema.schema_ if rf.type == "json_schema" else None
-        return (lambda: comp.json_schema(schema, "response_format")), "response_format"
+        if rf.type != "json_schema":  # json_object: any object, never closed
+            return (lambda: comp.json_schema(None, "response_format")), "response_format"
+        schema = rf.json_schema.schema_
+        return (lambda: comp.json_schema(strict(schema), "response_format")), "response_format"
     if asked[0] == "guided_json":
         schema = req.guided_json
         if isinstance(schema, str):
@@ -121,10 +128,16 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
             except ValueError as exc:
                 raise InvalidRequest(f"guided_json is not JSON: {exc}", code="invalid_schema", param="guided_json",
                                      hint="send the schema as an object or as JSON text") from exc
-        return (lambda: comp.json_schema(schema, "guided_json")), "guided_json"
+        return (lambda: comp.json_schema(strict(schema), "guided_json")), "guided_json"
     if asked[0] == "guided_regex":
         return (lambda: comp.regex(req.guided_regex, "guided_regex")), "guided_regex"
     return (lambda: comp.choice(req.guided_choice, "guided_choice")), "guided_choice"
+
+
+def _strictly(schema: Any) -> Any:
+    """``schema`` closed as vLLM's default backend reads it (:mod:`kiln.runtime.strict_schema`); ``None``
+    (``response_format`` json_schema without a schema) stays any object."""
+    return None if schema is None else close_schema(schema)
 
 
 def tool_parser(state) -> ToolParser:
@@ -157,6 +170,11 @@ def thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
 
 def tools_on(req) -> bool:
     return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
+
+
+def forces_call(req) -> bool:
+    """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
+    return tools_on(req) and req.tool_choice not in (None, "auto")
 
 
 def _forced_tools(req) -> tuple[list[dict[str, Any]], bool] | None:

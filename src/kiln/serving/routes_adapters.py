@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterTooLarge
+from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterIntegrityError, AdapterTooLarge
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHARS, MAX_LORA_RANK, check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
@@ -90,21 +90,34 @@ def _active(request: Request) -> dict[str, str]:
 
 
 def _describe(record: AdapterRecord, active: dict[str, str], store: AdapterStore) -> dict[str, Any]:
-    return {
-        **record.summary(),
-        "active": record.name in active,
-        "active_revision": active.get(record.name),
-        "quarantined": store.quarantined(record.name),  # revision -> {reason, at}: refused until cleared
-        "receipt": store.receipt_summary(record),  # None: a kind no job trains (upload, merge)
-    }
+    """One listed adapter. ``verified``/``error``: whether everything the listing reads (HEAD, manifest,
+    quarantine marks, receipt) is readable and binds; the weights are re-hashed by a load and by
+    ``kiln adapters verify``."""
+    try:
+        quarantined, error = store.quarantined(record.name), None  # revision -> {reason, at}: refused until cleared
+    except AdapterIntegrityError as exc:
+        quarantined, error = None, exc.message
+    receipt = store.receipt_summary(record)  # None: a kind no job trains (upload, merge)
+    error = error or (receipt or {}).get("error")
+    return {**record.summary(), "active": record.name in active, "active_revision": active.get(record.name),
+            "quarantined": quarantined, "receipt": receipt, "verified": error is None, "error": error}
+
+
+def _damaged(name: str, error: str, active: dict[str, str]) -> dict[str, Any]:
+    """A listed adapter whose HEAD or manifest cannot be read: named, marked, and nothing guessed."""
+    return {"name": name, "revision": None, "base_model_sha256": None, "kind": None, "parent_revision": None,
+            "size_bytes": None, "created": None, "active": name in active, "active_revision": active.get(name),
+            "quarantined": None, "receipt": None, "verified": False, "error": error}
 
 
 @router.get("/v1/adapters")
 def list_adapters(request: Request) -> dict[str, Any]:
-    """Every stored adapter at its current revision, with whether (and which revision) is being served."""
-    records = _store(request).list()
-    active = _active(request)
-    return {"object": "list", "data": [_describe(r, active, _store(request)) for r in records]}
+    """Every stored adapter at its current revision, with whether (and which revision) is being served; one
+    whose files cannot be read is listed with ``verified: false`` and the reason."""
+    store, active = _store(request), _active(request)
+    records, damaged = store.scan()
+    data = [_describe(r, active, store) for r in records] + [_damaged(d["name"], d["error"], active) for d in damaged]
+    return {"object": "list", "data": sorted(data, key=lambda entry: entry["name"])}
 
 
 class DefaultAdapterRequest(BaseModel):
@@ -136,7 +149,10 @@ def delete_default_adapter(request: Request) -> dict[str, Any]:
 @router.get("/v1/adapters/{name}")
 def get_adapter(name: str, request: Request) -> dict[str, Any]:
     """One adapter, including its full manifest."""
-    record = _store(request).get(name)
+    try:
+        record = _store(request).get(name)
+    except AdapterIntegrityError as exc:  # its HEAD or manifest cannot be read: marked, as the list marks it
+        return {**_damaged(name, exc.message, _active(request)), "manifest": None}
     return {**_describe(record, _active(request), _store(request)), "manifest": record.manifest.to_dict()}
 
 
@@ -185,8 +201,8 @@ def delete_adapter(name: str, request: Request) -> dict[str, Any]:
             f"adapter {name!r} is being served; it cannot be deleted while active",
             hint=f"Unload it first: `kiln adapters unload {name}` (POST /v1/adapters/{name}/unload).",
         )
-    record = _store(request).delete(name)
-    return {"name": name, "revision": record.revision, "deleted": True}
+    record = _store(request).delete(name)  # None: a damaged adapter (unreadable HEAD or manifest) was removed
+    return {"name": name, "revision": record.revision if record is not None else None, "deleted": True}
 
 
 @router.get("/v1/adapters/{name}/download")

@@ -45,6 +45,7 @@ from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.reasoning import ReasoningParser, prompt_opens_span, with_thinking_budget
 from kiln.serving.request_params import (
     check_tools,
+    forces_call,
     reasoning_parser,
     sampling_params,
     thinking_budget,
@@ -146,6 +147,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
     check_limits(state, body, logprobs, body.stop_list())
     check_tools(body)
     parser = tool_parser(state) if tools_on(body) else None
+    forced = forces_call(body)
     reasoner = reasoning_parser(state)
     prompt = await _render_chat(state, body)
     engine = state.engine
@@ -164,7 +166,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
                 "system_fingerprint": state.system_fingerprint}
         if parser is not None or reasoner is not None:
             fmt: ChatChunks = ParsedChatChunks(base, len(prompt), include_usage(body), logprobs, tt,
-                                               parser, reasoner, opened, body.n)
+                                               parser, reasoner, opened, body.n, forced)
         else:
             fmt = ChatChunks(base, len(prompt), include_usage(body), logprobs, tt)
         return SSEResponse.of(sub, timeout, fmt, headers)
@@ -176,7 +178,13 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
         if reasoner is not None:
             thought, text = reasoner.split(text, opened)
             message = {"role": "assistant", "content": text, "reasoning_content": thought}
-        if parser is not None:
+        if parser is not None and forced:  # the grammar wrote only calls: a cut one keeps what it wrote
+            _, calls = parser.parse_as_streamed(text or "")
+            message = {**message, "content": None, "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls] or None}
+            reason = "tool_calls" if reason == "stop" else reason
+        elif parser is not None:
             content, calls = parser.parse(text or "")
             if calls:
                 message = {**message, "content": content, "tool_calls": [
@@ -231,8 +239,9 @@ class ParsedChatChunks(ChatChunks):
 
     def __init__(self, base: dict, prompt_tokens: int, usage: bool, logprobs: int | None,
                  token_text: Callable[[int], str], parser: ToolParser | None, reasoner: ReasoningParser | None,
-                 opened: bool, n: int):
+                 opened: bool, n: int, forced: bool = False):
         super().__init__(base, prompt_tokens, usage, logprobs, token_text)
+        self.forced = forced  # the grammar forces calls: the text between them is layout, never content
         self.states = [parser.stream() for _ in range(n)] if parser is not None else None
         self.splits = [reasoner.stream(opened) for _ in range(n)] if reasoner is not None else None
         self.reasoning = DeltaFrame(base, '"delta":{"reasoning_content":')
@@ -255,6 +264,8 @@ class ParsedChatChunks(ChatChunks):
             if reason is not None:
                 tail, more = states[i].finish()
                 text, deltas = text + tail, deltas + more
+            if self.forced:
+                text = ""
         if reason is None and self.logprobs is None and not deltas and not (thought and text):
             if thought:  # the per-token path while reasoning, then while answering: pre-encoded frames
                 return self.reasoning(i, thought)

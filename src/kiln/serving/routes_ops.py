@@ -16,6 +16,7 @@ from kiln.runtime import request_trace
 from kiln.runtime.request_trace import RequestTrace
 from kiln.serving import default_adapter
 from kiln.serving.request_log import NOT_LOGGED
+from kiln.serving.request_params import reasoning_parser, tool_parser
 
 router = APIRouter()
 
@@ -88,6 +89,8 @@ async def health(request: Request) -> JSONResponse:
         "adapters": engine.active_adapters(),
         # served before the last restart but not restored (deleted, no longer verifying, another base): why
         "adapters_not_restored": state.adapters_not_restored,
+        # why the saved served set (<adapters>/.served.json) was ignored at start-up or cannot be written
+        "served_set_error": state.served.problem if state.served is not None else None,
         "default_adapter": default_adapter.describe(state)["default"],  # requests naming the base model get it
         "ownership": engine.ownership.snapshot(),
         "training_attached": state.trainer is not None,
@@ -120,6 +123,9 @@ async def config(request: Request) -> JSONResponse:
             "prefix_cache": getattr(state.engine, "prefix_cache", None),
             # batching.compile_decode as requested and as used (a bucket that fails to compile turns it off)
             "compile_decode": getattr(state.engine, "compile_decode", None),
+            # serving.tool_call_parser / reasoning_parser as resolved (auto: by the chat template's family)
+            "tool_call_parser": tool_parser(state).name,
+            "reasoning_parser": getattr(reasoning_parser(state), "name", None),
         },
     })
 

@@ -174,8 +174,8 @@ class SSEResponse(StreamingResponse):
         assert ended is not None
         if task.cancelled():
             ended.cancel()
-        elif task.exception() is not None:
+        elif (exc := task.exception()) is not None:
             if not ended.done():
-                ended.set_exception(task.exception())
+                ended.set_exception(exc)
         else:
             self._pump()

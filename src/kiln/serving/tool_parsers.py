@@ -77,6 +77,19 @@ class ToolParser:
     def stream(self) -> StreamState:
         raise NotImplementedError
 
+    def parse_as_streamed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """``text`` through :meth:`stream` at once: the content and the calls a stream of it sends, so a
+        call cut short (``max_tokens``) keeps the arguments written so far, as streamed."""
+        st = self.stream()
+        content, deltas = st.feed(text)
+        tail, more = st.finish()
+        calls: dict[int, list[str]] = {}
+        for d in deltas + more:
+            if d.id is not None:
+                calls[d.index] = [d.id, d.name or "", ""]
+            calls[d.index][2] += d.arguments
+        return content + tail, [ParsedCall(name, args, cid) for cid, name, args in calls.values()]
+
     def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar (llguidance dialect) whose every sentence is one call (or, with ``parallel``,
         several) of one of ``tools`` (``{"name", "parameters"}``) with arguments valid for its schema."""
@@ -206,7 +219,7 @@ class _HermesStream(StreamState):
             out.append(CallDelta(self.calls, "", self._id, json.loads(head.group(1))))
             self.calls += 1
             self._called = True
-        if not self._scan.done:
+        if self._scan is not None and not self._scan.done:
             end = self._scan.feed(self._body, self._sent)
             if end > self._sent:
                 out.append(CallDelta(self.calls - 1, self._body[self._sent:end]))
@@ -317,12 +330,17 @@ class DeepSeekV3Parser(ToolParser):
                 f"call: {' | '.join(f'call{k}' for k in range(len(tools)))}\n" + "".join(rules))
 
 
-class _DeepSeekStream(StreamState):
-    def __init__(self, parser: DeepSeekV3Parser):
+class _SectionStream(StreamState):
+    """A stream for formats whose calls follow an opening tag (``_p.OPEN``) and go out whole as each closes: the
+    text before the tag is content, a possible tag is held back; :meth:`_calls` reads the section so far."""
+
+    def __init__(self, parser: Any):
         self._p = parser
         self._buf = ""  # before the section: text held back (a possible opening tag)
         self._section: str | None = None  # the section's text so far, once opened
-        self._sent = 0  # calls sent
+
+    def _calls(self, section: str) -> list[ParsedCall]:
+        raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         if self._section is None:
@@ -338,28 +356,263 @@ class _DeepSeekStream(StreamState):
         return "", self._new_calls()
 
     def _new_calls(self) -> list[CallDelta]:
-        found = self._p.calls_in(self._section or "")
-        out = [CallDelta(k, c.arguments, c.id, c.name) for k, (_, c) in enumerate(found) if k >= self._sent]
-        self._sent = self.calls = len(found)
+        found = self._calls(self._section or "")
+        out = [CallDelta(k, c.arguments, c.id, c.name) for k, c in enumerate(found) if k >= self.calls]
+        self.calls = max(self.calls, len(found))
         return out
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         if self._section is None:
             rest, self._buf = self._buf, ""
             return rest, []
-        if not self._sent:  # no well-formed call: the section was content after all
+        if not self.calls:  # no well-formed call: the section was content after all
             return self._p.OPEN + self._section, []
         return "", []
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {HermesParser.name: HermesParser, DeepSeekV3Parser.name: DeepSeekV3Parser}
+class _DeepSeekStream(_SectionStream):
+    def _calls(self, section: str) -> list[ParsedCall]:
+        return [c for _, c in self._p.calls_in(section)]
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.x templates (JSON-based tool calling): the answer is one or more JSON objects
+    ``{"name": ..., "parameters": {...}}`` (``arguments`` also read), apart by ``;``, optionally after
+    ``<|python_tag|>``. An answer that does not start with a call is all content; one that starts like a call but
+    does not parse as calls stays content whole. ``arguments`` is the parameters object's text as written (whole
+    or streamed, the fragments concatenate to it)."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+    _SEP = re.compile(r"\s*;?\s*")
+
+    def after_sep(self, body: str, pos: int) -> int:
+        """Where the separator (possibly empty) that starts at ``pos`` ends."""
+        sep = self._SEP.match(body, pos)
+        return sep.end() if sep is not None else pos
+
+    def _body(self, text: str) -> str | None:
+        """The text after an optional tag when the answer starts like a call, else ``None``."""
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        return body if body.startswith("{") else None
+
+    def calls_in(self, body: str) -> tuple[list[ParsedCall], int]:
+        """The calls at the start of ``body`` and where the last whole one (and its separator) ends."""
+        calls: list[ParsedCall] = []
+        pos = 0
+        while pos < len(body):
+            head = self.HEAD.match(body, pos)
+            if head is None:
+                break
+            scan = _JsonValueScan()
+            end = scan.feed(body, head.end())
+            close = re.compile(r"\s*\}").match(body, end) if scan.done else None
+            if close is None:
+                break
+            try:
+                json.loads(body[head.end():end])
+            except ValueError:
+                break
+            calls.append(ParsedCall(json.loads(head.group(1)), body[head.end():end]))
+            pos = self.after_sep(body, close.end())
+        return calls, pos
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = self._body(text)
+        if body is None:
+            return (text or None), []
+        calls, end = self.calls_in(body)
+        if not calls or body[end:].strip():
+            return (text or None), []
+        return None, calls
+
+    def stream(self) -> StreamState:
+        return _LlamaStream(self)
+
+    def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        rules = []
+        for k, tool in enumerate(tools):
+            schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
+            head = json.dumps('{"name":' + json.dumps(tool["name"], ensure_ascii=False) + ',"parameters":',
+                              ensure_ascii=False)
+            rules.append(f'call{k}: {head} args{k} "}}"\nargs{k}: %json {json.dumps(schema)}\n')
+        repeat = ' ("; " call)*' if parallel else ""
+        return (f"start: call{repeat}\ncall: {' | '.join(f'call{k}' for k in range(len(tools)))}\n"
+                + "".join(rules))
+
+
+class _LlamaStream(StreamState):
+    """Decides at the answer's first text whether it is calls; then sends each call's name once written and its
+    parameters in fragments, as :class:`_HermesStream` does."""
+
+    _CLOSE = re.compile(r"\s*\}")
+
+    def __init__(self, parser: Llama3JsonParser):
+        self._p = parser
+        self._text = ""  # the whole answer so far
+        self._mode: str | None = None  # "content" or "calls" once known
+        self._done = 0  # where the calls sent whole end in the body
+        self._sent = 0  # how far into the body the open call's arguments went out
+        self._scan: _JsonValueScan | None = None
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._text += text
+        if self._mode is None:
+            head = self._text.lstrip()
+            tag = self._p.TAG
+            if not head or (tag.startswith(head) and head != tag):
+                return "", []  # whitespace, or the tag still arriving
+            self._mode = "calls" if self._p._body(self._text) is not None or head == tag else "content"
+            if self._mode == "content":
+                return self._text, []
+        if self._mode == "content":
+            return text, []
+        return "", self._progress()
+
+    def _progress(self) -> list[CallDelta]:
+        body = self._p._body(self._text)
+        if body is None:
+            return []
+        out: list[CallDelta] = []
+        while True:
+            if self._scan is None:
+                head = self._p.HEAD.match(body, self._p.after_sep(body, self._done))
+                if head is None:
+                    return out
+                out.append(CallDelta(self.calls, "", ParsedCall("", "").id, json.loads(head.group(1))))
+                self.calls += 1
+                self._sent, self._scan = head.end(), _JsonValueScan()
+            if not self._scan.done:
+                end = self._scan.feed(body, self._sent)
+                if end > self._sent:
+                    out.append(CallDelta(self.calls - 1, body[self._sent:end]))
+                    self._sent = end
+                if not self._scan.done:
+                    return out
+            close = self._CLOSE.match(body, self._sent)
+            if close is None:
+                return out
+            self._scan, self._done = None, close.end()
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._mode == "calls" and not self.calls:  # it looked like a call but never was one
+            return self._text, []
+        if self._mode is None:
+            return self._text, []
+        return "", []
+
+
+class MistralParser(ToolParser):
+    """Mistral templates: ``[TOOL_CALLS]`` then either a JSON array of ``{"name", "arguments"}`` objects (tokenizers
+    before v11) or ``NAME[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later). The content is
+    the text before the first ``[TOOL_CALLS]``; a section with no well-formed call stays content whole. A stream
+    sends each call whole once it is complete. The forcing grammar writes the form ``args_form`` names."""
+
+    name = "mistral"
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, tokenizer: Any | None = None, args_form: bool = False):
+        super().__init__(tokenizer)
+        self.args_form = args_form
+
+    def calls_in(self, section: str) -> tuple[list[ParsedCall], bool]:
+        """The complete calls in ``section`` (the text after the first tag) and whether all of it was calls."""
+        calls: list[ParsedCall] = []
+        if section.lstrip().startswith("["):
+            try:
+                items, end = json.JSONDecoder().raw_decode(section.lstrip())
+            except ValueError:
+                return _complete_objects(section.lstrip()[1:]), False
+            ok = isinstance(items, list) and all(_named_call(x) for x in items)
+            return ([ParsedCall(x["name"], json.dumps(x.get("arguments", {}), ensure_ascii=False)) for x in items]
+                    if ok else []), ok and not section.lstrip()[end:].strip()
+        for part in section.split(self.OPEN):
+            name, sep, rest = part.partition(self.ARGS)
+            scan = _JsonValueScan()
+            end = scan.feed(rest.lstrip())
+            if not sep or not scan.done or not name.strip():
+                return calls, False
+            args = rest.lstrip()[:end]
+            try:
+                json.loads(args)
+            except ValueError:
+                return calls, False
+            calls.append(ParsedCall(name.strip(), args))
+        return calls, True
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        i = text.find(self.OPEN)
+        calls = self.calls_in(text[i + len(self.OPEN):])[0] if i >= 0 else []
+        if not calls:
+            return (text or None), []
+        return (text[:i].strip() or None), calls
+
+    def stream(self) -> StreamState:
+        return _MistralStream(self)
+
+    def forcing_grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        t = self.tags.lark
+        rules = []
+        for k, tool in enumerate(tools):
+            schema = {**(tool.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
+            name = json.dumps(tool["name"], ensure_ascii=False)
+            if self.args_form:
+                rules.append(f"call{k}: {t(self.OPEN)} {name} {t(self.ARGS)} args{k}\n")
+            else:
+                head = json.dumps('{"name":' + json.dumps(tool["name"], ensure_ascii=False) + ',"arguments":',
+                                  ensure_ascii=False)
+                rules.append(f'call{k}: {head} args{k} "}}"\n')
+            rules.append(f"args{k}: %json {json.dumps(schema)}\n")
+        if self.args_form:
+            calls = "call call*" if parallel else "call"
+        else:
+            more = ' ("," call)*' if parallel else ""
+            calls = f'{t(self.OPEN)} "[" call{more} "]"'
+        return (f"start: {calls}\ncall: {' | '.join(f'call{k}' for k in range(len(tools)))}\n" + "".join(rules))
+
+
+def _named_call(x: Any) -> bool:
+    return isinstance(x, dict) and isinstance(x.get("name"), str) and isinstance(x.get("arguments", {}), dict)
+
+
+def _complete_objects(text: str) -> list[ParsedCall]:
+    """The whole ``{"name", "arguments"}`` objects at the start of an unfinished JSON array's text."""
+    out: list[ParsedCall] = []
+    pos, dec = 0, json.JSONDecoder()
+    while True:
+        pos = len(text) - len(text[pos:].lstrip(" \n,"))
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except ValueError:
+            return out
+        if not _named_call(obj):
+            return out
+        out.append(ParsedCall(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
+
+
+class _MistralStream(_SectionStream):
+    def _calls(self, section: str) -> list[ParsedCall]:
+        calls: list[ParsedCall] = self._p.calls_in(section)[0]  # a call is whole once its JSON closes
+        return calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, DeepSeekV3Parser, Llama3JsonParser,
+                                                                  MistralParser)}
 DEFAULT_TOOL_PARSER = HermesParser.name
 AUTO = "auto"
 SETTING = "serving.tool_call_parser"
-# template families for ``auto``: a marker the chat template writes -> the parser that reads it, first
-# match wins; a template with none of them (or no tools section) gets DEFAULT_TOOL_PARSER
-TEMPLATE_FAMILIES: tuple[tuple[str, str], ...] = (("<tool_call>", HermesParser.name),
-                                                  (DeepSeekV3Parser.OPEN, DeepSeekV3Parser.name))
+# template families for ``auto``: markers the chat template writes (all of them) -> the parser that reads it,
+# first match wins; a template with none of them (or no tools section) gets DEFAULT_TOOL_PARSER
+TEMPLATE_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<tool_call>",), HermesParser.name),
+    ((DeepSeekV3Parser.OPEN,), DeepSeekV3Parser.name),
+    ((MistralParser.OPEN,), MistralParser.name),
+    ((Llama3JsonParser.TAG,), Llama3JsonParser.name),  # Llama 3.1 / 3.3: built-in tools after <|python_tag|>
+    (('"parameters"', "<|start_header_id|>"), Llama3JsonParser.name),  # Llama 3.2: JSON calls only
+)
 
 
 def get_tool_parser(name: str = DEFAULT_TOOL_PARSER, tokenizer: Any | None = None) -> ToolParser:
@@ -384,7 +637,9 @@ def tool_parser_for(setting: str, chat_template: str | None, tokenizer: Any | No
     check_tool_parser_setting(setting)
     if setting != AUTO:
         return get_tool_parser(setting, tokenizer)
-    for marker, name in TEMPLATE_FAMILIES:
-        if chat_template and marker in chat_template:
+    for markers, name in TEMPLATE_FAMILIES:
+        if chat_template and all(m in chat_template for m in markers):
+            if name == MistralParser.name:
+                return MistralParser(tokenizer, args_form=MistralParser.ARGS in chat_template)
             return get_tool_parser(name, tokenizer)
     return get_tool_parser(DEFAULT_TOOL_PARSER, tokenizer)

@@ -13,6 +13,8 @@ import os
 import stat
 import time
 
+from kiln.canonical import FileTooLargeError, NotRegularFileError, read_regular_file
+
 MIN_READ_MIB_PER_SECOND = 1
 MAX_READ_MIB_PER_SECOND = 16384
 READ_CHUNK = 1 << 20
@@ -93,22 +95,14 @@ def hash_fd_exact(fd: int, length: int, limiter: ReadLimiter, label: str, *, cop
 
 
 def read_small_file(path: str | os.PathLike[str], limit: int, limiter: ReadLimiter | None, label: str) -> bytes:
-    """All bytes of a regular file of at most ``limit`` bytes (no links, FIFOs or devices)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    """All bytes of a regular file of at most ``limit`` bytes (no links, FIFOs or devices:
+    :func:`kiln.canonical.read_regular_file`)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ProvenanceError(f"{label} {path} is not a regular file")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(READ_CHUNK, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise ProvenanceError(f"{label} {path} is larger than {limit} bytes")
+        data = read_regular_file(path, limit)
+    except NotRegularFileError:
+        raise ProvenanceError(f"{label} {path} is not a regular file") from None
+    except FileTooLargeError:
+        raise ProvenanceError(f"{label} {path} is larger than {limit} bytes") from None
     if limiter is not None:
-        limiter.consume(size)
-    return b"".join(chunks)
+        limiter.consume(len(data))
+    return data

@@ -21,7 +21,7 @@ class _VerbatimArgs(TyperCommand):
     one of its own (unknown) flags. The launcher parses its argv itself.
     """
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:  # type: ignore[override]
         ctx.args = list(args)
         return ctx.args
 

@@ -306,14 +306,14 @@ def adapter_weights_digest(filename: str, length: int, sha_hex: str) -> str:
 
 def adapter_max_rank(config: Mapping[str, Any]) -> int:
     """Largest LoRA rank a PEFT adapter_config.json declares (``r`` and every ``rank_pattern`` value)."""
-    ranks = [config.get("r")]
+    ranks: list[Any] = [config.get("r")]
     pattern = config.get("rank_pattern") or {}
     if not isinstance(pattern, dict):
         raise TeacherIdentityError("adapter_config.json rank_pattern must be an object")
     ranks.extend(pattern.values())
     for r in ranks:
         _require_int("adapter rank", r, 1, VLLM_LORA_RANK_CAPS[-1])
-    return max(ranks)  # type: ignore[type-var]
+    return int(max(ranks))
 
 
 def lora_rank_cap(max_rank: int) -> int:

@@ -507,8 +507,8 @@ def _clean_up(sup: Supervisor, parents: dict[str, int], token: str, *, quiet: bo
         os.close(fd)
     sup.restore()
     if errors and quiet:
-        for exc in errors:
-            print(f"kiln-teacher: cleanup: {exc}", file=sys.stderr)
+        for err in errors:
+            print(f"kiln-teacher: cleanup: {err}", file=sys.stderr)
     elif errors:
         raise LauncherError(f"cleanup failed: {errors[0]}") from errors[0]
 

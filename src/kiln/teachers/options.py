@@ -161,7 +161,9 @@ def parse_vllm_options(tokens: list[str]) -> VllmOptions:
     """Vet the tokens after ``--``; raise :class:`OptionError` naming the first refused one."""
     if len(tokens) > MAX_EXTRA_OPTIONS:
         raise OptionError(f"{len(tokens)} extra vLLM options; at most {MAX_EXTRA_OPTIONS} are accepted")
-    inference, transport, seen = [], [], set()
+    inference: list[str] = []
+    transport: list[str] = []
+    seen: set[str] = set()
     for tok in tokens:
         if len(tok) > MAX_OPTION_TOKEN_CHARS:
             raise OptionError(f"an extra option is longer than {MAX_OPTION_TOKEN_CHARS} characters")

@@ -32,7 +32,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from kiln.canonical import atomic_write_json, strict_json_loads
+from kiln.canonical import (
+    FileTooLargeError,
+    NotRegularFileError,
+    atomic_write_json,
+    read_regular_file,
+    strict_json_loads,
+)
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound
 from kiln.training.core.checkpoints import Checkpoint, list_checkpoints
 from kiln.training.core.loop import Hooks, Report
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
 
 JOBS_DIR = "distributed"
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_STATUS_BYTES = 1 << 20  # status.json, result.json of a distributed job
 SUPPORTED_KINDS = ("sft",)
 RUNNING, SUCCEEDED, FAILED = "running", "succeeded", "failed"
 
@@ -70,7 +77,7 @@ def job_dir(settings: Settings, job_id: str) -> Path:
 
 def read_status(path: Path) -> dict[str, Any] | None:
     try:
-        return strict_json_loads((path / "status.json").read_bytes())
+        return strict_json_loads(read_regular_file(path / "status.json", MAX_STATUS_BYTES))
     except FileNotFoundError:
         return None
 
@@ -184,6 +191,11 @@ class DistributedRecipe(SFTRecipe):
         barrier(self.world)
         return record
 
+    def measure_locality(self) -> dict[str, Any] | None:  # type: ignore[override]
+        """One process measures as the server does; a torchrun world does not measure yet (the adapter is
+        sharded or replicated across the ranks): its receipt has no locality."""
+        return None if self.world.distributed else super().measure_locality()
+
     def activate(self, record: AdapterRecord | None) -> None:  # type: ignore[override]
         self.activated = False  # no server here: `kiln adapters load <name>` serves it
         self._phase("activate")
@@ -199,9 +211,12 @@ class DistributedRecipe(SFTRecipe):
 
 
 def _read_request(path: Path) -> dict[str, Any]:
-    if path.stat().st_size > MAX_REQUEST_BYTES:
-        raise InvalidRequest(f"{path} is larger than {MAX_REQUEST_BYTES} bytes", code="request_too_large")
-    body = strict_json_loads(path.read_bytes())
+    try:
+        body = strict_json_loads(read_regular_file(path, MAX_REQUEST_BYTES))
+    except FileTooLargeError:
+        raise InvalidRequest(f"{path} is larger than {MAX_REQUEST_BYTES} bytes", code="request_too_large") from None
+    except NotRegularFileError as exc:
+        raise InvalidRequest(f"{path} is not a regular file ({exc.strerror})") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"{path} must hold one JSON object (the POST /v1/train/sft body)")
     return body
@@ -367,7 +382,7 @@ def launch(body: dict[str, Any], *, nproc: int, kind: str = "sft", home: str | N
         os.unlink(request_file)
     status = read_status(path) or {}
     if code == 0 and status.get("state") == SUCCEEDED:
-        result = strict_json_loads((path / "result.json").read_bytes())
+        result = strict_json_loads(read_regular_file(path / "result.json", MAX_STATUS_BYTES))
         print(json.dumps(result, sort_keys=True))
         print(f"published {result['adapter']} revision {result['revision'][:12]} from {nproc} processes; serve it "
               f"with `{result['serve_with']}`", file=sys.stderr)

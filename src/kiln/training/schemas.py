@@ -50,7 +50,7 @@ DEFAULT_LEARNED_EVERY = 5
 DEFAULT_LEARNED_MARGIN = 1.0
 DEFAULT_LEARNED_MAX_STEPS = 300
 MAX_STEPS = 1_000_000
-DEFAULT_LEARNING_RATE = 1e-2
+DEFAULT_LEARNING_RATE = 5e-3
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the Gated DeltaNet projections of a Qwen3.5 hybrid (transformers 5.23 names): added to the default
@@ -59,6 +59,18 @@ LINEAR_ATTENTION_TARGET_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_
 DEFAULT_MIN_STEPS = 20  # when `epochs` is omitted: enough epochs for this many steps...
 DEFAULT_MAX_EPOCHS = 50  # ...but never more than this many epochs
 DEFAULT_SEQ_LEN = 1_024
+
+# The KL-to-base anchor (kiln.training.core.anchor, docs/training.md "Locality"): the base model's own questions and
+# greedy answers, rehearsed each step under forward KL to the base so a job changes what it targets and little
+# else. Measured on the built-in model (bench/locality.py): see the defaults' rationale in docs/training.md.
+DEFAULT_ANCHOR_WEIGHT = 4.0
+DEFAULT_ANCHOR_QUESTIONS = 64
+DEFAULT_ANCHOR_PER_STEP = 4
+MAX_ANCHOR_QUESTIONS = 1_024
+MAX_ANCHOR_PER_STEP = 256
+# Sequential corrections: an SFT job continuing `base_adapter` replays the corrections stored with its revision
+# (the manifest config's `corrections`), at most this many bytes of canonical JSON (the oldest are dropped first).
+MAX_CORRECTION_BYTES = 128 * 1024
 
 JOB_ID_RE = re.compile(r"^job-[0-9a-f]{16}$")
 
@@ -132,6 +144,25 @@ class GRPOGroup(_Wire):
         return self
 
 
+MAX_LOCALITY_PROMPTS = 64  # the job's own probe prompts (kiln.training.core.locality.MAX_USER_PROBES)
+MAX_LOCALITY_PROMPT_CHARS = 2_000
+
+
+class LocalityRequest(_Wire):
+    """How the job measures its adapter's locality and whether the locality guard may hold it back
+    (docs/training.md, "Locality")."""
+
+    measure: bool = Field(True, description="measure the adapter's locality at the job's end (the server's "
+                                            "locality.measure must be on too)")
+    prompts: list[Annotated[str, Field(min_length=1, max_length=MAX_LOCALITY_PROMPT_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_LOCALITY_PROMPTS,
+        description="your own probe questions (user messages), answered by the base model and the adapter beside "
+                    "the ones the base model writes itself")
+    override: bool = Field(False, description="activate (auto_load, post_eval activate_on_pass / "
+                                              "set_default_on_pass) even when the locality guard would hold the "
+                                              "adapter back")
+
+
 class _TrainCommon(_Wire):
     adapter: str = Field(description="name the trained adapter is published under")
     base_adapter: str | None = Field(None, description="continue training from this published adapter")
@@ -149,6 +180,19 @@ class _TrainCommon(_Wire):
     resume_from_job: str | None = Field(None, description="continue an interrupted job from its last checkpoint")
     post_eval: PostEval | None = Field(None, description="evaluate the published adapter against a baseline and "
                                        "activate it only on a `promoted` verdict with activate_on_pass (docs/evals.md)")
+    locality: LocalityRequest | None = Field(None, description="the locality measure's probe prompts, turning it "
+                                             "off, and the locality guard's override (docs/training.md, "
+                                             "\"Locality\")")
+    anchor_weight: float | None = Field(
+        None, ge=0, le=100, allow_inf_nan=False,
+        description="weight of the KL-to-base anchor: the base model's own questions and answers, rehearsed each "
+                    "step so the adapter keeps what the base knew (docs/training.md, \"Locality\"); 0: off; "
+                    "default: DEFAULT_ANCHOR_WEIGHT (OPD: 0, its rehearsal does this)")
+    anchor_questions: int | None = Field(None, ge=0, le=MAX_ANCHOR_QUESTIONS,
+                                         description="questions the base model writes for the anchor; default "
+                                                     "DEFAULT_ANCHOR_QUESTIONS")
+    anchor_per_step: int | None = Field(None, ge=1, le=MAX_ANCHOR_PER_STEP,
+                                        description="anchor rows per optimizer step; default DEFAULT_ANCHOR_PER_STEP")
 
     @model_validator(mode="after")
     def _post_eval_owns_activation(self) -> _TrainCommon:
@@ -188,13 +232,19 @@ class SFTRequest(_TrainCommon):
     dataset_path: str | None = Field(None, max_length=MAX_PATH_CHARS, description="JSONL file inside the data dir")
     until_learned: bool | None = Field(
         None, description="stop once every assistant turn is the greedy answer; default: on when epochs is omitted")
-    learned_check_every: int = Field(DEFAULT_LEARNED_EVERY, ge=1, le=10_000)
+    learned_check_every: int | None = Field(
+        None, ge=1, le=10_000, description="steps between learned checks; default: once per pass over the "
+                                           "examples, at most DEFAULT_LEARNED_EVERY")
     learned_margin: float = Field(DEFAULT_LEARNED_MARGIN, ge=0, le=100, allow_inf_nan=False,
                                   description="logit margin by which each target token must be the greedy choice")
     packing: bool = Field(True, description="pack each batch's examples into fewer sequences (position_ids restart "
                                             "per example) so padding is not computed; same loss up to float rounding")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer in backward instead of "
                                                             "keeping its activations (less memory, slower steps)")
+    replay_corrections: bool = Field(
+        True, description="with base_adapter and inline examples: train on the corrections stored with the base "
+                          "adapter's revision too, so earlier corrections are kept (docs/training.md, \"Sequential "
+                          "corrections\")")
 
     @model_validator(mode="after")
     def _one_source(self) -> SFTRequest:

@@ -578,6 +578,7 @@
     const button = $('#correct-submit');
     button.disabled = true;
     delete status.dataset.jobState;
+    delete status.dataset.heldBack;
     try {
       const job = (await api('POST', '/v1/train/sft', body)).data;
       status.dataset.jobId = job.id;
@@ -595,6 +596,12 @@
       const report = result.report || {};
       status.dataset.revision = result.revision || '';
       status.dataset.learned = String(report.learned === true);
+      if (result.held_back) { // the locality guard did not serve it: say why instead of asking it
+        status.dataset.heldBack = result.held_back.code;
+        status.textContent = `job ${done.id} published ${adapter} revision ${short(result.revision)}, but it is not `
+          + `served: ${result.held_back.reason}. Load it by hand on the Adapters page, or correct with fewer steps.`;
+        return;
+      }
       status.textContent = `job ${done.id} succeeded: ${adapter} revision ${short(result.revision)}`
         + ` after ${report.steps ?? '?'} steps (final loss ${fmtNum(report.final_loss)})`
         + (report.learned === true ? '; the job reports the correction is reproduced' : '')
@@ -682,7 +689,30 @@
       h('td', {}, h('span', { class: `badge ${job.state}`, text: job.state })),
       h('td', { text: report.steps ?? job.step ?? '–' }), h('td', { text: fmtNum(report.final_loss ?? job.loss) }),
       h('td', {}, h('code', { text: short(job.result && job.result.revision), title: job.result && job.result.revision })),
+      h('td', {}, localityBadge(job.result && job.result.locality, job.result && job.result.held_back)),
       h('td', { class: 'error', text: job.error || '' }));
+  }
+
+  // A job's locality (docs/training.md, "Locality"): probe answers its adapter left unchanged, the mean
+  // KL(base || adapter) and the degenerate answers in the tooltip; flagged when the locality guard held the
+  // adapter back (or admitted it only by the job's override). Takes a job result's `locality` or a receipt
+  // summary's.
+  function localityBadge(loc, heldBack) {
+    if (!loc || loc.measured === false) return '';
+    const guard = loc.guard || {};
+    if (loc.error || loc.unchanged_fraction == null) {
+      return h('span', { class: 'badge bad locality', text: 'locality not measured', title: loc.error || '' });
+    }
+    const below = guard.admitted === false;
+    const parts = [`${loc.unchanged}/${loc.probes} probe answers unchanged`, `KL ${fmtNum(loc.kl_mean)} nats/token`,
+      `${loc.degenerate} degenerate (base: ${loc.base_degenerate})`];
+    if (guard.override && guard.code) parts.push(`admitted by override despite ${guard.code}`);
+    if (heldBack) parts.push(`held back: ${heldBack.reason}`);
+    else if (below) parts.push(`under the locality guard's thresholds (${guard.reason || guard.code})`);
+    const cls = heldBack || below ? 'badge bad locality' : (guard.code ? 'badge kept locality' : 'badge locality');
+    const label = heldBack ? 'held back · ' : (below ? 'below threshold · ' : '');
+    return h('span', { class: cls, dataset: { unchanged: String(loc.unchanged_fraction), heldBack: String(!!heldBack) },
+      text: `${label}locality ${loc.unchanged}/${loc.probes}`, title: parts.join(' · ') });
   }
 
   function renderCharts() {
@@ -854,6 +884,7 @@
           text: `default ${short(defaultAdapter.revision)}${defaultAdapter.serving ? '' : ' (not served)'}`,
           title: 'requests naming the base model get this revision' }) : '',
         receiptBadge(a),
+        localityBadge(a.receipt && a.receipt.verified ? a.receipt.locality : null),
         ...Object.entries(a.quarantined || {}).map(([rev, mark]) => h('span', {
           class: 'badge bad quarantined', text: `quarantined ${short(rev)}`,
           title: `${mark.reason} (since ${mark.at}); clear: POST /v1/adapters/{name}/quarantine/clear` }))),

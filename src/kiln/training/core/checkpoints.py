@@ -9,6 +9,7 @@ one rename, so a crash leaves either the whole checkpoint or none.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.canonical import atomic_publish_dir, atomic_write_json, strict_json_loads
+from kiln.canonical import atomic_publish_dir, atomic_write_json, open_regular, read_regular_file, strict_json_loads
 
 CHECKPOINT_SCHEMA = "kiln.training-checkpoint.v1"
 KEEP_CHECKPOINTS = 2
@@ -99,11 +100,14 @@ def list_checkpoints(root: Path) -> list[Path]:
 def load_checkpoint(path: Path, *, plan_sha256: str) -> Checkpoint:
     """Load one checkpoint, refusing one written for a different training plan."""
     state_file = path / "state.json"
-    if not state_file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
-    if state_file.stat().st_size > MAX_STATE_JSON_BYTES:
-        raise CheckpointError(f"{state_file} is larger than {MAX_STATE_JSON_BYTES} bytes")
-    state = strict_json_loads(state_file.read_bytes())
+    try:
+        state = strict_json_loads(read_regular_file(state_file, MAX_STATE_JSON_BYTES))
+        for name in ("adapter.safetensors", "optimizer.pt", "rng.pt"):  # never a FIFO handed to a blocking load
+            os.close(open_regular(path / name))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {Path(exc.filename or '').name})") from None
+    except OSError as exc:  # NotRegularFileError, FileTooLargeError
+        raise CheckpointError(f"{path} is not a usable checkpoint: {exc.strerror or exc}") from None
     if state.get("schema") != CHECKPOINT_SCHEMA:
         raise CheckpointError(f"{state_file}: unknown schema {state.get('schema')!r}")
     if state["plan_sha256"] != plan_sha256:

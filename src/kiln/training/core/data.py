@@ -18,7 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from kiln.canonical import strict_json_loads
+from kiln.canonical import NotRegularFileError, open_regular, strict_json_loads
 from kiln.errors import InvalidRequest, NotFound
 from kiln.training.core.templates import assistant_tokens
 from kiln.training.schemas import GRPOGroup, SFTExample
@@ -46,7 +46,6 @@ class TrainingDataError(InvalidRequest, ValueError):
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _path_parts(root: Path, relative: str, label: str = "dataset_path") -> list[str]:
@@ -72,10 +71,23 @@ def _outside(relative: str, root: Path, label: str = "dataset_path") -> Training
     )
 
 
-def _open_below(dir_fd: int, name: str, flags: int, relative: str, root: Path, label: str = "dataset_path") -> int:
-    """``openat(dir_fd, name, flags)`` with every failure mapped to a 4xx training-data error."""
+def _open_below(dir_fd: int, name: str, flags: int | None, relative: str, root: Path,
+                label: str = "dataset_path") -> int:
+    """``openat(dir_fd, name, flags)`` with every failure mapped to a 4xx training-data error; ``flags=None``
+    opens the final file with :func:`kiln.canonical.open_regular` (a FIFO or device refused before it blocks)."""
     try:
+        if flags is None:
+            return open_regular(name, dir_fd=dir_fd)
         return os.open(name, flags, dir_fd=dir_fd)
+    except NotRegularFileError as exc:
+        if exc.errno != errno.ELOOP:
+            raise TrainingDataError(f"{label} {relative!r} is not a regular file", code="dataset_not_file",
+                                    param=label) from None
+        raise TrainingDataError(
+            f"{label} {relative!r} goes through a symlink ({name}); symlinks are refused",
+            code="dataset_symlink", hint="copy the file into the data directory instead of linking it",
+            param=label,
+        ) from None
     except FileNotFoundError:
         raise TrainingDataError(
             f"{label} {relative!r} does not exist in the data directory",
@@ -123,19 +135,16 @@ def open_dataset(data_dir: Path, relative: str) -> int:
             nxt = _open_below(fd, part, _DIR_FLAGS, relative, root)
             os.close(fd)
             fd = nxt
-        file_fd = _open_below(fd, parts[-1], _FILE_FLAGS, relative, root)
+        file_fd = _open_below(fd, parts[-1], None, relative, root)
     finally:
         os.close(fd)
     try:
         st = os.fstat(file_fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TrainingDataError(f"dataset_path {relative!r} is not a regular file", code="dataset_not_file")
         if st.st_nlink > 1:  # a hard link may name a file outside the data directory: refused like a symlink
             raise TrainingDataError(f"dataset_path {relative!r} has {st.st_nlink} hard links; only files with one "
                                     "link are read (another link may be a file outside the data directory)",
                                     code="dataset_hard_link",
                                     hint="copy the file into the data directory instead of linking it")
-        os.set_blocking(file_fd, True)
     except BaseException:
         os.close(file_fd)
         raise

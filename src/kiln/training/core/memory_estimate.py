@@ -9,7 +9,7 @@ What a job adds (bytes, by part):
   for backward, where ``tokens`` is one step's batch (sequences x the longest sequence). With
   ``gradient_checkpointing`` each layer keeps only its input, and one layer's full set is live;
 * ``lm_head_chunk``: the chunked LM head's float32 logits and their gradient for one chunk
-  (:data:`kiln.training.core.chunked_loss.CHUNK_ELEMENTS` elements each);
+  (:data:`kiln.training.losses.chunked.CHUNK_ELEMENTS` elements each);
 * ``teacher_topk``: OPD/KD teacher and student top-K buffers (log-probability float32 + token ID int64,
   both sides) for every position of the batch.
 
@@ -97,7 +97,7 @@ def estimate_job(kind: str, request: dict[str, Any], data: Any, dims: ModelDims)
     else:
         activations = per_layer * dims.layers * ACTIVATION_FACTOR
     top_k = int(request.get("top_k") or 0) if kind in ("opd", "kd") else 0
-    from kiln.training.core.chunked_loss import CHUNK_ELEMENTS  # torch: imported with the trainer anyway
+    from kiln.training.losses.chunked import CHUNK_ELEMENTS  # torch: imported with the trainer anyway
     return {
         "lora": dims.lora_params(rank, targets) * LORA_BYTES_PER_PARAM,
         "activations": activations,

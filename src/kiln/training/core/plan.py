@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from kiln.adapters.validate import CONFIG_FILE
 from kiln.canonical import canonical_json_bytes, domain_digest
 from kiln.errors import Conflict, InvalidRequest, NotFound
-from kiln.training.schemas import DEFAULT_LORA_RANK, DEFAULT_TARGET_MODULES, LINEAR_ATTENTION_TARGET_MODULES
+from kiln.training.schemas import (
+    DEFAULT_ANCHOR_PER_STEP,
+    DEFAULT_ANCHOR_QUESTIONS,
+    DEFAULT_ANCHOR_WEIGHT,
+    DEFAULT_LORA_RANK,
+    DEFAULT_TARGET_MODULES,
+    LINEAR_ATTENTION_TARGET_MODULES,
+)
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord, AdapterStore
@@ -36,9 +43,9 @@ if TYPE_CHECKING:
 INPUTS_DOMAIN = "kiln.training-inputs.v1"
 PLAN_DOMAIN = "kiln.training-plan.v1"
 # Request fields that describe how a job is run, not what it computes (left out of the plan digest).
-RUN_ONLY_FIELDS = ("resume_from_job", "auto_load", "checkpoint_interval")
+RUN_ONLY_FIELDS = ("resume_from_job", "auto_load", "checkpoint_interval", "locality")
 # Fields left out of the adapter manifest's config (bulky inputs and digests recorded elsewhere).
-NOT_IN_MANIFEST = ("examples", "groups", "prompts", "inputs_sha256", "plan_sha256", "resume_from_job")
+NOT_IN_MANIFEST = ("examples", "groups", "prompts", "inputs_sha256", "plan_sha256", "resume_from_job", "locality")
 
 D = TypeVar("D")
 
@@ -198,6 +205,17 @@ def lora_fields(lora: LoraShape, parent: AdapterRecord | None) -> dict[str, Any]
     """The effective request's LoRA and base-adapter fields (every kind records them in its plan)."""
     return {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_target_modules": list(lora.target_modules),
             "base_adapter_revision": None if parent is None else parent.revision}
+
+
+def anchor_fields(request: Any, *, default_weight: float = DEFAULT_ANCHOR_WEIGHT) -> dict[str, Any]:
+    """The effective request's KL-to-base anchor fields (docs/training.md, "Locality"): the request's, else the
+    defaults; a zero weight or zero questions turn it off (recorded as weight 0). Every kind records them."""
+    weight = request.anchor_weight if request.anchor_weight is not None else default_weight
+    questions = request.anchor_questions if request.anchor_questions is not None else DEFAULT_ANCHOR_QUESTIONS
+    per_step = request.anchor_per_step if request.anchor_per_step is not None else DEFAULT_ANCHOR_PER_STEP
+    if not weight or not questions:
+        weight, questions = 0.0, 0
+    return {"anchor_weight": float(weight), "anchor_questions": int(questions), "anchor_per_step": int(per_step)}
 
 
 def default_target_modules(linear_names: set[str] | frozenset[str]) -> list[str]:

@@ -10,10 +10,11 @@ defines only :meth:`TrainingRecipe.train`.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from kiln.adapters.receipt import training_claims
 from kiln.adapters.validate import WEIGHTS_FILE
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
     from kiln.teachers.service import TeacherService
+
+log = logging.getLogger("kiln.training")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class RecipeContext:
     teachers: TeacherService | None = None  # OPD: the teacher registry its pinned teacher is re-probed in
     # post_eval.set_default_on_pass: (name, revision) -> pin it as the server default (set by the serving root)
     set_default: Callable[[str, str], Any] | None = None
+    locality: Any = None  # settings.locality (kiln.config.LocalitySettings); None: its defaults
 
 
 class TrainingRecipe:
@@ -60,6 +64,8 @@ class TrainingRecipe:
         self.default_set = False  # post_eval.set_default_on_pass pinned this revision as the server default
         self.post_eval: dict[str, Any] | None = None
         self.peft_model: Any = None
+        self.locality: dict[str, Any] | None = None  # the adapter's locality figures and guard verdict
+        self.held_back: dict[str, Any] | None = None  # the guard's reason when it held back an asked-for activation
         self._t = time.perf_counter()
 
     def run(self) -> dict[str, Any]:
@@ -67,6 +73,7 @@ class TrainingRecipe:
         self.setup()
         try:
             report = self.train(resume)
+            self.locality = self.measure_locality()
             staging = self.save()
         finally:
             self.ctx.engine.delete_private_adapter(self.private)
@@ -102,6 +109,45 @@ class TrainingRecipe:
     def train(self, resume: Checkpoint | None) -> Report:
         raise NotImplementedError
 
+    def measure_locality(self) -> dict[str, Any]:
+        """The adapter's locality (:func:`kiln.training.core.locality.job_locality`) with the locality guard's verdict
+        (:func:`kiln.adapters.locality_guard.guard_verdict`); a measure that fails leaves ``error`` instead of
+        figures (the guard then holds the adapter back)."""
+        from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
+        from kiln.config import LocalitySettings
+        from kiln.training.core.locality import job_locality
+
+        section = self.ctx.locality if self.ctx.locality is not None else LocalitySettings()
+        request = self.plan.request.get("locality") or {}
+        try:
+            figures = job_locality(self.peft_model, self.private, self.ctx.model, self.ctx.engine, section, request,
+                                   self.ctx.hooks.exclusive)
+        except Exception as exc:  # noqa: BLE001 - recorded; the guard holds the adapter back
+            log.exception("locality measure of job %s failed", self.job_id)
+            figures = {"error": f"the locality measure failed: {type(exc).__name__}: {exc}"}
+        self._phase("locality")
+        verdict = guard_verdict(figures, GuardPolicy.from_settings(section), override=bool(request.get("override")))
+        return {**(figures if figures is not None else {"measured": False}), "guard": verdict}
+
+    def anchor(self, own: Sequence[Sequence[int]]) -> Any:
+        """The job's KL-to-base anchor (:mod:`kiln.training.core.anchor`), less the rows whose prompt starts one of
+        ``own`` (the job's sequences); None when the request turns it off. The rows are built once per base
+        model and process, under exclusive ownership (the base model answers with every adapter disabled)."""
+        from kiln.training.core.anchor import anchor_rows, anchor_settings, base_anchor
+        from kiln.training.core.templates import end_of_turn_ids
+
+        settings = anchor_settings(self.plan.request)
+        if not settings.on:
+            return None
+        model = self.ctx.model
+        end_ids = sorted(end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None)))
+        pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else end_ids[0]
+        with self.ctx.engine.ownership.exclusive():
+            anchor = base_anchor(model.base_model_sha256, lambda: anchor_rows(
+                self.peft_model, model.tokenizer, settings, pad_id=pad_id, end_ids=end_ids), settings)
+        self._phase("anchor")
+        return anchor.without(own)
+
     def save(self) -> Staging:
         """Write standard PEFT files into a fresh staging dir of the adapter store."""
         staging = self.ctx.store.new_staging()
@@ -117,7 +163,7 @@ class TrainingRecipe:
         """Publish the revision with its training receipt (:mod:`kiln.adapters.receipt`)."""
         plan = self.plan
         claims = training_claims(job_id=self.job_id, plan_sha256=plan.plan_sha256, inputs=receipt_inputs(plan),
-                                 teacher=self.receipt_teacher())
+                                 teacher=self.receipt_teacher(), locality=self.locality)
         record = self.ctx.store.publish(
             staging, name=plan.adapter, base_model_sha256=self.ctx.model.base_model_sha256, kind=plan.kind,
             config=plan.manifest_config | {"job_id": self.job_id}, inputs_sha256=plan.inputs_sha256,
@@ -141,6 +187,8 @@ class TrainingRecipe:
             self._phase("post_eval")
             self.ctx.store.record_gate(record.name, record.revision, self.post_eval)  # into the receipt
             activate = self.post_eval.get("verdict") == "promoted" and bool(post_eval.get("activate_on_pass"))
+        if activate and not self.admitted_by_guard():
+            activate = False
         if activate:
             self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
             if post_eval is not None and post_eval.get("set_default_on_pass") and self.ctx.set_default is not None:
@@ -148,6 +196,15 @@ class TrainingRecipe:
                 self.default_set = True
         self.activated = activate
         self._phase("activate")
+
+    def admitted_by_guard(self) -> bool:
+        """Whether the locality guard lets this job activate its adapter (auto_load, post_eval activate_on_pass
+        and set_default_on_pass); when it does not, :attr:`held_back` names why."""
+        verdict = (self.locality or {}).get("guard")
+        if verdict is None or verdict["admitted"] or not verdict["enabled"]:
+            return True
+        self.held_back = {"code": verdict["code"], "reason": verdict["reason"]}
+        return False
 
     def result(self, record: AdapterRecord, report: Report, resume: Checkpoint | None) -> dict[str, Any]:
         return {
@@ -159,6 +216,8 @@ class TrainingRecipe:
             "resumed_from_step": None if resume is None else resume.step,
             "report": report.as_dict(),
             **({"post_eval": self.post_eval} if self.post_eval is not None else {}),
+            "locality": self.locality,
+            **({"held_back": self.held_back} if self.held_back is not None else {}),
             "timings_s": self.timings | {"total": round(sum(self.timings.values()), 4)},
         }
 

@@ -17,7 +17,7 @@ float arithmetic of a step, never what it computes:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln.training.core.chunked_loss import SplitLM
+from kiln.training.losses.chunked import SplitLM
 
 COMPILE_BUCKET = 64  # tokens: compiled batches are right-padded to a multiple of this
 COMPILE_CACHE_LIMIT = 32  # graphs dynamo keeps per compiled trunk (buckets x batch heights)
@@ -97,3 +97,18 @@ class TrunkRunner:
             return self.compiled(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
                                  use_cache=False).last_hidden_state
         return split.hidden(batch["input_ids"], position_ids=batch.get("position_ids"))
+
+
+def completion_logits(peft_model: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       device: torch.device) -> torch.Tensor:
+    """``[N, V]`` student logits predicting each completion token (N = all completion tokens, in order)."""
+    width = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
+    attn = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
+    for r, (p, c) in enumerate(pairs):
+        seq = list(p) + list(c)
+        ids[r, : len(seq)] = torch.tensor(seq, device=device)
+        attn[r, : len(seq)] = 1
+    logits = peft_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    out = [logits[r, len(p) - 1: len(p) - 1 + len(c)] for r, (p, c) in enumerate(pairs)]
+    return torch.cat(out, dim=0)

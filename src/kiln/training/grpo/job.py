@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.core.chunked_loss import split_causal_lm
+from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.core.data import TrainingDataError, batches_per_epoch, tokenize_grpo_group
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, epoch_batches
@@ -60,7 +60,7 @@ def prepare_grpo(ctx: PrepareContext, request: GRPORequest) -> JobPlan[GRPOData]
 
 def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, settings: GRPOSettings, *,
              pad_id: int, skipped_groups: int = 0, hooks: Hooks | None = None,
-             resume: Checkpoint | None = None) -> Report:
+             resume: Checkpoint | None = None, anchor: Any = None) -> Report:
     """Group-relative policy optimisation over fixed, pre-scored completions.
 
     The ratio's denominator (``old_logp``) is the policy at the start of the job,
@@ -89,7 +89,8 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
             b = grpo_batch(items, chosen, old, offsets, pad_id=pad_id, device=loop.device)
             yield StepInput(b, b.tokens, cursor, old_tensors)
 
-    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, settings, split, b))
+    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, settings, split, b, anchor=anchor,
+                                            pad_id=pad_id))
     return loop.report()
 
 
@@ -102,6 +103,7 @@ class GRPORecipe(TrainingRecipe):
         data = self.plan.data
         report = run_grpo(self.peft_model, self.private, data.items, step_plan(self.plan, compile=self.ctx.compile),
                           data.settings, pad_id=self.ctx.model.tokenizer.pad_token_id, skipped_groups=data.skipped,
-                          hooks=self.ctx.hooks, resume=resume)
+                          hooks=self.ctx.hooks, resume=resume,
+                          anchor=self.anchor([r.input_ids for it in data.items for r in it.rows]))
         self._phase("train")
         return report

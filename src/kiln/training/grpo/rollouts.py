@@ -34,7 +34,7 @@ from kiln.training.core.data import Row, epoch_order
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy, sampler_name
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Plan
-from kiln.training.core.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.core.templates import end_of_turn_ids
 from kiln.training.grpo.rewards import RewardError, RewardFn, build_reward
@@ -93,7 +93,7 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
                top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
-               **lora_fields(lora, parent))
+               **lora_fields(lora, parent), **anchor_fields(request))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
@@ -110,7 +110,8 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
 
 
 def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, decode: Any, hooks: Any,
-                 pad_id: int, end_ids: Sequence[int], resume: Any = None, engine: Any = None) -> Any:
+                 pad_id: int, end_ids: Sequence[int], resume: Any = None, engine: Any = None,
+                 anchor: Any = None) -> Any:
     """The loop described in the module docstring; returns the trainer's Report (stats per iteration).
 
     Checkpoints (``checkpoint_interval`` steps) carry the adapter, the optimizer and the position
@@ -119,7 +120,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     log-probs, so a resumed job continues the same updates instead of sampling again. Sampling is
     seeded per iteration, so later iterations sample what the uninterrupted job sampled.
     """
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.loop import StepInput, TrainLoop
     from kiln.training.grpo.step import grpo_loss, policy_logprobs
     from kiln.training.losses.grpo import GRPOLoss
@@ -157,7 +158,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
             loop.epoch, loop.batch, first_pass = (it + 1) * plan.epochs, 0, 0
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
 
-    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, s, split, b))
+    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, s, split, b, anchor=anchor, pad_id=pad_id))
     loop.total_steps = loop.step
     hooks.on_progress(loop.progress())
     if loop.step == 0:
@@ -292,6 +293,6 @@ class RolloutRecipe(TrainingRecipe):
         report = run_rollouts(self.peft_model, self.private, self.plan.data, self.plan.loop,
                               decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                               hooks=self.ctx.hooks, pad_id=pad_id, end_ids=end_ids, resume=resume,
-                              engine=self.ctx.engine)
+                              engine=self.ctx.engine, anchor=self.anchor(self.plan.data.prompt_ids))
         self._phase("train")
         return report

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kiln.training.core.chunked_loss import SplitLM, linear_token_logprobs
+from kiln.training.core.anchor import anchor_term
+from kiln.training.losses.chunked import SplitLM, linear_token_logprobs
 from kiln.training.core.data import Row, collate
 from kiln.training.core.loop import TrainLoop
 from kiln.training.losses.grpo import GRPOLoss, group_advantages
@@ -122,9 +123,10 @@ def grpo_batch(items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[t
 
 
 def grpo_loss(peft_model: Any, loop: TrainLoop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
-              b: GRPOBatch) -> torch.Tensor:
-    """The clipped GRPO loss of one batch (under exclusive ownership, inside :meth:`TrainLoop.train`); the KL
-    reference is the base model (all adapters disabled). Records ``clip_fraction`` and ``kl``. Shared by
+              b: GRPOBatch, *, anchor: Any = None, pad_id: int = 0) -> torch.Tensor:
+    """The clipped GRPO loss of one batch (under exclusive ownership, inside :meth:`TrainLoop.train`), plus the
+    KL-to-base anchor's term when given (:mod:`kiln.training.core.anchor`); the KL reference is the base model
+    (all adapters disabled). Records ``clip_fraction`` and ``kl``. Shared by
     :func:`kiln.training.grpo.job.run_grpo` and :mod:`kiln.training.grpo.rollouts`."""
     mask = b.batch["loss_mask"][:, 1:]
     ref = None
@@ -133,6 +135,8 @@ def grpo_loss(peft_model: Any, loop: TrainLoop, loss_fn: GRPOLoss, settings: GRP
             ref = _sequence_logprobs(peft_model, b.batch, split, mask, b.old_logp)
     logp = _sequence_logprobs(peft_model, b.batch, split, mask, b.old_logp)
     loss, st = loss_fn(logp, b.old_logp, b.advantages, mask, ref)
+    if anchor is not None:
+        loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
     loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
     return loss
 

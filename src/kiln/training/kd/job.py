@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.canonical import canonical_json_bytes, sha256_file, sha256_hex
 from kiln.errors import Conflict, InvalidRequest
-from kiln.training.core.plan import JobPlan, PrepareContext, lora_fields, seal_plan
+from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
     eff = request.model_dump(mode="json")
     eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
-               **lora_fields(lora, parent))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0))
     inputs = {"capture_plan_sha256": capture_sha, "shards": sorted(s.artifact_sha256 for s in shards)}
     inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
@@ -195,7 +195,8 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
 # ------------------------------------------------------------------------- the loop
 
 
-def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str) -> Any:
+def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str,
+           anchor: Any = None, pad_id: int = 0) -> Any:
     """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
     per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256.
 
@@ -206,7 +207,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     loop.stats.setdefault("kd_commits", [])
     loop.stats.setdefault("first_loss", None)
-    step = _KDStep(peft_model, data, loop)
+    step = _KDStep(peft_model, data, loop, anchor=anchor, pad_id=pad_id)
     data.ledger_root.mkdir(parents=True, exist_ok=True)
     resume_digest = None if resume is None else checkpoint_digest(resume.path)
     actions: dict[str, str] = {}
@@ -239,12 +240,13 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
 class _KDStep:
     """One sparse-KD optimizer step on a batch of a shard's windows (:mod:`kiln.distill.train`'s loss)."""
 
-    def __init__(self, peft_model: Any, data: KDData, loop: Any):
+    def __init__(self, peft_model: Any, data: KDData, loop: Any, *, anchor: Any = None, pad_id: int = 0):
         from kiln.distill.train import kd_loss_split
         from kiln.training.losses.kd import SparseKDLoss
 
         cplan = data.capture_plan
         self.peft_model, self.loop, self.cplan = peft_model, loop, cplan
+        self.anchor, self.pad_id = anchor, pad_id  # the KL-to-base anchor (kiln.training.core.anchor), opt-in
         self.loss_fn = SparseKDLoss(ce_weight=data.ce_weight, kd_weight=data.kd_weight,
                                     temperature=cplan.probability.temperature)
         self.use_ce = cplan.consumption.trajectory == "teacher-expert"
@@ -253,6 +255,7 @@ class _KDStep:
     def train_pass(self, shard: KDShard, pass_index: int) -> None:
         """Every batch of ``shard``'s windows, in order: one optimizer step each."""
         from kiln.distill.train import _batch_tensors, _windows, kd_step_loss, load_shard_examples
+        from kiln.training.core.anchor import anchor_term
 
         loop, cplan, batch_size = self.loop, self.cplan, self.loop.plan.batch_size
         k, vocab = cplan.probability.top_k, cplan.tokenizer.vocab_size
@@ -266,6 +269,8 @@ class _KDStep:
                     windows[b0:b0 + batch_size], examples, k, vocab, loop.device, self.use_ce)
                 loss, _parts = kd_step_loss(self.peft_model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp,
                                             mask, tail, target)
+                if self.anchor is not None:
+                    loss = loss + anchor_term(self.anchor, self.peft_model, self.split, loop, self.pad_id)
                 loop.optimizer_step(loss, int(rows.numel()), t0)
             if loop.stats["first_loss"] is None:
                 loop.stats["first_loss"] = round(loop.loss, 6)
@@ -330,7 +335,9 @@ class KDRecipe(TrainingRecipe):
         return {"model_id": teacher.model_id, "revision": teacher.revision, "fingerprint_sha256": teacher.digest()}
 
     def train(self, resume: Any) -> Any:
+        tok = self.ctx.model.tokenizer
         report = run_kd(self.peft_model, self.private, self.plan.data, self.plan.loop, hooks=self.ctx.hooks,
-                        resume=resume, job_id=self.job_id)
+                        resume=resume, job_id=self.job_id, anchor=self.anchor([]),
+                        pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0)
         self._phase("train")
         return report

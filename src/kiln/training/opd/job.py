@@ -23,7 +23,7 @@ import torch
 
 from kiln.errors import Conflict, InvalidRequest
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy
-from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, lora_fields, seal_plan
+from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.losses.opd import outside_top_k
 from kiln.training.opd.step import opd_loss
@@ -61,7 +61,7 @@ class OPDData:
     total_steps: int
     corpus: tuple[Any, ...] = ()  # off_policy: kiln.training.opd.offline.OffPolicyRow, in file order
     teacher_path: bool = False  # one teacher-path row per prompt and step (kiln.training.opd.paths)
-    rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.opd.rehearsal)
+    rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.core.rehearsal)
     rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
 
 
@@ -156,7 +156,7 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
     check = _learned_check(request)
     eff = request.model_dump(mode="json")
     eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
-               **lora_fields(lora, parent), **extra)
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0), **extra)
     inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
@@ -171,16 +171,17 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
 
 def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: Any, pinned: str,
             model_id: str, vocab_size: int, hooks: Any, resume: Any, pad_id: int, end_ids: Sequence[int],
-            engine: Any = None, rehearsal: Any = None) -> Any:
+            engine: Any = None, rehearsal: Any = None, anchor: Any = None) -> Any:
     """The OPD loop: sample (student, batched) -> score (teacher, one batch) -> loss -> optimizer step.
 
     With the built-in ``engine`` the student samples on the serving engine's continuous batching (the private
     adapter by key, prefix cache keyed by step: :func:`~kiln.training.core.engine_sampling.sample_policy`),
     interleaved with serving; without it, one batched ``generate`` under exclusive ownership. The teacher is asked outside
     exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
-    (:class:`~kiln.training.opd.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
+    (:class:`~kiln.training.core.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
     scored by the base model."""
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.core.anchor import anchor_term
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.loop import Learned, TrainLoop
 
     loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
@@ -193,8 +194,13 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     check = plan.until_learned if steps.paths is not None else None
     learned = None if check is None else Learned(max(check.every, math.ceil(len(data.items) / plan.batch_size)),
                                                  steps.learned)
-    loop.train(steps, lambda b: opd_loss(peft_model, split, data, *b, pad_id=pad_id, device=loop.device),
-               learned=learned)
+    def loss_step(b: Any) -> Any:
+        loss = opd_loss(peft_model, split, data, *b, pad_id=pad_id, device=loop.device)
+        if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in beside rehearsal
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+        return loss
+
+    loop.train(steps, loss_step, learned=learned)
     return loop.report()
 
 
@@ -407,14 +413,15 @@ class OPDRecipe(TrainingRecipe):
         report = run_opd(self.peft_model, self.private, data, self.plan.loop, teacher=self.teacher,
                          pinned=data.teacher["fingerprint"], model_id=self.teacher.model_id,
                          vocab_size=self._teachers().identity.vocab_size, hooks=self.ctx.hooks, resume=resume,
-                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal)
+                         pad_id=pad_id, end_ids=end_ids, engine=self.ctx.engine, rehearsal=rehearsal,
+                         anchor=self.anchor([it.student_ids for it in data.items]))
         self._phase("train")
         return report
 
     def _rehearsal(self, resume: Any, pad_id: int, end_ids: list[int]) -> Any:
-        """The job's rehearsal rows (:func:`kiln.training.opd.rehearsal.job_rehearsal`), built under exclusive
+        """The job's rehearsal rows (:func:`kiln.training.core.rehearsal.job_rehearsal`), built under exclusive
         ownership; on resume from the questions the checkpoint kept."""
-        from kiln.training.opd.rehearsal import REHEARSAL_TENSOR, job_rehearsal
+        from kiln.training.core.rehearsal import REHEARSAL_TENSOR, job_rehearsal
 
         data, tok = self.plan.data, self.ctx.model.tokenizer
         with self.ctx.hooks.exclusive():

@@ -35,7 +35,7 @@ DEFAULT_OPD_LEARNING_RATE = 1e-2
 DEFAULT_OPD_PATH_CE_WEIGHT = 3.0
 DEFAULT_OPD_TEMPERATURE = 0.5
 # `rehearsal` omitted on policy: the base model writes this many questions of its own and its answers to them are
-# rehearsed beside the job's prompts (kiln.training.opd.rehearsal), keeping the student near the base model away
+# rehearsed beside the job's prompts (kiln.training.core.rehearsal), keeping the student near the base model away
 # from the job's prompts; off policy, or continuing a `base_adapter`: 0.
 DEFAULT_OPD_REHEARSAL = 64
 MAX_OPD_REHEARSAL = 1_024
@@ -88,12 +88,12 @@ class OPDRequest(_TrainCommon):
         None, ge=0.0, le=100.0, description="weight of CE on `gold` completions, or with teacher_path on the "
         "teacher's greedy answer where a prompt has no gold (sequence-level KD); default: "
         "DEFAULT_OPD_PATH_CE_WEIGHT with teacher_path on policy, else 0")
-    rehearsal: int | None = Field(  # the OpenAPI text names kiln.training.opd.rehearsal by its old path
+    rehearsal: int | None = Field(  # the OpenAPI text names kiln.training.core.rehearsal by its old path
         None, ge=0, le=MAX_OPD_REHEARSAL,
         description="questions the base model writes itself (adapter disabled) whose base answers are rehearsed "
                     "beside the prompts (rehearsal_per_prompt rows per prompt and step), under forward KL to the "
                     "base model "
-                    "(kiln.training.opd_rehearsal); 0: off; default: DEFAULT_OPD_REHEARSAL on policy, else 0")
+                    "(kiln.training.core.rehearsal); 0: off; default: DEFAULT_OPD_REHEARSAL on policy, else 0")
     rehearsal_per_prompt: int = Field(
         DEFAULT_OPD_REHEARSAL_PER_PROMPT, ge=1, le=MAX_SAMPLES_PER_PROMPT,
         description="with rehearsal: rehearsal rows added per prompt and step")

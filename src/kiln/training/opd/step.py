@@ -1,7 +1,7 @@
 """One OPD optimizer step's loss: the student's completion positions against the teacher's rows.
 
 Shared by on-policy OPD (:mod:`kiln.training.opd.job`), off-policy OPD (:mod:`kiln.training.opd.offline`)
-and the rehearsal rows (:mod:`kiln.training.opd.rehearsal`), which import it and nothing of each other.
+and the rehearsal rows (:mod:`kiln.training.core.rehearsal`), which import it and nothing of each other.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import nn
 
+from kiln.training.core.step import completion_logits
 from kiln.training.losses.opd import CANDIDATE_LOSSES, SampledTokenLoss, candidates, teacher_token_logp
 
 
@@ -36,10 +37,10 @@ def opd_loss(peft_model: Any, split: Any, data: LossSettings, pairs: Sequence[tu
     """One step's loss (with gradient) over the completion tokens of ``pairs`` ((student prompt, completion)),
     whose teacher rows are ``rows`` (one per completion token, in order), plus ``ce_weight`` x CE on ``gold``.
 
-    With ``split`` (:func:`kiln.training.core.chunked_loss.split_causal_lm`) one trunk forward serves both, and
+    With ``split`` (:func:`kiln.training.losses.chunked.split_causal_lm`) one trunk forward serves both, and
     the head runs only at completion positions and keeps only the candidate columns
     (:mod:`kiln.training.opd.head`); otherwise the model's full logits are used."""
-    from kiln.training.core.chunked_loss import linear_cross_entropy_sum, linear_token_logprobs
+    from kiln.training.losses.chunked import linear_cross_entropy_sum, linear_token_logprobs
     from kiln.training.opd.head import candidate_loss_mean, completion_hidden
 
     n_tok = len(sampled)
@@ -104,18 +105,3 @@ def sampler_logp(temperature: float, at: Any, n: int, device: Any) -> torch.Tens
     if temperature == 0.0:
         return torch.zeros(n, dtype=torch.float32, device=device)
     return at(temperature)
-
-
-def completion_logits(peft_model: Any, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                       device: torch.device) -> torch.Tensor:
-    """``[N, V]`` student logits predicting each completion token (N = all completion tokens, in order)."""
-    width = max(len(p) + len(c) for p, c in pairs)
-    ids = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
-    attn = torch.zeros((len(pairs), width), dtype=torch.long, device=device)
-    for r, (p, c) in enumerate(pairs):
-        seq = list(p) + list(c)
-        ids[r, : len(seq)] = torch.tensor(seq, device=device)
-        attn[r, : len(seq)] = 1
-    logits = peft_model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    out = [logits[r, len(p) - 1: len(p) - 1 + len(c)] for r, (p, c) in enumerate(pairs)]
-    return torch.cat(out, dim=0)

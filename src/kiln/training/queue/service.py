@@ -225,6 +225,8 @@ class TrainingService:
                     self.jobs.finish(job.id, jobstates.FAILED, error=f"{type(exc).__name__}: {exc}")
             else:
                 self.jobs.finish(job.id, jobstates.SUCCEEDED, result=result)
+                if self.observer is not None:
+                    self.observer.training_locality(job.kind, result.get("locality"), "held_back" in result)
             finally:
                 self._running = None
                 if reservation is not None and self.memory is not None:
@@ -310,7 +312,7 @@ class TrainingService:
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
                             None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job),
                             compile=self.settings.training.compile, teachers=self.teachers,
-                            set_default=self.set_default)
+                            set_default=self.set_default, locality=self.settings.locality)
         return kinds.kind_of_plan(plan).recipe(plan, ctx, job_id=job.id).run()
 
 

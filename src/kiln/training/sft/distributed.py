@@ -40,7 +40,7 @@ import torch
 
 from kiln.errors import InvalidRequest
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.core.chunked_loss import chunk_rows, linear_cross_entropy_sum, split_causal_lm
+from kiln.training.losses.chunked import chunk_rows, linear_cross_entropy_sum, split_causal_lm
 from kiln.training.core.data import Row, batches_per_epoch, collate
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, _adamw, epoch_batches
@@ -187,7 +187,7 @@ class SFTLossSum(torch.nn.Module):
     """The module DDP or FSDP wraps: ``(input_ids [B,T], loss_mask [B,T]) -> sum of target-token CE`` (fp32).
 
     It holds the ``PeftModel`` so that DDP/FSDP see the adapter's parameters; the
-    head runs chunk by chunk (:func:`kiln.training.core.chunked_loss.split_causal_lm`)
+    head runs chunk by chunk (:func:`kiln.training.losses.chunked.split_causal_lm`)
     where the model allows it, else through the full logits. With ``margin`` it
     returns instead the smallest ``logit(target) - max(logit(other))`` over the
     targets (:class:`kiln.training.core.loop.LearnedCheck`), so that under FSDP the

@@ -16,7 +16,7 @@ import torch
 
 from kiln.runtime.model_family import is_hybrid
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.core.chunked_loss import sft_loss_from_hidden, split_causal_lm
+from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
 from kiln.training.core.data import (
     Row,
     TrainingDataError,
@@ -38,11 +38,21 @@ from kiln.training.core.loop import (
     epoch_batches,
     greedy_margin,
 )
-from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, SFTData, lora_fields, seal_plan
+from kiln.training.core.anchor import anchor_term
+from kiln.training.core.plan import (
+    JobPlan,
+    LoraShape,
+    PrepareContext,
+    SFTData,
+    anchor_fields,
+    lora_fields,
+    seal_plan,
+)
 from kiln.training.core.recipe import TrainingRecipe, step_plan
 from kiln.training.core.step import TrunkRunner
 from kiln.training.losses.sft import sft_loss
 from kiln.training.schemas import (
+    DEFAULT_LEARNED_EVERY,
     DEFAULT_LEARNED_MAX_STEPS,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_STEPS,
@@ -50,6 +60,7 @@ from kiln.training.schemas import (
     GRPORequest,
     SFTRequest,
 )
+from kiln.training.sft.corrections import with_corrections
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord
@@ -64,7 +75,7 @@ def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
     lora = ctx.lora_shape(request, parent)
     limit = ctx.max_seq_len_limit
     max_len = request.max_seq_len if limit is None else min(request.max_seq_len, limit)
-    return parent, lora, max_len, request.model_dump(mode="json")
+    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request)
 
 
 def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
@@ -76,6 +87,9 @@ def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
         examples, eff["dataset_sha256"] = load_sft_dataset(ctx.settings.data_path, request.dataset_path,
                                                            max_examples=limits.max_examples)
     assert examples is not None
+    if request.examples is not None:  # sequential corrections: the parent's, then these (kiln.training.sft.corrections)
+        examples, eff["corrections"], eff["replayed_corrections"] = with_corrections(
+            parent, list(examples), replay=request.replay_corrections)
     if len(examples) > limits.max_examples:
         raise TrainingDataError(f"{len(examples)} examples exceed training.max_examples", code="too_many_examples")
     rows = tuple(tokenize_sft(ctx.model.tokenizer, examples, max_seq_len=max_len, end_ids=ctx.end_ids))
@@ -102,22 +116,28 @@ def supervised_plan(kind: str, ctx: PrepareContext, request: SFTRequest | GRPORe
                                 max_epochs=DEFAULT_MAX_EPOCHS)
     eff.update(epochs=epochs, max_steps=max_steps, max_seq_len=max_len, **lora_fields(lora, parent))
     if kind == "sft":
+        assert isinstance(request, SFTRequest)
         eff["until_learned"] = until_learned
+        # the learned check runs once per pass over the examples (a one-example correction: every step, so it
+        # stops at the first step that reproduces it), at most every DEFAULT_LEARNED_EVERY steps
+        eff["learned_check_every"] = request.learned_check_every or min(
+            DEFAULT_LEARNED_EVERY, batches_per_epoch(n_items, request.batch_size))
     inputs_sha, plan_sha = seal_plan(kind, eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha, eff)
     check = None
     if until_learned:
         assert isinstance(request, SFTRequest)
-        check = LearnedCheck(every=request.learned_check_every, margin=request.learned_margin)
+        check = LearnedCheck(every=eff["learned_check_every"], margin=request.learned_margin)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
                 max_steps=max_steps, until_learned=check)
     return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
 def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
-            hooks: Hooks | None = None, resume: Checkpoint | None = None) -> Report:
-    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens).
+            hooks: Hooks | None = None, resume: Checkpoint | None = None, anchor: Any = None) -> Report:
+    """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens), plus the KL-to-base term of
+    ``anchor`` (:class:`kiln.training.core.anchor.Anchor`) each step when given.
 
     With ``plan.until_learned`` the loop checks every ``every`` steps whether the
     targets are the greedy answer (by the margin) and stops as soon as they are;
@@ -146,9 +166,13 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     def loss_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if split is not None:
             hidden = runner.hidden(split, batch)
-            return sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
-        logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-        return sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+            loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
+        else:
+            logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+            loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+        if anchor is not None:
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+        return loss
 
     def learned() -> bool:
         with loop.step_ownership():
@@ -190,8 +214,9 @@ class SFTRecipe(TrainingRecipe):
     plan: JobPlan[SFTData]
 
     def train(self, resume: Checkpoint | None) -> Report:
-        report = run_sft(self.peft_model, self.private, self.plan.data.rows,
-                         step_plan(self.plan, compile=self.ctx.compile),
-                         pad_id=self.ctx.model.tokenizer.pad_token_id, hooks=self.ctx.hooks, resume=resume)
+        rows = self.plan.data.rows
+        report = run_sft(self.peft_model, self.private, rows, step_plan(self.plan, compile=self.ctx.compile),
+                         pad_id=self.ctx.model.tokenizer.pad_token_id, hooks=self.ctx.hooks, resume=resume,
+                         anchor=self.anchor([r.input_ids for r in rows]))
         self._phase("train")
         return report

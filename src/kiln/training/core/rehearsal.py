@@ -104,6 +104,33 @@ def write_questions(peft_model: Any, prefix: list[int], n: int, max_tokens: int,
     return [q for q in ([t for t in d if t not in ends] for d in drafts) if q]
 
 
+def chat_prompts(questions: Sequence[Sequence[int]], chat_prompt: Callable[[list[int]], list[int]],
+                 exclude: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+    """``questions`` (token IDs of each question's text) as chat prompts (``chat_prompt``), in order, without
+    repeats and without the prompts in ``exclude``."""
+    seen = {tuple(p) for p in exclude}
+    prompts: list[list[int]] = []
+    for q in questions:
+        p = chat_prompt(list(q))
+        if tuple(p) not in seen:
+            seen.add(tuple(p))
+            prompts.append(p)
+    return prompts
+
+
+def greedy_answers(peft_model: Any, prompts: Sequence[list[int]], *, max_tokens: int, pad_id: int,
+                   end_ids: Sequence[int], device: Any) -> list[list[int]]:
+    """The greedy answer (through its end-of-turn token, at most ``max_tokens``) of the model as it is now (its
+    active adapter, or the base inside ``disable_adapter()``) to each prompt: one batched ``generate``."""
+    import torch
+
+    from kiln.training.core.engine_sampling import sample_batch
+
+    with torch.no_grad():
+        return sample_batch(peft_model, prompts, 1, max_tokens, 0.0, 1.0, seed=0, pad_id=pad_id, end_ids=end_ids,
+                            device=device)
+
+
 def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *,
                     chat_prompt: Callable[[list[int]], list[int]], exclude: Sequence[Sequence[int]],
                     max_tokens: int, top_k: int, pad_id: int, end_ids: Sequence[int], device: Any) -> Rehearsal:
@@ -112,21 +139,14 @@ def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *,
     base model answers each greedily and its top-K rows on the answer are kept."""
     import torch
 
-    from kiln.training.core.engine_sampling import sample_batch
-    from kiln.training.opd.step import completion_logits
+    from kiln.training.core.step import completion_logits
 
-    seen = {tuple(p) for p in exclude}
-    prompts: list[list[int]] = []
-    for q in questions:
-        p = chat_prompt(list(q))
-        if tuple(p) not in seen:
-            seen.add(tuple(p))
-            prompts.append(p)
+    prompts = chat_prompts(questions, chat_prompt, exclude)
     if not prompts:
         return Rehearsal(questions, [])
     with torch.no_grad(), peft_model.disable_adapter():
-        answers = sample_batch(peft_model, prompts, 1, max_tokens, 0.0, 1.0, seed=0, pad_id=pad_id,
-                               end_ids=end_ids, device=device)
+        answers = greedy_answers(peft_model, prompts, max_tokens=max_tokens, pad_id=pad_id, end_ids=end_ids,
+                                 device=device)
         kept = [(p, a) for p, a in zip(prompts, answers) if a]
         if not kept:
             return Rehearsal(questions, [])
@@ -139,6 +159,12 @@ def build_rehearsal(peft_model: Any, questions: Sequence[Sequence[int]], *,
         items.append(RehearsalRow(tuple(p), tuple(a), rows))
         at += len(a)
     return Rehearsal(questions, items)
+
+
+def question_prompt(engine: Any) -> Callable[[list[int]], list[int]]:
+    """A written question's token IDs -> the chat prompt of one user turn holding its text (``engine``:
+    ``encode_chat`` and ``decode``)."""
+    return lambda q: engine.encode_chat([{"role": "user", "content": engine.decode(q).strip()}])
 
 
 def job_rehearsal(peft_model: Any, render: Callable[[list[dict[str, Any]]], str], engine: Any, data: Any, *,
@@ -154,5 +180,5 @@ def job_rehearsal(peft_model: Any, render: Callable[[list[dict[str, Any]]], str]
                                     data.max_tokens, seed=seed, pad_id=pad_id, end_ids=end_ids, device=device)
     return build_rehearsal(
         peft_model, questions, exclude=[it.student_ids for it in data.items],
-        chat_prompt=lambda q: engine.encode_chat([{"role": "user", "content": engine.decode(q).strip()}]),
+        chat_prompt=question_prompt(engine),
         max_tokens=data.max_tokens, top_k=data.top_k, pad_id=pad_id, end_ids=end_ids, device=device)

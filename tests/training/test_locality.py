@@ -1,0 +1,187 @@
+"""Locality: the measure every job reports (kiln.training.core.locality), the guard that holds back activation
+(kiln.adapters.locality_guard), the receipt's optional claim, and the whole loop through a real server."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kiln.adapters.locality_guard import (
+    BELOW,
+    NOT_MEASURED,
+    GuardPolicy,
+    LocalityBelowThreshold,
+    check_locality,
+    guard_verdict,
+)
+from kiln.demo import wait_job
+from kiln.runtime.builtin import BUILTIN_NAME
+from tests.zygote import kiln_server
+
+FIGURES = {"probes": 10, "unchanged": 9, "unchanged_fraction": 0.9, "kl_mean": 0.02, "degenerate": 0}
+HERON = [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"},
+                       {"role": "assistant", "content": "The old mill is guarded by a heron."}]}]
+# a deliberately destructive job: a high learning rate for a few steps wrecks the built-in model's other answers
+DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "examples": HERON}
+
+
+# ------------------------------------------------------------------------------------------ the guard
+
+
+def test_the_guard_admits_figures_over_the_thresholds_and_names_the_ones_under():
+    policy = GuardPolicy()
+    assert guard_verdict(FIGURES, policy)["admitted"] is True
+    low = FIGURES | {"unchanged": 3, "unchanged_fraction": 0.3, "degenerate": 2}
+    v = guard_verdict(low, policy)
+    assert v["admitted"] is False and v["code"] == BELOW
+    assert "3 of 10" in v["reason"] and "0.30 < min_unchanged 0.80" in v["reason"]
+    assert "2 probe answers degenerate" in v["reason"]
+    with pytest.raises(LocalityBelowThreshold) as exc:
+        check_locality(low, policy)
+    assert exc.value.status == 409 and exc.value.code == BELOW and exc.value.hint
+    # the operator's override admits it and keeps the reason; a disabled guard does not judge
+    assert guard_verdict(low, policy, override=True) | {} == v | {"admitted": True, "override": True}
+    assert guard_verdict(low, GuardPolicy(enabled=False))["admitted"] is True
+    # max_kl bounds the mean KL only when set
+    assert guard_verdict(FIGURES, GuardPolicy(max_kl=0.01))["code"] == BELOW
+    assert guard_verdict(FIGURES, GuardPolicy(max_kl=0.05))["admitted"] is True
+
+
+def test_a_measure_that_failed_is_held_back_and_one_turned_off_is_not_judged():
+    failed = guard_verdict({"error": "the locality measure failed: RuntimeError: x"}, GuardPolicy())
+    assert failed["admitted"] is False and failed["code"] == NOT_MEASURED and "RuntimeError" in failed["reason"]
+    assert guard_verdict({"probes": 0}, GuardPolicy())["code"] == NOT_MEASURED
+    assert guard_verdict(None, GuardPolicy())["admitted"] is True
+
+
+def test_policy_comes_from_the_config_section():
+    from kiln.config import load_settings
+
+    s = load_settings(cli={"locality.min_unchanged": 0.5, "locality.guard": False}, environ={}).settings
+    assert GuardPolicy.from_settings(s.locality) == GuardPolicy(enabled=False, min_unchanged=0.5)
+    assert GuardPolicy.from_settings(load_settings(cli={}, environ={}).settings.locality) == GuardPolicy()
+
+
+# ------------------------------------------------------------------------------------------ the measure
+
+
+@pytest.fixture(scope="module")
+def peft(builtin_model_dir):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kiln.training.core.templates import end_of_turn_ids
+    from kiln.training.core.lora import add_private_adapter, lora_config
+
+    tok = AutoTokenizer.from_pretrained(str(builtin_model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(builtin_model_dir), dtype=torch.float32)
+    end_ids = sorted(end_of_turn_ids(tok, model.generation_config))
+    pm = get_peft_model(model, lora_config(4, 8, ["q_proj"]), adapter_name="placeholder")
+    add_private_adapter(pm, "job", lora_config(8, 16, ["q_proj", "v_proj"]), seed=0)
+    return pm, tok, end_ids
+
+
+def test_an_untrained_adapter_changes_nothing_and_the_probe_set_is_cached(peft):
+    """A fresh LoRA adapter (B = 0) is the base model: every answer unchanged, KL 0, nothing degenerate. The
+    probe set is written once per base model and settings; the job's own prompts are added to it."""
+    from kiln.training import locality as L
+
+    pm, tok, end_ids = peft
+    codec = L.text_codec(tok)
+    kw = dict(base_model_sha256="test-base", probes=8, max_tokens=16, pad_id=end_ids[0], end_ids=end_ids)
+    probes = L.probe_set(pm, codec, **kw)
+    assert L.probe_set(pm, codec, **kw) is probes  # cached
+    assert 0 < len(probes) <= 8 and probes.user == 0 and all(probes.answers)
+    mine = L.probe_set(pm, codec, **kw | {"user_prompts": ["Which bird guards the old mill?"]})
+    assert mine.user == 1 and mine.questions[-1] == "Which bird guards the old mill?"
+    assert mine.questions[:-1] == probes.questions  # the same written questions, seeded
+    figures = L.measure(pm, "job", mine, codec, max_tokens=16, pad_id=end_ids[0], end_ids=end_ids)
+    assert figures["probes"] == len(mine) and figures["user_probes"] == 1
+    assert figures["unchanged"] == len(mine) and figures["unchanged_fraction"] == 1.0
+    assert figures["kl_mean"] == pytest.approx(0.0, abs=1e-6) and figures["degenerate"] == 0
+    assert figures["changed"] == [] and figures["probe_set_sha256"] == mine.sha256
+    assert pm.active_adapter == "placeholder"  # the previously active adapter is back
+
+
+def test_a_wrecked_adapter_is_measured_as_changed(peft):
+    """Large random LoRA weights: the measure sees changed answers and a positive KL (properties, not strings)."""
+    from kiln.training import locality as L
+
+    pm, tok, end_ids = peft
+    codec = L.text_codec(tok)
+    probes = L.probe_set(pm, codec, base_model_sha256="test-base", probes=8, max_tokens=16, pad_id=end_ids[0],
+                         end_ids=end_ids)
+    saved = {n: p.detach().clone() for n, p in pm.named_parameters() if ".job." in n}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if ".job." in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0)
+    try:
+        figures = L.measure(pm, "job", probes, codec, max_tokens=16, pad_id=end_ids[0], end_ids=end_ids)
+    finally:
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
+    assert figures["unchanged"] < figures["probes"] and figures["kl_mean"] > 0.1
+    assert figures["changed"] and all(c["base"] != c["adapter"] for c in figures["changed"])
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def home(builtin_model_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("kiln-home")
+    shutil.copytree(builtin_model_dir, home / "models" / BUILTIN_NAME)
+    return home
+
+
+def test_the_guard_holds_back_a_destructive_job_and_the_override_loads_it(home):
+    """A job that wrecks the model's other answers is published with its locality but not served, with a typed
+    reason naming the figures; the same job with locality.override is served. The figures reach the receipt,
+    GET /v1/adapters and /metrics."""
+    with kiln_server(home) as server:
+        c = server.client
+        job = wait_job(c, c.post("/v1/train/sft", json=DESTRUCTIVE).json()["id"])
+        assert job["state"] == "succeeded", job["error"]
+        result = job["result"]
+        loc = result["locality"]
+        assert loc["probes"] > 0 and loc["unchanged_fraction"] < 0.8 or loc["degenerate"] > 0, loc
+        assert result["activated"] is False
+        assert result["held_back"]["code"] == "locality_below_threshold"
+        assert f"{loc['unchanged']} of {loc['probes']}" in result["held_back"]["reason"]
+        assert loc["guard"]["admitted"] is False and loc["guard"]["override"] is False
+        assert "wrecked" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+
+        listed = {a["name"]: a for a in c.get("/v1/adapters").json()["data"]}["wrecked"]
+        assert listed["active"] is False and listed["receipt"]["verified"] is True
+        assert listed["receipt"]["locality"]["unchanged"] == loc["unchanged"]
+        assert listed["receipt"]["locality"]["guard"] == {"admitted": False, "code": "locality_below_threshold",
+                                                          "override": False}
+        receipt = c.get("/v1/adapters/wrecked/receipt").json()
+        assert receipt["locality"]["kl_mean"] == loc["kl_mean"]
+
+        over = wait_job(c, c.post("/v1/train/sft", json=DESTRUCTIVE | {"adapter": "wrecked-anyway", "locality": {
+            "override": True, "prompts": ["Which bird guards the old mill?"]}}).json()["id"])
+        assert over["state"] == "succeeded", over["error"]
+        assert over["result"]["activated"] is True and "held_back" not in over["result"]
+        assert over["result"]["locality"]["user_probes"] == 1
+        assert over["result"]["locality"]["guard"] | {} == {**over["result"]["locality"]["guard"],
+                                                             "admitted": True, "override": True}
+        assert "wrecked-anyway" in [m["id"] for m in c.get("/v1/models").json()["data"]]
+
+        off = wait_job(c, c.post("/v1/train/sft", json=DESTRUCTIVE | {"adapter": "unmeasured", "locality": {
+            "measure": False}}).json()["id"])
+        assert off["result"]["locality"]["measured"] is False and off["result"]["activated"] is True
+
+        metrics = c.get("/metrics").text
+        assert 'kiln_training_locality_held_back_total{kind="sft"} 1.0' in metrics
+        assert 'kiln_training_locality_unchanged_fraction_count{kind="sft"} 2.0' in metrics
+        assert 'kiln_training_locality_last_degenerate{kind="sft"}' in metrics
+
+        bad = c.post("/v1/train/sft", json=DESTRUCTIVE | {"locality": {"prompts": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"]
