@@ -86,7 +86,7 @@ def peft(builtin_model_dir):
 def test_an_untrained_adapter_changes_nothing_and_the_probe_set_is_cached(peft):
     """A fresh LoRA adapter (B = 0) is the base model: every answer unchanged, KL 0, nothing degenerate. The
     probe set is written once per base model and settings; the job's own prompts are added to it."""
-    from kiln.training import locality as L
+    from kiln.training.core import locality as L
 
     pm, tok, end_ids = peft
     codec = L.text_codec(tok)
@@ -107,7 +107,7 @@ def test_an_untrained_adapter_changes_nothing_and_the_probe_set_is_cached(peft):
 
 def test_a_wrecked_adapter_is_measured_as_changed(peft):
     """Large random LoRA weights: the measure sees changed answers and a positive KL (properties, not strings)."""
-    from kiln.training import locality as L
+    from kiln.training.core import locality as L
 
     pm, tok, end_ids = peft
     codec = L.text_codec(tok)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kiln.training.core.checkpoints import latest_checkpoint
-from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.core.data import Row, collate, collate_packed, pack_bins, tokenize_sft
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.loop import Hooks, Plan
 from kiln.training.core.lora import adapter_state, add_private_adapter, lora_config
+from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.schemas import SFTExample
 from kiln.training.sft.job import run_sft
 

@@ -322,10 +322,7 @@ def train_sparse_kd(
     shard past it. It is not pinned in ``train.json``: raising it later continues.
     """
     import torch
-    from tqdm import tqdm
 
-    from kiln.distill.local import check_model_dir, check_tokenizer_dir
-    from kiln.runtime.loader import inspect_model_dir, load_model
     from kiln.training.losses.kd import SparseKDLoss
 
     out = Path(out_dir)
@@ -337,50 +334,16 @@ def train_sparse_kd(
             f"epochs={epochs} needs replays, but this plan's consumption policy is replay "
             f"{plan.consumption.replay!r} ({plan.consumption.trajectory}); student rollouts are consume-once"
         )
-    info = inspect_model_dir(student)
-    check_model_dir(plan.student, info.path, "student")
-    check_tokenizer_dir(plan.tokenizer, info.path, "student")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
-        shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
-    _config_record(
-        out,
-        {
-            "schema": TRAIN_CONFIG_SCHEMA,
-            "plan_sha256": plan.digest(),
-            "student_fingerprint_sha256": plan.student.digest(),
-            "run_id": run_id,
-            "lora": lora,
-            "lora_r": lora_r,
-            "lora_alpha": lora_alpha,
-            "target_modules": sorted(target_modules),
-            "lr": float(lr),
-            "batch_size": batch_size,
-            "ce_weight": float(ce_weight),
-            "kd_weight": float(kd_weight),
-            "seed": seed,
-            "dtype": dtype,
-        },
-    )
-    torch.manual_seed(seed)
-    loaded = load_model(info.path, device=device, dtype=dtype, info=info)
-    model = loaded.model
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    if vocab != plan.tokenizer.vocab_size:
-        raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=list(target_modules),
-                       task_type="CAUSAL_LM"),
-        )
-    model.train()
+    config = {"schema": TRAIN_CONFIG_SCHEMA, "plan_sha256": plan.digest(),
+              "student_fingerprint_sha256": plan.student.digest(), "run_id": run_id, "lora": lora, "lora_r": lora_r,
+              "lora_alpha": lora_alpha, "target_modules": sorted(target_modules), "lr": float(lr),
+              "batch_size": batch_size, "ce_weight": float(ce_weight), "kd_weight": float(kd_weight), "seed": seed,
+              "dtype": dtype}
+    model, device_of, vocab = _load_student(plan, student, out, config, device=device, dtype=dtype)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
-    use_ce = plan.consumption.trajectory == "teacher-expert"
-    split = kd_loss_split(model)
+    run = _KDRun(model, optimizer, loss_fn, kd_loss_split(model), plan, vocab, device_of,
+                 use_ce=plan.consumption.trajectory == "teacher-expert", batch_size=batch_size, progress=progress)
 
     ckpts = _checkpoint_dirs(out)
     state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
@@ -389,57 +352,11 @@ def train_sparse_kd(
         state, ckpt_sha = _checkpoint_record(ckpts[-1])
         _restore(ckpts[-1], model, optimizer)
     consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
-    k, limit = plan.probability.top_k, plan.capture.max_sequence_length
     report = []
     for shard_dir, head in todo:
-        ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
-        action = "already-committed"
-        if ledger.view.state == "reserved":
-            open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
-            if (ledger.artifact_sha256, open_rid) in consumed:
-                ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
-                action = "reconciled"
-            else:
-                ledger.release()
-                fault("train_after_release")
-        passes = 0
-        while ledger.view.commits < epochs:
-            rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
-            if ledger.view.commits:
-                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
-                action = "replayed"
-            else:
-                ledger.reserve(run_id, rid)
-                action = "trained"
-            fault("train_after_reserve")
-            examples = load_shard_examples(shard_dir, head, plan)
-            windows = _windows(examples, limit)
-            with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
-                for b0 in range(0, len(windows), batch_size):
-                    batch = windows[b0 : b0 + batch_size]
-                    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
-                        batch, examples, k, vocab, loaded.device, use_ce
-                    )
-                    loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,
-                                                target)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    passes += 1
-                    state["step"] += 1
-                    state["tokens"] += int(rows.numel())
-                    bar.update(int(rows.numel()))
-                    fault("train_mid_shard")
-            state["consumed"].append(
-                {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
-            )
-            consumed.add((ledger.artifact_sha256, rid))
-            _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
-            fault("train_after_checkpoint")
-            ledger.commit(ckpt_sha)
-            fault("train_after_commit")
-        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
-                       "commits": ledger.view.commits})
+        entry, ckpt_sha = _consume_shard(run, out, shard_dir, head, state, consumed, ckpt_sha, epochs=epochs,
+                                         run_id=run_id)
+        report.append(entry)
     if ckpt_sha is None:
         raise LedgerError("nothing was trained and no checkpoint exists")
     adapter = _publish_output(out, model, lora, ckpt_sha)
@@ -452,6 +369,117 @@ def train_sparse_kd(
         "checkpoint_sha256": ckpt_sha,
         "skipped": skipped,
     }
+
+
+def _consume_shard(run: _KDRun, out: Path, shard_dir: Path, head: ShardManifest, state: dict[str, Any],
+                   consumed: set[tuple[str, str]], ckpt_sha: str | None, *, epochs: int, run_id: str
+                   ) -> tuple[dict[str, Any], str | None]:
+    """Bring one shard to ``epochs`` commits through its ledger: reconcile or release an open reservation, then
+    reserve (or replay) -> train a pass -> durable checkpoint -> commit; returns its report entry and the
+    latest checkpoint's SHA-256."""
+    plan = run.plan
+    ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
+    action = "already-committed"
+    if ledger.view.state == "reserved":
+        open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
+        if (ledger.artifact_sha256, open_rid) in consumed:
+            ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
+            action = "reconciled"
+        else:
+            ledger.release()
+            fault("train_after_release")
+    passes = 0
+    while ledger.view.commits < epochs:
+        rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+        if ledger.view.commits:
+            ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
+            action = "replayed"
+        else:
+            ledger.reserve(run_id, rid)
+            action = "trained"
+        fault("train_after_reserve")
+        passes += run.train_pass(shard_dir, head, state)
+        state["consumed"].append(
+            {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
+        )
+        consumed.add((ledger.artifact_sha256, rid))
+        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, run.model, run.optimizer, state)
+        fault("train_after_checkpoint")
+        ledger.commit(ckpt_sha)
+        fault("train_after_commit")
+    return ({"transaction_id": head.transaction_id, "action": action, "steps": passes,
+             "commits": ledger.view.commits}, ckpt_sha)
+
+
+def _load_student(plan: Plan, student: str | os.PathLike[str], out: Path, config: dict[str, Any], *, device: str,
+                  dtype: str) -> tuple[Any, Any, int]:
+    """Check the student against the plan, record the training configuration under ``out`` (a resumed run must
+    match it), then load the student (LoRA-wrapped when ``config["lora"]``) in train mode; returns (model, its
+    device, its output width)."""
+    import torch
+
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+    from kiln.runtime.loader import inspect_model_dir, load_model
+
+    info = inspect_model_dir(student)
+    check_model_dir(plan.student, info.path, "student")
+    check_tokenizer_dir(plan.tokenizer, info.path, "student")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
+        shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
+    _config_record(out, config)
+    torch.manual_seed(config["seed"])
+    loaded = load_model(info.path, device=device, dtype=dtype, info=info)
+    model = loaded.model
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    if vocab != plan.tokenizer.vocab_size:
+        raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
+    if config["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=config["lora_r"], lora_alpha=config["lora_alpha"], lora_dropout=0.0,
+                       target_modules=list(config["target_modules"]), task_type="CAUSAL_LM"),
+        )
+    model.train()
+    return model, loaded.device, vocab
+
+
+class _KDRun:
+    """One pass over a shard: every batch of its windows, one optimizer step each."""
+
+    def __init__(self, model: Any, optimizer: Any, loss_fn: Any, split: Any, plan: Plan, vocab: int, device: Any, *,
+                 use_ce: bool, batch_size: int, progress: bool):
+        self.model, self.optimizer, self.loss_fn, self.split, self.plan = model, optimizer, loss_fn, split, plan
+        self.vocab, self.device, self.use_ce = vocab, device, use_ce
+        self.batch_size, self.progress = batch_size, progress
+
+    def train_pass(self, shard_dir: Path, head: ShardManifest, state: dict[str, Any]) -> int:
+        """Train one pass over the shard, counting steps and tokens in ``state``; returns the steps."""
+        from tqdm import tqdm
+
+        plan = self.plan
+        examples = load_shard_examples(shard_dir, head, plan)
+        windows = _windows(examples, plan.capture.max_sequence_length)
+        steps = 0
+        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not self.progress, file=sys.stderr) as bar:
+            for b0 in range(0, len(windows), self.batch_size):
+                batch = windows[b0 : b0 + self.batch_size]
+                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                    batch, examples, plan.probability.top_k, self.vocab, self.device, self.use_ce
+                )
+                loss, _parts = kd_step_loss(self.model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp, mask,
+                                            tail, target)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                steps += 1
+                state["step"] += 1
+                state["tokens"] += int(rows.numel())
+                bar.update(int(rows.numel()))
+                fault("train_mid_shard")
+        return steps
 
 
 def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

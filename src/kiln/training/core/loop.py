@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
-from kiln.training.losses.chunked import chunk_rows, split_causal_lm
 from kiln.training.core.data import Row, collate, collate_packed, epoch_order
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.lora import adapter_state, make_trainable, private_parameters, release_private
+from kiln.training.losses.chunked import chunk_rows, split_causal_lm
 
 PROGRESS_EVERY_S = 0.25
 

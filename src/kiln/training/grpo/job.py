@@ -8,14 +8,14 @@ samples and scores its own rollouts is :mod:`kiln.training.grpo.rollouts`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.core.data import TrainingDataError, batches_per_epoch, tokenize_grpo_group
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, epoch_batches
-from kiln.training.core.plan import GRPOData, JobPlan, PrepareContext
+from kiln.training.core.plan import JobPlan, PrepareContext
 from kiln.training.core.recipe import TrainingRecipe, step_plan
 from kiln.training.grpo.step import (
     GRPOItem,
@@ -26,10 +26,19 @@ from kiln.training.grpo.step import (
     policy_logprobs,
     row_offsets,
 )
+from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.losses.grpo import GRPOLoss
 from kiln.training.schemas import ROLLOUT_FIELDS, GRPORequest
 from kiln.training.sft.job import supervised_plan, supervised_start
 
+
+@dataclass(frozen=True)
+class GRPOData:
+    """A pre-scored GRPO job's plan data."""
+
+    items: tuple[GRPOItem, ...]
+    skipped: int  # zero-variance groups dropped at submission
+    settings: GRPOSettings
 
 def prepare_grpo(ctx: PrepareContext, request: GRPORequest) -> JobPlan[GRPOData]:
     """Pre-scored groups (single- or multi-turn completions): advantages computed now, zero-variance dropped."""

@@ -120,9 +120,9 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     log-probs, so a resumed job continues the same updates instead of sampling again. Sampling is
     seeded per iteration, so later iterations sample what the uninterrupted job sampled.
     """
-    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.loop import StepInput, TrainLoop
     from kiln.training.grpo.step import grpo_loss, policy_logprobs
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.grpo import GRPOLoss
 
     s = data.settings

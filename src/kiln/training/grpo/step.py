@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import torch
 
 from kiln.training.core.anchor import anchor_term
-from kiln.training.losses.chunked import SplitLM, linear_token_logprobs
 from kiln.training.core.data import Row, collate
 from kiln.training.core.loop import TrainLoop
+from kiln.training.losses.chunked import SplitLM, linear_token_logprobs
 from kiln.training.losses.grpo import GRPOLoss, group_advantages
 from kiln.training.losses.sft import shifted_token_logprobs
 

@@ -98,11 +98,9 @@ def _check_binding(ctx: PrepareContext, plan: Any) -> None:
 
 
 def _check_not_in_use(ctx: PrepareContext, capture_sha: str, adapter: str) -> None:
-    from kiln.training.queue import jobs as jobstates
-
     if ctx.jobs is None:  # no queue (kiln train run): nothing else consumes it here
         return
-    for job in ctx.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING})):
+    for job in ctx.jobs.active():
         if job.kind == "kd" and job.adapter == adapter and job.request.get("capture_plan_sha256") == capture_sha:
             raise Conflict(f"job {job.id} is already consuming this capture for adapter {adapter!r}",
                            code="capture_in_use", hint="wait for it to finish")

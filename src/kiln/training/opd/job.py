@@ -181,8 +181,8 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     (:class:`~kiln.training.core.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
     scored by the base model."""
     from kiln.training.core.anchor import anchor_term
-    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.loop import Learned, TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
 
     loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     split = split_causal_lm(peft_model)  # logits only at completion positions, a chunk at a time

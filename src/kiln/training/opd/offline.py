@@ -164,8 +164,8 @@ def run_opd_offline(peft_model: Any, name: str, data: Any, corpus: Sequence[OffP
     """Off-policy OPD: each step takes ``batch_size`` corpus rows in order (wrapping) and runs the same
     update as the on-policy loop (:func:`kiln.training.opd.step.opd_loss`) on their completions, under exclusive
     ownership. Nothing is sampled and the teacher is not asked: its rows are in the corpus."""
-    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.loop import StepInput, TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.opd.step import opd_loss
 
     loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)

@@ -40,11 +40,11 @@ import torch
 
 from kiln.errors import InvalidRequest
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.losses.chunked import chunk_rows, linear_cross_entropy_sum, split_causal_lm
 from kiln.training.core.data import Row, batches_per_epoch, collate
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, _adamw, epoch_batches
 from kiln.training.core.lora import adapter_state, private_parameters
+from kiln.training.losses.chunked import chunk_rows, linear_cross_entropy_sum, split_causal_lm
 from kiln.training.losses.sft import sft_loss
 from kiln.training.sft.job import learned_by, record_stop, sft_learned
 

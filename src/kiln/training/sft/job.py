@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
 from kiln.runtime.model_family import is_hybrid
+from kiln.training.core.anchor import anchor_term
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
 from kiln.training.core.data import (
     Row,
     TrainingDataError,
@@ -38,18 +39,10 @@ from kiln.training.core.loop import (
     epoch_batches,
     greedy_margin,
 )
-from kiln.training.core.anchor import anchor_term
-from kiln.training.core.plan import (
-    JobPlan,
-    LoraShape,
-    PrepareContext,
-    SFTData,
-    anchor_fields,
-    lora_fields,
-    seal_plan,
-)
+from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe, step_plan
 from kiln.training.core.step import TrunkRunner
+from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
 from kiln.training.losses.sft import sft_loss
 from kiln.training.schemas import (
     DEFAULT_LEARNED_EVERY,
@@ -64,6 +57,13 @@ from kiln.training.sft.corrections import with_corrections
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """An SFT job's plan data."""
+
+    rows: tuple[Row, ...]  # tokenized examples, loss on assistant tokens
 
 
 def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
