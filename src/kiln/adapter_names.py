@@ -7,9 +7,13 @@ adapter store's package; :mod:`kiln.adapters.manifest` re-exports it.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 MAX_ADAPTER_NAME_CHARS = 64
 NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ADAPTER_NAME_CHARS - 1}}}")
+# the same rule as JSON Schema keywords, for request models' ``json_schema_extra`` (published in /openapi.json)
+NAME_SCHEMA: dict[str, Any] = {"pattern": f"^{NAME_RE.pattern}$", "maxLength": MAX_ADAPTER_NAME_CHARS}
+REVISION_SCHEMA: dict[str, Any] = {"pattern": "^[0-9a-f]{64}$"}
 
 
 def is_valid_name(name: object) -> bool:

@@ -115,18 +115,28 @@ def test_capture_killed_at_each_step_resumes_to_the_same_rows(point, run_setup, 
     assert decisions[0] == expect
 
 
-def _train_child(setup, out: Path, point: str | None) -> subprocess.CompletedProcess:
+def _capture_copy(setup, dest: Path) -> Path:
+    """A copy of the reference capture with no consumption yet: ledgers live beside the capture
+    (``.consumption``), so each trainer under test consumes its own copy."""
+    import shutil
+
+    shutil.copytree(setup[5] / "reference-capture", dest, ignore=shutil.ignore_patterns(".consumption"))
+    return dest
+
+
+def _train_child(setup, capture: Path, out: Path, point: str | None) -> subprocess.CompletedProcess:
     _t, student, _pp, _p, _d, tmp = setup
     code = ("import sys; from kiln.distill.train import train_sparse_kd; "
             "train_sparse_kd(sys.argv[1], sys.argv[2], sys.argv[3], batch_size=2)")
-    return subprocess.run([sys.executable, "-c", code, str(tmp / "reference-capture"), str(student), str(out)],
+    return subprocess.run([sys.executable, "-c", code, str(capture), str(student), str(out)],
                           env=_env(point), capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def reference_training(run_setup, reference_rows):
     out = run_setup[5] / "reference-train"
-    result = train_sparse_kd(run_setup[5] / "reference-capture", run_setup[1], out, batch_size=2)
+    capture = _capture_copy(run_setup, run_setup[5] / "reference-train-capture")
+    result = train_sparse_kd(capture, run_setup[1], out, batch_size=2)
     from safetensors.torch import load_file
 
     return result, load_file(str(out / "adapter" / "adapter_model.safetensors"))
@@ -136,16 +146,17 @@ def reference_training(run_setup, reference_rows):
 def test_trainer_killed_at_each_step_consumes_once_and_matches(point, run_setup, reference_training, tmp_path):
     ref_result, ref_weights = reference_training
     out = tmp_path / "train"
+    capture = _capture_copy(run_setup, tmp_path / "capture")
     if point == "train_after_release":  # needs an open reservation with no checkpoint first
-        assert _train_child(run_setup, out, "train_mid_shard").returncode == FAULT_EXIT_CODE
-    proc = _train_child(run_setup, out, point)
+        assert _train_child(run_setup, capture, out, "train_mid_shard").returncode == FAULT_EXIT_CODE
+    proc = _train_child(run_setup, capture, out, point)
     assert proc.returncode == FAULT_EXIT_CODE, proc.stdout + proc.stderr
-    plan, todo, _ = available_shards(run_setup[5] / "reference-capture")
+    plan, todo, _ = available_shards(capture)
     for shard_dir, head in todo:  # every ledger is a valid chain; nothing committed twice
-        path = out / "ledgers" / f"{head.transaction_id}.jsonl"
+        path = capture / ".consumption" / f"{head.transaction_id}.jsonl"
         if path.exists():
             assert Ledger(path, shard_dir, plan).view.commits <= 1
-    result = train_sparse_kd(run_setup[5] / "reference-capture", run_setup[1], out, batch_size=2)
+    result = train_sparse_kd(capture, run_setup[1], out, batch_size=2)
     actions = [s["action"] for s in result["shards"]]
     if point == "train_after_checkpoint":
         assert actions == ["reconciled", "trained"]  # committed from the checkpoint, not retrained
@@ -155,7 +166,7 @@ def test_trainer_killed_at_each_step_consumes_once_and_matches(point, run_setup,
         assert actions == ["trained", "trained"]
     assert result["steps"] == ref_result["steps"] and result["tokens"] == ref_result["tokens"]
     for shard_dir, head in todo:
-        events = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan).events
+        events = Ledger(capture / ".consumption" / f"{head.transaction_id}.jsonl", shard_dir, plan).events
         assert sum(e.action == "commit" for e in events) == 1
     from safetensors.torch import load_file
 

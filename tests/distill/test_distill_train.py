@@ -65,7 +65,7 @@ def test_training_consumes_each_shard_exactly_once_and_writes_a_peft_adapter(tmp
     assert [s["action"] for s in again["shards"]] == ["already-committed"] * 2
     assert again["checkpoint_sha256"] == first["checkpoint_sha256"]
     for shard_dir, head in available_shards(tmp_path / "run")[1]:
-        ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
+        ledger = Ledger(tmp_path / "run" / ".consumption" / f"{head.transaction_id}.jsonl", shard_dir, plan)
         assert [e.action for e in ledger.events] == ["reserve", "commit"]
     # A different configuration in the same directory is refused, not mixed in.
     from kiln.distill.errors import ContractError
@@ -119,7 +119,7 @@ def test_epochs_replay_teacher_expert_shards_through_chained_reservations(tmp_pa
     again = train_sparse_kd(tmp_path / "run", student, out, batch_size=2, epochs=2)
     assert [s["action"] for s in again["shards"]] == ["already-committed"]  # a target, not "one more"
     (shard_dir, head), = available_shards(tmp_path / "run")[1]
-    events = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan).events
+    events = Ledger(tmp_path / "run" / ".consumption" / f"{head.transaction_id}.jsonl", shard_dir, plan).events
     assert [e.action for e in events] == ["reserve", "commit", "replay", "commit"]
     assert events[2].replay_of == events[1].digest()
 
@@ -162,7 +162,7 @@ def test_cli_train_killed_after_checkpoint_reconciles_then_replays_only_when_ask
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == FAULT_EXIT_CODE, proc.stdout + proc.stderr
     (shard_dir, head), = available_shards(tmp_path / "run")[1]
-    ledger_path = out / "ledgers" / f"{head.transaction_id}.jsonl"
+    ledger_path = tmp_path / "run" / ".consumption" / f"{head.transaction_id}.jsonl"
     assert [e.action for e in Ledger(ledger_path, shard_dir, plan).events] == ["reserve"]
     ckpt = out / "checkpoints" / "ckpt-00001"
     ckpt_sha = sha256_hex((ckpt / "CHECKPOINT.json").read_bytes())

@@ -33,3 +33,30 @@ def test_405_allow_names_every_method_of_the_path(client):
     assert set(r.headers["allow"].replace(" ", "").split(",")) == {"POST", "GET", "DELETE"}, r.headers["allow"]
     r = client.put("/v1/models")
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+def test_allow_leaves_out_routes_whose_parameter_cannot_be_the_segment(client):
+    """Issue 45 item 8: ``compare`` can never be a judgment ID (``jdg-`` + 16 hex), so the ``{judgment_id}`` route
+    does not serve ``/v1/judgments/compare`` and its GET is not in that path's ``Allow``. A segment that is a
+    valid value keeps the parameterized route's methods (``merge`` is a valid adapter name, above)."""
+    r = client.request("OPTIONS", "/v1/judgments/compare")
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers.get("allow")
+    r = client.request("OPTIONS", "/v1/judgments/jdg-0123456789abcdef")
+    assert r.status_code == 405 and r.headers["allow"] == "GET", r.headers.get("allow")
+
+
+def test_path_parameters_publish_the_pattern_the_route_accepts(secure_server):
+    """Issue 45 item 10: the OpenAPI document states each ID or name path parameter's real pattern and length."""
+    import re
+
+    import httpx
+
+    doc = httpx.get(f"{secure_server.base_url}/openapi.json", timeout=30).json()
+    params = {(path, p["name"]): p["schema"] for path, ops in doc["paths"].items() for op in ops.values()
+              if isinstance(op, dict) for p in op.get("parameters", []) if p["in"] == "path"}
+    name = params[("/v1/adapters/{name}", "name")]
+    assert name["maxLength"] == 64 and re.fullmatch(name["pattern"], "my-adapter.v2")
+    assert not re.fullmatch(name["pattern"], "é") and not re.fullmatch(name["pattern"], "-x")
+    assert re.fullmatch(params[("/v1/judgments/{judgment_id}", "judgment_id")]["pattern"], "jdg-0123456789abcdef")
+    free = {key for key, schema in params.items() if "pattern" not in schema}  # file names: checked by the route
+    assert free == {("/v1/openenv/runs/{run_id}/artifacts/{name}", "name")}, free

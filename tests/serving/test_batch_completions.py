@@ -82,3 +82,33 @@ def test_disconnect_cancels_every_row(http, server):
     assert health["active_rows"] == 0 and health["queued_rows"] == 0
     done = _metric(http, "kiln_generated_tokens_total") - before
     assert done < n * len(PROMPTS) * max_tokens, "the rows ran to the end instead of being cancelled"
+
+
+def test_a_request_larger_than_the_queue_is_a_400_naming_the_limit(http, server):
+    """Issue 45 item 6: 64 prompts x n (or 34 x n on /v1/completions) ask for more rows than the queue holds
+    (``batching.max_queued_rows`` = 200 on this server); that got 429 Retry-After forever on an idle server."""
+    base = {"model": server.model_id, "max_tokens": 1, "n": 6}
+    for path, field, count in (("/v1/completions/batch", "prompts", 64), ("/v1/completions", "prompt", 34)):
+        r = http.post(path, json={**base, field: ["x"] * count})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "limit_exceeded" and err["param"] == "n", err
+        assert f"{count * 6} rows" in err["message"] and "batching.max_queued_rows" in err["message"], err
+        assert "retry-after" not in r.headers
+    fits = http.post("/v1/completions", json={**base, "prompt": ["x"] * 33})  # 198 rows: admitted
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 198, fits.text
+
+
+def test_a_too_long_prompt_in_a_batch_is_named_and_stops_the_rest(http, server):
+    """Issue 45 item 7: the first prompt over the context (512 tokens here) is refused naming ``prompt[j]``,
+    before the prompts after it are looked at (prompt[3] holds a token outside the vocabulary: never reached)."""
+    base = {"model": server.model_id, "max_tokens": 4}
+    prompts = ["fine", [5, 6, 7], [7] * 600, [10 ** 9], [7] * 700]
+    r = http.post("/v1/completions/batch", json={**base, "prompts": prompts})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt[2]", err
+    assert "prompt[2]" in err["message"]
+    near = http.post("/v1/completions", json={**base, "prompt": [[5, 6], [7] * 510], "max_tokens": 8})
+    err = near.json()["error"]  # fits alone, not with max_tokens: still that prompt's fault, named
+    assert near.status_code == 400 and err["param"] == "prompt[1]" and "max_tokens (8)" in err["message"], err

@@ -85,3 +85,17 @@ def test_structured_output_errors(oai, server, extra, param):
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model=server.model_id, messages=MESSAGES, max_tokens=5, extra_body=extra)
     assert exc.value.body["param"] == param
+
+
+def test_a_grammar_that_bad_words_exclude_entirely_is_no_valid_output(oai, server):
+    """Issue 45 item 9: ``guided_choice: ["a"]`` with ``bad_words: ["a"]`` exclude every token between them: a
+    400 ``no_valid_output`` naming ``bad_words``, not ``grammar_too_complex`` (a resource limit)."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=server.model_id, prompt="Pick:", max_tokens=5,
+                               extra_body={"guided_choice": ["a"], "bad_words": ["a"]})
+    body = exc.value.body
+    assert body["code"] == "no_valid_output" and body["param"] == "bad_words", body
+    assert "guided_choice and bad_words" in body["message"]
+    ok = oai.completions.create(model=server.model_id, prompt="Pick:", max_tokens=5, temperature=0,
+                                extra_body={"guided_choice": ["a", "b"], "bad_words": ["a"]})
+    assert ok.choices[0].text == "b"

@@ -226,6 +226,23 @@ def test_stock_vllm_fingerprint_refused(pair, fake):
         fake.fingerprint = fake.identity.fingerprint()
 
 
+def test_deeply_nested_fingerprint_is_a_4xx_not_a_500(pair, fake):
+    """Issue 44 item 8 (teacher-launcher.txt: only "the canonical kiln-teacher-v1 fingerprint" is
+    accepted): a fingerprint whose payload nests 40,000 deep (deep enough for the parser's recursion limit,
+    small enough that the answer fits the identity's size ceiling) is teacher_fingerprint_invalid over HTTP."""
+    import base64
+    import hashlib
+
+    _, student, _ = pair
+    payload = b"[" * 40_000 + b"]" * 40_000
+    b64 = base64.urlsafe_b64encode(payload).rstrip(b"=").decode()
+    fake.mode, fake.fingerprint = "ok", f"kiln-teacher-v1.{b64}.{hashlib.sha256(payload).hexdigest()}"
+    try:
+        _err(_register_fake(student, fake, "fake-deep"), 409, "teacher_fingerprint_invalid")
+    finally:
+        fake.fingerprint = fake.identity.fingerprint()
+
+
 def test_response_model_mismatch_refused(pair, fake):
     _, student, _ = pair
     fake.mode = "wrong_model"

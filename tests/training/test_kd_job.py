@@ -104,7 +104,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     assert job["kind"] == "kd"
     res = job["result"]
     rep = res["report"]
-    assert res["activated"] is True
+    assert res["activated"] is True, res
     assert rep["steps"] == 8 and rep["total_steps"] == 8 and math.isfinite(rep["final_loss"])
     assert [s["action"] for s in rep["shards"]] == ["trained", "trained"]
 
@@ -118,7 +118,7 @@ def test_kd_job_consumes_each_shard_once_and_publishes_a_kd_adapter(env):
     assert receipt["teacher"]["fingerprint_sha256"] == plan.teacher.digest()
 
     # the ledger: one reservation and one commit per shard, the commit naming the job's checkpoint
-    ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))
+    ledgers = sorted((home / "data" / "runs" / "cap" / ".consumption").glob("*.jsonl"))  # beside the capture
     assert len(ledgers) == 2
     commits = {c_["transaction_id"]: c_["checkpoint_sha256"] for c_ in rep["kd_commits"]}
     for path in ledgers:
@@ -150,7 +150,7 @@ def test_kd_replay_trains_a_consumed_shard_again_only_when_asked(env):
     c, home, plan = env["c"], env["home"], env["plan"]
     body = {"adapter": ADAPTER, "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
             "seed": 1, "auto_load": True}
-    ledgers = sorted((home / "training" / "kd" / plan.digest() / ADAPTER).glob("*.jsonl"))
+    ledgers = sorted((home / "data" / "runs" / "cap" / ".consumption").glob("*.jsonl"))  # beside the capture
     assert [[e["next_state"] for e in _events(p)] for p in ledgers] == [["reserved", "committed"]] * 2
     r = c.post("/v1/train/kd", json=body | {"replay": True})
     assert r.status_code == 202, r.text
@@ -170,7 +170,7 @@ def test_kd_replay_trains_a_consumed_shard_again_only_when_asked(env):
     assert r.status_code == 409 and r.json()["error"]["code"] == "capture_consumed", r.text
     r = c.post("/v1/train/kd", json={"adapter": "kd-rollout", "run": "runs/rollout", "replay": True})
     assert r.status_code == 409 and r.json()["error"]["code"] == "replay_forbidden", r.text
-    assert not (home / "training" / "kd" / "rollout").exists()
+    assert not (home / "data" / "runs" / "rollout" / ".consumption").exists()
 
 
 @pytest.mark.parametrize("after_reserve_first", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -185,10 +185,11 @@ def test_kd_job_killed_after_its_checkpoint_reconciles_on_resume_without_retrain
     from kiln.training.kd.job import checkpoint_digest
 
     home, plan, model_dir = tmp_path / "home", env["plan"], env["srv"].model_dir
-    shutil.copytree(env["home"] / "data" / "runs" / "cap", home / "data" / "runs" / "cap")
+    shutil.copytree(env["home"] / "data" / "runs" / "cap", home / "data" / "runs" / "cap",
+                    ignore=shutil.ignore_patterns(".consumption"))  # an unconsumed copy of the capture
     body = {"adapter": "kd-crash", "run": "runs/cap", "batch_size": 1, "learning_rate": 2e-2, "lora_rank": 8,
             "seed": 1}
-    ledger_dir = home / "training" / "kd" / plan.digest() / "kd-crash"
+    ledger_dir = home / "data" / "runs" / "cap" / ".consumption"
 
     def crash_at(point: str) -> str:
         srv = start_server(model_dir, home, extra_args=[], env_extra={FAULT_ENV: point}, config=None)

@@ -34,12 +34,18 @@ def _emit(value: dict[str, Any]) -> None:
 
 
 def _read_bounded(path: str, limit: int) -> bytes:
-    """Read at most ``limit`` bytes (one more to detect overflow) from a file or ``-``."""
+    """Read at most ``limit`` bytes (one more to detect overflow) from a regular file or ``-``.
+
+    A named path goes through :func:`kiln.canonical.read_regular_file`: a FIFO, device or directory is
+    refused at once instead of blocking, as every reader of a user-named path does."""
+    from kiln.canonical import FileTooLargeError, read_regular_file
+
     try:
         if path == "-":
             return sys.stdin.buffer.read(limit + 1)
-        with open(path, "rb") as f:
-            return f.read(limit + 1)
+        return read_regular_file(path, limit)
+    except FileTooLargeError:
+        raise _fail(EXIT_INVALID_INPUT, f"{path}: the observation is larger than the {limit}-byte limit") from None
     except OSError as exc:
         raise _fail(EXIT_INVALID_INPUT, f"cannot read {path}: {exc.strerror or exc}") from None
 

@@ -105,7 +105,13 @@ class LocalTeacherScorer:
         import torch
         import transformers
 
-        from kiln.distill.local import check_capture_settings, check_model_dir, quantization_identity
+        from kiln.distill.local import (
+            check_capture_settings,
+            check_model_dir,
+            check_observed_dtypes,
+            checkpoint_float_dtypes,
+            quantization_identity,
+        )
         from kiln.runtime.loader import inspect_model_dir, load_model
 
         self.plan = plan
@@ -119,14 +125,13 @@ class LocalTeacherScorer:
         declared = plan.capture.dtype
         if not hasattr(torch, declared) or not isinstance(getattr(torch, declared), torch.dtype):
             raise ContractError(f"plan capture.dtype {declared!r} is not a torch dtype")
+        # The observed dtypes are what the checkpoint holds, read before loading: the load below casts
+        # to the declared dtype, so the loaded parameters alone could never disagree with the plan.
+        self.observed_dtypes = checkpoint_float_dtypes(info)
+        check_observed_dtypes(self.observed_dtypes, declared, self.quantization)
         loaded = load_model(info.path, device=device, dtype=declared, info=info)
         self.model, self.device = loaded.model, loaded.device
-        self.observed_dtypes = _float_dtypes(self.model)
-        allowed = {declared} | ({"float32"} if self.quantization != "none" else set())
-        if self.quantization == "none" and self.observed_dtypes != [declared]:
-            raise ContractError(f"teacher parameters are {self.observed_dtypes}, the plan declares {declared!r}")
-        if not set(self.observed_dtypes) <= allowed or declared not in self.observed_dtypes:
-            raise ContractError(f"teacher parameters are {self.observed_dtypes}; undeclared dtype for {declared!r}")
+        check_observed_dtypes(_float_dtypes(self.model), declared, self.quantization)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         import inspect
 
@@ -356,32 +361,37 @@ def _encode(plan: Plan, examples: list[PackedExample], layout: str) -> bytes:
     return b"".join(r.canonical_bytes() + b"\n" for r in rows)
 
 
-def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) -> dict[str, Any]:
-    """Apply the resume table to one shard and finish it; return its status record."""
+def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, dataset, bar) -> dict[str, Any]:
+    """Apply the resume table to one shard and finish it; return its status record.
+
+    ``examples`` is this shard's range; ``dataset`` every example of the plan by ID. Each
+    trajectory must be a dataset example, whole, and the shard must hold exactly its range
+    (a shard captured under another ``--examples-per-shard`` is mismatched: quarantined, recaptured).
+    """
     chunks = [examples[j : j + req.examples_per_payload] for j in range(0, len(examples), req.examples_per_payload)]
-    mine = {e.example_id: e for e in examples}  # every trajectory of this shard must be one of these, whole
+    mine = {"examples": dataset, "shard_range": [e.example_id for e in examples]}
     txns = _transactions(root, shard_id)
     attempt = txns[-1][0] + 1 if txns else 0
     decision, txn, done = "new", None, 0
     if txns:
         _n, latest = txns[-1]
-        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest(), examples=mine)
+        verdict = shards.verify_shard(latest, expected_plan_sha256=plan.digest(), **mine)
         decision = verdict.decision
         if decision == shards.FOREIGN_RUN:
             raise ShardError(f"{latest} belongs to another plan; use a new --out for this run")
         if decision == "resume-staging":
-            decision, txn = shards.resume(latest, root, plan, examples=mine)
+            decision, txn = shards.resume(latest, root, plan, **mine)
             done = _staged_prefix_ok(txn, plan, chunks, req.layout)
             if done is None:
                 shards.quarantine(txn, "staged payloads are not the expected prefix of this shard's examples")
                 decision, txn, done = "quarantine-and-restart", None, 0
         elif decision in ("reuse", "publish", "verify-then-publish"):
-            decision, final = shards.resume(latest, root, plan, examples=mine)
+            decision, final = shards.resume(latest, root, plan, **mine)
             bar.update(sum(len(e.target_token_ids) for e in examples))
             return {"shard_id": shard_id, "transaction_id": final.name, "decision": decision}
         else:  # quarantined (refused for reuse) or corrupt: a new transaction
             if decision == "quarantine-and-restart":
-                shards.resume(latest, root, plan, examples=mine)
+                shards.resume(latest, root, plan, **mine)
     if txn is None:
         txn = shards.begin(root, plan, shard_id, _txn_id(shard_id, attempt))
         fault("capture_after_begin")
@@ -396,13 +406,36 @@ def _capture_shard(req, plan, scorer, root: Path, shard_id: str, examples, bar) 
         shards.write_payload_bytes(txn, _payload_name(j, req.layout), data)
         bar.update(sum(len(e.target_token_ids) for e in chunks[j]))
         fault("capture_after_payload")
-    shards.mark_complete(txn, examples=mine)
+    shards.mark_complete(txn, **mine)
     fault("capture_after_complete")
-    shards.mark_verified(txn, examples=mine)
+    shards.mark_verified(txn, **mine)
     fault("capture_after_verified")
     final = shards.publish(txn, root)
     fault("capture_after_available")
     return {"shard_id": shard_id, "transaction_id": final.name, "decision": decision}
+
+
+def _quarantine_outside_layout(root: Path, n_shards: int, per_shard: int) -> None:
+    """Quarantine the newest live transaction of every shard index this run's layout does not have:
+    after a resume with more examples per shard, its examples now belong to a lower shard, and two
+    available shards must never hold one example."""
+    for base in (root, root / shards.STAGING_DIRNAME):
+        if not base.is_dir():
+            continue
+        for entry in sorted(base.iterdir()):
+            name = entry.name
+            if not (name.startswith("shard-") and ".t" in name) or entry.is_symlink() or not entry.is_dir():
+                continue
+            index = name[len("shard-") : name.index(".t")]
+            if not index.isdigit() or int(index) < n_shards:
+                continue
+            try:
+                state = shards.read_manifest_chain(entry)[-1].state
+            except (DistillError, OSError):
+                continue  # unreadable: never reused or consumed anyway
+            if state != "quarantined":
+                shards.quarantine(entry, f"outside this run's shard layout: with {per_shard} examples per shard the "
+                                         f"run has {n_shards} shard(s); its examples are captured in a lower shard")
 
 
 def _progress(total: int, enabled: bool):
@@ -442,7 +475,7 @@ def refuse_foreign_root(root: Path, plan: Plan) -> None:
 
 def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
     """The teacher-only child body: verify, load, score, publish; write the child receipt."""
-    from kiln.distill.local import check_tokenizer_dir
+    from kiln.distill.local import check_renderer, check_tokenizer_dir
 
     started = time.monotonic()
     plan = _read_plan(req.plan)
@@ -454,6 +487,9 @@ def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
         raise ContractError("max_forced_ids must be at least 1")
     examples = load_examples(req.dataset_root, plan)
     check_tokenizer_dir(plan.tokenizer, req.tokenizer, "teacher")
+    import transformers
+
+    check_renderer(plan, transformers.__version__)
     root = Path(req.out)
     root.mkdir(parents=True, exist_ok=True)
     if req.teacher_remote is not None:
@@ -466,9 +502,11 @@ def run_capture_child(req: CaptureRequest) -> dict[str, Any]:
     groups = [examples[i : i + e] for i in range(0, len(examples), e)]
     total = sum(len(x.target_token_ids) for x in examples)
     records = []
+    dataset = {x.example_id: x for x in examples}
     with _progress(total, req.progress) as bar:
         for i, group in enumerate(groups):
-            records.append(_capture_shard(req, plan, scorer, root, _shard_id(i), group, bar))
+            records.append(_capture_shard(req, plan, scorer, root, _shard_id(i), group, dataset, bar))
+    _quarantine_outside_layout(root, len(groups), e)
     receipt = {
         "schema": CHILD_RECEIPT_SCHEMA,
         "plan_sha256": plan.digest(),
@@ -507,6 +545,7 @@ def capture(req: CaptureRequest, *, timeout: float | None = None) -> dict[str, A
     raw = child_receipt.read_bytes()
     child = strict_json_loads(raw)
     plan = _read_plan(req.plan)
+    shards.check_run_complete(root, plan)
     reopened, verdicts = [], []
     for rec in child["shards"]:
         verdict = shards.verify_shard(root / rec["transaction_id"], expected_plan_sha256=plan.digest())

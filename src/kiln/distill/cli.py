@@ -289,12 +289,13 @@ def verify(
             return verify_shard(shard, expected_plan_sha256=plan_sha256, examples=datasets[key])
 
         verdicts = [one(d) for d in _shard_dirs(paths)]
+        dataset_ids = list(next(iter(datasets.values()))) if len(datasets) == 1 else None
         return {
             "shards": [
                 {"verdict": v.to_obj(), "decision": v.decision, "bytes_per_token": bytes_per_token(v)}
                 for v in verdicts
             ],
-            "run": run_bytes_per_token(verdicts),
+            "run": run_bytes_per_token(verdicts, dataset_ids),
         }
 
     _run(body)
@@ -420,20 +421,23 @@ def train(
 @app.command(cls=_Command)
 def status(
     run: Path = typer.Argument(..., help="publication root of a capture run"),
-    train_dir: Optional[Path] = typer.Option(None, "--train-dir", help="also report ledger states of a training dir"),
+    train_dir: Optional[Path] = typer.Option(
+        None, "--train-dir", help="also report ledgers an older Kiln kept in a training dir"),
 ) -> None:
-    """Shard transaction states (published and staging) and, optionally, consumption states."""
+    """Shard transaction states (published and staging) and the capture's consumption states."""
 
     def body() -> dict[str, Any]:
         from kiln.distill.capture import shard_status
 
         if not run.is_dir():
             raise _Refusal("not_found", f"{run} is not a directory")
-        result = shard_status(run)
-        if train_dir is not None:
-            from kiln.distill.train import ledger_status
+        from kiln.distill.consumption import consumption_dir
+        from kiln.distill.train import ledger_status
 
-            result["ledgers"] = ledger_status(train_dir)
+        result = shard_status(run)
+        result["ledgers"] = ledger_status(consumption_dir(run))  # consumption state lives with the capture
+        if train_dir is not None:  # ledgers an older Kiln kept in a training directory
+            result["train_dir_ledgers"] = ledger_status(train_dir / "ledgers")
         return result
 
     _run(body)

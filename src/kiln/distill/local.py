@@ -26,6 +26,9 @@ __all__ = [
     "check_tokenizer_dir",
     "quantization_identity",
     "chat_template_sha256",
+    "check_renderer",
+    "checkpoint_float_dtypes",
+    "check_observed_dtypes",
 ]
 
 # Tokenizer files bound by default when present (sorted).
@@ -158,3 +161,48 @@ def check_capture_settings(plan: Plan, *, backend: str, backend_version: str, qu
     ]
     if problems:
         raise ContractError("capture settings differ from the plan: " + "; ".join(problems))
+
+
+def check_renderer(plan: Plan, version: str) -> None:
+    """The plan's tokenizer renderer must be the one this worker renders with: ``transformers`` at
+    ``version`` (the installed distribution). The spec: renderer name and version "must match the
+    plan before publication"."""
+    tok = plan.tokenizer
+    if (tok.renderer_name, tok.renderer_version) != (RENDERER_NAME, version):
+        raise ContractError(
+            f"the plan's tokenizer renderer is {tok.renderer_name}@{tok.renderer_version}, this worker renders "
+            f"with {RENDERER_NAME}@{version}; a changed renderer is a new run: make a new plan"
+        )
+
+
+# safetensors dtype codes of floating tensors -> torch dtype names (integer codes are quantized storage)
+_SAFETENSORS_FLOATS = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def checkpoint_float_dtypes(info) -> list[str]:
+    """Floating dtypes of the tensors as stored in the checkpoint's safetensors files (headers only):
+    what loading exposes before any cast to the plan's dtype."""
+    from safetensors import safe_open
+
+    found = set()
+    for name, _size, _digest in info.safetensors:
+        with safe_open(str(info.path / name), framework="pt") as f:
+            for key in f.keys():
+                code = f.get_slice(key).get_dtype()
+                if code in _SAFETENSORS_FLOATS:
+                    found.add(_SAFETENSORS_FLOATS[code])
+                elif code.startswith("F"):
+                    found.add(code.lower())  # an unknown float format: never the declared dtype
+    return sorted(found)
+
+
+def check_observed_dtypes(observed: list[str], declared: str, quantization: str) -> None:
+    """The spec's rule: unquantized exposes exactly ``declared``; quantized exposes ``declared`` and may
+    add float32 auxiliaries; any other floating dtype fails closed."""
+    allowed = {declared} | ({"float32"} if quantization != "none" else set())
+    if quantization == "none" and observed != [declared]:
+        raise ContractError(f"teacher parameters are {observed}, the plan declares {declared!r}; an "
+                            "unquantized checkpoint must expose exactly the declared dtype (no cast)")
+    if not set(observed) <= allowed or declared not in observed:
+        raise ContractError(f"teacher parameters are {observed}; undeclared dtype for {declared!r}")

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kiln.canonical import base_model_digest
 from kiln.distill.contract import Plan
 from kiln.distill.errors import ContractError
 
@@ -92,6 +93,12 @@ class RemoteTeacherScorer:
         if ident.base_model_sha256 != plan.teacher.revision:
             problems.append(f"teacher.revision: plan {plan.teacher.revision}, teacher serves "
                             f"base_model_sha256 {ident.base_model_sha256}")
+        listed = base_model_digest((f.sha256, f.size) for f in plan.teacher.weight_files)
+        if listed != ident.base_model_sha256:
+            # Every listed teacher weight is verified before use: the served digest must be the one the
+            # plan's weight_files (size + SHA-256 each) compute, not only the revision string.
+            problems.append(f"teacher.weight_files: the listed weights digest to base_model_sha256 {listed}, the "
+                            f"teacher serves {ident.base_model_sha256}")
         if ident.adapter is not None:
             problems.append("the teacher serves an adapter, which the plan's teacher fingerprint cannot bind")
         if ident.vocab_size != v:

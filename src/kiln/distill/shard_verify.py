@@ -87,6 +87,8 @@ class Verdict:
     payload_bytes: int | None = None
     foreign: bool = False
     plan: Plan | None = field(default=None, repr=False, compare=False)
+    # Example IDs of the checked payloads, in order (None when the payloads were not read).
+    example_ids: list[str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def decision(self) -> str:
@@ -234,6 +236,7 @@ def verify_shard(
     *,
     expected_plan_sha256: str | None = None,
     examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
 ) -> Verdict:
     """Reopen a transaction directory and check every commitment.
 
@@ -242,7 +245,10 @@ def verify_shard(
     payload membership, byte counts, SHA-256, parseability, row/token counts and
     row semantics against the plan, and with ``examples`` (the plan's dataset by
     example ID, see :func:`load_dataset_examples`) every trajectory against the
-    dataset. Raises ``ShardError`` only when the path is not a real directory;
+    dataset. With ``shard_range`` (the ordered example IDs this shard covers in the
+    caller's run) a committed shard must hold exactly that range and a staging one
+    a prefix of it: a shard is reusable only for exactly its range.
+    Raises ``ShardError`` only when the path is not a real directory;
     every integrity problem is reported in the verdict.
     """
     root = Path(shard_dir)
@@ -268,11 +274,11 @@ def verify_shard(
         check_identity(head, plan)
         verdict.plan = plan
         if head.state == "staging":
-            _check_staged_payloads(root, plan, examples)
+            verdict.example_ids = read_staged_payloads(root, plan, examples, shard_range)[1]
         else:
             # A quarantined manifest keeps its evidence; its payloads are checked too
             # but the resume decision refuses regardless.
-            _check_committed_payloads(root, head, plan, examples)
+            verdict.example_ids = _check_committed_payloads(root, head, plan, examples, shard_range)
     except DistillError as exc:
         verdict.problems.append(str(exc))
     except OSError as exc:
@@ -295,16 +301,22 @@ def payload_names(root: Path) -> list[str]:
 
 
 def _check_payload_set(
-    items: Sequence[tuple[str, bytes]], plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None = None
-) -> list[tuple[str, bytes, int, int]]:
-    """Check payloads (in name order) as one shard; return (path, bytes, rows, tokens) each.
+    items: Sequence[tuple[str, bytes]],
+    plan: Plan,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
+    *,
+    staged: bool = False,
+) -> tuple[list[tuple[str, bytes, int, int]], list[str]]:
+    """Check payloads (in name order) as one shard; return ((path, bytes, rows, tokens) each, example IDs).
 
     JSONL rows are parsed and checked together with ``check_rows_against_plan``;
     packed payloads are checked column-wise by ``binary.check_packed`` (same rules).
     In both layouts an example lives in exactly one payload ("Ranges never split
     one example trajectory"). One shard uses one layout. With ``examples`` (the
     plan's dataset by example ID) every trajectory must also be one of them, whole:
-    see :func:`check_trajectories_against_dataset`.
+    see :func:`check_trajectories_against_dataset`. With ``shard_range`` the example IDs
+    must be exactly that range (``staged``: a prefix of it).
     """
     from kiln.distill.binary import PACKED_SUFFIX, check_packed, packed_trajectories
 
@@ -312,6 +324,7 @@ def _check_payload_set(
     if len(kinds) > 1:
         raise ShardError("a shard mixes JSONL and packed payloads; one shard uses one layout")
     out, rows, seen, tokens = [], [], set(), 0
+    order: list[str] = []
     trajectories: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
     for rel, raw in items:
         if rel.endswith(PACKED_SUFFIX):
@@ -327,6 +340,7 @@ def _check_payload_set(
         if seen.intersection(ids):
             raise ShardError(f"{rel}: an example reappears; trajectories are never split or repeated")
         seen.update(ids)
+        order += ids
         tokens += n_tokens
         out.append((rel, raw, n_rows, n_tokens))
     if rows:
@@ -334,8 +348,27 @@ def _check_payload_set(
     if tokens > plan.capture.planned_tokens:
         raise ShardError(f"{tokens} records exceed the plan's planned_tokens {plan.capture.planned_tokens}")
     if examples is not None:
-        check_trajectories_against_dataset(trajectories, examples, plan)
-    return out
+        check_trajectories_against_dataset(trajectories, examples, plan, shard_range)
+    if shard_range is not None:
+        check_shard_range(order, shard_range, staged=staged)
+    return out, order
+
+
+def describe_range(shard_range: Sequence[str]) -> str:
+    if not shard_range:
+        return "an empty range"
+    return f"the range {shard_range[0]}..{shard_range[-1]} ({len(shard_range)} examples)"
+
+
+def check_shard_range(ids: Sequence[str], shard_range: Sequence[str], *, staged: bool = False) -> None:
+    """A committed shard holds exactly its range, in order; a staging one a prefix of it."""
+    want = list(shard_range[: len(ids)]) if staged else list(shard_range)
+    if list(ids) != want:
+        raise ShardError(
+            f"the shard holds {describe_range(list(ids))}, not this run's {describe_range(list(shard_range))}: "
+            "a shard is reusable only for exactly its example range (was it captured with another "
+            "--examples-per-shard?)"
+        )
 
 
 def _row_trajectories(rows: Sequence[CaptureTokenRow]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -353,16 +386,24 @@ def check_trajectories_against_dataset(
     trajectories: Sequence[tuple[str, str, tuple[int, ...], tuple[int, ...]]],
     examples: Mapping[str, TokenizedTeacherExample],
     plan: Plan,
+    shard_range: Sequence[str] | None = None,
 ) -> None:
     """Each captured trajectory (payload, example ID, position-0 context, forced tokens) must be a
     dataset example, whole: its ID in the dataset, its first context the example's prompt (its last
     ``max_sequence_length`` IDs, as capture records it) and its forced tokens exactly the example's
-    ``target_token_ids``, in order and complete."""
+    ``target_token_ids``, in order and complete. With ``shard_range``, a dataset example outside
+    it is named as such (a shard captured under another range), not as unknown."""
     limit = plan.capture.max_sequence_length
+    inside = None if shard_range is None else set(shard_range)
     for rel, eid, ctx, forced in trajectories:
         ex = examples.get(eid)
         if ex is None:
-            raise ShardError(f"{rel}: example {eid!r} is not in the plan's dataset (the examples this shard covers)")
+            raise ShardError(f"{rel}: example {eid!r} is not in the plan's dataset")
+        if inside is not None and eid not in inside:
+            raise ShardError(
+                f"{rel}: example {eid!r} is in the plan's dataset but outside this shard's "
+                f"{describe_range(list(shard_range))}: the shard was captured under another example range"
+            )
         if tuple(ctx) != tuple(ex.prompt_token_ids[-limit:]):
             raise ShardError(f"{rel}: example {eid!r}: the captured context contradicts the dataset prompt")
         if tuple(forced) != tuple(ex.target_token_ids):
@@ -373,25 +414,29 @@ def check_trajectories_against_dataset(
 
 
 def read_staged_payloads(
-    root: Path, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None = None
-) -> list[tuple[str, bytes, int, int]]:
-    """(relative path, exact bytes, row count, token count) of every whole staged payload, checked."""
+    root: Path,
+    plan: Plan,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
+) -> tuple[list[tuple[str, bytes, int, int]], list[str]]:
+    """((relative path, exact bytes, row count, token count) of every whole staged payload, checked;
+    the example IDs they hold, in order)."""
     items = []
     for name in payload_names(root):
         if TEMP_NAME_RE.fullmatch(name):
             continue  # an uncommitted fragment: discarded on resume, never read
         rel = f"{PAYLOAD_DIR}/{name}"
         items.append((rel, read_bytes_nofollow(root, rel, max_bytes=MAX_PAYLOAD_BYTES)))
-    return _check_payload_set(items, plan, examples)
-
-
-def _check_staged_payloads(root: Path, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None) -> None:
-    read_staged_payloads(root, plan, examples)
+    return _check_payload_set(items, plan, examples, shard_range, staged=True)
 
 
 def _check_committed_payloads(
-    root: Path, head: ShardManifest, plan: Plan, examples: Mapping[str, TokenizedTeacherExample] | None
-) -> None:
+    root: Path,
+    head: ShardManifest,
+    plan: Plan,
+    examples: Mapping[str, TokenizedTeacherExample] | None,
+    shard_range: Sequence[str] | None,
+) -> list[str]:
     on_disk = {f"{PAYLOAD_DIR}/{n}" for n in payload_names(root)}
     committed = {p.path for p in head.payloads}
     if on_disk != committed:
@@ -405,9 +450,11 @@ def _check_committed_payloads(
         if sha256_hex(raw) != p.sha256:
             raise ShardError(f"{p.path}: SHA-256 differs from its commitment (tampering or bit rot)")
         items.append((p.path, raw))
-    for (rel, _raw, n_rows, n_tokens), p in zip(_check_payload_set(items, plan, examples), head.payloads):
+    checked, ids = _check_payload_set(items, plan, examples, shard_range)
+    for (rel, _raw, n_rows, n_tokens), p in zip(checked, head.payloads):
         if n_rows != p.rows or n_tokens != p.tokens:
             raise ShardError(f"{rel}: {n_rows}/{n_tokens} rows/tokens on disk, {p.rows}/{p.tokens} committed")
+    return ids
 
 
 # ------------------------------------------------------------ bytes per token
@@ -450,12 +497,54 @@ def bytes_per_token(verdict: Verdict) -> dict[str, Any]:
     return {**_planned_per_token(verdict.plan), **_observed(None, None)}
 
 
-def run_bytes_per_token(verdicts: Sequence[Verdict]) -> dict[str, Any]:
-    """Planned vs observed bytes per token over the shards of one run.
+def duplicate_examples(verdicts: Sequence[Verdict]) -> list[str]:
+    """One line per example held by more than one of ``verdicts`` (naming every transaction)."""
+    holders: dict[str, list[str]] = {}
+    for v in verdicts:
+        for eid in v.example_ids or ():
+            holders.setdefault(eid, []).append(str(v.transaction_id))
+    return [f"example {eid!r} is in {', '.join(txns)}" for eid, txns in holders.items() if len(txns) > 1]
+
+
+def run_coverage(verdicts: Sequence[Verdict], plan: Plan, dataset_ids: Sequence[str] | None = None) -> list[str]:
+    """Problems of a run's counted shards as a whole: each planned example at most once, never more
+    tokens than planned, and (``dataset_ids``) no example the shards hold that the dataset lacks.
+    Empty means no duplicate; the run is complete when it is empty and the tokens equal the plan's."""
+    problems = []
+    dups = duplicate_examples(verdicts)
+    if dups:
+        problems.append(
+            f"{len(dups)} example(s) held by more than one shard ({'; '.join(dups[:5])}): a run holds each "
+            "planned example once; duplicate records fail closed"
+        )
+    tokens = sum(v.tokens or 0 for v in verdicts)
+    if tokens > plan.capture.planned_tokens:
+        problems.append(f"{tokens} observed tokens exceed the plan's planned_tokens {plan.capture.planned_tokens}")
+    if dataset_ids is not None:
+        missing = sorted(set(dataset_ids) - {e for v in verdicts for e in v.example_ids or ()})
+        if missing and not dups and tokens == plan.capture.planned_tokens:
+            problems.append(f"examples {missing[:5]} are in no shard although the token count matches")
+    return problems
+
+
+def run_complete(verdicts: Sequence[Verdict], plan: Plan) -> bool:
+    """Every planned example exactly once: no duplicate, ``dataset.rows`` examples, ``planned_tokens`` tokens."""
+    ids = [e for v in verdicts for e in v.example_ids or ()]
+    return (
+        all(v.example_ids is not None for v in verdicts)
+        and len(ids) == len(set(ids)) == plan.dataset.rows
+        and sum(v.tokens or 0 for v in verdicts) == plan.capture.planned_tokens
+    )
+
+
+def run_bytes_per_token(verdicts: Sequence[Verdict], dataset_ids: Sequence[str] | None = None) -> dict[str, Any]:
+    """Planned vs observed bytes per token over the shards of one run, and whether the run is whole.
 
     Observed sums the intact, committed shards that are not quarantined
     (complete/verified/available). Shards of more than one plan are a mixed
     run: the summary names the problem and reports no planned figures.
+    ``complete`` is true when those shards hold every planned example exactly once
+    (:func:`run_complete`); duplicates and a token count above the plan's are problems.
     """
     plans = {v.plan_sha256: v.plan for v in verdicts if v.plan is not None}
     plan = next(iter(plans.values())) if len(plans) == 1 else None
@@ -467,9 +556,12 @@ def run_bytes_per_token(verdicts: Sequence[Verdict]) -> dict[str, Any]:
         problems.append(
             f"{len(verdicts) - len(counted)} shard(s) not counted (failed verification, staging or quarantined)"
         )
+    if plan is not None:
+        problems += run_coverage(counted, plan, dataset_ids)
     observed_bytes = sum(v.payload_bytes or 0 for v in counted)
     observed_tokens = sum(v.tokens or 0 for v in counted)
     return {
+        "complete": plan is not None and run_complete(counted, plan),
         "plan_sha256": plan.digest() if plan is not None else None,
         "shards": len(verdicts),
         "shards_counted": len(counted),

@@ -50,7 +50,9 @@ from kiln.distill.shard_verify import (  # noqa: F401  (reading, verification an
     bytes_per_token,
     check_identity,
     check_rows_against_plan,
+    check_shard_range,
     check_trajectories_against_dataset,
+    duplicate_examples,
     parse_any_payload,
     parse_payload,
     payload_names,
@@ -60,6 +62,8 @@ from kiln.distill.shard_verify import (  # noqa: F401  (reading, verification an
     read_staged_payloads,
     resume_decision,
     run_bytes_per_token,
+    run_complete,
+    run_coverage,
     verify_shard,
 )
 from kiln.distill.states import check_manifest_step
@@ -91,6 +95,11 @@ __all__ = [
     "foreign_transactions",
     "bytes_per_token",
     "run_bytes_per_token",
+    "run_coverage",
+    "run_complete",
+    "duplicate_examples",
+    "check_shard_range",
+    "check_run_complete",
 ]
 
 
@@ -160,7 +169,10 @@ def write_payload_bytes(txn: str | os.PathLike[str], name: str, data: bytes) -> 
 
 
 def mark_complete(
-    txn: str | os.PathLike[str], *, examples: Mapping[str, TokenizedTeacherExample] | None = None
+    txn: str | os.PathLike[str],
+    *,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
 ) -> ShardManifest:
     """Check, hash and count the payload bytes on disk and chain the complete manifest.
 
@@ -169,7 +181,8 @@ def mark_complete(
     duplicate or reordered record, at most ``planned_tokens``), so a shard that
     violates its plan never reaches ``complete``. With ``examples`` (the capture
     worker always passes its dataset) each trajectory must also be a whole
-    dataset example. Commitments are computed from the same bytes that were checked.
+    dataset example, and with ``shard_range`` the shard must hold exactly that range.
+    Commitments are computed from the same bytes that were checked.
     """
     txn = Path(txn)
     chain = read_chain(txn)
@@ -182,7 +195,9 @@ def mark_complete(
     plan = read_json_artifact(txn, PLAN_FILE, Plan)
     check_identity(head, plan)
     try:
-        staged = read_staged_payloads(txn, plan, examples)
+        staged, ids = read_staged_payloads(txn, plan, examples, shard_range)
+        if shard_range is not None:
+            check_shard_range(ids, shard_range)
     except ShardError as exc:
         raise ShardError(
             f"cannot complete {txn.name}: {exc}; the staged rows violate the plan, "
@@ -208,12 +223,15 @@ def mark_complete(
 
 
 def mark_verified(
-    txn: str | os.PathLike[str], *, examples: Mapping[str, TokenizedTeacherExample] | None = None
+    txn: str | os.PathLike[str],
+    *,
+    examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
 ) -> ShardManifest:
-    """Reopen and verify every payload (against ``examples`` too when given); chain the verified
-    manifest only if all pass."""
+    """Reopen and verify every payload (against ``examples`` and ``shard_range`` too when given); chain
+    the verified manifest only if all pass."""
     txn = Path(txn)
-    verdict = verify_shard(txn, examples=examples)
+    verdict = verify_shard(txn, examples=examples, shard_range=shard_range)
     if not verdict.ok or verdict.state != "complete":
         raise ShardError(f"cannot mark verified: state {verdict.state!r}, problems {verdict.problems}")
     chain = read_chain(txn)
@@ -273,8 +291,10 @@ def resume(
     plan: Plan,
     *,
     examples: Mapping[str, TokenizedTeacherExample] | None = None,
+    shard_range: Sequence[str] | None = None,
 ) -> tuple[str, Path]:
-    """Apply the resume table to one transaction directory of ``plan``.
+    """Apply the resume table to one transaction directory of ``plan`` (for the examples of
+    ``shard_range`` when given: a shard holding another range is mismatched).
 
     Returns (decision, directory). ``resume-staging`` removes uncommitted temp
     fragments and hands the staging directory back for more payloads;
@@ -287,14 +307,14 @@ def resume(
     byte-for-byte as it was; the caller starts a new run under its own root.
     """
     shard_dir = Path(shard_dir)
-    verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest(), examples=examples)
+    verdict = verify_shard(shard_dir, expected_plan_sha256=plan.digest(), examples=examples, shard_range=shard_range)
     decision = verdict.decision
     if decision == "resume-staging":
         for name in payload_names(shard_dir):
             if TEMP_NAME_RE.fullmatch(name):
                 os.unlink(shard_dir / PAYLOAD_DIR / name)
     elif decision == "verify-then-publish":
-        mark_verified(shard_dir, examples=examples)
+        mark_verified(shard_dir, examples=examples, shard_range=shard_range)
         shard_dir = publish(shard_dir, root)
     elif decision == "publish":
         shard_dir = publish(shard_dir, root)
@@ -328,3 +348,22 @@ def foreign_transactions(root: str | os.PathLike[str], plan_sha256: str) -> list
     return found
 
 
+def check_run_complete(root: Path, plan: Plan) -> list[Any]:
+    """Verdicts of the intact available shards under ``root``; refuses unless they hold every planned
+    example exactly once (``planned_tokens`` tokens, ``dataset.rows`` examples, no duplicate)."""
+    verdicts = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or entry.is_symlink() or not entry.is_dir():
+            continue
+        verdict = verify_shard(entry, expected_plan_sha256=plan.digest())
+        if verdict.ok and verdict.state == "available":
+            verdicts.append(verdict)
+    problems = run_coverage(verdicts, plan)
+    if problems or not run_complete(verdicts, plan):
+        tokens = sum(v.tokens or 0 for v in verdicts)
+        detail = "".join(f"; {p}" for p in problems)
+        raise ShardError(
+            f"the run's available shards hold {tokens} of {plan.capture.planned_tokens} planned tokens{detail}; "
+            "a run is complete only when its shards cover every planned example once"
+        )
+    return verdicts

@@ -38,7 +38,8 @@ from kiln.distill import shards
 from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, ShardManifest
 from kiln.distill.errors import ContractError, LedgerError, ShardError
 from kiln.distill.faults import fault
-from kiln.distill.ledger import MAX_LEDGER_BYTES, Ledger
+from kiln.distill.consumption import adopt_legacy_ledger, artifact_ledger, consumption_dir
+from kiln.distill.ledger import MAX_LEDGER_BYTES
 from kiln.distill.paths import read_bytes_nofollow
 
 __all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
@@ -55,12 +56,14 @@ def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple
     """(plan, [(shard dir, available manifest)] by shard_id, skipped) for one run's root.
 
     Every shard is fully verified first; only intact available shards of a single
-    plan are returned. Anything else is listed in ``skipped`` with its reason.
+    plan are returned. Anything else is listed in ``skipped`` with its reason. Two
+    available shards holding one example, or more tokens than the plan's
+    ``planned_tokens``, fail closed (the spec: duplicate records fail closed).
     """
     root = Path(run_root)
     if not root.is_dir():
         raise ShardError(f"{root} is not a capture root directory")
-    good, skipped, plans = [], [], {}
+    good, skipped, plans, verdicts = [], [], {}, []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
             continue
@@ -70,10 +73,14 @@ def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple
             continue
         plans[verdict.plan_sha256] = verdict.plan
         good.append((entry, shards.read_manifest_chain(entry)[-1]))
+        verdicts.append(verdict)
     if len(plans) > 1:
         raise ShardError(f"{root} holds shards of {len(plans)} plans; train one run at a time")
     if not good:
         raise ShardError(f"{root} has no intact available shard to train on")
+    problems = shards.run_coverage(verdicts, next(iter(plans.values())))
+    if problems:
+        raise ShardError(f"{root}: {'; '.join(problems)}; refusing to consume any shard of this run")
     good.sort(key=lambda x: (x[1].shard_id, x[1].transaction_id))
     ids = [m.shard_id for _d, m in good]
     if len(set(ids)) != len(ids):
@@ -194,6 +201,29 @@ def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tai
     h = split.hidden(ids, att)[rows, offs]
     return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
                             kd_weight=loss_fn.kd_weight, temperature=loss_fn.temperature)
+
+
+# ------------------------------------------------------------------- ledgers
+
+
+def consumer_key(out: Path) -> str:
+    """This training directory's name in shared ledgers: reservation IDs start with it."""
+    return "kd-" + sha256_hex(os.path.realpath(out).encode())[:12]
+
+
+def _owned(reservation_id: str, owner: str, out: Path, transaction_id: str) -> bool:
+    """Whether an open reservation was made by this training directory (also in a ledger an older Kiln
+    kept under ``out/ledgers``, whose IDs had no owner prefix)."""
+    legacy = (out / "ledgers" / f"{transaction_id}.jsonl").is_file()
+    return reservation_id.startswith(owner + ".") or (legacy and reservation_id.startswith(transaction_id + ".r"))
+
+
+def _open_ledger(run_root, out: Path, shard_dir: Path, head: ShardManifest, plan: Plan):  # type: ignore[no-untyped-def]
+    """The artifact's ledger beside the capture (``kiln.distill.consumption``), after adopting one an
+    older Kiln kept in this training directory."""
+    txn = head.transaction_id
+    adopt_legacy_ledger(out / "ledgers" / f"{txn}.jsonl", consumption_dir(run_root) / f"{txn}.jsonl")
+    return artifact_ledger(run_root, shard_dir, plan, txn)
 
 
 # ----------------------------------------------------------------- checkpoints
@@ -322,7 +352,10 @@ def train_sparse_kd(
     shard past it. It is not pinned in ``train.json``: raising it later continues.
     """
     import torch
+    from tqdm import tqdm
 
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+    from kiln.runtime.loader import inspect_model_dir, load_model
     from kiln.training.losses.kd import SparseKDLoss
 
     out = Path(out_dir)
@@ -334,16 +367,50 @@ def train_sparse_kd(
             f"epochs={epochs} needs replays, but this plan's consumption policy is replay "
             f"{plan.consumption.replay!r} ({plan.consumption.trajectory}); student rollouts are consume-once"
         )
-    config = {"schema": TRAIN_CONFIG_SCHEMA, "plan_sha256": plan.digest(),
-              "student_fingerprint_sha256": plan.student.digest(), "run_id": run_id, "lora": lora, "lora_r": lora_r,
-              "lora_alpha": lora_alpha, "target_modules": sorted(target_modules), "lr": float(lr),
-              "batch_size": batch_size, "ce_weight": float(ce_weight), "kd_weight": float(kd_weight), "seed": seed,
-              "dtype": dtype}
-    model, device_of, vocab = _load_student(plan, student, out, config, device=device, dtype=dtype)
+    info = inspect_model_dir(student)
+    check_model_dir(plan.student, info.path, "student")
+    check_tokenizer_dir(plan.tokenizer, info.path, "student")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
+        shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
+    _config_record(
+        out,
+        {
+            "schema": TRAIN_CONFIG_SCHEMA,
+            "plan_sha256": plan.digest(),
+            "student_fingerprint_sha256": plan.student.digest(),
+            "run_id": run_id,
+            "lora": lora,
+            "lora_r": lora_r,
+            "lora_alpha": lora_alpha,
+            "target_modules": sorted(target_modules),
+            "lr": float(lr),
+            "batch_size": batch_size,
+            "ce_weight": float(ce_weight),
+            "kd_weight": float(kd_weight),
+            "seed": seed,
+            "dtype": dtype,
+        },
+    )
+    torch.manual_seed(seed)
+    loaded = load_model(info.path, device=device, dtype=dtype, info=info)
+    model = loaded.model
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    if vocab != plan.tokenizer.vocab_size:
+        raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=list(target_modules),
+                       task_type="CAUSAL_LM"),
+        )
+    model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
-    run = _KDRun(model, optimizer, loss_fn, kd_loss_split(model), plan, vocab, device_of,
-                 use_ce=plan.consumption.trajectory == "teacher-expert", batch_size=batch_size, progress=progress)
+    use_ce = plan.consumption.trajectory == "teacher-expert"
+    split = kd_loss_split(model)
 
     ckpts = _checkpoint_dirs(out)
     state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
@@ -352,13 +419,69 @@ def train_sparse_kd(
         state, ckpt_sha = _checkpoint_record(ckpts[-1])
         _restore(ckpts[-1], model, optimizer)
     consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
+    k, limit = plan.probability.top_k, plan.capture.max_sequence_length
     report = []
+    owner = consumer_key(out)
     for shard_dir, head in todo:
-        entry, ckpt_sha = _consume_shard(run, out, shard_dir, head, state, consumed, ckpt_sha, epochs=epochs,
-                                         run_id=run_id)
-        report.append(entry)
+        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
+        action = "already-committed"
+        if ledger.view.state == "reserved":
+            open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
+            if (ledger.artifact_sha256, open_rid) in consumed:
+                ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
+                action = "reconciled"
+            elif _owned(open_rid, owner, out, head.transaction_id):
+                ledger.release()
+                fault("train_after_release")
+            else:
+                raise LedgerError(
+                    f"{head.transaction_id} is reserved by another consumer (run "
+                    f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "  # type: ignore[index]
+                    "by every trainer of this capture, and only that consumer may release or commit it"
+                )
+        passes = 0
+        while ledger.view.commits < epochs:
+            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+            if ledger.view.commits:
+                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
+                action = "replayed"
+            else:
+                ledger.reserve(run_id, rid)
+                action = "trained"
+            fault("train_after_reserve")
+            examples = load_shard_examples(shard_dir, head, plan)
+            windows = _windows(examples, limit)
+            with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
+                for b0 in range(0, len(windows), batch_size):
+                    batch = windows[b0 : b0 + batch_size]
+                    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                        batch, examples, k, vocab, loaded.device, use_ce
+                    )
+                    loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,
+                                                target)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    passes += 1
+                    state["step"] += 1
+                    state["tokens"] += int(rows.numel())
+                    bar.update(int(rows.numel()))
+                    fault("train_mid_shard")
+            state["consumed"].append(
+                {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
+            )
+            consumed.add((ledger.artifact_sha256, rid))
+            _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
+            fault("train_after_checkpoint")
+            ledger.commit(ckpt_sha)
+            fault("train_after_commit")
+        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
+                       "commits": ledger.view.commits})
     if ckpt_sha is None:
-        raise LedgerError("nothing was trained and no checkpoint exists")
+        raise LedgerError(
+            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
+            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
+        )
     adapter = _publish_output(out, model, lora, ckpt_sha)
     return {
         "adapter": str(adapter),
@@ -371,121 +494,11 @@ def train_sparse_kd(
     }
 
 
-def _consume_shard(run: _KDRun, out: Path, shard_dir: Path, head: ShardManifest, state: dict[str, Any],
-                   consumed: set[tuple[str, str]], ckpt_sha: str | None, *, epochs: int, run_id: str
-                   ) -> tuple[dict[str, Any], str | None]:
-    """Bring one shard to ``epochs`` commits through its ledger: reconcile or release an open reservation, then
-    reserve (or replay) -> train a pass -> durable checkpoint -> commit; returns its report entry and the
-    latest checkpoint's SHA-256."""
-    plan = run.plan
-    ledger = Ledger(out / "ledgers" / f"{head.transaction_id}.jsonl", shard_dir, plan)
-    action = "already-committed"
-    if ledger.view.state == "reserved":
-        open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
-        if (ledger.artifact_sha256, open_rid) in consumed:
-            ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
-            action = "reconciled"
-        else:
-            ledger.release()
-            fault("train_after_release")
-    passes = 0
-    while ledger.view.commits < epochs:
-        rid = f"{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
-        if ledger.view.commits:
-            ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
-            action = "replayed"
-        else:
-            ledger.reserve(run_id, rid)
-            action = "trained"
-        fault("train_after_reserve")
-        passes += run.train_pass(shard_dir, head, state)
-        state["consumed"].append(
-            {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
-        )
-        consumed.add((ledger.artifact_sha256, rid))
-        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, run.model, run.optimizer, state)
-        fault("train_after_checkpoint")
-        ledger.commit(ckpt_sha)
-        fault("train_after_commit")
-    return ({"transaction_id": head.transaction_id, "action": action, "steps": passes,
-             "commits": ledger.view.commits}, ckpt_sha)
-
-
-def _load_student(plan: Plan, student: str | os.PathLike[str], out: Path, config: dict[str, Any], *, device: str,
-                  dtype: str) -> tuple[Any, Any, int]:
-    """Check the student against the plan, record the training configuration under ``out`` (a resumed run must
-    match it), then load the student (LoRA-wrapped when ``config["lora"]``) in train mode; returns (model, its
-    device, its output width)."""
-    import torch
-
-    from kiln.distill.local import check_model_dir, check_tokenizer_dir
-    from kiln.runtime.loader import inspect_model_dir, load_model
-
-    info = inspect_model_dir(student)
-    check_model_dir(plan.student, info.path, "student")
-    check_tokenizer_dir(plan.tokenizer, info.path, "student")
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
-        shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
-    _config_record(out, config)
-    torch.manual_seed(config["seed"])
-    loaded = load_model(info.path, device=device, dtype=dtype, info=info)
-    model = loaded.model
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    if vocab != plan.tokenizer.vocab_size:
-        raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
-    if config["lora"]:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(
-            model,
-            LoraConfig(r=config["lora_r"], lora_alpha=config["lora_alpha"], lora_dropout=0.0,
-                       target_modules=list(config["target_modules"]), task_type="CAUSAL_LM"),
-        )
-    model.train()
-    return model, loaded.device, vocab
-
-
-class _KDRun:
-    """One pass over a shard: every batch of its windows, one optimizer step each."""
-
-    def __init__(self, model: Any, optimizer: Any, loss_fn: Any, split: Any, plan: Plan, vocab: int, device: Any, *,
-                 use_ce: bool, batch_size: int, progress: bool):
-        self.model, self.optimizer, self.loss_fn, self.split, self.plan = model, optimizer, loss_fn, split, plan
-        self.vocab, self.device, self.use_ce = vocab, device, use_ce
-        self.batch_size, self.progress = batch_size, progress
-
-    def train_pass(self, shard_dir: Path, head: ShardManifest, state: dict[str, Any]) -> int:
-        """Train one pass over the shard, counting steps and tokens in ``state``; returns the steps."""
-        from tqdm import tqdm
-
-        plan = self.plan
-        examples = load_shard_examples(shard_dir, head, plan)
-        windows = _windows(examples, plan.capture.max_sequence_length)
-        steps = 0
-        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not self.progress, file=sys.stderr) as bar:
-            for b0 in range(0, len(windows), self.batch_size):
-                batch = windows[b0 : b0 + self.batch_size]
-                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
-                    batch, examples, plan.probability.top_k, self.vocab, self.device, self.use_ce
-                )
-                loss, _parts = kd_step_loss(self.model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp, mask,
-                                            tail, target)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                self.optimizer.step()
-                steps += 1
-                state["step"] += 1
-                state["tokens"] += int(rows.numel())
-                bar.update(int(rows.numel()))
-                fault("train_mid_shard")
-        return steps
-
-
-def ledger_status(out_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Consumption state per ledger in a training output directory (no model import)."""
+def ledger_status(base: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Consumption state per ledger file in ``base`` (a capture's ``.consumption``, or a legacy
+    ``<train dir>/ledgers``); no model import."""
     out = []
-    base = Path(out_dir) / "ledgers"
+    base = Path(base)
     if not base.is_dir():
         return out
     for path in sorted(base.glob("*.jsonl")):

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_SCHEMA, REVISION_SCHEMA
 
 MAX_EXAMPLES = 2_000
 MAX_MESSAGES = 64
@@ -32,6 +33,8 @@ MAX_CODE_MEMORY_MB = 2_048
 SUITE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^eval-[0-9a-f]{16}$")
 REVISION_RE = re.compile(r"^[0-9a-f]{64}$")
+SUITE_NAME_SCHEMA: dict[str, Any] = {"pattern": SUITE_NAME_RE.pattern, "maxLength": 64}  # published in /openapi.json
+RUN_ID_SCHEMA: dict[str, Any] = {"pattern": RUN_ID_RE.pattern}
 
 
 def _check_suite_name(v: str) -> str:
@@ -142,8 +145,8 @@ class _AdapterFields(_Wire):
 class AdapterRef(_AdapterFields):
     """An adapter in the store; ``revision`` omitted: the served revision if it is active, else HEAD."""
 
-    adapter: str
-    revision: str | None = None
+    adapter: str = Field(json_schema_extra=NAME_SCHEMA)
+    revision: str | None = Field(None, json_schema_extra=REVISION_SCHEMA)
 
 
 DEFAULT_RUBRIC = (
@@ -196,7 +199,7 @@ class GenerationSettings(_Wire):
 class SuiteSpec(_Wire):
     """A suite: examples, scorers (a sample passes when all pass), generation settings, aggregation."""
 
-    name: str
+    name: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     description: str = Field("", max_length=4_096)
     examples: list[EvalExample] = Field(min_length=1, max_length=MAX_EXAMPLES)
     scorers: list[Scorer] = Field(min_length=1, max_length=MAX_SCORERS)
@@ -224,8 +227,8 @@ class SuiteSpec(_Wire):
 class Target(_AdapterFields):
     """What is evaluated: the base model (``adapter`` omitted) or an adapter at a revision."""
 
-    adapter: str | None = None
-    revision: str | None = None
+    adapter: str | None = Field(None, json_schema_extra=NAME_SCHEMA)
+    revision: str | None = Field(None, json_schema_extra=REVISION_SCHEMA)
 
     @model_validator(mode="after")
     def _rev_needs_adapter(self) -> "Target":
@@ -235,7 +238,7 @@ class Target(_AdapterFields):
 
 
 class _SuiteChoice(_Wire):
-    suite: str | None = None
+    suite: str | None = Field(None, json_schema_extra=SUITE_NAME_SCHEMA)
     inline_suite: SuiteSpec | None = None
 
     @model_validator(mode="after")
@@ -258,7 +261,7 @@ class CompareRequest(_SuiteChoice):
 
 
 class ReplayRequest(_Wire):
-    run_id: str
+    run_id: str = Field(json_schema_extra=RUN_ID_SCHEMA)
 
     @field_validator("run_id")
     @classmethod
@@ -271,7 +274,7 @@ class ReplayRequest(_Wire):
 class PostEval(_Wire):
     """The post-train gate attached to a training request (see docs/evals.md)."""
 
-    suite: str
+    suite: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     baseline: Target = Target()
     rule: Literal["paired_wilson_v1"] = "paired_wilson_v1"
     min_accuracy: float = Field(0.5, ge=0.0, le=1.0, allow_inf_nan=False)
@@ -299,7 +302,7 @@ class ImportRequest(_Wire):
     """``POST /v1/evals/suites/import``: JSONL rows (``{"id"?, "messages", "reference"}``) plus the suite's
     scorers and settings. ``jsonl`` is the text itself; ``dataset_path`` names a file in ``eval_dir/datasets``."""
 
-    name: str
+    name: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     description: str = Field("", max_length=4_096)
     jsonl: str | None = None
     dataset_path: str | None = Field(None, max_length=1_024)

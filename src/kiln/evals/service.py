@@ -152,6 +152,13 @@ class EvalService(Evaluation):
     def _read_dataset(self, rel: str) -> str:
         import os
 
+        try:  # a NUL byte or a lone surrogate can name no file (os.open would raise ValueError)
+            rel.encode("utf-8")
+            if "\x00" in rel:
+                raise ValueError("NUL byte")
+        except ValueError:
+            raise InvalidRequest("dataset_path contains a NUL byte or is not valid UTF-8", param="dataset_path",
+                                 code="dataset_outside_eval_dir") from None
         base = (self.root / "datasets").resolve()
         path = (base / rel)
         if os.path.isabs(rel) or ".." in Path(rel).parts or not str(path.resolve()).startswith(str(base) + os.sep):

@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.adapters.manifest import MAX_LORA_RANK
-from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_SCHEMA
 from kiln.training.schemas import LocalityRequest
 
 MAX_PROMPT_CHARS = 16_384
@@ -45,7 +46,8 @@ class JudgmentCreate(_Wire):
     response_b: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS)
     preferred: Literal["a", "b", "tie"] = Field(description="the better response, or tie")
     rationale: str | None = Field(None, max_length=MAX_RATIONALE_CHARS, description="why (kept, not trained on)")
-    author: str | None = Field(None, description="who judged: letters, digits, space and @._:+-, at most 128")
+    author: str | None = Field(None, description="who judged: letters, digits, space and @._:+-, at most 128",
+                               json_schema_extra={"pattern": AUTHOR_RE.pattern})
 
     _blank = field_validator("prompt", "response_a", "response_b")(_not_blank)
 
@@ -92,7 +94,7 @@ class JudgmentList(BaseModel):
 class JudgeTrainRequest(_Wire):
     """Train a judge adapter (SFT) on the stored judgments, ties left out (docs/evals.md, "Judgments")."""
 
-    adapter: str = Field(description="name the judge adapter is published under")
+    adapter: str = Field(description="name the judge adapter is published under", json_schema_extra=NAME_SCHEMA)
     limit: int = Field(MAX_TRAIN_JUDGMENTS, ge=1, le=MAX_TRAIN_JUDGMENTS,
                        description="train on at most this many non-tie judgments, the most recent")
     epochs: int | None = Field(None, ge=1, le=1_000, description="default: until the answers are learned")

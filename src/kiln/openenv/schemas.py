@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kiln.canonical import canonical_json_bytes
+from kiln.adapter_names import NAME_SCHEMA
 from kiln.openenv.discovery import check_env_url
 
 MAX_INSTRUCTIONS_CHARS = 8_192
@@ -24,12 +25,17 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 ARTIFACT_SHA256_HEADER = "x-kiln-artifact-sha256"
 
 
+# check_env_url's rule as a JSON Schema pattern (published in /openapi.json): loopback host, port 0-65535
+_PORT = r"([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_LOOPBACK_URL = rf"^http://(127\.0\.0\.1|localhost|\[::1\])(:{_PORT})?/?$"
+
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class OpenEnvRunRequest(_Wire):
-    env_url: str = Field(description="the environment server, on loopback: http://127.0.0.1:<port>")
+    env_url: str = Field(description="the environment server, on loopback: http://127.0.0.1:<port>",
+                         json_schema_extra={"pattern": _LOOPBACK_URL})
     instructions: str = Field("", max_length=MAX_INSTRUCTIONS_CHARS,
                               description="system prompt; the action schema is appended to it")
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, description="episodes per group (one reset seed each group)")
@@ -42,7 +48,7 @@ class OpenEnvRunRequest(_Wire):
     constrained: bool = Field(True, description="decode actions under the environment's action schema")
     protocol_error_reward: float = Field(-1.0, ge=-1e6, le=1e6, allow_inf_nan=False,
                                          description="added to the return of an invalid_model_action or protocol_error episode")
-    policy_adapter: str | None = Field(None, max_length=64,
+    policy_adapter: str | None = Field(None, max_length=64, json_schema_extra=NAME_SCHEMA,
                                        description="a loaded adapter that generates the actions (default: the base model)")
     training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)")
     idempotency_key: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",

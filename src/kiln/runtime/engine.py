@@ -176,6 +176,12 @@ class Engine(TokenFacade):
                                     macs_per_token=prompt_macs_per_token(self.model))
 
     @property
+    def max_request_rows(self) -> int:
+        """The most rows one request may submit: its rows are queued at once, so more than
+        ``batching.max_queued_rows`` could never be admitted (a 400, not a 429 forever)."""
+        return self.config.max_queued_rows
+
+    @property
     def prefix_cache(self) -> dict[str, bool]:
         """``batching.prefix_cache`` as configured, and whether the engine uses it (never for a hybrid)."""
         return {"requested": self.config.prefix_cache, "effective": self._kv.prefix_cache}

@@ -341,6 +341,11 @@ class VllmEngine(TokenFacade):
     def steps(self) -> int:
         return self._completed
 
+    @property
+    def max_request_rows(self) -> int:
+        """The most rows one request may have in flight (see :meth:`_admit`)."""
+        return self.config.max_running_rows + self.config.max_queued_rows
+
     def stats(self) -> dict[str, Any]:
         return {"queued_rows": 0, "active_rows": self._inflight, "max_running_rows": self.config.max_running_rows,
                 "steps": self._completed, "failed": None if self._state in ("ready", "starting") else self._why,

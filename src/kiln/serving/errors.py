@@ -108,8 +108,12 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
 
 def allowed_methods(app: FastAPI, scope: MutableMapping[str, Any]) -> str:
     """Every method some route serves at ``scope``'s path (``/v1/adapters/merge`` is both the merge
-    route, POST, and ``/v1/adapters/{name}``, GET and DELETE), for a 405's ``Allow``."""
+    route, POST, and ``/v1/adapters/{name}``, GET and DELETE), for a 405's ``Allow``. A route whose path
+    parameter's published pattern (:mod:`kiln.serving.path_params`) rejects the segment does not serve
+    the path: ``/v1/judgments/compare`` is POST only, ``compare`` is no judgment ID."""
     from starlette.routing import Match
+
+    from kiln.serving.path_params import path_param_patterns
 
     def leaves(routes):  # FastAPI keeps an included router as one entry (``original_router``); Kiln's
         for route in routes:  # routers are included without a prefix, so their routes match the scope as is
@@ -118,9 +122,13 @@ def allowed_methods(app: FastAPI, scope: MutableMapping[str, Any]) -> str:
 
     methods: set[str] = set()
     for route in leaves(app.router.routes):
-        route_methods = getattr(route, "methods", None)
-        if route_methods and route.matches(scope)[0] in (Match.FULL, Match.PARTIAL):
-            methods |= set(route_methods)
+        route_methods: set[str] = set(getattr(route, "methods", None) or ())
+        match, child = route.matches(scope) if route_methods else (Match.NONE, {})
+        if match not in (Match.FULL, Match.PARTIAL):
+            continue
+        values = child.get("path_params", {})  # a parameter that can never be this segment: not this path's route
+        if all(p.fullmatch(str(values.get(name, ""))) for name, p in path_param_patterns(route).items()):
+            methods |= route_methods
     return ", ".join(sorted(methods))
 
 

@@ -70,21 +70,36 @@ def check_limits(state, req, logprobs: int | None, stop: tuple[str, ...]) -> Non
         raise InvalidRequest(f"{logprobs} logprobs exceed limits.max_logprobs={lim.max_logprobs}", code="limit_exceeded", hint="ask for fewer logprobs")
 
 
-def max_tokens_for(state, requested: int | None, prompt_len: int) -> int:
+def check_rows(state, rows: int, what: str, param: str) -> None:
+    """Refuse (400) a request of more rows than the engine's queue can ever take, which would otherwise get
+    429 forever; ``what`` says how the rows were counted."""
+    cap = state.engine.max_request_rows
+    if rows > cap:
+        raise InvalidRequest(f"{what} make {rows} rows; one request may queue at most {cap} "
+                             "(batching.max_queued_rows), so it could never be admitted", code="limit_exceeded",
+                             param=param, hint="send fewer prompts or a lower n per request, or raise "
+                             "batching.max_queued_rows")
+
+
+def max_tokens_for(state, requested: int | None, prompt_len: int, prompt_param: str | None = None) -> int:
+    """The ``max_tokens`` a prompt of ``prompt_len`` tokens gets; ``prompt_param`` (``prompt[j]`` in a list of
+    prompts) is named in a refusal of the prompt as the param, and in the message."""
     lim = state.settings.limits
     model_len = state.engine.config.max_model_len  # min(limits.max_model_len, the model's own limit)
     room = model_len - prompt_len
+    which = f"{prompt_param} " if prompt_param else ""
     if room <= 0:
-        raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's limit is {model_len}",
-                             code="context_length_exceeded", hint="shorten the prompt")
+        raise InvalidRequest(f"the prompt {which}has {prompt_len} tokens; the model's limit is {model_len}",
+                             code="context_length_exceeded", param=prompt_param, hint="shorten the prompt")
     if requested is None:
         return min(lim.default_max_tokens, room)
     if requested > lim.max_tokens_cap:
         raise InvalidRequest(f"max_tokens={requested} exceeds limits.max_tokens_cap={lim.max_tokens_cap}",
                              code="limit_exceeded", param="max_tokens", hint="lower max_tokens")
     if requested > room:
-        raise InvalidRequest(f"prompt ({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's limit of "
-                             f"{model_len} tokens", code="context_length_exceeded", param="max_tokens",
+        raise InvalidRequest(f"prompt {which}({prompt_len} tokens) plus max_tokens ({requested}) exceeds the model's "
+                             f"limit of {model_len} tokens", code="context_length_exceeded",
+                             param=prompt_param or "max_tokens",
                              hint="shorten the prompt or lower max_tokens")
     return requested
 

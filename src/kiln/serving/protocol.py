@@ -489,21 +489,26 @@ class TrainingReceipt(BaseModel):
 
 
 class AdapterInfo(_Response):
+    """One stored adapter. One whose HEAD or manifest cannot be read has ``verified: false``, the reason in
+    ``error``, and ``null`` for what could not be read (revision, base, kind, size, created)."""
+
     name: str
-    revision: str
-    base_model_sha256: str
-    kind: str
+    revision: str | None
+    base_model_sha256: str | None
+    kind: str | None
     parent_revision: str | None
-    size_bytes: int
-    created: str
+    size_bytes: int | None
+    created: str | None
     active: bool
     active_revision: str | None
-    quarantined: dict[str, dict[str, str]] = {}  # revision -> {reason, at}: its load or canary failed
+    quarantined: dict[str, dict[str, str]] | None = {}  # revision -> {reason, at}; None: marks unreadable
     receipt: ReceiptSummary | None = None  # None: a kind no training job publishes (upload, merge)
+    verified: bool = True  # HEAD, manifest, quarantine marks and receipt readable (and the receipt binds)
+    error: str | None = None  # why not
 
 
 class AdapterDetail(AdapterInfo):
-    manifest: dict[str, Any]
+    manifest: dict[str, Any] | None  # None: the manifest cannot be read (see error)
 
 
 class AdapterMerged(AdapterInfo):

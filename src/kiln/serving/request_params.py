@@ -8,11 +8,12 @@ parsers the server's settings select are built once per served model and cached 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Callable
 
 from kiln.errors import InvalidRequest
-from kiln.runtime.constrained import GrammarCompiler
+from kiln.runtime.constrained import GrammarCompiler, NoValidOutput
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
 from kiln.serving.generation import check_token_ids
@@ -28,6 +29,8 @@ async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
     extra = _controls(state, req, max_tokens)
     asked = _grammar(state, req)
     compiled = None if asked is None else await grammar_compiler(state).compile(*asked)
+    if compiled is not None and asked is not None and extra.get("bad_words"):
+        await asyncio.to_thread(_check_some_output, compiled, extra["bad_words"], asked[1])
     return [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
@@ -37,6 +40,16 @@ async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
         )
         for i in range(req.n if count is None else count)
     ]
+
+
+def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
+    """Refuse (400 ``no_valid_output``) a grammar whose every first token ``bad_words`` forbids: generation
+    could only end in an invalid output, which is the request's contradiction, not a grammar limit."""
+    first, may_end = compiled.first_tokens()
+    banned = {w[0] for w in bad_words if len(w) == 1}
+    if first and not may_end and first <= banned:
+        raise NoValidOutput(f"{param} and bad_words together exclude every token: {param} must start with one of "
+                            f"{len(first)} token(s), and bad_words forbids all of them", param="bad_words")
 
 
 def _controls(state, req, max_tokens: int) -> dict[str, Any]:

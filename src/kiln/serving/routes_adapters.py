@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from kiln.adapters.errors import AdapterBusy, AdapterConflict, AdapterIntegrityError, AdapterTooLarge
+from kiln.adapter_names import NAME_SCHEMA
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER, MAX_ADAPTER_NAME_CHARS, MAX_LORA_RANK, check_name
 from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish_merge
 from kiln.adapters.store import AdapterRecord, AdapterStore
@@ -25,6 +26,7 @@ from kiln.errors import NotFound
 from kiln.serving import default_adapter
 from kiln.serving.activation import activate
 from kiln.serving.state import require_experimental
+from kiln.serving.path_params import AdapterName
 
 router = APIRouter(tags=["adapters"])
 
@@ -64,13 +66,14 @@ class UploadGate:
 
 class MergeSource(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS)
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, json_schema_extra=NAME_SCHEMA)
     weight: float = 1.0
 
 
 class MergeRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="name of the merged adapter")
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="name of the merged adapter",
+                      json_schema_extra=NAME_SCHEMA)
     method: Literal["linear", "ties", "cat"] = "linear"
     adapters: list[MergeSource] = Field(min_length=1, max_length=MAX_MERGE_PARENTS)
     density: float = Field(DEFAULT_TIES_DENSITY, gt=0, le=1, description="TIES: fraction of entries kept")
@@ -123,7 +126,7 @@ def list_adapters(request: Request) -> dict[str, Any]:
 class DefaultAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="a stored adapter")
+    name: str = Field(max_length=MAX_ADAPTER_NAME_CHARS, description="a stored adapter", json_schema_extra=NAME_SCHEMA)
     revision: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="a retained revision; default: HEAD")
 
 
@@ -147,7 +150,7 @@ def delete_default_adapter(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/adapters/{name}")
-def get_adapter(name: str, request: Request) -> dict[str, Any]:
+def get_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """One adapter, including its full manifest."""
     try:
         record = _store(request).get(name)
@@ -157,7 +160,7 @@ def get_adapter(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/adapters/{name}/receipt")
-def get_receipt(name: str, request: Request, revision: str | None = None) -> dict[str, Any]:
+def get_receipt(name: AdapterName, request: Request, revision: str | None = None) -> dict[str, Any]:
     """The training receipt of ``name`` at ``revision`` (default: HEAD), checked to bind to that revision."""
     store = _store(request)
     record = store.get(name, revision)  # 400 for a malformed revision, 404 for one not retained
@@ -170,7 +173,7 @@ def get_receipt(name: str, request: Request, revision: str | None = None) -> dic
 
 
 @router.post("/v1/adapters/{name}/load")
-def load_adapter(name: str, request: Request) -> dict[str, Any]:
+def load_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """Verify the stored files, then serve the adapter's current revision (canary-checked, atomic swap)."""
     state = _state(request)
     record = _store(request).verify(name)
@@ -179,13 +182,13 @@ def load_adapter(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/adapters/{name}/quarantine/clear")
-def clear_quarantine(name: str, request: Request) -> dict[str, Any]:
+def clear_quarantine(name: AdapterName, request: Request) -> dict[str, Any]:
     """Lift the quarantine of every revision of ``name`` (after fixing what failed); they load again."""
     return {"name": name, "cleared": _store(request).clear_quarantine(name)}
 
 
 @router.post("/v1/adapters/{name}/unload")
-def unload_adapter(name: str, request: Request) -> dict[str, Any]:
+def unload_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """Stop serving the adapter; requests already running on it finish on their revision."""
     check_name(name)
     _state(request).engine.deactivate_adapter(name)  # UnknownAdapter: 404 adapter_not_active
@@ -193,7 +196,7 @@ def unload_adapter(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.delete("/v1/adapters/{name}")
-def delete_adapter(name: str, request: Request) -> dict[str, Any]:
+def delete_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """Delete an adapter with every stored revision. Refused (409) while it is being served."""
     check_name(name)
     if name in _active(request):
@@ -206,7 +209,7 @@ def delete_adapter(name: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/adapters/{name}/download")
-def download_adapter(name: str, request: Request) -> FileResponse:
+def download_adapter(name: AdapterName, request: Request) -> FileResponse:
     """The current revision as a reproducible tar.gz (PEFT files plus kiln-manifest.json in ``<name>/``)."""
     from kiln.adapters.archive import pack
 
@@ -256,7 +259,7 @@ def _publish_upload(store: AdapterStore, name: str, scratch: Any, state: Any) ->
 
 
 @router.post("/v1/adapters/{name}/upload", status_code=201)
-async def upload_adapter(name: str, request: Request) -> dict[str, Any]:
+async def upload_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """Publish a tar.gz of PEFT files (body: the raw archive) as a new revision of ``name`` (kind "upload")."""
     state = _state(request)
     limit = state.settings.adapters.max_upload_bytes

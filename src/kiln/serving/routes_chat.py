@@ -31,6 +31,7 @@ from kiln.serving.generation import (
     check_fits,
     check_limits,
     check_request,
+    check_rows,
     collect,
     include_usage,
     max_tokens_for,
@@ -97,6 +98,16 @@ def template_messages(messages) -> list[dict[str, Any]]:
     return out
 
 
+def rendered_chars(wire_messages, messages: list[dict[str, Any]]) -> int:
+    """Characters of every field the template renders (content, reasoning_content, tool-call names and
+    arguments, tool_call_id): what decides whether rendering and tokenizing leave the event loop."""
+    size = 0
+    for wire, m in zip(wire_messages, messages):
+        size += len(m["content"]) + len(m.get("reasoning_content") or "") + len(m.get("tool_call_id") or "")
+        size += sum(len(c.function.name) + len(c.function.arguments) for c in wire.tool_calls or ())
+    return size
+
+
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
@@ -116,7 +127,7 @@ async def _render_chat(state, req: ChatCompletionRequest) -> list[int]:
     chats are rendered and tokenized off the event loop."""
     check_messages(state, req.messages)
     messages = template_messages(req.messages)
-    size = sum(len(m["content"]) for m in messages)
+    size = rendered_chars(req.messages, messages)
     tools = _template_tools(req)
     engine = state.engine
     big = bool(tools) or bool(req.chat_template_kwargs) or size > LARGE_PROMPT_CHARS
@@ -145,6 +156,7 @@ async def chat_response(state: KilnState, body: ChatCompletionRequest, receive: 
         raise InvalidRequest("top_logprobs requires logprobs=true", code="invalid_request", hint="set logprobs to true")
     logprobs = (top or 0) if body.logprobs else None
     check_limits(state, body, logprobs, body.stop_list())
+    check_rows(state, body.n, f"n={body.n}", "n")
     check_tools(body)
     parser = tool_parser(state) if tools_on(body) else None
     forced = forces_call(body)

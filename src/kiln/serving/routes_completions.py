@@ -29,6 +29,7 @@ from kiln.serving.generation import (
     check_fits,
     check_limits,
     check_request,
+    check_rows,
     collect,
     completion_logprobs,
     include_usage,
@@ -97,12 +98,16 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
                                  hint="send the scoring request with stream=false")
     raw_prompts = _prompt_list(body)
     many = len(raw_prompts) > 1
-    prompts = []
+    check_rows(state, body.n * len(raw_prompts), f"{len(raw_prompts)} prompts x n={body.n}" if many
+               else f"n={body.n}", "n")
+    prompts, fits = [], []
     for j, p in enumerate(raw_prompts):  # a long text prompt is checked, then tokenized off the event loop
         param = f"prompt[{j}]" if many else "prompt"
         big = isinstance(p, str) and len(p) > LARGE_PROMPT_CHARS
         prompts.append(await asyncio.to_thread(_prompt_ids, state, p, param) if big else _prompt_ids(state, p, param))
-    max_tokens = min(max_tokens_for(state, body.max_tokens, len(p)) for p in prompts)
+        # each prompt is checked against the context as soon as it is tokenized: the first too long stops the rest
+        fits.append(max_tokens_for(state, body.max_tokens, len(prompts[-1]), param if many else None))
+    max_tokens = min(fits)
     rid = f"cmpl-{request_id()}"
     created = int(time.time())
     timeout = state.settings.server.request_timeout_s

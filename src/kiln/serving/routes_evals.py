@@ -22,6 +22,7 @@ from kiln.evals.schemas import (
     RunRequest,
     SuiteSpec,
 )
+from kiln.serving.path_params import EvalRunId, SuiteName
 
 if TYPE_CHECKING:
     from kiln.evals.service import EvalService
@@ -62,12 +63,12 @@ def list_suites(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/evals/suites/{name}")
-def get_suite(name: str, request: Request) -> dict[str, Any]:
+def get_suite(name: SuiteName, request: Request) -> dict[str, Any]:
     return _evals(request).suites.get(name).model_dump(mode="json")
 
 
 @router.delete("/v1/evals/suites/{name}")
-def delete_suite(name: str, request: Request) -> dict[str, Any]:
+def delete_suite(name: SuiteName, request: Request) -> dict[str, Any]:
     return _evals(request).suites.delete(name)
 
 
@@ -101,12 +102,12 @@ def list_runs(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/evals/runs/{run_id}")
-def get_run(run_id: str, request: Request) -> dict[str, Any]:
+def get_run(run_id: EvalRunId, request: Request) -> dict[str, Any]:
     """One run: state, progress, and when finished the per-example results, aggregate and provenance."""
     return _evals(request).get(_run_id(run_id))
 
 
 @router.delete("/v1/evals/runs/{run_id}")
-def cancel_run(run_id: str, request: Request) -> dict[str, Any]:
+def cancel_run(run_id: EvalRunId, request: Request) -> dict[str, Any]:
     """Cancel a queued run, or stop a running one at its next row boundary."""
     return _evals(request).cancel(_run_id(run_id))

@@ -21,6 +21,7 @@ from kiln.judgments.schemas import (
     JudgmentCreate,
 )
 from kiln.serving.state import get_state, require_experimental
+from kiln.serving.path_params import JudgmentId
 
 if TYPE_CHECKING:
     from kiln.judgments.service import JudgmentService
@@ -64,7 +65,7 @@ def export_judgments(request: Request) -> StreamingResponse:
 
 
 @router.get("/v1/judgments/{judgment_id}")
-def get_judgment(judgment_id: str, request: Request) -> dict[str, Any]:
+def get_judgment(judgment_id: JudgmentId, request: Request) -> dict[str, Any]:
     return _service(request).store.get(_judgment_id(judgment_id))
 
 

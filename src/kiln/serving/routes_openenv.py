@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from kiln.openenv.schemas import ARTIFACT_SHA256_HEADER, OpenEnvPreflight, OpenEnvRun, OpenEnvRunList, OpenEnvRunRequest
 from kiln.serving.state import get_state, require_experimental
+from kiln.serving.path_params import OpenEnvRunId
 
 if TYPE_CHECKING:
     from kiln.openenv.service import OpenEnvService
@@ -45,13 +46,13 @@ def list_runs(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/openenv/runs/{run_id}", response_model=OpenEnvRun)
-def get_run(run_id: str, request: Request) -> dict[str, Any]:
+def get_run(run_id: OpenEnvRunId, request: Request) -> dict[str, Any]:
     """One run's state, progress, returns, termination counts and training job."""
     return _public(request, _service(request).get(run_id))
 
 
 @router.post("/v1/openenv/runs/{run_id}/cancel", response_model=OpenEnvRun)
-def cancel_run(run_id: str, request: Request) -> dict[str, Any]:
+def cancel_run(run_id: OpenEnvRunId, request: Request) -> dict[str, Any]:
     """Cancel a queued or running run (a training job it started is cancelled too)."""
     return _public(request, _service(request).cancel(run_id))
 
@@ -67,7 +68,7 @@ def preflight(body: OpenEnvRunRequest, request: Request) -> dict[str, Any]:
 @router.get("/v1/openenv/runs/{run_id}/artifacts/{name}", response_class=StreamingResponse,
             responses={200: {"content": {"application/octet-stream": {}},
                              "description": "the artifact's exact bytes"}})
-def download_artifact(run_id: str, name: str, request: Request) -> StreamingResponse:
+def download_artifact(run_id: OpenEnvRunId, name: str, request: Request) -> StreamingResponse:
     """Stream a published run artifact (``rollouts.jsonl``, ``replay.json``, ``train_receipt.json``), verified
     against the run's recorded length and SHA-256 on the descriptor it is streamed from; the headers carry both."""
     fd, size, digest = _service(request).open_artifact(run_id, name)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from kiln.errors import Unavailable
 from kiln.serving.state import get_state
 from kiln.teachers.registry import TeacherRegistry, TeacherRequest
+from kiln.serving.path_params import TeacherAlias
 
 router = APIRouter(tags=["teachers"])
 
@@ -77,10 +78,10 @@ def list_teachers(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/teachers/{alias}", response_model=TeacherInfo)
-def show_teacher(alias: str, request: Request) -> dict[str, Any]:
+def show_teacher(alias: TeacherAlias, request: Request) -> dict[str, Any]:
     return _registry(request).show(alias)
 
 
 @router.delete("/v1/teachers/{alias}", response_model=TeacherInfo)
-def delete_teacher(alias: str, request: Request) -> dict[str, Any]:
+def delete_teacher(alias: TeacherAlias, request: Request) -> dict[str, Any]:
     return _registry(request).delete(alias)

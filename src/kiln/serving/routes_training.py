@@ -20,6 +20,7 @@ from kiln.serving.protocol import TrainingJob, TrainingStatus
 from kiln.serving.state import get_state, require_experimental
 from kiln.training.queue.kinds import JobKind, wire_kinds
 from kiln.training.schemas import JOB_ID_RE
+from kiln.serving.path_params import JobId
 
 if TYPE_CHECKING:
     from kiln.training.queue.service import TrainingService
@@ -70,12 +71,12 @@ def train_status(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/train/jobs/{job_id}", response_model=TrainingJob)
-def train_job(job_id: str, request: Request) -> dict[str, Any]:
+def train_job(job_id: JobId, request: Request) -> dict[str, Any]:
     """One job: state, step, loss, tokens/s, ETA, result or error."""
     return _public(request, _trainer(request).job(_job_id(job_id)))
 
 
 @router.delete("/v1/train/queue/{job_id}", response_model=TrainingJob)
-def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+def cancel_job(job_id: JobId, request: Request) -> dict[str, Any]:
     """Cancel a queued job, or stop a running one at its next step boundary."""
     return _public(request, _trainer(request).cancel(_job_id(job_id)))

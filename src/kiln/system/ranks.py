@@ -84,7 +84,10 @@ def canonical_host(name: object) -> str:
     the same host, so ``SPARK-3BD5``, ``spark-3bd5`` and ``spark-3bd5.`` are one
     host: the canonical form is lowercase without the trailing dot. An IP address
     literal (IPv4, or IPv6 with optional brackets) is written in its standard
-    compressed form. Anything else is refused with ``ValueError``: whitespace
+    compressed form; every other spelling the resolver accepts as an IPv4 address
+    (``3232261642``, ``0xc0a8660a``, ``127.1``) and an IPv4-mapped IPv6 address
+    (``::ffff:192.168.102.10``) becomes the dotted quad, and a spelling with an
+    octal-looking part (``192.168.102.010``) is refused as ambiguous. Anything else is refused with ``ValueError``: whitespace
     (leading, trailing or inside), control characters, empty labels (``a..b``) and
     characters outside letters, digits, ``-``, ``_`` and ``.``.
     """
@@ -93,10 +96,17 @@ def canonical_host(name: object) -> str:
     if not name or len(name) > MAX_IDENTIFIER_CHARS:
         raise ValueError(f"a host name has 1 to {MAX_IDENTIFIER_CHARS} characters")
     literal = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    numeric = _inet_aton_form(literal)
+    if numeric is not None:
+        return numeric
     try:
-        return str(ipaddress.ip_address(literal))
+        address = ipaddress.ip_address(literal)
     except ValueError:
         pass
+    else:
+        # An IPv4-mapped IPv6 address (::ffff:a.b.c.d) reaches the same machine as a.b.c.d.
+        mapped = getattr(address, "ipv4_mapped", None)
+        return str(mapped if mapped is not None else address)
     host = name.lower()
     if host.endswith(".") and len(host) > 1:
         host = host[:-1]
@@ -106,6 +116,36 @@ def canonical_host(name: object) -> str:
             "labels; no whitespace or control characters)"
         )
     return host
+
+
+_NUMERIC_PART = re.compile(r"0x[0-9a-f]*|[0-9]+")
+
+
+def _inet_aton_form(literal: str) -> str | None:
+    """The dotted-quad address of a host spelled as the C resolver (``inet_aton``) reads numbers:
+    one to four parts, each decimal or ``0x`` hex, the last filling the remaining bytes (``3232261642``,
+    ``0xc0a8660a``, ``127.1``). ``None`` when it is not such a spelling. A part with a leading zero is
+    octal to the resolver but decimal to a reader (``192.168.102.010`` is .8 to one, .10 to the other):
+    refused as ambiguous rather than guessed."""
+    parts = literal.lower().split(".")
+    if not 1 <= len(parts) <= 4 or not all(_NUMERIC_PART.fullmatch(p) for p in parts):
+        return None
+    if any(len(p) > 1 and p.startswith("0") and not p.startswith("0x") for p in parts):
+        raise ValueError(
+            f"host {literal!r} is ambiguous: a part with a leading zero is octal to the resolver and decimal "
+            "to a reader; write the address as a plain dotted quad"
+        )
+    if any(p == "0x" for p in parts):
+        raise ValueError(f"host {literal!r} is not an address: '0x' without digits")
+    values = [int(p, 16) if p.startswith("0x") else int(p) for p in parts]
+    last_bits = 8 * (5 - len(values))
+    if any(v > 255 for v in values[:-1]) or values[-1] >= 1 << last_bits:
+        raise ValueError(f"host {literal!r} is not an IPv4 address (a part is out of range)")
+    number = 0
+    for v in values[:-1]:
+        number = (number << 8) | v
+    number = (number << last_bits) | values[-1]
+    return str(ipaddress.IPv4Address(number))
 
 
 _Host = Annotated[str, AfterValidator(canonical_host)]

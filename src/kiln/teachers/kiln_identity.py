@@ -160,6 +160,9 @@ class KilnTeacherIdentity:
         return ident
 
 
+MAX_FINGERPRINT_NESTING = 8  # JSON objects/arrays in an identity payload (it has two)
+
+
 def decode_fingerprint(fingerprint: str) -> dict[str, Any]:
     """The identity JSON a ``kiln-teacher-v1.<b64>.<sha256>`` fingerprint carries, after checking its digest.
 
@@ -184,7 +187,19 @@ def decode_fingerprint(fingerprint: str) -> dict[str, Any]:
         raise ValueError(f"fingerprint payload is not base64url: {exc}") from None
     if sha256_hex(raw) != parts[2]:
         raise ValueError("fingerprint digest does not match its identity payload")
-    obj = json.loads(raw)
+    # The identity is a flat object (one nested adapter object): bound the nesting before parsing,
+    # so a payload nested 100,000 deep is refused here, not by the parser's recursion limit.
+    if raw.count(b"[") + raw.count(b"{") > MAX_FINGERPRINT_NESTING:
+        raise ValueError(f"fingerprint payload has more than {MAX_FINGERPRINT_NESTING} JSON objects/arrays; "
+                         "an identity is a flat object")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("fingerprint payload is not UTF-8") from None
+    except RecursionError:
+        raise ValueError("fingerprint payload nests too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"fingerprint payload is not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ValueError("fingerprint payload is not a JSON object")
     return obj

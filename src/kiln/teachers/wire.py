@@ -75,14 +75,21 @@ class _Reader:
         return _I32.unpack(self.take(4))[0]
 
 
+def _text(r: _Reader, what: str) -> str:
+    try:
+        return bytes(r.take(r.u32())).decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError(f"the answer's {what} is not UTF-8") from None
+
+
 def decode(data: bytes, *, vocab_size: int | None = None, top_k: int | None = None
            ) -> tuple[str, str, list[list[dict[int, float] | None]]]:
     """(fingerprint, model, rows per prompt as ``{token ID: logprob}``)."""
     r = _Reader(data)
     if bytes(r.take(len(MAGIC))) != MAGIC:
         raise WireError("not a kiln prompt-logprobs answer (bad magic)")
-    fingerprint = bytes(r.take(r.u32())).decode()
-    model = bytes(r.take(r.u32())).decode()
+    fingerprint = _text(r, "fingerprint")
+    model = _text(r, "model")
     prompts = []
     for _ in range(r.u32()):
         n = r.u32()

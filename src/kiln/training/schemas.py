@@ -19,7 +19,8 @@ from pydantic import (
 )
 
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
-from kiln.adapters.manifest import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
+from kiln.adapter_names import NAME_SCHEMA
 from kiln.evals.schemas import PostEval, Scorer
 
 MAX_MESSAGE_CHARS = 32_768
@@ -164,8 +165,9 @@ class LocalityRequest(_Wire):
 
 
 class _TrainCommon(_Wire):
-    adapter: str = Field(description="name the trained adapter is published under")
-    base_adapter: str | None = Field(None, description="continue training from this published adapter")
+    adapter: str = Field(description="name the trained adapter is published under", json_schema_extra=NAME_SCHEMA)
+    base_adapter: str | None = Field(None, description="continue training from this published adapter",
+                                     json_schema_extra=NAME_SCHEMA)
     epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS, description="default: enough for DEFAULT_MIN_STEPS steps")
     learning_rate: float = Field(DEFAULT_LEARNING_RATE, gt=0, le=1.0)
     lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)

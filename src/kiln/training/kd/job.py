@@ -11,11 +11,12 @@ does: reserve -> train one pass (each optimizer step under exclusive ownership)
 -> durable checkpoint -> commit with the checkpoint's SHA-256. The adapter is
 published with manifest kind ``kd``, its config binding ``capture_plan_sha256``.
 
-Ledgers live under ``<home>/training/kd/<capture plan sha256>/<adapter>/``: a
-consumer is one adapter name of one served model, so a shard trains a given
-adapter once. A second job for the same run and adapter is refused (409
-``capture_consumed``) unless it sets ``replay`` (a chained replay, only under
-``replay: chained``); shards captured since the last job are trained alone.
+Ledgers live beside the capture (``<run>/.consumption/``, :mod:`kiln.distill.consumption`), shared
+with ``kiln distill train`` and every adapter: consumption follows the artifact and its rows, so a
+shard is consumed once whoever trains on it. A second job for the same run is refused (409
+``capture_consumed``) unless it sets ``replay`` (a chained replay, only under ``replay: chained``);
+shards captured since the last job are trained alone. Ledgers an older Kiln kept under
+``<home>/training/kd/<capture plan sha256>/<adapter>/`` are adopted on first use.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class KDData:
     run_root: Path
     capture_plan: Any  # kiln.distill.contract.Plan
     shards: tuple[KDShard, ...]
-    ledger_root: Path
+    ledger_root: Path  # where an older Kiln kept this adapter's ledgers (adopted in prepare)
     passes: int  # passes over each shard this job makes (request.epochs)
     replay: bool
     ce_weight: float
@@ -65,10 +66,13 @@ def checkpoint_digest(path: Path) -> str:
     return sha256_hex(canonical_json_bytes({"schema": "kiln.kd-job-checkpoint.v1", "files": files}))
 
 
-def _ledger(ledger_root: Path, shard: KDShard, capture_plan: Any) -> Any:
-    from kiln.distill.ledger import Ledger
+def _ledger(run_root: Path, shard: KDShard, capture_plan: Any, legacy_root: Path | None = None) -> Any:
+    from kiln.distill.consumption import adopt_legacy_ledger, artifact_ledger, consumption_dir
 
-    return Ledger(ledger_root / f"{shard.transaction_id}.jsonl", shard.shard_dir, capture_plan)
+    if legacy_root is not None:
+        name = f"{shard.transaction_id}.jsonl"
+        adopt_legacy_ledger(legacy_root / name, consumption_dir(run_root) / name)
+    return artifact_ledger(run_root, shard.shard_dir, capture_plan, shard.transaction_id)
 
 
 def _check_binding(ctx: PrepareContext, plan: Any) -> None:
@@ -118,8 +122,10 @@ def _check_open_reservation(ctx: PrepareContext, ledger: Any, resume_from: str |
         return
     try:
         owner = ctx.jobs.get(run_id)
-    except NotFound:
-        return
+    except NotFound:  # not a job of this server: another consumer of the capture (kiln distill train)
+        raise Conflict(f"a shard is reserved by another consumer of this capture (run {run_id!r}, reservation "
+                       f"{rid!r}); consumption state is shared, only that consumer may release it",
+                       code="capture_reserved", hint="wait for it to finish") from None
     found = list_checkpoints(ctx.checkpoint_root(owner.id))
     if not found:
         return
@@ -156,7 +162,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     lora = ctx.lora_shape(request, parent)
     capture_sha = plan.digest()
     _check_not_in_use(ctx, capture_sha, request.adapter)
-    ledger_root = ctx.root / "kd" / capture_sha / request.adapter
+    legacy_root = ctx.root / "kd" / capture_sha / request.adapter
     shards, fresh_steps = [], 0
     for shard_dir, head in todo:
         try:
@@ -164,7 +170,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
             windows = len(_windows(examples, plan.capture.max_sequence_length))
             data_shard = KDShard(head.transaction_id, shard_dir, head.digest(),
                                  math.ceil(windows / request.batch_size))
-            ledger = _ledger(ledger_root, data_shard, plan)
+            ledger = _ledger(root, data_shard, plan, legacy_root)
         except DistillError as exc:
             raise TrainingDataError(f"run {request.run!r}: {exc}", code="invalid_capture", param="run") from None
         if ledger.view.state == "reserved":
@@ -172,9 +178,10 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
         shards.append(data_shard)
         fresh_steps += data_shard.steps_per_pass if ledger.view.commits == 0 else 0
     if not fresh_steps and not request.replay and request.resume_from_job is None:
-        raise Conflict(f"every shard of run {request.run!r} was already consumed by adapter {request.adapter!r}",
+        raise Conflict(f"every shard of run {request.run!r} was already consumed (consumption follows the "
+                       "capture, whichever adapter or trainer consumed it)",
                        code="capture_consumed", param="replay",
-                       hint="set replay=true for a chained replay, capture new shards, or train another adapter")
+                       hint="set replay=true for a chained replay, or capture new shards")
     total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
     eff = request.model_dump(mode="json")
     eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
@@ -183,7 +190,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
-    data = KDData(root, plan, tuple(shards), ledger_root, passes, request.replay, request.ce_weight,
+    data = KDData(root, plan, tuple(shards), legacy_root, passes, request.replay, request.ce_weight,
                   request.kd_weight, total)
     loop = Plan(request.learning_rate, passes, request.batch_size, request.seed, 0, max_steps=None)
     return JobPlan("kd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
@@ -206,12 +213,11 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     loop.stats.setdefault("kd_commits", [])
     loop.stats.setdefault("first_loss", None)
     step = _KDStep(peft_model, data, loop, anchor=anchor, pad_id=pad_id)
-    data.ledger_root.mkdir(parents=True, exist_ok=True)
     resume_digest = None if resume is None else checkpoint_digest(resume.path)
     actions: dict[str, str] = {}
     with loop.running():
         for shard in data.shards:
-            ledger = _ledger(data.ledger_root, shard, data.capture_plan)
+            ledger = _ledger(data.run_root, shard, data.capture_plan)
             mine = [c for c in loop.stats["kd_commits"] if c["transaction_id"] == shard.transaction_id]
             if ledger.view.state == "reserved":
                 if any(c["reservation_id"] == ledger.view.open_reservation[1] for c in mine):
