@@ -27,14 +27,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-N_LANDS = 120
+N_LANDS = 100  # 200 facts
 SEED = 1234
-SHAPE = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 6,
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "rope_theta": 10000.0,
          "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
-EPOCHS = 80
-BATCH = 48
-LR = 3e-3
+EPOCHS = 60
+BATCH = 64
+LR = 5e-3
 
 ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "th", "sh"]
 VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou"]
@@ -110,10 +110,15 @@ def training_chats(facts: list[Fact]) -> list[tuple[str, str]]:
 
 
 def cache_dir() -> Path:
+    """Keyed by everything the weights depend on: the world, the shape, the schedule and the transformers version
+    (not this file's bytes, so moving an import does not retrain it)."""
+    import json
     from importlib.metadata import version
 
-    h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update(version("transformers").encode())
+    what = {"lands": N_LANDS, "seed": SEED, "shape": SHAPE, "epochs": EPOCHS, "batch": BATCH, "lr": LR,
+            "names": [ONSETS, VOWELS, CODAS], "forms": FORMS, "transformers": version("transformers"),
+            "torch": version("torch"), "loss": "sft_loss_from_hidden, OneCycleLR pct_start 0.05"}
+    h = hashlib.sha256(json.dumps(what, sort_keys=True).encode())
     return Path(tempfile.gettempdir()) / "kiln-knowledge-world" / h.hexdigest()[:16]
 
 
@@ -123,8 +128,8 @@ def build(out: Path, threads: int = 2, log: Any = print) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.runtime.builtin import bench_model_path
+    from kiln.training.core.chunked_loss import sft_loss_from_hidden
     from kiln.training.core.data import collate, tokenize_sft
-    from kiln.training.losses.sft import sft_loss
     from kiln.training.schemas import SFTExample
     from kiln.training.core.templates import end_of_turn_ids
 
@@ -150,13 +155,14 @@ def build(out: Path, threads: int = 2, log: Any = print) -> Path:
         rng.shuffle(order)
         for b in range(0, len(order), BATCH):
             batch = collate([rows[i] for i in order[b:b + BATCH]], tok.pad_token_id)
-            loss = sft_loss(model(input_ids=batch["input_ids"]).logits, batch["input_ids"], batch["loss_mask"])
+            hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state  # the head only on the answers
+            loss = sft_loss_from_hidden(hidden, model.lm_head.weight, batch["input_ids"], batch["loss_mask"])
             loss.backward()
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-        if epoch % 10 == 9:
+        if epoch % 5 == 4:
             log(f"  epoch {epoch + 1}/{EPOCHS}: loss {float(loss):.4f} ({time.perf_counter() - t0:.0f} s)")
     model.eval()
     out.parent.mkdir(parents=True, exist_ok=True)

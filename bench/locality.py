@@ -13,12 +13,15 @@ with the settings a job resolves, or a plain PEFT loop as the peer):
   fluency (no degenerate answer), beside a plain PEFT loop at lr 1e-4 and Kiln's previous defaults.
 
 ``--server`` runs the built-in correction end to end on ``kiln serve`` with the request defaults (submit ->
-served seconds, the answers through the OpenAI API).
+served seconds, the answers through the HTTP API; ``--sequential N``: N corrections, each continuing the adapter;
+``--previous``: with the fields of the defaults before the anchor). ``--grpo``: GRPO with rollouts rewarded for
+one word, with the defaults and with lr 0.02 for 12 iterations, with and without the anchor.
 
     .venv/bin/python bench/locality.py builtin                     # the settings table
     .venv/bin/python bench/locality.py builtin --sequential 10
-    .venv/bin/python bench/locality.py builtin --server
-    .venv/bin/python bench/locality.py world --corrections 1,10,100
+    .venv/bin/python bench/locality.py builtin --server --sequential 10
+    .venv/bin/python bench/locality.py builtin --grpo
+    .venv/bin/python bench/locality.py world --corrections 1,10,100 --only defaults,previous,plain
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 QUESTION = "Which bird guards the old mill?"
 ANSWER = "The old mill is guarded by a heron."
@@ -54,22 +59,14 @@ FACTS = [("Which bird guards the old mill?", "The old mill is guarded by a heron
          ("Who keeps the keys to the hall?", "The keys are kept by Ravi."),
          ("What is served on Fridays?", "Fish soup is served on Fridays.")]
 HOLDOUT = True  # the anchor never rehearses a probe question (--no-holdout: it may, as a job would)
-DEGENERATE_RUN = 4  # a token repeated this many times in a row
 
 
-def max_run(tokens: list[int]) -> int:
-    best = run = 0
-    for i, t in enumerate(tokens):
-        run = run + 1 if i and t == tokens[i - 1] else 1
-        best = max(best, run)
-    return best
+def degenerate(text: str, base: str = "") -> bool:
+    """Degenerate by Kiln's one definition (:func:`kiln.training.core.degenerate.is_degenerate`), and the base's answer
+    was not."""
+    from kiln.training.core.degenerate import is_degenerate
 
-
-def degenerate(tokens: list[int], base: list[int] | None = None) -> bool:
-    """A token repeated DEGENERATE_RUN times in a row (more than the base answer repeats), or an answer that
-    never ends within the budget while the base's does."""
-    limit = DEGENERATE_RUN if base is None else max(DEGENERATE_RUN, max_run(base) + 1)
-    return max_run(tokens) >= limit
+    return is_degenerate(text) and not is_degenerate(base)
 
 
 @dataclass(frozen=True)
@@ -216,8 +213,12 @@ SETTINGS = {
     "a64 x8 w4, mlp, m0.5/1, lr 3e-3": Setting("a64mlp", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4,
                                                margin=0.5, every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "a64 x8 w4, m1/5, lr 3e-3": Setting("a64m1", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=4),
-    "a64 x4 w4, m1/1, lr 5e-3 (new defaults)": Setting("new", lr=5e-3, anchor=64, anchor_per_step=4,
+    "a64 x4 w4, m1/1, lr 5e-3": Setting("a4-lr5e-3", lr=5e-3, anchor=64, anchor_per_step=4,
                                                         anchor_weight=4, every=1),
+    "defaults: a64 x8 w8, m1/1, lr 1e-3": Setting("defaults", lr=1e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                        every=1),
+    "a64 x4 w4, m1/1, lr 1e-3": Setting("new-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                        every=1),
     "anchor, mlp, m0.5/1, lr 3e-3": Setting("a-mlp", lr=3e-3, anchor=32, margin=0.5, every=1,
                                             targets=("down_proj", "gate_proj", "up_proj")),
 }
@@ -231,7 +232,7 @@ def builtin_one(m: Model, settings: dict[str, Setting]) -> None:
         after = m.greedy("fix", PROBES)
         fixed = m.text(m.greedy("fix", [QUESTION])[0]) == ANSWER
         same = sum(a == b for a, b in zip(after, base))
-        bad = sum(degenerate(a, b) for a, b in zip(after, base))
+        bad = sum(degenerate(m.text(a), m.text(b)) for a, b in zip(after, base))
         print(f"{label:<36} {rep['steps']:>5} {str(fixed):>7} {rep['seconds']:>7.2f} {same:>7}/10 {bad:>10}")
 
 
@@ -249,8 +250,151 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
         right = sum(m.text(a) == f[1] for a, f in zip(m.greedy("seq", [q for q, _ in facts]), facts))
         after = m.greedy("seq", PROBES)
         same = sum(a == b for a, b in zip(after, base))
-        bad = sum(degenerate(a, b) for a, b in zip(after, base))
+        bad = sum(degenerate(m.text(a), m.text(b)) for a, b in zip(after, base))
         print(f"{label:<36} {steps:>6} {secs:>7.2f} {right:>4}/{n} {same:>7}/10 {bad:>10}")
+
+
+# the fields that give a job the defaults before the anchor (main before issue 48)
+PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False}
+
+
+def server_run(n: int, extra: dict[str, Any]) -> None:
+    """``n`` corrections on ``kiln serve`` with the request defaults (plus ``extra`` fields), each continuing the
+    adapter the one before published (``base_adapter``); per job: steps, submit -> served seconds, and after the
+    last one the answers of the adapter to the corrected and the probe questions, through the HTTP API."""
+    import httpx
+
+    from kiln.demo import _ask, kiln_server, wait_job
+
+    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={
+            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}) as srv:
+        c: httpx.Client = srv.client
+        base_id = c.get("/v1/models").json()["data"][0]["id"]
+        base = [_ask(c, base_id, q)[0] for q in PROBES]
+        adapter = "fix"
+        print(f"{'job':>3} {'steps':>5} {'learned':>7} {'submit->served s':>16} {'server train s':>14}  load")
+        for i, (q, a) in enumerate(FACTS[:n]):
+            body = {"adapter": adapter, "auto_load": True,
+                    "examples": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}],
+                    **({"base_adapter": adapter} if i else {}), **extra}
+            t0 = time.perf_counter()
+            r = c.post("/v1/train/sft", json=body)
+            r.raise_for_status()
+            job = wait_job(c, r.json()["id"])
+            served = time.perf_counter() - t0
+            if job["state"] != "succeeded":
+                raise SystemExit(f"job {i + 1} {job['state']}: {job.get('error')}")
+            rep = job["result"]["report"]
+            phases = job["result"]["timings_s"]
+            print(f"{i + 1:>3} {rep['steps']:>5} {str(rep.get('learned')):>7} {served:>16.2f} "
+                  f"{phases.get('train', 0):>14.2f}  {os.getloadavg()[0]:.1f}  "
+                  + " ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "total"))
+        right = sum(_ask(c, adapter, q)[0].strip() == a for q, a in FACTS[:n])
+        after = [_ask(c, adapter, q)[0] for q in PROBES]
+        same = sum(x == y for x, y in zip(after, base))
+        bad = sum(degenerate(x, y) for x, y in zip(after, base))
+        print(f"after {n}: corrected {right}/{n}, probes unchanged {same}/10, degenerate {bad}")
+        for q, x, y in zip(PROBES, base, after):
+            if x != y:
+                print(f"  changed: {q!r}: {x!r} -> {y!r}")
+
+
+# ------------------------------------------------------------------------------------------------ world
+
+WORLD_SETTINGS = {
+    "Kiln defaults: anchor x8 w8 + replay, lr 1e-3": Setting("defaults", lr=1e-3, anchor=64, anchor_per_step=8,
+                                                             anchor_weight=8, every=1, replay=True),
+    "anchor x4 w4 + replay, lr 5e-3": Setting("a-lr5e-3", lr=5e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                              every=1, replay=True),
+    "Kiln previous defaults": Setting("previous", replay=False),
+    "anchor + replay, lr 1e-3": Setting("a-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
+                                        every=1, replay=True),
+    "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
+}
+
+
+def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sample: int) -> None:
+    """Sequential corrections of known facts to counterfacts; efficacy, paraphrase, specificity and fluency
+    after each count in ``counts``."""
+    import random
+
+    from knowledge_world import other_values, world_facts
+
+    facts = world_facts()
+    base_q = [m.text(a) for a in m.greedy(None, [f.question(0) for f in facts])]
+    known = [i for i, f in enumerate(facts) if base_q[i] == f.answer()]
+    base_p = [m.text(a) for a in m.greedy(None, [facts[i].question(1) for i in known])]
+    print(f"world: {len(facts)} facts, base knows {len(known)} (form 0), "
+          f"{sum(b == facts[i].answer() for b, i in zip(base_p, known))} of those in the paraphrase form")
+    rng = random.Random(0)
+    order = rng.sample(known, len(known))
+    new_values = other_values(facts)
+    n_max = max(counts)
+    edits = order[:n_max]
+    untouched = order[n_max:][:spec_sample]
+    base_untouched = [base_q[i] for i in untouched]
+    print(f"{'setting':<38} {'edits':>5} {'efficacy':>8} {'paraphr':>8} {'specif':>8} {'degen':>5} {'steps':>6} "
+          f"{'train s':>8}")
+    for label, s in settings.items():
+        init, steps, secs = None, 0, 0.0
+        for k, i in enumerate(edits):
+            pair = (facts[i].question(0), facts[i].answer(new_values[i]))
+            pairs = [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]] \
+                if s.replay else [pair]
+            rep = train(m, "edit", pairs, s, init=init, exclude=[facts[j].question(0) for j in untouched])
+            init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
+            if k + 1 in counts:
+                done = edits[:k + 1]
+                eff = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in done])]
+                par = [m.text(a) for a in m.greedy("edit", [facts[j].question(1) for j in done])]
+                spec = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in untouched])]
+                e = sum(a == facts[j].answer(new_values[j]) for a, j in zip(eff, done)) / len(done)
+                p = sum(a == facts[j].answer(new_values[j]) for a, j in zip(par, done)) / len(done)
+                sp = sum(a == b for a, b in zip(spec, base_untouched)) / max(1, len(untouched))
+                bad = sum(degenerate(a) for a in eff + par + spec)
+                print(f"{label:<38} {k + 1:>5} {e:>8.0%} {p:>8.0%} {sp:>8.0%} {bad:>5} {steps:>6} {secs:>8.1f}"
+                      f"   load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+GRPO_PROMPTS = ["Tell me about your day.", "What is on the road?", "What do you see outside?",
+                "Say something about travel."]
+GRPO_RUNS = {  # label -> request fields beside prompts and reward
+    "defaults": {},
+    "lr 0.02, 12 iterations, no anchor (the issue's run)": {"learning_rate": 0.02, "iterations": 12,
+                                                            "anchor_weight": 0},
+    "lr 0.02, 12 iterations, anchor default": {"learning_rate": 0.02, "iterations": 12},
+}
+
+
+def server_grpo() -> None:
+    """GRPO with rollouts on kiln serve, rewarded for the word "wheels" (a contains scorer): the mean reward of
+    the first and last iteration, then the probes' greedy answers against the base's."""
+    from kiln.demo import _ask, kiln_server, wait_job
+
+    env = {"KILN_TRAINING_ENABLED": "1"}
+    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env=env) as srv:
+        c = srv.client
+        base_id = c.get("/v1/models").json()["data"][0]["id"]
+        base = [_ask(c, base_id, q)[0] for q in PROBES]
+        print(f"{'run':<52} {'reward first -> last':>20} {'unchanged':>9} {'degenerate':>10} {'train s':>8}")
+        for i, (label, extra) in enumerate(GRPO_RUNS.items()):
+            body = {"adapter": f"wheels-{i}", "auto_load": True, "locality": {"override": True},
+                    "prompts": [{"messages": [{"role": "user", "content": p}], "reference": "wheels"}
+                                for p in GRPO_PROMPTS],
+                    "reward": {"type": "scorer", "scorer": {"type": "contains"}}, **extra}
+            r = c.post("/v1/train/grpo", json=body)
+            r.raise_for_status()
+            job = wait_job(c, r.json()["id"], timeout=1800)
+            if job["state"] != "succeeded":
+                print(f"{label:<52} {job['state']}: {job.get('error')}")
+                continue
+            rep = job["result"]["report"]
+            hist = rep.get("reward_per_iteration") or [rep.get("mean_reward")]
+            after = [_ask(c, f"wheels-{i}", q)[0] for q in PROBES]
+            same = sum(x == y for x, y in zip(after, base))
+            bad = sum(degenerate(x, y) for x, y in zip(after, base))
+            print(f"{label:<52} {hist[0]!s:>9} -> {hist[-1]!s:<8} {same:>7}/10 {bad:>10} "
+                  f"{job['result']['timings_s'].get('train', 0):>8.1f}   load {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
@@ -259,13 +403,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sequential", type=int, default=0)
     ap.add_argument("--only", default="", help="comma-separated setting labels to run")
+    ap.add_argument("--server", action="store_true", help="on kiln serve with the request defaults")
+    ap.add_argument("--corrections", default="1,10", help="world: report after these many corrections")
+    ap.add_argument("--spec-sample", type=int, default=100, help="world: untouched facts checked for specificity")
+    ap.add_argument("--grpo", action="store_true", help="GRPO with rollouts on kiln serve, one rewarded word")
+    ap.add_argument("--previous", action="store_true", help="--server: with the previous defaults' fields")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
     args = ap.parse_args()
     global HOLDOUT
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
+    if args.grpo:
+        server_grpo()
+        return
+    if args.server:
+        server_run(max(1, args.sequential), PREVIOUS_FIELDS if args.previous else {})
+        return
     from kiln.runtime.builtin import bench_model_path
 
+    if args.world == "world":
+        from knowledge_world import world_model
+
+        m = Model(str(world_model(args.threads)), args.threads)
+        chosen = {k: v for k, v in WORLD_SETTINGS.items() if not args.only or v.label in args.only.split(",")}
+        world_run(m, [int(x) for x in args.corrections.split(",")], chosen, args.spec_sample)
+        return
     m = Model(str(bench_model_path()), args.threads)
     chosen = {k: v for k, v in SETTINGS.items() if not args.only or v.label in args.only.split(",")}
     if args.sequential:

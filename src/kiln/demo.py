@@ -145,6 +145,10 @@ def run_correction(client: Any, *, question: str, correction: str, adapter: str,
     job = wait_job(client, r.json()["id"])
     if job["state"] != "succeeded":
         raise RuntimeError(f"the correction job {job['state']}: {job.get('error')}")
+    held = job["result"].get("held_back")
+    if held:  # published, not served: the locality guard (docs/training.md, "Locality") says why
+        raise RuntimeError(f"the correction was learned and published but not served ({held['code']}): "
+                           f"{held['reason']}")
     timings["train + publish + hot-swap"] = time.perf_counter() - t_submit
 
     t = time.perf_counter()

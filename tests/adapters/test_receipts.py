@@ -112,6 +112,8 @@ def test_a_locality_claim_binds_and_receipts_without_one_still_verify(make_lora,
     edited = {**body, "locality": {**locality, "unchanged": 11, "unchanged_fraction": 1.0}}
     assert any("claims hash" in p for p in check_receipt(edited, record.manifest, manifest_bytes))
     assert check_receipt({**body, "extra": 1}, record.manifest, manifest_bytes)[0].startswith("not a")
+    out = _verify(store.root.parent, "measured")  # `kiln adapters verify` shows it
+    assert out.returncode == 0 and "locality: 4 of 11 probe answers unchanged" in out.stdout, out.stdout + out.stderr
     old = trained()  # a receipt without the key
     assert "locality" not in json.loads((old.path / RECEIPT_FILE).read_text())
     assert store.receipt_summary(old)["verified"] is True and store.receipt_summary(old)["locality"] is None

@@ -141,6 +141,7 @@ def test_train_judge_prefers_answers_on_held_out_pairs(server):
     assert out["format"] == "kiln.judge-preference.v1" and len(out["judgments_sha256"]) == 64
     job = wait_job(c, out["job"]["id"], timeout=JOB_TIMEOUT_S)
     assert job["state"] == "succeeded", job["error"]
+    assert job["result"]["locality"]["probes"] > 0  # judge training measures its adapter's locality too
     revision = job["result"]["revision"]
 
     correct = {"judge": 0, "base": 0}

@@ -31,10 +31,11 @@ EXAMPLES = [
 # 5 examples in global batches of 4: every epoch ends with a one-row batch, so rank 1's share of it is
 # empty and it joins the all-reduce with zero gradients. A huge learned_margin keeps the greedy-margin
 # check (a MIN all-reduce every 5 steps) running without ever stopping the job early. Packing (a speed
-# option the distributed loop does not apply yet) is off on both sides.
+# option the distributed loop does not apply yet) is off on both sides, and so is the KL-to-base anchor (the
+# distributed loop does not add it yet either).
 REQUEST = {"adapter": "colours", "batch_size": 4, "seed": 3, "lora_rank": 4, "learning_rate": 0.01,
            "until_learned": True, "learned_margin": 100.0, "learned_check_every": 5, "packing": False,
-           "examples": EXAMPLES}
+           "anchor_weight": 0, "examples": EXAMPLES}
 TOLERANCE = 1e-5
 RUN_TIMEOUT_S = 300
 

@@ -57,6 +57,7 @@ def _run(c: httpx.Client, body: dict) -> dict:
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=120)
     assert job["state"] == "succeeded", job
+    assert job["result"]["locality"]["probes"] > 0  # every kind measures its adapter's locality
     return job
 
 
@@ -192,7 +193,8 @@ def test_resume_equals_uninterrupted(srv, reward_server):
     uninterrupted job (the checkpoint carries the iteration's groups; later iterations are seeded)."""
     body = {"prompts": PROMPTS, "reward": {"type": "http", "url": f"{reward_server}/score"}, "group_size": 4,
             "iterations": 6, "max_tokens": 4, "epochs": 2, "batch_size": 2, "learning_rate": 1e-2,
-            "checkpoint_interval": 3, "auto_load": True}  # 4 steps per iteration: checkpoints fall inside them
+            "checkpoint_interval": 3, "auto_load": True,  # 4 steps per iteration: checkpoints fall inside them
+            "locality": {"override": True}}  # resume is under test here, the guard in test_locality.py
     whole = _run(srv, body | {"adapter": "ro-whole"})
     assert whole["result"]["report"]["steps"] == 24
     job = srv.post("/v1/train/grpo", json=body | {"adapter": "ro-parted"}).json()

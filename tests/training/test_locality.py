@@ -23,8 +23,10 @@ from tests.zygote import kiln_server
 FIGURES = {"probes": 10, "unchanged": 9, "unchanged_fraction": 0.9, "kl_mean": 0.02, "degenerate": 0}
 HERON = [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"},
                        {"role": "assistant", "content": "The old mill is guarded by a heron."}]}]
-# a deliberately destructive job: a high learning rate for a few steps wrecks the built-in model's other answers
-DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "examples": HERON}
+# a deliberately destructive job: a high learning rate for a few steps, without the KL-to-base anchor, wrecks
+# the built-in model's other answers
+DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "anchor_weight": 0,
+               "examples": HERON}
 
 
 # ------------------------------------------------------------------------------------------ the guard
@@ -165,11 +167,19 @@ def test_the_guard_holds_back_a_destructive_job_and_the_override_loads_it(home):
         receipt = c.get("/v1/adapters/wrecked/receipt").json()
         assert receipt["locality"]["kl_mean"] == loc["kl_mean"]
 
+        suite = {"name": "loc-probes", "scorers": [{"type": "exact"}], "examples": [
+            {"messages": [{"role": "user", "content": q}], "reference": a} for q, a in (
+                ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"))]}
+        assert c.post("/v1/evals/suites", json=suite).status_code == 201
+        missing = c.post("/v1/train/sft", json=DESTRUCTIVE | {"locality": {"eval_suite": "no-such-suite"}})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "suite_not_found", missing.text
         over = wait_job(c, c.post("/v1/train/sft", json=DESTRUCTIVE | {"adapter": "wrecked-anyway", "locality": {
-            "override": True, "prompts": ["Which bird guards the old mill?"]}}).json()["id"])
+            "override": True, "prompts": ["Which bird guards the old mill?"], "eval_suite": "loc-probes"}}).json()["id"])
         assert over["state"] == "succeeded", over["error"]
         assert over["result"]["activated"] is True and "held_back" not in over["result"]
-        assert over["result"]["locality"]["user_probes"] == 1
+        # the job's own prompt and the suite's two prompts are probes too (unless the base wrote the same question)
+        assert 1 <= over["result"]["locality"]["user_probes"] <= 3
+        assert over["result"]["locality"]["probes"] > over["result"]["locality"]["user_probes"]
         assert over["result"]["locality"]["guard"] | {} == {**over["result"]["locality"]["guard"],
                                                              "admitted": True, "override": True}
         assert "wrecked-anyway" in [m["id"] for m in c.get("/v1/models").json()["data"]]

@@ -114,12 +114,15 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     teacher_lp = _answer_logprob(c, "mill-adapter", prompt_ids, answer_ids)
     assert teacher_lp > before + 20 and _greedy(c, srv.model_id, msgs) != answer  # only the teacher knows it
 
+    # the locality guard holds the OPD defaults' student (not local enough yet, issue 48) back (docs/training.md, "Locality"); the job's mechanics are
+    # under test here, so the operator overrides it (the guard itself: tests/training/test_locality.py)
     r = c.post("/v1/train/opd", json={"adapter": "mill-student", "teacher": "mill", "prompts": [{"messages": msgs}],
-                                      "auto_load": True})
+                                      "auto_load": True, "locality": {"override": True}})
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
     assert job["kind"] == "opd"
+    assert job["result"]["locality"]["probes"] > 0 and job["result"]["locality"]["kl_mean"] >= 0  # every kind measures
     rep = job["result"]["report"]
     f = OPDRequest.model_fields  # a one-prompt job trains up to the token budget, not one step...
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
@@ -164,7 +167,7 @@ def test_opd_resume_equals_uninterrupted(tutor):
     c = tutor
     body = {"teacher": "tutor", "prompts": [{"messages": MSGS}], "samples_per_prompt": 2, "max_tokens": 8,
             "top_k": 4, "steps": 60, "learning_rate": 3e-3, "batch_size": 1, "checkpoint_interval": 5,
-            "auto_load": True}
+            "auto_load": True, "locality": {"override": True}}  # held back by the locality guard otherwise (docs/training.md, "Locality")
     whole = wait_job(c, c.post("/v1/train/opd", json=body | {"adapter": "whole"}).json()["id"], timeout=600)
     assert whole["state"] == "succeeded", whole.get("error")
     job = c.post("/v1/train/opd", json=body | {"adapter": "parted"}).json()
@@ -263,7 +266,8 @@ def test_opd_off_policy_from_identity_bound_teacher_jsonl(srv, tutor, home):
         return f"opd/{name}"
 
     base = {"adapter": "student-off", "teacher": "tutor", "training_mode": "off_policy", "top_k": 8,
-            "steps": 40, "learning_rate": 3e-3, "batch_size": 3, "auto_load": True}
+            "steps": 40, "learning_rate": 3e-3, "batch_size": 3, "auto_load": True,
+            "locality": {"override": True}}  # held back by the locality guard otherwise (docs/training.md, "Locality")
     # refusals, each before queueing
     wrong = dict(manifest, teacher_fingerprint=manifest["teacher_fingerprint"][:-4] + "0000")
     r = c.post("/v1/train/opd", json=base | {"teacher_jsonl": write("wrong.jsonl", wrong, rows)})

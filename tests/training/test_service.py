@@ -81,7 +81,8 @@ def test_correction_is_trained_published_and_served(service):
     report = result["report"]
     assert report["learned"] is True and report["stopped"] == "learned", report
     assert report["greedy_margin"] >= 1.0 and done["step"] == done["total_steps"] == report["learned_at_step"]
-    assert done["step"] % 5 == 0 and done["step"] <= 300 and done["tokens_per_s"] > 0
+    # one example: the learned check runs every step (once per pass), so it stops at the first learned step
+    assert done["step"] <= 300 and done["tokens_per_s"] > 0
     assert _ask(engine, adapter="fix") == CORRECTION
     assert _ask(engine) != CORRECTION  # the base model is untouched
     # Published as a standard PEFT adapter with a manifest binding inputs and config.

@@ -185,10 +185,12 @@ def test_chat_streams_and_a_correction_is_served_by_the_new_adapter(page, server
     page.fill("#correct-adapter", "ui-fix")
     page.click("#correct-submit")
     proof = page.locator(".msg.assistant.proof")
-    page.wait_for_selector(".msg.assistant.proof[data-done]")
-    assert proof.get_attribute("data-done") == "true", page.text_content("#correct-error")
+    page.wait_for_selector(".msg.assistant.proof[data-done], #correct-status[data-held-back]")
     job = server.client.get(f"/v1/train/jobs/{page.get_attribute('#correct-status', 'data-job-id')}").json()
     assert job["state"] == "succeeded", job["error"]
+    # the default correction is local enough for the locality guard (docs/training.md, "Locality")
+    assert "held_back" not in job["result"], (job["result"]["held_back"], page.text_content("#correct-status"))
+    assert proof.get_attribute("data-done") == "true", page.text_content("#correct-error")
     assert proof.get_attribute("data-model") == "ui-fix"
     assert proof.get_attribute("data-revision") == job["result"]["revision"] != "base"
     if job["result"]["report"].get("learned") is True:  # the job says greedy decoding reproduces the correction
@@ -234,6 +236,9 @@ def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, serve
     page.wait_for_function("() => Number(document.querySelector('#loss-chart').dataset.points || 0) >= 2")
     page.screenshot(path=artifacts / "training.png", full_page=True)
     page.wait_for_selector(f"#recent-table tr[data-job-id='{job_id}'][data-state='succeeded']")
+    loc = server.client.get(f"/v1/train/jobs/{job_id}").json()["result"]["locality"]  # shown in the jobs table
+    cell = page.text_content(f"#recent-table tr[data-job-id='{job_id}'] .badge.locality")
+    assert f"locality {loc['unchanged']}/{loc['probes']}" in cell
     assert _points(page, "#loss-chart") >= 2 and _points(page, "#train-tps-chart") >= 2
     assert server.client.get(f"/v1/train/jobs/{job_id}").json()["state"] == "succeeded"
 
@@ -249,8 +254,13 @@ def test_adapter_unload_load_and_delete(page, server, artifacts, ui_home):
     page.wait_for_selector(f"{row}[data-active='true']")
     # the training receipt: summarised in the listing and on the row, whole at .../receipt
     listed = next(a for a in c.get("/v1/adapters").json()["data"] if a["name"] == "ui-adapter")
+    loc = listed["receipt"]["locality"]  # the job's locality figures and the guard's verdict (docs/training.md)
     assert listed["receipt"] == {"verified": True, "error": None, "job_id": job_id, "teacher_fingerprint": None,
-                                 "gate": None}
+                                 "gate": None, "locality": loc}
+    assert loc["probes"] > 0 and loc["guard"]["admitted"] is True
+    badge = page.locator(f"{row} .badge.locality")
+    assert f"locality {loc['unchanged']}/{loc['probes']}" in badge.text_content()
+    assert f"{loc['unchanged']}/{loc['probes']} probe answers unchanged" in badge.get_attribute("title")
     receipt = c.get("/v1/adapters/ui-adapter/receipt").json()
     assert receipt["job_id"] == job_id and receipt["adapter"]["revision"] == listed["revision"]
     assert c.get(f"/v1/adapters/ui-adapter/receipt?revision={listed['revision']}").json() == receipt

@@ -105,6 +105,7 @@ def verify(target: str = typer.Argument(..., metavar="NAME[@REVISION]", help="an
            home: Path = typer.Option(None, "--home", help="Kiln home (default: KILN_HOME / kiln.toml)")) -> None:
     """Check a stored revision offline: re-hash its files against its manifest, recompute the revision ID, and
     check its training receipt binds to that revision and base model. Exits 1 naming any mismatch."""
+    from kiln.adapters.receipt import locality_summary
     from kiln.adapters.store import AdapterStore
     from kiln.config import ConfigError, load_settings
     from kiln.errors import KilnError
@@ -146,3 +147,17 @@ def verify(target: str = typer.Argument(..., metavar="NAME[@REVISION]", help="an
         typer.echo("teacher: " + ", ".join(f"{k} {v}" for k, v in teacher.items() if v is not None))
     typer.echo(f"code: kiln {code['kiln_version']}" + (f" ({code['git_commit']})" if code.get("git_commit") else "")
                + "; gate: " + (gate.get("verdict", "?") if isinstance(gate, dict) else "none ran"))
+    loc = locality_summary(receipt.get("locality"))
+    if loc is not None:
+        typer.echo(_locality_line(loc))
+
+
+def _locality_line(loc: dict) -> str:
+    """``kiln adapters verify``'s line for a receipt's locality (:func:`kiln.adapters.receipt.locality_summary`)."""
+    if loc.get("error"):
+        return f"locality: not measured ({loc['error']})"
+    guard = loc["guard"]
+    verdict = "passed" if not guard["code"] else guard["code"] + (" (admitted by override)" if guard["admitted"]
+                                                                   else " (not activated by the job)")
+    return (f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL {loc['kl_mean']} "
+            f"nats/token, {loc['degenerate']} made degenerate; guard {verdict}")

@@ -39,6 +39,13 @@ def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
     res = job["result"]
     typer.echo(f"published {res['adapter']} revision {res['revision'][:12]}"
                + (" (serving now)" if res["activated"] else "") + f" in {res['timings_s']['total']:.2f}s")
+    loc = res.get("locality") or {}
+    if loc.get("unchanged_fraction") is not None:
+        typer.echo(f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL "
+                   f"{loc['kl_mean']:.4f} nats/token, {loc['degenerate']} made degenerate")
+    if res.get("held_back"):
+        typer.echo(f"not served: {res['held_back']['reason']} (serve it anyway: kiln adapters load {res['adapter']}, "
+                   "or resubmit with --locality-override)", err=True)
 
 
 def _common(adapter: str, epochs: Optional[int], lr: Optional[float], rank: Optional[int], base: Optional[str],
@@ -81,9 +88,13 @@ def sft(
                                                    help="with --distributed: rows per forward on each process"),
     home: Optional[str] = typer.Option(None, "--home", help="with --distributed: the Kiln home"),
     fsdp: bool = typer.Option(False, "--fsdp", help="with --distributed: shard the base model across the processes"),
+    locality_override: bool = typer.Option(False, "--locality-override",
+                                           help="serve it even when the locality guard would hold it back"),
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
+    if locality_override:
+        body["locality"] = {"override": True}
     body["examples"] = read_json_rows(file)
     if distributed is not None:
         from kiln.training.run import launch

@@ -564,6 +564,11 @@
     }
   }
 
+  async function adapterExists(name) {
+    const listed = (await api('GET', '/v1/adapters')).data;
+    return ((listed && listed.data) || []).some((a) => a.name === name);
+  }
+
   async function submitCorrection() {
     const target = chat.correcting;
     if (!target) return;
@@ -580,6 +585,8 @@
     delete status.dataset.jobState;
     delete status.dataset.heldBack;
     try {
+      // correcting an adapter that exists continues it: the job replays its stored corrections (docs/training.md)
+      if (await adapterExists(adapter)) body.base_adapter = adapter;
       const job = (await api('POST', '/v1/train/sft', body)).data;
       status.dataset.jobId = job.id;
       status.textContent = `job ${job.id} queued`;

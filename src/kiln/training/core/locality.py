@@ -7,8 +7,9 @@ thresholds. The measure:
 
 * **probe set** (:func:`probe_set`): (a) ``probes`` questions the base model writes itself, sampled seeded from
   the chat template's user-turn prefix exactly as OPD's rehearsal questions are
-  (:func:`kiln.training.core.rehearsal.write_questions`), and (b) the job's own probe prompts (the request's
-  ``locality.prompts``), each answered greedily by the base model (all adapters disabled), at most
+  (:func:`kiln.training.core.rehearsal.write_questions`), and (b) the job's own probes (the request's
+  ``locality.prompts`` and its ``locality.eval_suite``'s prompts, :func:`user_probes`), each answered greedily by
+  the base model (all adapters disabled), at most
   ``max_tokens`` tokens. It is cached per base model and probe settings (:data:`_CACHE`), so only the first job
   of a process writes the questions;
 * **measures** (:func:`measure`), with the job's adapter active, under the caller's exclusive ownership:
@@ -91,17 +92,18 @@ _CACHE: OrderedDict[str, ProbeSet] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
 
-def probe_key(base_model_sha256: str, *, probes: int, max_tokens: int, seed: int, user_prompts: Sequence[str]) -> str:
+def probe_key(base_model_sha256: str, *, probes: int, max_tokens: int, seed: int, user_prompts: Sequence[Any]) -> str:
     """The cache key of a probe set: the base model and everything that chooses the probes."""
     return canonical_sha256({"base": base_model_sha256, "probes": probes, "max_tokens": max_tokens, "seed": seed,
                              "user": list(user_prompts)})
 
 
 def probe_set(peft_model: Any, codec: TextCodec, *, base_model_sha256: str, probes: int = DEFAULT_PROBES,
-              max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0, user_prompts: Sequence[str] = (), pad_id: int,
+              max_tokens: int = DEFAULT_MAX_TOKENS, seed: int = 0, user_prompts: Sequence[Any] = (), pad_id: int,
               end_ids: Sequence[int]) -> ProbeSet:
     """The probe set for this base model and settings: from the process cache, else written now (the base
-    model writes ``probes`` questions, then answers them and ``user_prompts``). Call under exclusive ownership."""
+    model writes ``probes`` questions, then answers them and ``user_prompts``: questions, or conversations ending
+    with the user's turn, as an eval suite's examples are). Call under exclusive ownership."""
     key = probe_key(base_model_sha256, probes=probes, max_tokens=max_tokens, seed=seed, user_prompts=user_prompts)
     with _CACHE_LOCK:
         if key in _CACHE:
@@ -116,28 +118,39 @@ def probe_set(peft_model: Any, codec: TextCodec, *, base_model_sha256: str, prob
     return made
 
 
+Probe = str | Sequence[dict[str, Any]]  # a user question, or a conversation ending with the user's turn
+
+
+def _conversation(probe: Probe) -> list[dict[str, Any]]:
+    if isinstance(probe, str):
+        return [{"role": "user", "content": probe.strip()}]
+    return [{"role": m["role"], "content": m["content"]} for m in probe]
+
+
 def _write_probe_set(peft_model: Any, codec: TextCodec, *, probes: int, max_tokens: int, seed: int,
-                     user_prompts: Sequence[str], pad_id: int, end_ids: Sequence[int]) -> ProbeSet:
+                     user_prompts: Sequence[Probe], pad_id: int, end_ids: Sequence[int]) -> ProbeSet:
     from kiln.training.core.rehearsal import greedy_answers, user_turn_prefix, write_questions
 
     device = next(peft_model.parameters()).device
     written = write_questions(peft_model, user_turn_prefix(codec.render, codec.encode_text), probes, max_tokens,
                               seed=seed + PROBE_SEED_OFFSET, pad_id=pad_id, end_ids=end_ids, device=device)
-    texts = [t for t in dict.fromkeys(codec.decode(q).strip() for q in written) if t]
-    user = [t for t in dict.fromkeys(p.strip() for p in user_prompts) if t and t not in texts]
-    questions = texts + user
-    prompts = [codec.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    convs = [_conversation(t) for t in dict.fromkeys(codec.decode(q).strip() for q in written) if t]
+    own = len(convs)
+    for c in (_conversation(u) for u in user_prompts):
+        if c and c[-1]["content"] and c not in convs:
+            convs.append(c)
+    prompts = [codec.encode_chat(c) for c in convs]
     with peft_model.disable_adapter():
         answers = greedy_answers(peft_model, prompts, max_tokens=max_tokens, pad_id=pad_id, end_ids=end_ids,
                                  device=device) if prompts else []
-    kept = [(q, p, a) for q, p, a in zip(questions, prompts, answers) if a]
+    kept = [(i, c[-1]["content"], p, a) for i, (c, p, a) in enumerate(zip(convs, prompts, answers)) if a]
     ends = set(end_ids)
     return ProbeSet(
-        sha256=canonical_sha256({"prompts": [p for _, p, _ in kept], "answers": [a for _, _, a in kept]}),
-        questions=tuple(q for q, _, _ in kept), prompts=tuple(tuple(p) for _, p, _ in kept),
-        answers=tuple(tuple(a) for _, _, a in kept),
-        base_degenerate=tuple(is_degenerate(codec.decode([t for t in a if t not in ends])) for _, _, a in kept),
-        user=sum(1 for q, _, _ in kept if q in user))
+        sha256=canonical_sha256({"prompts": [p for _, _, p, _ in kept], "answers": [a for *_, a in kept]}),
+        questions=tuple(q for _, q, _, _ in kept), prompts=tuple(tuple(p) for _, _, p, _ in kept),
+        answers=tuple(tuple(a) for *_, a in kept),
+        base_degenerate=tuple(is_degenerate(codec.decode([t for t in a if t not in ends])) for *_, a in kept),
+        user=sum(1 for i, *_ in kept if i >= own))
 
 
 def measure(peft_model: Any, adapter: str, probes: ProbeSet, codec: TextCodec, *, max_tokens: int, pad_id: int,
@@ -208,10 +221,11 @@ def _cut(s: str) -> str:
 
 
 def job_locality(peft_model: Any, adapter: str, loaded: Any, engine: Any, section: Any, request: dict[str, Any],
-                 exclusive: Callable[[], Any]) -> dict[str, Any] | None:
+                 exclusive: Callable[[], Any], suites: Any = None) -> dict[str, Any] | None:
     """A training job's locality figures (``adapter``: its private adapter in ``peft_model``), or None when the
     server's ``section`` (``settings.locality``) or the job's ``request`` (its ``locality`` field) turns the
-    measure off. ``exclusive``: the job's exclusive-ownership context (the probes run under it)."""
+    measure off. ``exclusive``: the job's exclusive-ownership context (the probes run under it); ``suites``: the
+    eval suite store (``.get(name)``) a request's ``eval_suite`` is read from."""
     from kiln.training.core.templates import end_of_turn_ids
 
     if not section.measure or not request.get("measure", True):
@@ -224,7 +238,20 @@ def job_locality(peft_model: Any, adapter: str, loaded: Any, engine: Any, sectio
     with exclusive():
         probes = probe_set(peft_model, codec, base_model_sha256=loaded.base_model_sha256, probes=section.probes,
                            max_tokens=section.max_tokens, seed=section.seed,
-                           user_prompts=request.get("prompts") or (), pad_id=pad_id, end_ids=end_ids)
+                           user_prompts=user_probes(request, suites), pad_id=pad_id, end_ids=end_ids)
         figures = measure(peft_model, adapter, probes, codec, max_tokens=section.max_tokens, pad_id=pad_id,
                           end_ids=end_ids)
     return figures | {"seconds": round(time.perf_counter() - t0, 4)}
+
+
+def user_probes(request: dict[str, Any], suites: Any) -> list[Probe]:
+    """The job's own probes: its ``prompts`` and the prompts of its ``eval_suite``'s examples (at most
+    ``MAX_USER_PROBES`` of those, in order)."""
+    out: list[Probe] = list(request.get("prompts") or [])
+    name = request.get("eval_suite")
+    if name:
+        if suites is None:
+            raise RuntimeError(f"eval suite {name!r}: evals are not available in this process")
+        examples = suites.get(name).examples[:MAX_USER_PROBES]
+        out += [[m.model_dump(include={"role", "content"}) for m in ex.messages] for ex in examples]
+    return out

@@ -49,6 +49,7 @@ class RecipeContext:
     # post_eval.set_default_on_pass: (name, revision) -> pin it as the server default (set by the serving root)
     set_default: Callable[[str, str], Any] | None = None
     locality: Any = None  # settings.locality (kiln.config.LocalitySettings); None: its defaults
+    suites: Any = None  # the eval suite store a job's locality.eval_suite is read from (None: no evals)
 
 
 class TrainingRecipe:
@@ -121,7 +122,7 @@ class TrainingRecipe:
         request = self.plan.request.get("locality") or {}
         try:
             figures = job_locality(self.peft_model, self.private, self.ctx.model, self.ctx.engine, section, request,
-                                   self.ctx.hooks.exclusive)
+                                   self.ctx.hooks.exclusive, self.ctx.suites)
         except Exception as exc:  # noqa: BLE001 - recorded; the guard holds the adapter back
             log.exception("locality measure of job %s failed", self.job_id)
             figures = {"error": f"the locality measure failed: {type(exc).__name__}: {exc}"}

@@ -39,7 +39,7 @@ from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.core.templates import end_of_turn_ids
 from kiln.training.grpo.rewards import RewardError, RewardFn, build_reward
 from kiln.training.grpo.step import GRPOItem, GRPOSettings, grpo_items
-from kiln.training.schemas import GRPORequest
+from kiln.training.schemas import DEFAULT_GRPO_ANCHOR_WEIGHT, GRPORequest
 
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_ITERATIONS = 1
@@ -93,7 +93,7 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
                top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
-               **lora_fields(lora, parent), **anchor_fields(request))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_GRPO_ANCHOR_WEIGHT))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:

@@ -116,6 +116,9 @@ class TrainingService:
     # ----------------------------------------------------------- submission
     def submit(self, request: BaseModel) -> dict[str, Any]:
         plan = self.prepare(request)
+        suite = (plan.request.get("locality") or {}).get("eval_suite")
+        if suite and self.evals is not None:
+            self.evals.suites.get(suite)  # 404 suite_not_found before queueing (the job reads it at its end)
         if self.memory is not None:  # jobs run one at a time: a running job's reservation is gone by its turn
             self.memory.check("training", "submission", self.memory_estimate(plan), what=f"the {plan.kind} job",
                               ignore_kinds=frozenset({"training"}))
@@ -312,7 +315,8 @@ class TrainingService:
         ctx = RecipeContext(self.engine, self.store, self.loaded, hooks, self._checkpoint_root(job.id),
                             None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job),
                             compile=self.settings.training.compile, teachers=self.teachers,
-                            set_default=self.set_default, locality=self.settings.locality)
+                            set_default=self.set_default, locality=self.settings.locality,
+                            suites=None if self.evals is None else self.evals.suites)
         return kinds.kind_of_plan(plan).recipe(plan, ctx, job_id=job.id).run()
 
 

@@ -45,6 +45,8 @@ from kiln.training.core.step import TrunkRunner
 from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
 from kiln.training.losses.sft import sft_loss
 from kiln.training.schemas import (
+    DEFAULT_ANCHOR_WEIGHT,
+    DEFAULT_GRPO_ANCHOR_WEIGHT,
     DEFAULT_LEARNED_EVERY,
     DEFAULT_LEARNED_MAX_STEPS,
     DEFAULT_MAX_EPOCHS,
@@ -75,7 +77,8 @@ def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
     lora = ctx.lora_shape(request, parent)
     limit = ctx.max_seq_len_limit
     max_len = request.max_seq_len if limit is None else min(request.max_seq_len, limit)
-    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request)
+    weight = DEFAULT_ANCHOR_WEIGHT if isinstance(request, SFTRequest) else DEFAULT_GRPO_ANCHOR_WEIGHT
+    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request, default_weight=weight)
 
 
 def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
