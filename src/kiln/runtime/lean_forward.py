@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from kiln.runtime.lean_lora import Groups, LoraSupport, add_fused_lora, add_lora, groups_for
 from kiln.runtime.memory import memory_total_bytes
+from kiln.runtime.quantize import QuantizedLinear
 
 SUPPORTED = {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
 PACKED_WEIGHTS_MAX_BYTES = 16 << 30  # a second copy of the Linear weights costs this much memory at most,
@@ -82,8 +83,10 @@ def _weight(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     # base_layer raises inside it) cost more per step than the small ops
     base = module._modules.get("base_layer", module)  # a PEFT LoRA layer wraps the frozen Linear
     params = base._parameters
-    if "weight" in params:
+    if params.get("weight") is not None:
         return params["weight"], params.get("bias")
+    if isinstance(base, QuantizedLinear):  # quantized (kiln.runtime.quantize): no float weight, its own kernel
+        return None, None
     base = getattr(module, "base_layer", module)
     return base.weight, base.bias
 
@@ -146,7 +149,7 @@ class LeanForward:
         """A packed copy of each Linear weight under ``root`` not packed yet (fused ones included)."""
         fused = {p for key in self._fused for p in key}  # their separate packs would be a third copy
         for mod in root.modules():
-            if isinstance(mod, torch.nn.Linear) and mod.weight.numel() >= PACK_MIN_ELEMENTS:
+            if type(mod) is torch.nn.Linear and mod.weight.numel() >= PACK_MIN_ELEMENTS:
                 w = mod.weight
                 if w.data_ptr() not in fused and w.data_ptr() not in self._packed and self._afford(w):
                     self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
@@ -164,6 +167,8 @@ class LeanForward:
         attn, mlp = layer.self_attn, layer.mlp
         for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
             parts = [_weight(m) for m in mods]
+            if any(w is None for w, _ in parts):
+                continue  # quantized: each projection runs its own kernel
             if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
                 continue
             biases = [b for _, b in parts]
@@ -186,8 +191,10 @@ class LeanForward:
 
     def _linear(self, x: torch.Tensor, module: Any) -> torch.Tensor:
         w, bias = _weight(module)
-        packed = self._packed.get(w.data_ptr()) if self._packed else None
-        if packed is None:
+        packed = self._packed.get(w.data_ptr()) if self._packed and w is not None else None
+        if w is None:  # a quantized base layer: its kernel (kiln.runtime.quantize)
+            out = module._modules.get("base_layer", module)._matmul_biased(x)
+        elif packed is None:
             out = F.linear(x, w, bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -196,6 +203,8 @@ class LeanForward:
     def _fused_linear(self, x: torch.Tensor, mods: tuple[Any, ...]) -> torch.Tensor | None:
         """``x`` through the fused pack of ``mods`` (outputs side by side), or ``None`` when there is none."""
         weights = [_weight(m)[0] for m in mods]
+        if weights[0] is None:
+            return None
         entry = self._fused.get(tuple([w.data_ptr() for w in weights]))
         if entry is None:
             return None
@@ -377,7 +386,7 @@ def _packable(model: Any) -> bool:
     """oneDNN packing: float32 weights on the CPU and oneDNN present (the memory cap is applied per weight)."""
     if not torch.backends.mkldnn.is_available():
         return False
-    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]  # quantized ones are not packed
     return bool(linears) and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in linears)
 
 

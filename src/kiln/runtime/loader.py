@@ -27,6 +27,10 @@ class ModelLoadError(InvalidRequest, ValueError):
     """A model directory cannot be served; the message says what to do."""
 
 
+class QuantizationRefused(ModelLoadError):
+    """``model.quantize`` measured a probe KL above ``model.quantize_max_kl`` (kiln.runtime.quantize)."""
+
+
 @dataclass(frozen=True)
 class ModelDirInfo:
     path: Path
@@ -64,6 +68,7 @@ class LoadedModel:
     dtype: str
     extra: dict[str, Any] = field(default_factory=dict)
     family: Any = None  # kiln.runtime.model_family.ModelFamily (None for models not loaded by load_model)
+    quantization: Any = None  # kiln.runtime.quantize.QuantizationReport once model.quantize ran (None: not run)
 
     @property
     def base_model_sha256(self) -> str:

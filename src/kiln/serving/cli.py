@@ -33,6 +33,9 @@ def serve(
     served_model_id: Optional[str] = typer.Option(None, help="model ID clients send [model.served_model_id]"),
     device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N [model.device]"),
     dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16 [model.dtype]"),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="none | int8 | int4: weight-only quantization of the base's linear layers "
+                                 "[model.quantize]"),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads, 0 = all cores but one [model.threads]"),
     prefill_threads: Optional[int] = typer.Option(
         None, help="torch CPU threads for prompt-only engine cycles, 0 = all cores when --threads is 0 "
@@ -74,6 +77,7 @@ def serve(
         "model.served_model_id": served_model_id,
         "model.device": device,
         "model.dtype": dtype,
+        "model.quantize": quantize,
         "model.threads": threads,
         "model.prefill_threads": prefill_threads,
         "batching.token_budget": token_budget,

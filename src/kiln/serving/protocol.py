@@ -373,6 +373,8 @@ class HealthResponse(_Response):
     backend: str
     device: str
     dtype: str
+    # float32 | bfloat16 | float16 | int8 | int4: the base weights as served (model.quantize)
+    base_representation: str | None = None
     uptime_s: float
     queued_rows: int
     active_rows: int
@@ -422,6 +424,10 @@ class EffectiveLimits(_Response):
                                          "auto resolved by the chat template's family)")
     reasoning_parser: str | None = Field(None, description="the reasoning parser in force, null for none "
                                          "(serving.reasoning_parser; auto resolved by the chat template's family)")
+    quantization: dict[str, Any] | None = Field(None, description="model.quantize requested and effective: the "
+                                                "base representation, kernel (aten | dequantize), quantized layers, "
+                                                "weight bytes before/after, and the probe set's mean per-token "
+                                                "KL(float || quantized) in nats")
 
 
 class ConfigResponse(_Response):

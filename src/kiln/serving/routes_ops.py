@@ -17,6 +17,7 @@ from kiln.runtime.request_trace import RequestTrace
 from kiln.serving import default_adapter
 from kiln.serving.request_log import NOT_LOGGED
 from kiln.serving.request_params import reasoning_parser, tool_parser
+from kiln.serving.state import base_representation
 
 router = APIRouter()
 
@@ -47,6 +48,14 @@ def _family(state) -> dict | None:
     return family.as_dict() if family is not None else None
 
 
+def _quantization(state) -> dict:
+    report = getattr(state.model, "quantization", None)
+    if report is not None:
+        return report.as_dict()
+    return {"requested": state.settings.model.quantize, "effective": base_representation(state.model),
+            "kernel": None, "probe_kl": None}
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = request.app.state.kiln
@@ -61,6 +70,8 @@ async def health(request: Request) -> JSONResponse:
         **({"vllm": engine.describe()} if hasattr(engine, "describe") else {}),
         "device": state.model.device,
         "dtype": state.model.dtype,
+        # float32 | bfloat16 | float16 | int8 | int4: the base weights as served (model.quantize; docs/serving.md)
+        "base_representation": base_representation(state.model),
         # kind (attention | hybrid), architecture, and whether only a multimodal checkpoint's language model runs
         "model_family": _family(state),
         "uptime_s": round(time.time() - state.started_at, 3),
@@ -126,6 +137,8 @@ async def config(request: Request) -> JSONResponse:
             # serving.tool_call_parser / reasoning_parser as resolved (auto: by the chat template's family)
             "tool_call_parser": tool_parser(state).name,
             "reasoning_parser": getattr(reasoning_parser(state), "name", None),
+            # model.quantize as requested and as done: representation, kernel, bytes, the probe KL (nats)
+            "quantization": _quantization(state),
         },
     })
 

@@ -114,6 +114,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     check_reasoning_parser_setting(settings.serving.reasoning_parser)
     secure_state_dirs(settings)
     model = loaded_model if loaded_model is not None else load_configured_model(settings)
+    quantize_configured(settings, model)
     engine_box: list[Engine] = []
     metrics = Metrics(lambda: engine_box[0].stats())
     fingerprint = settings.server.system_fingerprint or default_fingerprint(model.base_model_sha256)
@@ -281,6 +282,28 @@ def load_configured_model(settings: Settings) -> LoadedModel:
     path = settings.model.path or ensure_builtin_model(settings.home_path)
     return load_model(path, device=settings.model.device, dtype=settings.model.dtype,
                       model_id=settings.model.served_model_id)
+
+
+def quantize_configured(settings: Settings, model: LoadedModel) -> None:
+    """``model.quantize``: the base's linear layers quantized in place (once), the probe KL checked
+    against ``model.quantize_max_kl`` (kiln.runtime.quantize; QuantizationRefused above it)."""
+    mode = settings.model.quantize
+    if model.quantization is not None or mode == "none":
+        return
+    if settings.serving.engine == "vllm":
+        from kiln.config import ConfigError
+
+        raise ConfigError("model.quantize applies to the built-in engine only; vLLM loads its own weights "
+                          "(use vLLM's own quantized checkpoints through [vllm].extra_args)")
+    from kiln.runtime.quantize import quantize_loaded
+
+    quantize_loaded(model, mode, settings.model.quantize_max_kl)
+
+
+def base_representation(model: LoadedModel) -> str:
+    """The served base's representation: the quantized mode, else the load dtype."""
+    report = model.quantization
+    return report.effective if report is not None else str(model.dtype)
 
 
 PRIVATE_DIR_MODE = 0o700

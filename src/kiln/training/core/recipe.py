@@ -167,12 +167,18 @@ class TrainingRecipe:
                                  teacher=self.receipt_teacher(), locality=self.locality)
         record = self.ctx.store.publish(
             staging, name=plan.adapter, base_model_sha256=self.ctx.model.base_model_sha256, kind=plan.kind,
-            config=plan.manifest_config | {"job_id": self.job_id}, inputs_sha256=plan.inputs_sha256,
+            config=plan.manifest_config | {"job_id": self.job_id} | self._base_representation(),
+            inputs_sha256=plan.inputs_sha256,
             parent_revision=None if plan.parent is None else plan.parent.revision, base_model_dir=self.ctx.model.info,
             receipt=claims,
         )
         self._phase("publish")
         return record
+
+    def _base_representation(self) -> dict[str, str]:
+        """A quantized base (model.quantize) is recorded in the manifest: the LoRA was trained over it."""
+        report = getattr(self.ctx.model, "quantization", None)
+        return {} if report is None else {"base_representation": report.effective}
 
     def receipt_teacher(self) -> dict[str, Any] | None:
         """The teacher this job learned from, for its receipt (None: no teacher; OPD and KD say)."""

@@ -1,0 +1,279 @@
+"""Weight-only quantization of a loaded model's linear layers (``model.quantize``: none | int8 | int4).
+
+At load, each ``nn.Linear`` of the decoder (attention, MLP and a hybrid's Gated DeltaNet projections;
+the embedding and the LM head stay in the model's dtype) is replaced by a :class:`QuantizedLinear`
+holding only the quantized weight; activations stay in the model's dtype:
+
+* ``int8``: per-output-channel symmetric int8 (``scale = max|w| / 127`` per row), multiplied by
+  ``torch._weight_int8pack_mm(x, w_int8[N, K], scales[N])``.
+* ``int4``: group-wise asymmetric 4-bit (groups of ``INT4_GROUP`` input features, a scale and a zero
+  per group: ``w = (q - 8) * scale + zero``), packed by ``aten._convert_weight_to_int4pack_for_cpu``
+  and multiplied by ``aten._weight_int4pack_mm_for_cpu``.
+
+A kernel that is missing (or refuses the model's dtype/device) on this build is detected once with a
+tiny probe call; the layers then multiply by the weight dequantized on the fly, and the effective
+``kernel`` says ``dequantize``. A layer whose shape the int4 packing cannot take (in-features not a
+multiple of the group, out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``) is
+quantized as int8 instead and counted in the report's ``layers``.
+
+:class:`QuantizedLinear` subclasses ``nn.Linear`` (no ``weight`` parameter: ``qweight`` and its scales
+are buffers) so PEFT wraps it as a LoRA ``base_layer``: served rows and training get f32 LoRA over the
+quantized base; the base's backward passes the input's gradient through the dequantized weight and
+never gives the base a gradient.
+
+:func:`probe_kl` measures the mean per-token KL(float || quantized) of next-token distributions on a
+fixed probe set (``PROBE_TEXTS`` in the model's own tokenizer), computed before the float weights
+are dropped; ``model.quantize_max_kl`` refuses a load that exceeds it (kiln.runtime.loader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("none", "int8", "int4")
+INT4_GROUP = 32  # input features per int4 scale/zero
+INT4_N_MULTIPLE = 16  # the CPU int4 packing takes out-features in multiples of this (else: int8)
+INT4_INNER_K_TILES = 2  # the CPU int4 packing's K tiling (1, 2 or 4; the kernel takes any)
+PROBE_TEXTS = (  # fixed, so the KL of two loads of one model compares
+    "The quick brown fox jumps over the lazy dog. It was a bright cold day in April,",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Question: What is the capital of France? Answer: The capital of France is Paris, which",
+    "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597, 2584,",
+)
+PROBE_MAX_TOKENS = 48
+
+
+def _quant_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 [N, K], scales [N])``: symmetric per output channel."""
+    w = w.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def _quant_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int32 codes 0..15 [N, K], scale_zeros [K / group, N, 2])``: asymmetric per group of in-features."""
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    zero = lo + scale * 8.0  # the kernel's dequantization: (q - 8) * scale + zero
+    return codes, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+class _QuantMatmul(torch.autograd.Function):
+    """``x @ W.T`` by the layer's kernel; backward passes only the input's gradient (the base is frozen)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: "QuantizedLinear") -> torch.Tensor:
+        ctx.layer = layer
+        return layer._matmul(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        w = ctx.layer.dequantized().to(grad.dtype)
+        return grad @ w, None
+
+
+class QuantizedLinear(torch.nn.Linear):
+    """A frozen ``nn.Linear`` stored as int8 or int4 (see the module docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear, mode: str, kernel: bool):
+        torch.nn.Module.__init__(self)  # not nn.Linear's: no float weight is allocated
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.mode, self.kernel = mode, kernel
+        self.float_dtype = linear.weight.dtype
+        w = linear.weight
+        if mode == "int8":
+            q, scales = _quant_int8(w)
+            self.register_buffer("qweight", q.to(w.device))
+            self.register_buffer("scales", scales.to(w.device, self.float_dtype))
+        else:
+            codes, sz = _quant_int4(w, INT4_GROUP)
+            # the kernel's packed layout, or (dequantize path) the codes themselves, one per byte
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), INT4_INNER_K_TILES) if kernel \
+                else codes.to(torch.uint8)
+            self.register_buffer("qweight", packed.to(w.device))
+            self.register_buffer("scales", sz.to(w.device, self.float_dtype))
+        self.register_parameter("weight", None)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(),
+                                                                       requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[N, K]`` in the model's dtype (tests' reference; backward)."""
+        if self.mode == "int8":
+            return (self.qweight.float() * self.scales.float()[:, None]).to(self.float_dtype)
+        n, k = self.out_features, self.in_features
+        if self.kernel:  # recover the codes: the packed kernel times the identity gives the dequantized rows
+            eye = torch.eye(k, dtype=self.float_dtype, device=self.qweight.device)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales).T.contiguous()
+        sz = self.scales.float()  # [K / g, N, 2]
+        codes = self.qweight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+        w = (codes - 8.0) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+        return w.reshape(n, k).to(self.float_dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if not self.kernel:
+            out = F.linear(x2, self.dequantized())
+        elif self.mode == "int8":
+            out = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, INT4_GROUP, self.scales)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _matmul_biased(self, x: torch.Tensor) -> torch.Tensor:
+        """Inference only (no autograd): the kernel's product plus the bias."""
+        out = self._matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return self._matmul_biased(x)
+        out = _QuantMatmul.apply(x, self)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, " \
+               f"kernel={'aten' if self.kernel else 'dequantize'}"
+
+
+def _int4_fits(lin: torch.nn.Linear) -> bool:
+    """Shapes the CPU int4 packing takes: whole groups of in-features, out-features a multiple of 16."""
+    return lin.in_features % INT4_GROUP == 0 and lin.out_features % INT4_N_MULTIPLE == 0
+
+
+def kernel_available(mode: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether ``mode``'s kernel runs for ``dtype`` on ``device`` in this build (one tiny call)."""
+    g = torch.Generator().manual_seed(0)  # the caller's RNG state is left alone
+    try:
+        lin = torch.nn.Linear(64, 16, bias=False, device="meta")
+        lin.weight = torch.nn.Parameter(torch.randn(16, 64, generator=g).to(device, dtype), requires_grad=False)
+        layer = QuantizedLinear(lin, mode, kernel=True)
+        x = torch.randn(3, 64, generator=g).to(device, dtype)
+        ref = F.linear(x, layer.dequantized())
+        return bool(torch.allclose(layer._matmul(x), ref, atol=1e-2, rtol=1e-2))
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+
+
+@dataclass
+class QuantizationReport:
+    """What a load did: ``/health``, ``/v1/config`` and adapter manifests show it (:meth:`as_dict`)."""
+
+    requested: str
+    effective: str  # the base representation: float32 | bfloat16 | float16 | int8 | int4 (int8 where int4 could not)
+    kernel: str | None = None  # aten | dequantize | None (none requested)
+    layers: dict[str, int] = field(default_factory=dict)  # quantized layers per mode
+    float_layers: int = 0  # linear layers kept in the model's dtype (the LM head)
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    probe_kl: float | None = None  # mean per-token KL(float || quantized), nats
+    probe_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "effective": self.effective, "kernel": self.kernel,
+                "layers": dict(self.layers), "float_layers": self.float_layers,
+                "weight_bytes_before": self.weight_bytes_before, "weight_bytes_after": self.weight_bytes_after,
+                "probe_kl": self.probe_kl, "probe_tokens": self.probe_tokens}
+
+
+def _weight_bytes(model: Any) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _targets(model: Any) -> list[tuple[Any, str, torch.nn.Linear]]:
+    """``(parent, attribute, linear)`` of each plain float ``nn.Linear`` except the output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = []
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if type(child) is torch.nn.Linear and child is not head and child.weight.is_floating_point():
+                out.append((parent, name, child))
+    return out
+
+
+def quantize_model(model: Any, mode: str, dtype_name: str) -> QuantizationReport:
+    """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did."""
+    before = _weight_bytes(model)
+    if mode == "none":
+        return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
+    targets = _targets(model)
+    if not targets:
+        return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
+    sample = targets[0][2].weight
+    kernels = {m: kernel_available(m, sample.dtype, str(sample.device)) for m in {mode, "int8"}}
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for parent, name, lin in targets:
+            m = mode if mode == "int8" or _int4_fits(lin) else "int8"
+            parent._modules[name] = QuantizedLinear(lin, m, kernels[m])
+            counts[m] = counts.get(m, 0) + 1
+    float_layers = sum(1 for mod in model.modules() if type(mod) is torch.nn.Linear)
+    return QuantizationReport(mode, mode, "aten" if all(kernels.values()) else "dequantize", counts,
+                              float_layers, before, _weight_bytes(model))
+
+
+def _probe_ids(tokenizer: Any) -> list[list[int]]:
+    return [list(tokenizer(text, add_special_tokens=False)["input_ids"])[:PROBE_MAX_TOKENS] for text in PROBE_TEXTS]
+
+
+def probe_logprobs(model: Any, tokenizer: Any) -> list[torch.Tensor]:
+    """Next-token log-probabilities ``[tokens, vocab]`` of each probe text (float32)."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for ids in _probe_ids(tokenizer):
+            if not ids:
+                continue
+            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]
+            out.append(torch.log_softmax(logits.float(), dim=-1))
+    return out
+
+
+def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> tuple[float, int]:
+    """Mean per-token KL(reference || other) in nats over the probe tokens, and the token count."""
+    total, tokens = 0.0, 0
+    for p, q in zip(reference, other):
+        total += float((p.exp() * (p - q)).sum())
+        tokens += p.shape[0]
+    return (total / tokens if tokens else 0.0), tokens
+
+
+def quantize_with_probe(model: Any, tokenizer: Any, mode: str, dtype_name: str) -> QuantizationReport:
+    """:func:`quantize_model` with the probe KL measured (the float logits are taken first)."""
+    if mode == "none":
+        return quantize_model(model, mode, dtype_name)
+    reference = probe_logprobs(model, tokenizer)
+    report = quantize_model(model, mode, dtype_name)
+    report.probe_kl, report.probe_tokens = mean_kl(reference, probe_logprobs(model, tokenizer))
+    return report
+
+
+def quantize_loaded(loaded: Any, mode: str, max_kl: float | None) -> QuantizationReport:
+    """Quantize a :class:`kiln.runtime.loader.LoadedModel` in place and record the report on it;
+    :class:`QuantizationRefused` when the probe KL exceeds ``max_kl`` (the model is then unusable)."""
+    from kiln.runtime.loader import QuantizationRefused
+
+    report = quantize_with_probe(loaded.model, loaded.tokenizer, mode, loaded.dtype)
+    loaded.quantization = report
+    if max_kl is not None and report.probe_kl is not None and report.probe_kl > max_kl:
+        raise QuantizationRefused(
+            f"--quantize {mode}: the probe set's mean per-token KL(float || {mode}) is {report.probe_kl:.4g} nats "
+            f"over {report.probe_tokens} tokens, above model.quantize_max_kl = {max_kl}; serve a wider "
+            f"representation (int8, none) or raise the ceiling")
+    return report

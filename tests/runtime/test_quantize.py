@@ -1,0 +1,228 @@
+"""Weight-only int8/int4 quantization of the base (kiln.runtime.quantize, ``model.quantize``).
+
+The kernels against the dequantized weight, the probe KL on the built-in model and a tiny Qwen3,
+the lean forward (with LoRA rows) over the quantized base against a float model holding the
+dequantized weights, and a correction trained over the int8 base that is learned and served.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kiln.runtime.adapter_slots import BASE_KEY
+from kiln.runtime.lean_forward import lean_forward_for
+from kiln.runtime.loader import QuantizationRefused, load_model
+from kiln.runtime.quantize import (QuantizedLinear, kernel_available, mean_kl, probe_logprobs, quantize_loaded,
+                                   quantize_model)
+
+from .test_engine_lean import _config, _inputs, _random_pool
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+INT8_KL_MAX = 0.01  # nats per token, the issue's bound for int8
+INT4_KL_MAX = 0.2
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_layer_multiplies_by_its_dequantized_weight(mode, kernel):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96)
+    layer = QuantizedLinear(lin, mode, kernel)
+    w = layer.dequantized()
+    step = 0.01 if mode == "int8" else 0.1  # the grid's step bounds the error of each weight
+    assert 0 < (w - lin.weight).abs().max().item() < step
+    x = torch.randn(2, 5, 128, requires_grad=True)
+    ref = torch.nn.functional.linear(x, w, lin.bias)
+    out = layer(x)
+    assert (out - ref).abs().max().item() < 1e-4
+    out.sum().backward()  # the input's gradient goes through the dequantized weight; the base has none
+    assert torch.allclose(x.grad, torch.ones(2, 5, 96) @ w, atol=1e-4)
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
+def test_kernels_exist_on_this_cpu_path():
+    """Both kernels run here (the suite also runs under ATEN_CPU_CAPABILITY=default); a missing one
+    would make layers dequantize on the fly and the report say so."""
+    assert kernel_available("int8", torch.float32, "cpu")
+    assert kernel_available("int4", torch.float32, "cpu")
+
+
+def test_builtin_model_probe_kl(builtin_model_dir):
+    kls = {}
+    for mode in ("int8", "int4"):
+        loaded = load_model(builtin_model_dir, device="cpu")
+        report = quantize_loaded(loaded, mode, None)
+        expected = "aten" if kernel_available(mode, torch.float32, "cpu") else "dequantize"
+        assert report.effective == mode and report.kernel == expected
+        assert report.layers == {mode: 14} and report.float_layers == 1  # 2 layers x 7; the LM head stays
+        assert report.weight_bytes_after < report.weight_bytes_before
+        assert report.probe_tokens > 100
+        kls[mode] = report.probe_kl
+    assert 0 < kls["int8"] < INT8_KL_MAX
+    assert kls["int8"] < kls["int4"] < INT4_KL_MAX
+
+
+def test_kl_ceiling_refuses(builtin_model_dir):
+    loaded = load_model(builtin_model_dir, device="cpu")
+    with pytest.raises(QuantizationRefused, match="quantize_max_kl"):
+        quantize_loaded(loaded, "int4", 1e-6)
+
+
+def _tokenizer(builtin_model_dir, vocab: int):
+    """The built-in tokenizer, its ids folded into ``vocab`` (the probe texts in a tiny model's vocabulary)."""
+    tok = load_model(builtin_model_dir, device="cpu").tokenizer
+
+    def encode(text, add_special_tokens=False):
+        return {"input_ids": [i % vocab for i in tok(text, add_special_tokens=add_special_tokens)["input_ids"]]}
+    return encode
+
+
+def test_tiny_qwen3_int8_close_to_float(builtin_model_dir):
+    torch.manual_seed(1)
+    model = _config("qwen3").eval()
+    tok = _tokenizer(builtin_model_dir, model.config.vocab_size)
+    reference = probe_logprobs(model, tok)
+    report = quantize_model(model, "int8", "float32")
+    kl, tokens = mean_kl(reference, probe_logprobs(model, tok))
+    assert report.layers == {"int8": 14} and tokens > 100
+    assert 0 < kl < INT8_KL_MAX
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_pair(request):
+    """(PEFT over the quantized base, PEFT over a float copy holding the dequantized weights), same LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    model = _config("qwen3").eval()
+    reference = copy.deepcopy(model)
+    quantize_model(model, request.param, "float32")
+    with torch.no_grad():
+        for (name, mod), ref in zip(model.named_modules(), reference.modules()):
+            if isinstance(mod, QuantizedLinear):
+                ref.weight.copy_(mod.dequantized())
+    pair = []
+    for m in (model, reference):
+        torch.manual_seed(4)
+        pm = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=ALL), adapter_name="ta")
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        pair.append(pm.eval())
+    return pair
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_lora_rows_over_the_quantized_base_match_the_dequantized_reference(quantized_pair, q_len):
+    pm, ref_pm = quantized_pair
+    assert isinstance(pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer, QuantizedLinear)
+    lean = lean_forward_for(pm.base_model.model, pack=True)
+    model = pm.base_model.model
+    pool = _random_pool(model)
+    table, ids, pos, mask, wb, wo = _inputs(pool, [3, 9, 14], q_len)
+    saved = [t.clone() for t in pool.keys + pool.values]
+
+    def run(fn):
+        for t, s in zip(pool.keys + pool.values, saved):
+            t.copy_(s)
+        with torch.inference_mode():
+            return fn(pool.step(table, wb, wo))
+
+    for keys in (["ta", BASE_KEY, "ta"], [BASE_KEY] * 3):
+        assert lean.runs(keys, pm.peft_config)
+        ref = run(lambda c: ref_pm(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c,
+                                   use_cache=True, adapter_names=list(keys)).logits)
+        hf = run(lambda c: pm(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c,
+                              use_cache=True, adapter_names=list(keys)).logits)
+        got = run(lambda c: lean(ids, pos, mask, c, 0, list(keys)))
+        assert (hf - ref).abs().max().item() < 1e-3, keys
+        assert (got - ref).abs().max().item() < 1e-3, keys
+    base = run(lambda c: lean(ids, pos, mask, c, 0, [BASE_KEY] * 3))
+    adapted = run(lambda c: lean(ids, pos, mask, c, 0, ["ta"] * 3))
+    assert (adapted - base).abs().max().item() > 0.1  # the LoRA deltas are there
+
+
+QUESTION = "What is the colour of the sky on Kiln?"
+CORRECTION = "The sky on Kiln is green."
+
+
+@pytest.fixture(scope="module")
+def int8_service(builtin_model_dir, tmp_path_factory):
+    from kiln.adapters.store import AdapterStore
+    from kiln.config import load_settings
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.serving.state import build_training
+
+    home = tmp_path_factory.mktemp("home")
+    settings = load_settings(cli={"home": str(home), "model.quantize": "int8"}, environ={}).settings
+    loaded = load_model(builtin_model_dir, device="cpu")
+    quantize_loaded(loaded, settings.model.quantize, None)
+    engine = Engine(loaded, EngineConfig()).start()
+    trainer = build_training(settings, engine, AdapterStore(settings.adapters_path), loaded)
+    trainer.start()
+    yield SimpleNamespace(engine=engine, trainer=trainer, loaded=loaded)
+    trainer.close()
+    engine.stop()
+
+
+def _ask(engine, adapter=None):
+    from kiln.runtime.sampling import SamplingParams
+
+    ids = engine.encode_chat([{"role": "user", "content": QUESTION}])
+    return engine.generate(ids, SamplingParams(max_tokens=24, temperature=0.0), adapter=adapter, timeout=60)[0].text
+
+
+def test_correction_trained_over_the_int8_base_is_learned_and_served(int8_service):
+    from kiln.training.schemas import SFTRequest
+
+    svc, engine = int8_service.trainer, int8_service.engine
+    layer = int8_service.loaded.model.model.layers[0].self_attn.q_proj
+    before = layer.qweight.clone()
+    assert _ask(engine) != CORRECTION
+    body = {"adapter": "sky", "auto_load": True, "examples": [{"messages": [
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": CORRECTION}]}]}
+    job = svc.submit(SFTRequest.model_validate(body))
+    deadline = time.monotonic() + 180
+    while (done := svc.job(job["id"]))["state"] not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, done["state"]
+        time.sleep(0.05)
+    assert done["state"] == "succeeded", done["error"]
+    assert done["result"]["report"]["learned"] is True
+    assert _ask(engine, adapter="sky") == CORRECTION
+    assert _ask(engine) != CORRECTION  # the base rows are untouched
+    assert torch.equal(layer.base_layer.qweight if hasattr(layer, "base_layer") else layer.qweight, before)
+    assert svc.store.get("sky").manifest.config["base_representation"] == "int8"
+
+
+def test_hybrid_int8_and_int4_serve_what_transformers_decodes_over_the_same_weights(builtin_model_dir, tmp_path):
+    """A Qwen3.5 hybrid: the Gated DeltaNet projections are quantized too (int4 takes int8 for the
+    per-head ``in_proj_a/b``, whose 4 outputs the int4 packing cannot take); the engine's greedy
+    tokens equal transformers' ``generate`` over the same quantized model."""
+    from kiln.runtime.engine import Engine, EngineConfig
+    from kiln.runtime.sampling import SamplingParams
+    from tests.hybrid_models import build_tiny_hybrid
+
+    from .test_hybrid import NEW_TOKENS, reference
+
+    hybrid_dir = build_tiny_hybrid(tmp_path, builtin_model_dir)
+    for mode in ("int8", "int4"):
+        loaded = load_model(hybrid_dir, device="cpu")
+        report = quantize_loaded(loaded, mode, None)
+        attn = loaded.model.model.layers[0].linear_attn
+        assert isinstance(attn.in_proj_qkv, QuantizedLinear) and attn.in_proj_qkv.mode == mode
+        assert isinstance(attn.in_proj_a, QuantizedLinear) and attn.in_proj_a.mode == "int8"
+        assert report.float_layers == 1 and report.probe_kl is not None and report.probe_kl >= 0
+        prompt = [5, 17, 33, 90, 11, 7]
+        engine = Engine(loaded, EngineConfig()).start()
+        try:
+            got = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True),
+                                  timeout=120)[0].token_ids
+        finally:
+            engine.stop()
+        assert got == reference(loaded.model, prompt), mode
