@@ -56,7 +56,7 @@ def kd_step_child(variant: str, vocab: int, hidden: int, batch: int, seq: int, t
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kiln.distill.train import kd_step_loss
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.kd import SparseKDLoss
 
     torch.manual_seed(0)

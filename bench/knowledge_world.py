@@ -128,7 +128,7 @@ def build(out: Path, threads: int = 2, log: Any = print) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from kiln.runtime.builtin import bench_model_path
-    from kiln.training.core.chunked_loss import sft_loss_from_hidden
+    from kiln.training.losses.chunked import sft_loss_from_hidden
     from kiln.training.core.data import collate, tokenize_sft
     from kiln.training.schemas import SFTExample
     from kiln.training.core.templates import end_of_turn_ids

@@ -176,7 +176,7 @@ def run_opd(s: Setup, loss: str, seed: int, args: Any, trace: bool) -> dict[str,
     import torch
 
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.opd import candidates
     from kiln.training.opd.job import OPDData
     from kiln.training.opd.step import completion_logits, opd_loss
@@ -402,7 +402,7 @@ def run_facts(s: Setup, args: Any) -> None:
     job over the ten prompts (``--batch`` prompts per step, the request's defaults otherwise); prints how many
     of the student's greedy answers are the teacher's every ``--trace-every`` steps, and the degenerate count."""
     from kiln.runtime.scoring import prompt_logprob_rows
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.data import tokenize_sft
     from kiln.training.losses.opd import outside_top_k
     from kiln.training.opd.job import OPDData

@@ -60,6 +60,7 @@ PURE_MODULES = [
     "kiln.training.core.errors",
     "kiln.training.opd.schemas",
     "kiln.training.kd.schemas",
+    "kiln.adapters.footprint",
     "kiln.adapters.receipt",
     "kiln.training.queue.jobs",
     "kiln.training.cli",

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kiln.training.core.memory_estimate import adapter_bytes
+from kiln.adapters.footprint import adapter_bytes
 from tests.adapters.conftest import base_info, make_lora, upload_adapter  # noqa: F401  (fixtures)
 from tests.serving.conftest import OPS_MEMORY_BUDGET
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.training.core.chunked_loss import (
+from kiln.training.losses.chunked import (
     linear_cross_entropy_sum,
     linear_token_logprobs,
     sft_loss_from_hidden,

@@ -77,9 +77,9 @@ def dims(builtin_model_dir):
 
 
 def test_job_estimate_parts_on_the_builtin_model(dims):
-    from kiln.training.core.chunked_loss import CHUNK_ELEMENTS
     from kiln.training.core.data import Row
-    from kiln.training.core.plan import SFTData
+    from kiln.training.losses.chunked import CHUNK_ELEMENTS
+    from kiln.training.sft.job import SFTData
 
     rows = SFTData(tuple(Row([1] * n, [1] * n) for n in (10, 30, 20)))
     request = {"batch_size": 2, "max_seq_len": 256, "lora_rank": 8, "lora_target_modules": ["q_proj", "v_proj"]}

@@ -254,8 +254,8 @@ def test_ce_on_the_teacher_path_reuses_its_rows_hidden_states_and_matches_full_l
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from kiln.training.core.chunked_loss import split_causal_lm
     from kiln.training.core.lora import lora_config
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.opd.job import OPDData
     from kiln.training.opd.step import opd_loss
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kiln.training.core.checkpoints import latest_checkpoint
-from kiln.training.core.chunked_loss import split_causal_lm
 from kiln.training.core.data import Row, collate, collate_packed, pack_bins, tokenize_sft
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.loop import Hooks, Plan
 from kiln.training.core.lora import adapter_state, add_private_adapter, lora_config
+from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.schemas import SFTExample
 from kiln.training.sft.job import run_sft
 
@@ -94,7 +94,7 @@ def test_packed_batch_equals_each_row_alone(model_and_rows):
 
 
 def _sft_loss_and_grads(peft_model, batch):
-    from kiln.training.core.chunked_loss import sft_loss_from_hidden
+    from kiln.training.losses.chunked import sft_loss_from_hidden
 
     split = split_causal_lm(peft_model)
     peft_model.zero_grad(set_to_none=True)

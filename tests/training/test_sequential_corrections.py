@@ -73,7 +73,7 @@ def test_the_anchor_is_zero_at_the_base_and_pulls_a_moved_adapter_back(peft_buil
     """The anchor's rows are the base model's own answers with its top-K rows: a fresh adapter (LoRA B = 0) is
     the base, so the KL is ~0; a perturbed adapter has a positive KL whose gradient reaches the adapter."""
     from kiln.training.core.anchor import Anchor, AnchorSettings, anchor_rows
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.core.lora import add_private_adapter, lora_config
 
     pm, tok, end_ids = peft_builtin

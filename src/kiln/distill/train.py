@@ -185,7 +185,7 @@ def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
 def kd_loss_split(model):
     """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
     (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
-    from kiln.training.core.chunked_loss import split_causal_lm
+    from kiln.training.losses.chunked import split_causal_lm
 
     return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
 

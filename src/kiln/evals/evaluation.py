@@ -94,7 +94,7 @@ class Evaluation:
         assert resolved.path is not None and resolved.revision is not None
         reservation = None
         if self.memory is not None:  # held while the private copy is loaded (409 / 507 as any adapter load)
-            from kiln.training.core.memory_estimate import adapter_parts
+            from kiln.adapters.footprint import adapter_parts
 
             reservation = self.memory.reserve(
                 "adapter", f"{name}@{resolved.revision}", adapter_parts(resolved.path),

@@ -258,7 +258,7 @@ class EvalService(Evaluation):
             return
         resolved = self._resolve(target)
         if self.memory is not None:  # 507 when its private load can never fit, 409 while reservations are in the way
-            from kiln.training.core.memory_estimate import adapter_parts
+            from kiln.adapters.footprint import adapter_parts
 
             assert resolved.path is not None and resolved.revision is not None
             self.memory.check("adapter", "eval-submission", adapter_parts(resolved.path),

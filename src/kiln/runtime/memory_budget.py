@@ -6,7 +6,7 @@ set (a cap, never more than detected). Resident state is what serving holds for 
 server runs: the model's weights and the paged KV pool (plus a hybrid's linear-state slots).
 A *reservation* is what admitted work adds beside it: a training job while it runs (its
 estimate, :mod:`kiln.training.core.memory_estimate`) and each served adapter revision (its tensor
-bytes). Admission compares a new estimate with what is left:
+bytes, :mod:`kiln.adapters.footprint`). Admission compares a new estimate with what is left:
 
 * ``budget - resident < need``: it can never fit, whatever is released:
   :class:`~kiln.errors.InsufficientMemory` (507, ``memory_budget_exceeded``);

@@ -46,7 +46,7 @@ def activate(state: Any, record: Any) -> None:
     reservation = None
     owner = f"{record.name}@{record.revision}"
     if memory is not None and state.engine.active_adapters().get(record.name) != record.revision:
-        from kiln.training.core.memory_estimate import adapter_parts
+        from kiln.adapters.footprint import adapter_parts
 
         # the revision it replaces is released once the new one serves, so it does not count against it
         served = state.engine.active_adapters().get(record.name)

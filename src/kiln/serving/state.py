@@ -213,7 +213,7 @@ def restore_served(state: KilnState) -> None:
 
 def record_served_adapter(state: KilnState, memory: MemoryBudget, name: str, owner: str) -> None:
     """Reserve the bytes of an adapter revision that was loaded without admission (a job's auto_load)."""
-    from kiln.training.core.memory_estimate import adapter_parts
+    from kiln.adapters.footprint import adapter_parts
 
     try:
         record = state.store.get(name)

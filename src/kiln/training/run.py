@@ -42,7 +42,7 @@ from kiln.canonical import (
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound
 from kiln.training.core.checkpoints import Checkpoint, list_checkpoints
 from kiln.training.core.loop import Hooks, Report
-from kiln.training.core.plan import JobPlan, ResumeCheck, SFTData, prepare_context
+from kiln.training.core.plan import JobPlan, ResumeCheck, prepare_context
 from kiln.training.core.recipe import RecipeContext, step_plan
 from kiln.training.queue.jobs import new_job_id
 from kiln.training.schemas import JOB_ID_RE, SFTRequest
@@ -57,7 +57,7 @@ from kiln.training.sft.distributed import (
     init_world,
     run_sft_distributed,
 )
-from kiln.training.sft.job import SFTRecipe, prepare_sft
+from kiln.training.sft.job import SFTData, SFTRecipe, prepare_sft
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord, AdapterStore, Staging

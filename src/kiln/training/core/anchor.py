@@ -180,7 +180,7 @@ def base_anchor(key: str, build: Callable[[], list[AnchorRow]], settings: Anchor
 
 def anchor_term(anchor: Any, peft_model: Any, split: Any, loop: Any, pad_id: int) -> Any:
     """The step's KL-to-base anchor loss (zero without rows) for the loop ``loop``
-    (:class:`kiln.training.core.loop._Loop`); its value is kept in the stats as ``anchor_kl``."""
+    (:class:`kiln.training.core.loop.TrainLoop`); its value is kept in the stats as ``anchor_kl``."""
     term = anchor.loss(peft_model, split, loop.step, pad_id, loop.device)
     if term is None:
         return torch.zeros((), device=loop.device)

@@ -24,15 +24,15 @@ import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
-from kiln.training.core.chunked_loss import chunk_rows, split_causal_lm
 from kiln.training.core.data import Row, collate, collate_packed, epoch_order
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.lora import adapter_state, make_trainable, private_parameters, release_private
+from kiln.training.losses.chunked import chunk_rows, split_causal_lm
 
 PROGRESS_EVERY_S = 0.25
 
@@ -119,8 +119,35 @@ def _adamw(params: Sequence[torch.nn.Parameter], lr: float) -> torch.optim.Optim
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
-class _Loop:
-    """Optimizer, counters, progress and checkpoints shared by both loops."""
+@dataclass(frozen=True)
+class StepInput:
+    """One optimizer step as a kind's batches yield it to :meth:`TrainLoop.train`."""
+
+    batch: Any  # what the kind's loss step reads; None: no update this time (the cursor still moves)
+    tokens: int = 0  # the real tokens it trains on (tokens/s)
+    cursor: tuple[int, int] = (0, 0)  # (epoch, batch) after this step: where a resume starts
+    tensors: dict[str, torch.Tensor] | None = None  # the kind's state a checkpoint after this step carries
+    after: Callable[[], None] | None = None  # the kind's bookkeeping after the update (its stats in progress)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """A kind's learned check: ``check()`` after every ``every``-th step; the job stops once it holds.
+
+    With ``final`` it runs once more after the last step when it never held (SFT)."""
+
+    every: int
+    check: Callable[[], bool]
+    final: bool = False
+
+
+class TrainLoop:
+    """One job's training loop: the optimizer and counters, exclusive ownership per step, cancel,
+    checkpoints and resume, progress and the learned check.
+
+    A kind composes it: it yields :class:`StepInput` s (its batches, prepared outside ownership) and
+    gives a loss step (batch -> loss) to :meth:`train`. Kinds whose steps do not fit that shape
+    (sparse KD's ledger, torchrun's micro-batches) use the same pieces directly."""
 
     def __init__(self, peft_model: Any, name: str, plan: Plan, hooks: Hooks, total_steps: int,
                  resume: Checkpoint | None):
@@ -133,6 +160,7 @@ class _Loop:
         self.step, self.epoch, self.batch = 0, 0, 0
         self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
         self.stats: dict[str, Any] = {}
+        self.last_step_s = 0.0  # the last update's seconds under exclusive ownership (train)
         self._last_progress = 0.0
         if resume is not None:
             self._restore(resume)
@@ -162,7 +190,7 @@ class _Loop:
     checkpoint_step = 0
 
     @contextmanager
-    def running(self) -> Iterator["_Loop"]:
+    def running(self) -> Iterator["TrainLoop"]:
         """Around the whole loop: put the previously active adapter back at the end, whatever happens."""
         try:
             yield self
@@ -184,29 +212,83 @@ class _Loop:
     def done(self) -> bool:
         return self.step >= self.total_steps
 
-    def optimizer_step(self, loss: torch.Tensor, tokens: int, started: float) -> None:
-        if not torch.isfinite(loss):
-            raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
-        loss.backward()
+    def optimizer_step(self, loss: torch.Tensor | float, tokens: int, started: float) -> None:
+        """Backpropagate ``loss`` and step the optimizer; a float is the value of a loss the step already
+        backpropagated itself (torchrun's micro-batches, :mod:`kiln.training.sft.distributed`)."""
+        if isinstance(loss, torch.Tensor):
+            if not torch.isfinite(loss):
+                raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+            loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.loss = float(loss.detach())
+        self.loss = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
         self.step += 1
         self.tokens += tokens
         self.train_s += time.perf_counter() - started
 
-    def after_step(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        self.epoch, self.batch = next_epoch, next_batch
+    def train(self, steps: Iterable[StepInput], loss_step: Callable[[Any], torch.Tensor | float], *,
+              learned: Learned | None = None, around: Callable[[], AbstractContextManager[Any]] = nullcontext,
+              at_end: Callable[[], None] | None = None) -> None:
+        """Run ``loss_step`` on each of ``steps`` under exclusive ownership, one optimizer step each, until
+        the steps run out, the step cap is reached, the learned check holds or the job is cancelled (checked
+        before each step is drawn, so a kind's sampling for the next step does not start). Puts the
+        previously active adapter back at the end. ``around`` wraps each step's forward and backward (a
+        kind's trunk options); ``at_end`` is the kind's last work before the adapter is released. Records
+        ``learned`` (and ``learned_at_step``) in the stats when the kind has a learned check; the kind's
+        :meth:`report` follows."""
+        with self.running():
+            pending = iter(steps)
+            while not self.done():
+                self.check_cancel()
+                s = next(pending, None)
+                if s is None:
+                    break
+                if s.batch is not None:
+                    with self.step_ownership(), around():
+                        started = time.perf_counter()
+                        self.optimizer_step(loss_step(s.batch), s.tokens, started)
+                        self.last_step_s = time.perf_counter() - started
+                    if s.after is not None:
+                        s.after()
+                    if learned is not None and self.step % learned.every == 0 and learned.check():
+                        self.stats["learned_at_step"] = self.total_steps = self.step
+                self.after_step(*s.cursor, tensors=s.tensors)
+            if learned is not None:
+                if learned.final and "learned_at_step" not in self.stats and learned.check():
+                    self.stats["learned_at_step"] = self.step
+                self.stats["learned"] = "learned_at_step" in self.stats
+            if at_end is not None:
+                at_end()
+
+    def checkpoint_due(self) -> bool:
+        """A checkpoint is written after this step (every ``checkpoint_interval`` steps, never after the last)."""
         p = self.plan
-        if (p.checkpoint_interval and self.hooks.checkpoint_root is not None
-                and self.step % p.checkpoint_interval == 0 and self.step < self.total_steps):
-            save_checkpoint(
-                self.hooks.checkpoint_root, step=self.step, epoch=next_epoch, batch=next_batch,
-                plan_sha256=self.hooks.plan_sha256, adapter_state=adapter_state(self.peft_model, self.name),
-                optimizer_state=self.opt.state_dict(), tensors=tensors,
-                stats={"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss, "extra": self.stats,
-                       "step_options": self.plan.step_options()},
-            )
+        return bool(p.checkpoint_interval and self.hooks.checkpoint_root is not None
+                    and self.step % p.checkpoint_interval == 0 and self.step < self.total_steps)
+
+    def save(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None, *,
+             state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+             extra: dict[str, Any] | None = None, step_options: bool = True) -> Path:
+        """Write a checkpoint of this step (the adapter, the optimizer, the RNG, the cursor, the stats) to
+        ``hooks.checkpoint_root``. ``state``: (adapter weights, optimizer state) gathered by the caller
+        (FSDP); ``extra``: the stats to record instead of the loop's."""
+        assert self.hooks.checkpoint_root is not None
+        weights, opt = state if state is not None else (adapter_state(self.peft_model, self.name),
+                                                        self.opt.state_dict())
+        stats = {"tokens": self.tokens, "train_s": self.train_s, "loss": self.loss,
+                 "extra": self.stats if extra is None else extra}
+        if step_options:
+            stats["step_options"] = self.plan.step_options()
+        return save_checkpoint(self.hooks.checkpoint_root, step=self.step, epoch=next_epoch, batch=next_batch,
+                               plan_sha256=self.hooks.plan_sha256, adapter_state=weights, optimizer_state=opt,
+                               tensors=tensors, stats=stats)
+
+    def after_step(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Move the cursor; write a checkpoint when one is due; report progress (at most every
+        ``PROGRESS_EVERY_S``, and after the last step)."""
+        self.epoch, self.batch = next_epoch, next_batch
+        if self.checkpoint_due():
+            self.save(next_epoch, next_batch, tensors)
             self.checkpoint_step = self.step
         now = time.perf_counter()
         if now - self._last_progress >= PROGRESS_EVERY_S or self.step == self.total_steps:
@@ -268,15 +350,14 @@ def greedy_margin(peft_model: Any, rows: Sequence[Row], *, pad_id: int, batch_si
     return worst
 
 
-def epoch_batches(loop: _Loop, count: int, plan: Plan, per_epoch: int) -> Iterator[tuple[Any, tuple[int, int]]]:
+def epoch_batches(loop: TrainLoop, count: int, plan: Plan, per_epoch: int) -> Iterator[tuple[Any, tuple[int, int]]]:
     """The job's seeded batches of ``count`` items from the loop's cursor on, as (item indices, the
-    cursor after that batch); cancellation is checked before each batch, and it ends once the loop
-    is done (step cap reached)."""
+    cursor after that batch), for :meth:`TrainLoop.train` (which checks cancellation before drawing
+    each); it ends once the loop is done (step cap reached)."""
     for epoch in range(loop.epoch, plan.epochs):
         order = epoch_order(count, seed=plan.seed, epoch=epoch)
         for b in range(loop.batch if epoch == loop.epoch else 0, per_epoch):
             if loop.done():
                 return
-            loop.check_cancel()
             yield order[b * plan.batch_size:(b + 1) * plan.batch_size], (
                 (epoch, b + 1) if b + 1 < per_epoch else (epoch + 1, 0))

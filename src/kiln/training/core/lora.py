@@ -1,6 +1,6 @@
 """The job's private LoRA adapter on the served ``PeftModel``: add, activate, freeze, read, save.
 
-Call these under exclusive ownership (:meth:`kiln.training.core.loop._Loop.step_ownership`).
+Call these under exclusive ownership (:meth:`kiln.training.core.loop.TrainLoop.step_ownership`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ What a job adds (bytes, by part):
   for backward, where ``tokens`` is one step's batch (sequences x the longest sequence). With
   ``gradient_checkpointing`` each layer keeps only its input, and one layer's full set is live;
 * ``lm_head_chunk``: the chunked LM head's float32 logits and their gradient for one chunk
-  (:data:`kiln.training.core.chunked_loss.CHUNK_ELEMENTS` elements each);
+  (:data:`kiln.training.losses.chunked.CHUNK_ELEMENTS` elements each);
 * ``teacher_topk``: OPD/KD teacher and student top-K buffers (log-probability float32 + token ID int64,
   both sides) for every position of the batch.
 
@@ -68,7 +68,7 @@ def _longest(rows: Iterable[Any]) -> int:
 
 def step_shape(kind: str, request: dict[str, Any], data: Any, max_len: int) -> tuple[int, int]:
     """``(sequences, longest sequence)`` of one optimizer step; ``data`` is the plan's payload
-    (:class:`kiln.training.core.plan.SFTData`, :class:`~kiln.training.core.plan.GRPOData`, or another kind's)."""
+    (:class:`kiln.training.sft.job.SFTData`, :class:`~kiln.training.grpo.job.GRPOData`, or another kind's)."""
     batch = int(request.get("batch_size") or 1)
     seq = int(request.get("max_seq_len") or max_len)
     rows = getattr(data, "rows", None)
@@ -97,7 +97,7 @@ def estimate_job(kind: str, request: dict[str, Any], data: Any, dims: ModelDims)
     else:
         activations = per_layer * dims.layers * ACTIVATION_FACTOR
     top_k = int(request.get("top_k") or 0) if kind in ("opd", "kd") else 0
-    from kiln.training.core.chunked_loss import CHUNK_ELEMENTS  # torch: imported with the trainer anyway
+    from kiln.training.losses.chunked import CHUNK_ELEMENTS  # torch: imported with the trainer anyway
     return {
         "lora": dims.lora_params(rank, targets) * LORA_BYTES_PER_PARAM,
         "activations": activations,
@@ -106,30 +106,3 @@ def estimate_job(kind: str, request: dict[str, Any], data: Any, dims: ModelDims)
     }
 
 
-def adapter_parts(adapter_dir: Any) -> dict[str, int]:
-    """What serving an adapter revision reserves (:mod:`kiln.runtime.memory_budget`): its tensor bytes."""
-    return {"adapter_weights": adapter_bytes(adapter_dir)}
-
-
-def adapter_bytes(adapter_dir: Any) -> int:
-    """Tensor bytes of a PEFT adapter directory, from its safetensors header (the file's size less the
-    header when a tensor's offsets are unreadable; ``adapter_model.bin`` by its size)."""
-    import json
-    import struct
-    from pathlib import Path
-
-    d = Path(adapter_dir)
-    st = d / "adapter_model.safetensors"
-    if st.is_file():
-        with open(st, "rb") as f:
-            head = f.read(8)
-            if len(head) == 8:
-                n = struct.unpack("<Q", head)[0]
-                try:
-                    header = json.loads(f.read(n))
-                    return sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0])
-                               for k, v in header.items() if k != "__metadata__")
-                except (ValueError, KeyError, TypeError):
-                    return max(0, st.stat().st_size - 8 - n)
-    binf = d / "adapter_model.bin"
-    return binf.stat().st_size if binf.is_file() else 0

@@ -1,7 +1,8 @@
 """A training job's typed plan, the one function that seals its digests, and what ``prepare`` checks against.
 
 Every job kind (:mod:`kiln.training.queue.kinds`) turns its request into a :class:`JobPlan` whose
-``data`` is that kind's own payload (:class:`SFTData`, :class:`GRPOData`,
+``data`` is that kind's own payload (:class:`~kiln.training.sft.job.SFTData`,
+:class:`~kiln.training.grpo.job.GRPOData`,
 :class:`~kiln.training.grpo.rollouts.RolloutData`, :class:`~kiln.training.opd.job.OPDData`,
 :class:`~kiln.training.kd.job.KDData`). Its inputs and plan digests are made by :func:`seal_plan`
 alone (docs/training.md, "Digests"). A kind's ``prepare`` gets a :class:`PrepareContext`: the served
@@ -34,10 +35,7 @@ if TYPE_CHECKING:
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
     from kiln.teachers.service import TeacherService
-    from kiln.training.core.data import Row
     from kiln.training.core.loop import Plan
-    from kiln.training.grpo.step import GRPOItem, GRPOSettings
-    from kiln.training.queue.jobs import JobStore
 
 # Hash domains of the two job digests (normative: docs/training.md, "Digests").
 INPUTS_DOMAIN = "kiln.training-inputs.v1"
@@ -55,18 +53,6 @@ class LoraShape:
     rank: int
     alpha: float
     target_modules: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SFTData:
-    rows: tuple[Row, ...]  # tokenized examples, loss on assistant tokens
-
-
-@dataclass(frozen=True)
-class GRPOData:
-    items: tuple[GRPOItem, ...]
-    skipped: int  # zero-variance groups dropped at submission
-    settings: GRPOSettings
 
 
 @dataclass(frozen=True)
@@ -106,6 +92,14 @@ def seal_plan(kind: str, eff: dict[str, Any], inputs: Any, base_model_sha256: st
     return inputs_sha, plan_sha
 
 
+class JobQueue(Protocol):
+    """What a kind's ``prepare`` reads of the queue (:class:`kiln.training.queue.jobs.JobStore`)."""
+
+    def get(self, job_id: str) -> Any: ...
+
+    def active(self) -> list[Any]: ...
+
+
 class ResumeCheck(Protocol):
     def __call__(self, job_id: str, plan_sha: str, eff: dict[str, Any] | None = None) -> None: ...
 
@@ -140,7 +134,7 @@ class PrepareContext:
     check_resumable: ResumeCheck  # resume_from_job against the queue (or a distributed job directory)
     engine: Engine | None = None  # the serving engine: sampling kinds (rollouts, OPD) need it
     teachers: TeacherService | None = None  # OPD's teacher registry
-    jobs: JobStore | None = None  # the queue (KD checks jobs consuming the same capture)
+    jobs: JobQueue | None = None  # the queue (KD checks jobs consuming the same capture)
 
     @property
     def max_seq_len_limit(self) -> int | None:

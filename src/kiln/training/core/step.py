@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln.training.core.chunked_loss import SplitLM
+from kiln.training.losses.chunked import SplitLM
 
 COMPILE_BUCKET = 64  # tokens: compiled batches are right-padded to a multiple of this
 COMPILE_CACHE_LIMIT = 32  # graphs dynamo keeps per compiled trunk (buckets x batch heights)

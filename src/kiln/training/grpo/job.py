@@ -8,20 +8,37 @@ samples and scores its own rollouts is :mod:`kiln.training.grpo.rollouts`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.core.chunked_loss import split_causal_lm
 from kiln.training.core.data import TrainingDataError, batches_per_epoch, tokenize_grpo_group
 from kiln.training.core.errors import TrainingFailed
-from kiln.training.core.loop import Hooks, Plan, Report, _Loop, epoch_batches
-from kiln.training.core.plan import GRPOData, JobPlan, PrepareContext
+from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, epoch_batches
+from kiln.training.core.plan import JobPlan, PrepareContext
 from kiln.training.core.recipe import TrainingRecipe, step_plan
-from kiln.training.grpo.step import GRPOItem, GRPOSettings, grpo_items, grpo_step, policy_logprobs, row_offsets
+from kiln.training.grpo.step import (
+    GRPOItem,
+    GRPOSettings,
+    grpo_batch,
+    grpo_items,
+    grpo_loss,
+    policy_logprobs,
+    row_offsets,
+)
+from kiln.training.losses.chunked import split_causal_lm
 from kiln.training.losses.grpo import GRPOLoss
 from kiln.training.schemas import ROLLOUT_FIELDS, GRPORequest
 from kiln.training.sft.job import supervised_plan, supervised_start
 
+
+@dataclass(frozen=True)
+class GRPOData:
+    """A pre-scored GRPO job's plan data."""
+
+    items: tuple[GRPOItem, ...]
+    skipped: int  # zero-variance groups dropped at submission
+    settings: GRPOSettings
 
 def prepare_grpo(ctx: PrepareContext, request: GRPORequest) -> JobPlan[GRPOData]:
     """Pre-scored groups (single- or multi-turn completions): advantages computed now, zero-variance dropped."""
@@ -59,18 +76,17 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
     computed once before the first step (and kept in checkpoints); the KL
     reference is the base model (all adapters disabled).
     """
-    hooks = hooks or Hooks()
     if not items:
         raise TrainingFailed(
             f"all {skipped_groups} groups have equal rewards within the group; nothing to learn from"
         )
     loss_fn = GRPOLoss(settings.clip_epsilon, settings.kl_coef, settings.kl_estimator)  # type: ignore[arg-type]
     per_epoch = batches_per_epoch(len(items), plan.batch_size)
-    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
+    loop = TrainLoop(peft_model, name, plan, hooks or Hooks(), plan.epochs * per_epoch, resume)
     loop.stats.update({"groups": len(items) + skipped_groups, "skipped_zero_variance_groups": skipped_groups})
     split = split_causal_lm(peft_model)
 
-    with loop.running():
+    def steps() -> Iterator[StepInput]:
         # old_logp: one [len-1] tensor per row, from the policy before any update.
         if resume is not None:
             old = [resume.tensors[f"old.{i}"].to(loop.device) for i in range(sum(len(it.rows) for it in items))]
@@ -78,11 +94,12 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
             old = policy_logprobs(peft_model, items, pad_id, loop, split)
         offsets = row_offsets(items)
         old_tensors = {f"old.{i}": t for i, t in enumerate(old)}
-
         for chosen, cursor in epoch_batches(loop, len(items), plan, per_epoch):
-            grpo_step(peft_model, loop, loss_fn, settings, split, items, chosen, old, offsets, pad_id=pad_id,
-                      anchor=anchor)
-            loop.after_step(*cursor, tensors=old_tensors)
+            b = grpo_batch(items, chosen, old, offsets, pad_id=pad_id, device=loop.device)
+            yield StepInput(b, b.tokens, cursor, old_tensors)
+
+    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, settings, split, b, anchor=anchor,
+                                            pad_id=pad_id))
     return loop.report()
 
 

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -125,17 +125,16 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     log-probs, so a resumed job continues the same updates instead of sampling again. Sampling is
     seeded per iteration, so later iterations sample what the uninterrupted job sampled.
     """
-    from kiln.training.core.chunked_loss import split_causal_lm
-    from kiln.training.core.loop import _Loop
-    from kiln.training.grpo.step import grpo_step, policy_logprobs, row_offsets
+    from kiln.training.core.loop import StepInput, TrainLoop
+    from kiln.training.grpo.step import grpo_loss, policy_logprobs
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.grpo import GRPOLoss
 
     s = data.settings
     loss_fn = GRPOLoss(s.clip_epsilon, s.kl_coef, s.kl_estimator)  # type: ignore[arg-type]
     n = len(data.prompt_ids)
     per_round = plan.epochs * math.ceil(n / plan.batch_size)
-    loop = _Loop(peft_model, name, plan, hooks, data.iterations * per_round, resume)
-    cap = loop.total_steps
+    loop = TrainLoop(peft_model, name, plan, hooks, data.iterations * per_round, resume)
     split = split_causal_lm(peft_model)  # the trainer's chunked head: logits at completion tokens only
     rewards_hist: list[float] = list(loop.stats.get("reward_per_iteration", []))  # restored on resume
     zero_hist: list[float] = list(loop.stats.get("zero_variance_fraction_per_iteration", []))
@@ -146,10 +145,12 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                        "generation": None if data.gen is None else data.gen.describe(data.prompt_ids)})
     first_it, first_pass = divmod(loop.epoch, plan.epochs)
     saved = _saved_iteration(resume) if resume is not None and (first_pass or loop.batch) else None
-    with loop.running():
+
+    def steps() -> Iterator[StepInput]:
+        nonlocal saved, first_pass
         for it in range(first_it, data.iterations):
-            if loop.step >= cap:
-                break
+            if loop.done():
+                return
             loop.check_cancel()
             if saved is not None:  # resumed inside this iteration: its groups and behaviour log-probs
                 (items, old), saved = saved, None
@@ -158,24 +159,12 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                                           pad_id=pad_id, end_ids=end_ids, engine=engine)
                 first_pass = 0
                 old = policy_logprobs(peft_model, items, pad_id, loop, split) if items else []
-            # 3. update: epochs passes over the round's groups; the sampling policy is the ratio's denominator
-            if items:
-                offsets = row_offsets(items)
-                batches = math.ceil(len(items) / plan.batch_size)
-                tensors = _iteration_tensors(items, old) if plan.checkpoint_interval else None
-                for epoch in range(first_pass, plan.epochs):
-                    ge = it * plan.epochs + epoch
-                    order = epoch_order(len(items), seed=plan.seed, epoch=ge)
-                    for b in range(loop.batch if (epoch == first_pass and loop.epoch == ge) else 0, batches):
-                        if loop.step >= cap:
-                            break
-                        loop.check_cancel()
-                        chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
-                        grpo_step(peft_model, loop, loss_fn, s, split, items, chosen, old, offsets, pad_id=pad_id,
-                                  anchor=anchor)
-                        loop.after_step(*((ge, b + 1) if b + 1 < batches else (ge + 1, 0)), tensors=tensors)
+            if items:  # 3. update: epochs passes over the round's groups; the sampling policy is the denominator
+                yield from _update_steps(loop, plan, it, first_pass, items, old, pad_id=pad_id)
             loop.epoch, loop.batch, first_pass = (it + 1) * plan.epochs, 0, 0
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
+
+    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, s, split, b, anchor=anchor, pad_id=pad_id))
     loop.total_steps = loop.step
     hooks.on_progress(loop.progress())
     if loop.step == 0:
@@ -183,6 +172,25 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
                              f"rewards {rewards_hist}); nothing to learn from: sample more (group_size, "
                              "temperature) or use a reward that separates completions")
     return loop.report()
+
+
+def _update_steps(loop: Any, plan: Any, it: int, first_pass: int, items: Sequence[Any], old: Sequence[Any], *,
+                  pad_id: int) -> Iterator[Any]:
+    """Iteration ``it``'s GRPO steps: ``plan.epochs`` seeded passes over its groups (from the resumed cursor),
+    each step's cursor counting ``iteration * epochs + pass``; checkpoints carry the iteration's groups."""
+    from kiln.training.core.loop import StepInput
+    from kiln.training.grpo.step import grpo_batch, row_offsets
+
+    offsets = row_offsets(items)
+    batches = math.ceil(len(items) / plan.batch_size)
+    tensors = _iteration_tensors(items, old) if plan.checkpoint_interval else None
+    for epoch in range(first_pass, plan.epochs):
+        ge = it * plan.epochs + epoch
+        order = epoch_order(len(items), seed=plan.seed, epoch=ge)
+        for b in range(loop.batch if (epoch == first_pass and loop.epoch == ge) else 0, batches):
+            chosen = order[b * plan.batch_size:(b + 1) * plan.batch_size]
+            gb = grpo_batch(items, chosen, old, offsets, pad_id=pad_id, device=loop.device)
+            yield StepInput(gb, gb.tokens, (ge, b + 1) if b + 1 < batches else (ge + 1, 0), tensors)
 
 
 def _sample_and_score(peft_model: Any, data: RolloutData, plan: Any, loop: Any, it: int, rewards_hist: list[float],

@@ -7,16 +7,15 @@ Shared by pre-scored GRPO (:mod:`kiln.training.grpo.job`) and GRPO with rollouts
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from kiln.training.core.anchor import anchor_term
-from kiln.training.core.chunked_loss import SplitLM, linear_token_logprobs
 from kiln.training.core.data import Row, collate
-from kiln.training.core.loop import _Loop
+from kiln.training.core.loop import TrainLoop
+from kiln.training.losses.chunked import SplitLM, linear_token_logprobs
 from kiln.training.losses.grpo import GRPOLoss, group_advantages
 from kiln.training.losses.sft import shifted_token_logprobs
 
@@ -79,7 +78,7 @@ def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> 
     return out
 
 
-def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loop: _Loop,
+def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loop: TrainLoop,
                     split: SplitLM | None) -> list[torch.Tensor]:
     """Per row of every item, the current policy's token log-probs (``[len - 1]``), without gradients:
     the ratio's denominator for the GRPO updates that follow."""
@@ -99,27 +98,45 @@ def row_offsets(items: Sequence[GRPOItem]) -> list[int]:
     return offsets
 
 
-def grpo_step(peft_model: Any, loop: _Loop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
-              items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[torch.Tensor], offsets: Sequence[int],
-              *, pad_id: int, anchor: Any = None) -> None:
-    """One clipped GRPO optimizer step on the rows of ``items[g]`` for ``g`` in ``chosen``, under exclusive
-    ownership. ``old`` holds the behaviour policy's log-probs per row (:func:`policy_logprobs`), indexed by
-    ``offsets`` (:func:`row_offsets`). Shared by :func:`run_grpo` and :mod:`kiln.training.grpo.rollouts`."""
+@dataclass(frozen=True)
+class GRPOBatch:
+    """One GRPO step's rows, collated: advantages and the behaviour policy's log-probs beside them."""
+
+    batch: dict[str, torch.Tensor]
+    advantages: torch.Tensor  # [B]
+    old_logp: torch.Tensor  # [B, T-1], padded
+
+    @property
+    def tokens(self) -> int:
+        return int(self.batch["attention_mask"].sum())
+
+
+def grpo_batch(items: Sequence[GRPOItem], chosen: Sequence[int], old: Sequence[torch.Tensor],
+               offsets: Sequence[int], *, pad_id: int, device: torch.device) -> GRPOBatch:
+    """The rows of ``items[g]`` for ``g`` in ``chosen``; ``old`` holds the behaviour policy's log-probs per
+    row (:func:`policy_logprobs`), indexed by ``offsets`` (:func:`row_offsets`)."""
     rows = [r for g in chosen for r in items[g].rows]
-    adv = torch.cat([items[g].advantages for g in chosen]).to(loop.device)
+    adv = torch.cat([items[g].advantages for g in chosen]).to(device)
     old_lp = [old[offsets[g] + j] for g in chosen for j in range(len(items[g].rows))]
-    batch = collate(rows, pad_id, loop.device)
-    mask = batch["loss_mask"][:, 1:]
-    with loop.step_ownership():
-        t0 = time.perf_counter()
-        ref = None
-        old_padded = _padded(list(old_lp), mask.shape[1], loop.device)
-        if settings.kl_coef > 0:
-            with torch.no_grad(), peft_model.disable_adapter():
-                ref = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
-        logp = _sequence_logprobs(peft_model, batch, split, mask, old_padded)
-        loss, st = loss_fn(logp, old_padded, adv, mask, ref)
-        if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor)
-            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
-        loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
+    batch = collate(rows, pad_id, device)
+    return GRPOBatch(batch, adv, _padded(list(old_lp), batch["loss_mask"].shape[1] - 1, device))
+
+
+def grpo_loss(peft_model: Any, loop: TrainLoop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
+              b: GRPOBatch, *, anchor: Any = None, pad_id: int = 0) -> torch.Tensor:
+    """The clipped GRPO loss of one batch (under exclusive ownership, inside :meth:`TrainLoop.train`), plus the
+    KL-to-base anchor's term when given (:mod:`kiln.training.core.anchor`); the KL reference is the base model
+    (all adapters disabled). Records ``clip_fraction`` and ``kl``. Shared by
+    :func:`kiln.training.grpo.job.run_grpo` and :mod:`kiln.training.grpo.rollouts`."""
+    mask = b.batch["loss_mask"][:, 1:]
+    ref = None
+    if settings.kl_coef > 0:
+        with torch.no_grad(), peft_model.disable_adapter():
+            ref = _sequence_logprobs(peft_model, b.batch, split, mask, b.old_logp)
+    logp = _sequence_logprobs(peft_model, b.batch, split, mask, b.old_logp)
+    loss, st = loss_fn(logp, b.old_logp, b.advantages, mask, ref)
+    if anchor is not None:
+        loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
     loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
+    return loss
+

@@ -102,11 +102,9 @@ def _check_binding(ctx: PrepareContext, plan: Any) -> None:
 
 
 def _check_not_in_use(ctx: PrepareContext, capture_sha: str, adapter: str) -> None:
-    from kiln.training.queue import jobs as jobstates
-
     if ctx.jobs is None:  # no queue (kiln train run): nothing else consumes it here
         return
-    for job in ctx.jobs.list(states=frozenset({jobstates.QUEUED, jobstates.RUNNING})):
+    for job in ctx.jobs.active():
         if job.kind == "kd" and job.adapter == adapter and job.request.get("capture_plan_sha256") == capture_sha:
             raise Conflict(f"job {job.id} is already consuming this capture for adapter {adapter!r}",
                            code="capture_in_use", hint="wait for it to finish")
@@ -205,35 +203,21 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
 def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, resume: Any, job_id: str,
            anchor: Any = None, pad_id: int = 0) -> Any:
     """Consume each shard through its ledger: reserve (or chained replay) -> train a pass, one optimizer step
-    per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256."""
-    from kiln.distill.faults import fault
-    from kiln.distill.train import (
-        _batch_tensors,
-        _windows,
-        kd_loss_split,
-        kd_step_loss,
-        load_shard_examples,
-    )
-    from kiln.training.core.anchor import anchor_term
-    from kiln.training.core.checkpoints import save_checkpoint
-    from kiln.training.core.loop import _Loop
-    from kiln.training.core.lora import adapter_state
-    from kiln.training.losses.kd import SparseKDLoss
+    per batch under exclusive ownership -> durable checkpoint -> commit with the checkpoint's SHA-256.
 
-    cplan = data.capture_plan
-    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    The steps run on :class:`~kiln.training.core.loop.TrainLoop`'s pieces (ownership, cancel, progress); its
+    checkpoints are the ledger's, one per pass, instead of every ``checkpoint_interval`` steps."""
+    from kiln.training.core.loop import TrainLoop
+
+    loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     loop.stats.setdefault("kd_commits", [])
     loop.stats.setdefault("first_loss", None)
-    loss_fn = SparseKDLoss(ce_weight=data.ce_weight, kd_weight=data.kd_weight,
-                           temperature=cplan.probability.temperature)
-    use_ce = cplan.consumption.trajectory == "teacher-expert"
-    split = kd_loss_split(peft_model)
-    k, limit, vocab = cplan.probability.top_k, cplan.capture.max_sequence_length, cplan.tokenizer.vocab_size
+    step = _KDStep(peft_model, data, loop, anchor=anchor, pad_id=pad_id)
     resume_digest = None if resume is None else checkpoint_digest(resume.path)
     actions: dict[str, str] = {}
     with loop.running():
         for shard in data.shards:
-            ledger = _ledger(data.run_root, shard, cplan)
+            ledger = _ledger(data.run_root, shard, data.capture_plan)
             mine = [c for c in loop.stats["kd_commits"] if c["transaction_id"] == shard.transaction_id]
             if ledger.view.state == "reserved":
                 if any(c["reservation_id"] == ledger.view.open_reservation[1] for c in mine):
@@ -246,54 +230,7 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
                 continue
             while len(mine) < data.passes:
                 loop.check_cancel()
-                rid = f"{job_id}.{shard.transaction_id}.r{len(ledger.view.reservation_ids)}"
-                if ledger.view.commits:
-                    ledger.replay(job_id, rid)
-                    actions[shard.transaction_id] = "replayed"
-                else:
-                    ledger.reserve(job_id, rid)
-                    actions[shard.transaction_id] = "trained"
-                fault("kd_job_after_reserve")
-                checkpointed = False
-                try:
-                    examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
-                    windows = _windows(examples, limit)
-                    for b0 in range(0, len(windows), plan.batch_size):
-                        loop.check_cancel()
-                        with loop.step_ownership():
-                            t0 = time.perf_counter()
-                            ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
-                                windows[b0:b0 + plan.batch_size], examples, k, vocab, loop.device, use_ce)
-                            loss, _parts = kd_step_loss(peft_model, split, loss_fn, ids, att, rows, offs, sel, lp,
-                                                        mask, tail, target)
-                            if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in
-                                loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
-                            loop.optimizer_step(loss, int(rows.numel()), t0)
-                        if loop.stats["first_loss"] is None:
-                            loop.stats["first_loss"] = round(loop.loss, 6)
-                        loop.after_step(len(mine), b0 // plan.batch_size + 1)
-                    entry = {"transaction_id": shard.transaction_id, "artifact_sha256": ledger.artifact_sha256,
-                             "reservation_id": rid}
-                    extra = loop.stats | {"kd_commits": loop.stats["kd_commits"] + [entry]}
-                    with loop.step_ownership():
-                        path = save_checkpoint(
-                            hooks.checkpoint_root, step=loop.step, epoch=len(mine) + 1, batch=0,
-                            plan_sha256=hooks.plan_sha256, adapter_state=adapter_state(peft_model, name),
-                            optimizer_state=loop.opt.state_dict(),
-                            stats={"tokens": loop.tokens, "train_s": loop.train_s, "loss": loop.loss,
-                                   "extra": extra})
-                    checkpointed = True
-                    loop.stats["kd_commits"] = extra["kd_commits"]
-                except BaseException:
-                    if not checkpointed and ledger.view.state == "reserved":
-                        ledger.release()  # no durable checkpoint holds this pass: give the shard back
-                    raise
-                fault("kd_job_after_checkpoint")  # crash tests: durable checkpoint, no commit yet
-                digest = checkpoint_digest(path)
-                ledger.commit(digest)
-                entry["checkpoint_sha256"] = digest
-                loop.checkpoint_step = loop.step
-                mine.append(entry)
+                mine.append(_consume_pass(loop, step, ledger, shard, len(mine), job_id, actions))
         if loop.step == 0:
             raise Conflict("nothing left to consume: every shard was committed before this job ran",
                            code="capture_consumed")
@@ -302,6 +239,82 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
     report.extra["shards"] = [{"transaction_id": s.transaction_id, "action": actions.get(s.transaction_id)}
                               for s in data.shards]
     return report
+
+
+class _KDStep:
+    """One sparse-KD optimizer step on a batch of a shard's windows (:mod:`kiln.distill.train`'s loss)."""
+
+    def __init__(self, peft_model: Any, data: KDData, loop: Any, *, anchor: Any = None, pad_id: int = 0):
+        from kiln.distill.train import kd_loss_split
+        from kiln.training.losses.kd import SparseKDLoss
+
+        cplan = data.capture_plan
+        self.peft_model, self.loop, self.cplan = peft_model, loop, cplan
+        self.anchor, self.pad_id = anchor, pad_id  # the KL-to-base anchor (kiln.training.core.anchor), opt-in
+        self.loss_fn = SparseKDLoss(ce_weight=data.ce_weight, kd_weight=data.kd_weight,
+                                    temperature=cplan.probability.temperature)
+        self.use_ce = cplan.consumption.trajectory == "teacher-expert"
+        self.split = kd_loss_split(peft_model)
+
+    def train_pass(self, shard: KDShard, pass_index: int) -> None:
+        """Every batch of ``shard``'s windows, in order: one optimizer step each."""
+        from kiln.distill.train import _batch_tensors, _windows, kd_step_loss, load_shard_examples
+        from kiln.training.core.anchor import anchor_term
+
+        loop, cplan, batch_size = self.loop, self.cplan, self.loop.plan.batch_size
+        k, vocab = cplan.probability.top_k, cplan.tokenizer.vocab_size
+        examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
+        windows = _windows(examples, cplan.capture.max_sequence_length)
+        for b0 in range(0, len(windows), batch_size):
+            loop.check_cancel()
+            with loop.step_ownership():
+                t0 = time.perf_counter()
+                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                    windows[b0:b0 + batch_size], examples, k, vocab, loop.device, self.use_ce)
+                loss, _parts = kd_step_loss(self.peft_model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp,
+                                            mask, tail, target)
+                if self.anchor is not None:
+                    loss = loss + anchor_term(self.anchor, self.peft_model, self.split, loop, self.pad_id)
+                loop.optimizer_step(loss, int(rows.numel()), t0)
+            if loop.stats["first_loss"] is None:
+                loop.stats["first_loss"] = round(loop.loss, 6)
+            loop.after_step(pass_index, b0 // batch_size + 1)
+
+
+def _consume_pass(loop: Any, step: _KDStep, ledger: Any, shard: KDShard, done: int, job_id: str,
+                  actions: dict[str, str]) -> dict[str, Any]:
+    """Pass ``done + 1`` over ``shard``: reserve (or replay) -> train -> durable checkpoint -> commit; returns
+    its ``kd_commits`` entry. A failure before the checkpoint gives the shard back."""
+    from kiln.distill.faults import fault
+
+    rid = f"{job_id}.{shard.transaction_id}.r{len(ledger.view.reservation_ids)}"
+    if ledger.view.commits:
+        ledger.replay(job_id, rid)
+        actions[shard.transaction_id] = "replayed"
+    else:
+        ledger.reserve(job_id, rid)
+        actions[shard.transaction_id] = "trained"
+    fault("kd_job_after_reserve")
+    checkpointed = False
+    try:
+        step.train_pass(shard, done)
+        entry = {"transaction_id": shard.transaction_id, "artifact_sha256": ledger.artifact_sha256,
+                 "reservation_id": rid}
+        extra = loop.stats | {"kd_commits": loop.stats["kd_commits"] + [entry]}
+        with loop.step_ownership():
+            path = loop.save(done + 1, 0, extra=extra, step_options=False)
+        checkpointed = True
+        loop.stats["kd_commits"] = extra["kd_commits"]
+    except BaseException:
+        if not checkpointed and ledger.view.state == "reserved":
+            ledger.release()  # no durable checkpoint holds this pass: give the shard back
+        raise
+    fault("kd_job_after_checkpoint")  # crash tests: durable checkpoint, no commit yet
+    digest = checkpoint_digest(path)
+    ledger.commit(digest)
+    entry["checkpoint_sha256"] = digest
+    loop.checkpoint_step = loop.step
+    return entry
 
 
 def _head(shard: KDShard) -> Any:

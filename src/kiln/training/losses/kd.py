@@ -165,18 +165,18 @@ def linear_sparse_kd(h, weight, ids, teacher_logprobs, mask, tail, target, *, ce
                      kd_weight: float = 1.0, temperature: float = 1.0, chunk_rows: int | None = None):
     """:class:`SparseKDLoss` from hidden states: ``(loss [], {"ce", "kd"})`` without ``[N, V]`` logits.
 
-    The head runs one chunk of rows at a time (:func:`kiln.training.core.chunked_loss.linear_chunked_loss`), each
+    The head runs one chunk of rows at a time (:func:`kiln.training.losses.chunked.linear_chunked_loss`), each
     chunk's gradient (``_kd_value_and_grad``) folded into d/dh and d/dW during forward.
 
     Args:
         h: ``[N, H]`` final-norm hidden states at the captured positions.
         weight: ``[V, H]`` the LM head's weight (a plain, bias-free head; see
-            :func:`kiln.training.core.chunked_loss.split_causal_lm`).
+            :func:`kiln.training.losses.chunked.split_causal_lm`).
         ids, teacher_logprobs, mask, tail, target: as for :class:`SparseKDLoss`.
         chunk_rows: rows of logits alive at once (default: ``chunked_loss.CHUNK_ELEMENTS // V``).
     """
-    from kiln.training.core.chunked_loss import chunk_rows as default_rows
-    from kiln.training.core.chunked_loss import linear_chunked_loss
+    from kiln.training.losses.chunked import chunk_rows as default_rows
+    from kiln.training.losses.chunked import linear_chunked_loss
 
     ce_w, kd_w, temp = float(ce_weight), float(kd_weight), float(temperature)
     acc = torch.promote_types(h.dtype, torch.float32)  # the logits' dtype in each chunk

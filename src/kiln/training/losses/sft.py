@@ -2,7 +2,7 @@
 
 Shapes: ``B`` batch rows, ``T`` sequence length, ``V`` vocabulary size. Masks are ``bool`` or
 ``0/1`` tensors; padded positions carry 0. The chunked form that never builds ``[B, T, V]`` is
-:func:`kiln.training.core.chunked_loss.sft_loss_from_hidden`.
+:func:`kiln.training.losses.chunked.sft_loss_from_hidden`.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ The OPD losses need, at each completion position ``n``, the student's log-probab
 of each candidate ``c`` (teacher top-K plus the sampled token), normalised over the
 whole vocabulary: ``z[n, c] - logsumexp_v z[n, v]`` with ``z = h W^T``. The
 normaliser needs every column, so the head runs over one chunk of positions at a time
-(:func:`kiln.training.core.chunked_loss.chunk_rows` rows of ``V`` logits), evaluates the loss on
+(:func:`kiln.training.losses.chunked.chunk_rows` rows of ``V`` logits), evaluates the loss on
 the chunk's ``[n, C]`` candidate log-probabilities and computes the gradient right there
-(:func:`candidate_loss_mean`, on :func:`kiln.training.core.chunked_loss.linear_chunked_loss`): logits
+(:func:`candidate_loss_mean`, on :func:`kiln.training.losses.chunked.linear_chunked_loss`): logits
 are computed once and never kept. Shapes: ``N`` positions, ``H`` hidden size, ``V`` vocabulary, ``C``
 candidates per position.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kiln.training.core.chunked_loss import CHUNK_ELEMENTS, SplitLM, chunk_rows, linear_chunked_loss
+from kiln.training.losses.chunked import CHUNK_ELEMENTS, SplitLM, chunk_rows, linear_chunked_loss
 
 
 def completion_hidden(split: SplitLM, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,

@@ -183,141 +183,188 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
     (:class:`~kiln.training.core.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
     scored by the base model."""
-    from kiln.teachers.probe import check_answer, check_request_fits, response_cap
-    from kiln.teachers.registry import _identity_of
     from kiln.training.core.anchor import anchor_term
-    from kiln.training.core.chunked_loss import split_causal_lm
-    from kiln.training.core.loop import _Loop
-    from kiln.training.opd.paths import TeacherPaths
+    from kiln.training.core.loop import Learned, TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
 
-    identity = _identity_of(data.teacher["identity"])
-    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     split = split_causal_lm(peft_model)  # logits only at completion positions, a chunk at a time
-    n = len(data.items)
     for key in ("student_s", "teacher_s", "step_s", "sampled_tokens"):
         loop.stats.setdefault(key, 0.0)
     if data.gen is not None:  # how the prompts were rendered: thinking on or off, the budget
         loop.stats["generation"] = data.gen.describe([it.student_ids for it in data.items])
-    paths = TeacherPaths(n, end_ids) if data.teacher_path else None
-    if paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
-        paths.load_tensor(resume.tensors[PATHS_TENSOR])
-    path_rows: dict[int, list[dict[int, float]]] = {}  # prompt -> teacher rows of its final teacher path
-    check = plan.until_learned if paths is not None else None
-    every = None if check is None else max(check.every, math.ceil(n / plan.batch_size))
+    steps = _OPDSteps(peft_model, loop, data, plan, _Scorer(teacher, data, pinned=pinned, model_id=model_id,
+                                                            vocab_size=vocab_size),
+                      resume=resume, pad_id=pad_id, end_ids=end_ids, engine=engine, rehearsal=rehearsal)
+    check = plan.until_learned if steps.paths is not None else None
+    learned = None if check is None else Learned(max(check.every, math.ceil(len(data.items) / plan.batch_size)),
+                                                 steps.learned)
+    def loss_step(b: Any) -> Any:
+        loss = opd_loss(peft_model, split, data, *b, pad_id=pad_id, device=loop.device)
+        if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in beside rehearsal
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+        return loss
 
-    def score(seqs: list[list[int]], starts: list[int]) -> Any:
-        """The teacher's top-K rows of ``seqs``, in one call, checked against the pin; rows before ``starts``
-        are not used (a local teacher skips them and reuses the cached prompt: its ``score_from``)."""
-        check_request_fits(identity, seqs, data.top_k)
-        scored = teacher.score(seqs, data.top_k, max_bytes=sum(response_cap(identity, len(s), data.top_k)
-                                                               for s in seqs), vocab_size=vocab_size,
-                               score_from=starts)
-        check_answer(scored, model_id=model_id, pinned=pinned)
+    loop.train(steps, loss_step, learned=learned)
+    return loop.report()
+
+
+class _Scorer:
+    """The pinned teacher's top-K rows of whole sequences, in one call, checked against the pin."""
+
+    def __init__(self, teacher: Any, data: OPDData, *, pinned: str, model_id: str, vocab_size: int):
+        from kiln.teachers.registry import _identity_of
+
+        self.teacher, self.data, self.pinned = teacher, data, pinned
+        self.model_id, self.vocab_size = model_id, vocab_size
+        self.identity = _identity_of(data.teacher["identity"])
+
+    def __call__(self, seqs: list[list[int]], starts: list[int]) -> Any:
+        """Rows before ``starts`` are not used (a local teacher skips them and reuses the cached prompt: its
+        ``score_from``)."""
+        from kiln.teachers.probe import check_answer, check_request_fits, response_cap
+
+        top_k = self.data.top_k
+        check_request_fits(self.identity, seqs, top_k)
+        scored = self.teacher.score(seqs, top_k, max_bytes=sum(response_cap(self.identity, len(s), top_k)
+                                                               for s in seqs), vocab_size=self.vocab_size,
+                                    score_from=starts)
+        check_answer(scored, model_id=self.model_id, pinned=self.pinned)
         return scored
 
-    def learned() -> bool:
-        """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
-        from kiln.training.core.data import Row
-        from kiln.training.core.loop import greedy_margin
 
-        assert paths is not None and check is not None
-        if not all(paths.complete(i) for i in range(n)):
-            return False
-        rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
-                for i, it in enumerate(data.items)]
-        with loop.step_ownership():
-            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size)
-        loop.stats["greedy_margin"] = round(margin, 4)
-        return margin >= check.margin
+class _OPDSteps:
+    """OPD's steps for :meth:`TrainLoop.train`: each chosen prompt's teacher path finished, the student's samples,
+    the teacher's rows of them, the rehearsal and gold rows; outside exclusive ownership."""
 
-    with loop.running():
-        while not loop.done():
-            loop.check_cancel()
+    def __init__(self, peft_model: Any, loop: Any, data: OPDData, plan: Any, score: _Scorer, *, resume: Any,
+                 pad_id: int, end_ids: Sequence[int], engine: Any, rehearsal: Any):
+        from kiln.training.opd.paths import TeacherPaths
+
+        self.peft_model, self.loop, self.data, self.plan, self.score = peft_model, loop, data, plan, score
+        self.pad_id, self.end_ids, self.engine, self.rehearsal = pad_id, end_ids, engine, rehearsal
+        self.paths = TeacherPaths(len(data.items), end_ids) if data.teacher_path else None
+        if self.paths is not None and resume is not None and PATHS_TENSOR in resume.tensors:
+            self.paths.load_tensor(resume.tensors[PATHS_TENSOR])
+        self.path_rows: dict[int, list[dict[int, float]]] = {}  # prompt -> teacher rows of its final teacher path
+
+    def __iter__(self) -> Any:
+        from kiln.training.core.loop import StepInput
+
+        loop, data, plan, paths = self.loop, self.data, self.plan, self.paths
+        while True:
             step = loop.step
-            chosen = [(step * plan.batch_size + j) % n for j in range(min(plan.batch_size, n))]
+            chosen = [(step * plan.batch_size + j) % len(data.items) for j in range(min(plan.batch_size,
+                                                                                       len(data.items)))]
             if paths is not None:  # 0. finish the chosen prompts' teacher paths (teacher calls where unfinished)
-                t_d = time.perf_counter()
-                dummy = end_ids[0] if end_ids else pad_id
-                loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
-                    chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in score(
-                        [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo],
-                        [len(data.items[i].teacher_ids) + len(known) for i, known in todo]).prompts])
-                loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
-            # 1. student samples every prompt x sample (and the unfinished teacher-path rows), one batch
-            t0 = time.perf_counter()
-            todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
-            prompts = [list(data.items[i].student_ids) for i in chosen]
-            prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
-            counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
-            budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
-            gen = data.gen  # the thinking budget on the chosen prompts' samples (not on teacher-path continuations)
-            comps = sample_policy(peft_model, loop, engine, prompts, counts, budgets, data.temperature,
-                                  data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
-                                  pad_id=pad_id, end_ids=end_ids, constrain=None if gen is None else (
-                                      lambda j, ps: gen.constrain(ps, prompts[j]) if j < len(chosen) else ps))
-            k = len(chosen) * data.samples_per_prompt
-            samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
-            rest = iter(comps[k:])  # teacher-path rows: the known prefix + the student's sample from it
-            samples += [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
+                self._discover(chosen)
+            t0 = time.perf_counter()  # 1. the student samples every prompt x sample (and the teacher-path rows)
+            samples, todo = self._sample(chosen, step)
             student_s = time.perf_counter() - t0
             if not samples:
                 loop.stats["student_s"] += student_s
-                loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
+                yield StepInput(None, tensors=_checkpoint_tensors(paths, self.rehearsal))
                 continue
-            # 2. teacher scores every (teacher prompt + completion) in one batch; a final teacher path (nothing
-            # sampled after it) is the same sequence every step: its rows are scored once and kept
-            t1 = time.perf_counter()
-            final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
-            ask = [k for k in range(len(samples)) if final.get(k) not in path_rows]
-            got = dict(zip(ask, score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1] for k in ask],
-                                      [len(data.items[samples[k][0]].teacher_ids) for k in ask]).prompts)) if ask else {}
+            t1 = time.perf_counter()  # 2. the teacher scores every (teacher prompt + completion) in one batch
+            rows, sampled = self._teacher_rows(samples, todo)
             teacher_s = time.perf_counter() - t1
-            rows, sampled = [], []
-            for k, (i, comp) in enumerate(samples):
-                if k in got:
-                    start = len(data.items[i].teacher_ids)
-                    mine = [got[k].rows[start + j] or {} for j in range(len(comp))]
-                    if k in final:
-                        path_rows[i] = mine
-                else:
-                    mine = path_rows[i]
-                if paths is not None:
-                    paths.observe(i, comp, mine)
-                rows += mine
-                sampled += comp
-            loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
-            if paths is not None:
-                loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
-            # 3. the step, under exclusive ownership
+            # 3. the step's rows: rehearsal rows (the base model's answers, with its rows in the teacher's place)
             pairs = [(data.items[i].student_ids, comp) for i, comp in samples]
-            # rehearsal rows: the base model's answers, with its rows in the teacher's place
-            added = rehearsal.add_to_step(step, len(chosen) * data.rehearsal_per_prompt, pairs, rows, sampled) \
-                if rehearsal is not None else 0
+            added = self.rehearsal.add_to_step(step, len(chosen) * data.rehearsal_per_prompt, pairs, rows,
+                                               sampled) if self.rehearsal is not None else 0
             # ce_weight: CE on each prompt's gold, or else on the known teacher path (sequence-level KD)
             gold = [(data.items[i].student_ids, data.items[i].gold_ids
                      or (tuple(paths.prefix(i)) if paths is not None else ())) for i in chosen] \
                 if data.ce_weight > 0 else []
-            with loop.step_ownership():
-                t2 = time.perf_counter()
-                loss = opd_loss(peft_model, split, data, pairs, rows, sampled, gold, pad_id=pad_id,
-                                device=loop.device)
-                if anchor is not None:  # the KL-to-base anchor (kiln.training.core.anchor), opt-in beside rehearsal
-                    loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
-                loop.optimizer_step(loss, len(sampled), t2)
-                step_s = time.perf_counter() - t2
-            loop.stats["student_s"] = round(loop.stats["student_s"] + student_s, 4)
-            loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + teacher_s, 4)
-            loop.stats["step_s"] = round(loop.stats["step_s"] + step_s, 4)
-            loop.stats["sampled_tokens"] = int(loop.stats["sampled_tokens"] + len(sampled) - added)
-            if rehearsal is not None:
-                loop.stats.update(rehearsal_rows=len(rehearsal),
-                                  rehearsal_tokens=loop.stats.get("rehearsal_tokens", 0) + added)
-            if every is not None and loop.step % every == 0 and learned():
-                loop.stats["learned_at_step"] = loop.total_steps = loop.step
-            loop.after_step(0, 0, _checkpoint_tensors(paths, rehearsal))
-        if check is not None:
-            loop.stats["learned"] = "learned_at_step" in loop.stats
-    return loop.report()
+            yield StepInput((pairs, rows, sampled, gold), len(sampled),
+                            tensors=_checkpoint_tensors(paths, self.rehearsal),
+                            after=lambda: self._record(student_s, teacher_s, len(sampled) - added, added))
+
+    def _discover(self, chosen: list[int]) -> None:
+        loop, data, paths = self.loop, self.data, self.paths
+        assert paths is not None
+        t_d = time.perf_counter()
+        dummy = self.end_ids[0] if self.end_ids else self.pad_id
+        loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
+            chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in self.score(
+                [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo],
+                [len(data.items[i].teacher_ids) + len(known) for i, known in todo]).prompts])
+        loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
+
+    def _sample(self, chosen: list[int], step: int) -> tuple[list[tuple[int, list[int]]], list[Any]]:
+        """The student's completions of the chosen prompts (``samples_per_prompt`` each, empty ones dropped),
+        then the teacher-path rows: the known prefix + the student's sample from it."""
+        data, paths, plan = self.data, self.paths, self.plan
+        todo = paths.rows_to_sample(chosen, data.max_tokens) if paths is not None else []
+        prompts = [list(data.items[i].student_ids) for i in chosen]
+        prompts += [list(data.items[i].student_ids) + known for i, known, _ in todo]
+        counts = [data.samples_per_prompt] * len(chosen) + [int(left > 0) for _, _, left in todo]
+        budgets = [data.max_tokens] * len(chosen) + [max(1, left) for _, _, left in todo]
+        gen = data.gen  # the thinking budget on the chosen prompts' samples (not on teacher-path continuations)
+        comps = sample_policy(self.peft_model, self.loop, self.engine, prompts, counts, budgets, data.temperature,
+                              data.top_p, seed=plan.seed, seed_step=step, revision=f"step-{step}",
+                              pad_id=self.pad_id, end_ids=self.end_ids, constrain=None if gen is None else (
+                                  lambda j, ps: gen.constrain(ps, prompts[j]) if j < len(chosen) else ps))
+        k = len(chosen) * data.samples_per_prompt
+        samples = [(chosen[j // data.samples_per_prompt], c) for j, c in enumerate(comps[:k]) if c]
+        rest = iter(comps[k:])
+        samples += [(i, known + (next(rest) if left > 0 else [])) for i, known, left in todo]
+        return samples, todo
+
+    def _teacher_rows(self, samples: list[tuple[int, list[int]]], todo: list[Any]
+                      ) -> tuple[list[dict[int, float]], list[int]]:
+        """The teacher's rows of every sample, in one call; a final teacher path (nothing sampled after it) is
+        the same sequence every step: its rows are scored once and kept."""
+        data, paths = self.data, self.paths
+        final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
+        ask = [k for k in range(len(samples)) if final.get(k) not in self.path_rows]
+        got = dict(zip(ask, self.score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1] for k in ask],
+                                       [len(data.items[samples[k][0]].teacher_ids) for k in ask]).prompts)) \
+            if ask else {}
+        rows: list[dict[int, float]] = []
+        sampled: list[int] = []
+        for k, (i, comp) in enumerate(samples):
+            if k in got:
+                start = len(data.items[i].teacher_ids)
+                mine = [got[k].rows[start + j] or {} for j in range(len(comp))]
+                if k in final:
+                    self.path_rows[i] = mine
+            else:
+                mine = self.path_rows[i]
+            if paths is not None:
+                paths.observe(i, comp, mine)
+            rows += mine
+            sampled += comp
+        self.loop.stats["outside_top_k"] = round(outside_top_k(rows, sampled, data.top_k), 4)
+        if paths is not None:
+            self.loop.stats["teacher_path_tokens"] = round(paths.mean_length(), 2)
+        return rows, sampled
+
+    def _record(self, student_s: float, teacher_s: float, sampled_tokens: int, added: int) -> None:
+        stats = self.loop.stats
+        stats["student_s"] = round(stats["student_s"] + student_s, 4)
+        stats["teacher_s"] = round(stats["teacher_s"] + teacher_s, 4)
+        stats["step_s"] = round(stats["step_s"] + self.loop.last_step_s, 4)
+        stats["sampled_tokens"] = int(stats["sampled_tokens"] + sampled_tokens)
+        if self.rehearsal is not None:
+            stats.update(rehearsal_rows=len(self.rehearsal),
+                         rehearsal_tokens=stats.get("rehearsal_tokens", 0) + added)
+
+    def learned(self) -> bool:
+        """Every prompt's teacher path is whole and is the student's greedy answer (by the check's margin)."""
+        from kiln.training.core.data import Row
+        from kiln.training.core.loop import greedy_margin
+
+        paths, check, data = self.paths, self.plan.until_learned, self.data
+        assert paths is not None and check is not None
+        if not all(paths.complete(i) for i in range(len(data.items))):
+            return False
+        rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
+                for i, it in enumerate(data.items)]
+        with self.loop.step_ownership():
+            margin = greedy_margin(self.peft_model, rows, pad_id=self.pad_id, batch_size=self.plan.batch_size)
+        self.loop.stats["greedy_margin"] = round(margin, 4)
+        return margin >= check.margin
 
 
 def _checkpoint_tensors(paths: Any, rehearsal: Any) -> dict[str, torch.Tensor] | None:

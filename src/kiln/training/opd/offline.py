@@ -25,10 +25,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from kiln.errors import Conflict
 from kiln.training.core.data import MAX_DATASET_BYTES, MAX_DATASET_LINE_BYTES, TrainingDataError, open_dataset
@@ -165,26 +164,27 @@ def run_opd_offline(peft_model: Any, name: str, data: Any, corpus: Sequence[OffP
     """Off-policy OPD: each step takes ``batch_size`` corpus rows in order (wrapping) and runs the same
     update as the on-policy loop (:func:`kiln.training.opd.step.opd_loss`) on their completions, under exclusive
     ownership. Nothing is sampled and the teacher is not asked: its rows are in the corpus."""
-    from kiln.training.core.chunked_loss import split_causal_lm
-    from kiln.training.core.loop import _Loop
+    from kiln.training.core.loop import StepInput, TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.opd.step import opd_loss
 
-    loop = _Loop(peft_model, name, plan, hooks, data.total_steps, resume)
+    loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     split = split_causal_lm(peft_model)
     n = len(corpus)
     loop.stats.setdefault("step_s", 0.0)
     loop.stats["training_mode"] = "off_policy"
-    with loop.running():
-        while not loop.done():
-            loop.check_cancel()
+
+    def timed() -> None:
+        loop.stats["step_s"] = round(loop.stats["step_s"] + loop.last_step_s, 4)
+
+    def steps() -> Iterator[StepInput]:
+        while True:
             chosen = [corpus[(loop.step * plan.batch_size + j) % n] for j in range(min(plan.batch_size, n))]
             pairs = [(r.prompt_ids, r.completion_ids) for r in chosen]
             rows = [t for r in chosen for t in r.teacher_rows]
             sampled = [t for r in chosen for t in r.completion_ids]
-            with loop.step_ownership():
-                t0 = time.perf_counter()
-                loss = opd_loss(peft_model, split, data, pairs, rows, sampled, [], pad_id=pad_id, device=loop.device)
-                loop.optimizer_step(loss, len(sampled), t0)
-                loop.stats["step_s"] = round(loop.stats["step_s"] + time.perf_counter() - t0, 4)
-            loop.after_step(0, 0)
+            yield StepInput((pairs, rows, sampled), len(sampled), after=timed)
+
+    loop.train(steps(), lambda b: opd_loss(peft_model, split, data, b[0], b[1], b[2], [], pad_id=pad_id,
+                                           device=loop.device))  # b: (pairs, rows, sampled); no gold rows off policy
     return loop.report()

@@ -37,10 +37,10 @@ def opd_loss(peft_model: Any, split: Any, data: LossSettings, pairs: Sequence[tu
     """One step's loss (with gradient) over the completion tokens of ``pairs`` ((student prompt, completion)),
     whose teacher rows are ``rows`` (one per completion token, in order), plus ``ce_weight`` x CE on ``gold``.
 
-    With ``split`` (:func:`kiln.training.core.chunked_loss.split_causal_lm`) one trunk forward serves both, and
+    With ``split`` (:func:`kiln.training.losses.chunked.split_causal_lm`) one trunk forward serves both, and
     the head runs only at completion positions and keeps only the candidate columns
     (:mod:`kiln.training.opd.head`); otherwise the model's full logits are used."""
-    from kiln.training.core.chunked_loss import linear_cross_entropy_sum, linear_token_logprobs
+    from kiln.training.losses.chunked import linear_cross_entropy_sum, linear_token_logprobs
     from kiln.training.opd.head import candidate_loss_mean, completion_hidden
 
     n_tok = len(sampled)

@@ -259,6 +259,10 @@ class JobStore(LockedSQLite):
             rows = self._conn.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
         return {state: 0 for state in (QUEUED, RUNNING, *sorted(TERMINAL))} | {r["state"]: r["n"] for r in rows}
 
+    def active(self) -> list[Job]:
+        """The queued and running jobs."""
+        return self.list(states=frozenset({QUEUED, RUNNING}))
+
     def list(self, *, states: frozenset[str] | None = None, limit: int = MAX_LIST_JOBS,
              newest: bool = False) -> list[Job]:
         """Up to ``limit`` jobs in FIFO order (oldest first), optionally filtered by state.

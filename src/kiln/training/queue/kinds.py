@@ -18,16 +18,16 @@ from typing import Any, Callable, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from kiln.training.core.plan import GRPOData, JobPlan, PrepareContext, SFTData
+from kiln.training.core.plan import JobPlan, PrepareContext
 from kiln.training.core.recipe import TrainingRecipe
-from kiln.training.grpo.job import GRPORecipe, prepare_grpo
+from kiln.training.grpo.job import GRPOData, GRPORecipe, prepare_grpo
 from kiln.training.grpo.rollouts import RolloutData, RolloutRecipe, prepare_rollouts
 from kiln.training.kd.job import KDData, KDRecipe, prepare_kd
 from kiln.training.kd.schemas import KDRequest
 from kiln.training.opd.job import OPDData, OPDRecipe, prepare_opd
 from kiln.training.opd.schemas import OPDRequest
 from kiln.training.schemas import GRPORequest, SFTRequest
-from kiln.training.sft.job import SFTRecipe, prepare_sft
+from kiln.training.sft.job import SFTData, SFTRecipe, prepare_sft
 
 R = TypeVar("R", bound=BaseModel)
 D = TypeVar("D")

@@ -31,23 +31,22 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kiln.errors import InvalidRequest
-from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
-from kiln.training.core.chunked_loss import chunk_rows, linear_cross_entropy_sum, split_causal_lm
+from kiln.training.core.checkpoints import Checkpoint
 from kiln.training.core.data import Row, batches_per_epoch, collate
 from kiln.training.core.errors import TrainingFailed
-from kiln.training.core.loop import Hooks, Plan, Report, _adamw, _Loop
+from kiln.training.core.loop import Hooks, Plan, Report, StepInput, TrainLoop, _adamw, epoch_batches
 from kiln.training.core.lora import adapter_state, private_parameters
+from kiln.training.losses.chunked import chunk_rows, linear_cross_entropy_sum, split_causal_lm
 from kiln.training.losses.sft import sft_loss
-from kiln.training.sft.job import drive_sft_epochs
+from kiln.training.sft.job import learned_by, record_stop, sft_learned
 
 # A collective that waits longer than this (a rank hung, not dead) fails the job instead of hanging it.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -188,7 +187,7 @@ class SFTLossSum(torch.nn.Module):
     """The module DDP or FSDP wraps: ``(input_ids [B,T], loss_mask [B,T]) -> sum of target-token CE`` (fp32).
 
     It holds the ``PeftModel`` so that DDP/FSDP see the adapter's parameters; the
-    head runs chunk by chunk (:func:`kiln.training.core.chunked_loss.split_causal_lm`)
+    head runs chunk by chunk (:func:`kiln.training.losses.chunked.split_causal_lm`)
     where the model allows it, else through the full logits. With ``margin`` it
     returns instead the smallest ``logit(target) - max(logit(other))`` over the
     targets (:class:`kiln.training.core.loop.LearnedCheck`), so that under FSDP the
@@ -254,7 +253,7 @@ def _only_adapter_trainable(module: torch.nn.Module, params: Sequence[torch.nn.P
         raise TrainingFailed(f"parameters outside the job's adapter are trainable: {extra[:3]}")
 
 
-def wrap_fsdp(peft_model: Any, loop: _Loop, world: World) -> Any:
+def wrap_fsdp(peft_model: Any, loop: TrainLoop, world: World) -> Any:
     """FSDP2 (``fully_shard``): each decoder layer, then the rest, sharded across the ranks.
 
     The base weights are sharded too, so each rank holds about ``1/W`` of them
@@ -294,7 +293,7 @@ def _full(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def full_state(peft_model: Any, loop: _Loop) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def full_state(peft_model: Any, loop: TrainLoop) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The adapter's weights and the optimizer's state as plain full tensors (call on every rank)."""
     weights = {k: _full(v) for k, v in adapter_state(peft_model, loop.name).items()}
     opt = loop.opt.state_dict()
@@ -339,6 +338,20 @@ def _distributed_margin(model: Any, rows: Sequence[Row], world: World, *, pad_id
     return all_min(world, worst)
 
 
+class _RankLoop(TrainLoop):
+    """The loop on one rank: under FSDP every rank joins the gathers a checkpoint needs, and rank 0 writes it
+    (the one-process checkpoint, plus the world size in its stats)."""
+
+    def __init__(self, *args: Any, world: World, fsdp: bool, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.world, self.fsdp = world, fsdp
+
+    def save(self, next_epoch: int, next_batch: int, tensors: dict[str, torch.Tensor] | None = None, **kw: Any
+             ) -> Any:
+        state = full_state(self.peft_model, self) if self.fsdp else None
+        return super().save(next_epoch, next_batch, tensors, state=state, **kw) if self.world.is_main else None
+
+
 def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, world: World, *,
                         pad_id: int, micro_batch_size: int | None = None, hooks: Hooks | None = None,
                         resume: Checkpoint | None = None, fsdp: bool = False) -> Report:
@@ -347,7 +360,6 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
     ``hooks.checkpoint_root`` is where rank 0 writes checkpoints (other ranks only join the gathers
     FSDP needs). Returns the same report on every rank.
     """
-    hooks = hooks or Hooks()
     unsupported = [k for k in ("gradient_checkpointing", "compile") if getattr(plan, k, False)]
     if unsupported:
         raise DistributedError(f"{', '.join(unsupported)} not supported yet in distributed jobs",
@@ -361,82 +373,66 @@ def run_sft_distributed(peft_model: Any, name: str, rows: Sequence[Row], plan: P
                                code="resume_setting_mismatch",
                                hint="resume with the same --fsdp setting (exact resume needs the same arithmetic)")
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
-    loop = _Loop(peft_model, name, plan, replace(hooks, checkpoint_root=None), plan.epochs * per_epoch, resume)
+    loop = _RankLoop(peft_model, name, plan, hooks or Hooks(), plan.epochs * per_epoch, resume, world=world,
+                     fsdp=fsdp)
     loop.stats[WORLD_SIZE_KEY] = world.world_size
     if packing_skipped:
         loop.stats["packing"] = "not applied in distributed jobs"
     if fsdp:
         loop.stats["fsdp"] = True
-    check = plan.until_learned
     with loop.step_ownership():
         model = wrap_fsdp(peft_model, loop, world) if fsdp else wrap_ddp(peft_model, loop.params, world)
-
-    def no_sync() -> Any:
-        if not fsdp:
-            return model.no_sync()
-        model.set_requires_gradient_sync(False)
-        return nullcontext()
 
     def learned() -> bool:
         with loop.step_ownership():
             margin = _distributed_margin(model, rows, world, pad_id=pad_id, batch_size=plan.batch_size,
                                          device=loop.device)
-        loop.stats["greedy_margin"] = round(margin, 4)
-        return margin >= check.margin  # type: ignore[union-attr]
+        return learned_by(loop, margin, plan)
 
-    def step(global_rows: list[Row]) -> None:
-        mine = rank_share(global_rows, world)
-        n_targets = target_tokens(global_rows)
-        micro = micro_batch_size or max(1, len(mine))
-        width = max(len(r.input_ids) for r in global_rows)  # the one-process batch's shape
-        chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)] or [global_rows[:1]]
-        weight = world.world_size / n_targets if mine else 0.0  # an empty share joins with zero gradients
-        with loop.step_ownership():
-            t0 = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float64)
-            for i, chunk in enumerate(chunks):
-                batch = _pad_to(collate(chunk, pad_id, loop.device), width, pad_id)
-                last = i == len(chunks) - 1
-                if fsdp and last:
-                    model.set_requires_gradient_sync(True)
-                with nullcontext() if last else no_sync():
-                    loss_sum = model(batch["input_ids"], batch["loss_mask"])
-                    if not torch.isfinite(loss_sum):
-                        raise TrainingFailed(f"loss became {loss_sum.item()} at step {loop.step + 1}; "
-                                             "lower the learning rate")
-                    (loss_sum * weight).backward()
-                total += float(loss_sum.detach()) if mine else 0.0
-            loss = _global_loss(world, total, n_targets)
-            loop.opt.step()
-            loop.opt.zero_grad(set_to_none=True)
-            loop.loss = loss
-            loop.step += 1
-            loop.tokens += sum(len(r.input_ids) for r in global_rows)
-            loop.train_s += time.perf_counter() - t0
+    def steps() -> Iterator[StepInput]:
+        for chosen, cursor in epoch_batches(loop, len(rows), plan, per_epoch):
+            global_rows = [rows[i] for i in chosen]
+            yield StepInput(global_rows, sum(len(r.input_ids) for r in global_rows), cursor)
 
-    def checkpoint(next_epoch: int, next_batch: int) -> None:
-        """Rank 0 writes the same checkpoint :class:`_Loop` writes, plus the world size; under FSDP every
-        rank first joins the gathers."""
-        if not (plan.checkpoint_interval and hooks.checkpoint_root is not None
-                and loop.step % plan.checkpoint_interval == 0 and loop.step < loop.total_steps):
-            return
-        weights, opt = full_state(peft_model, loop) if fsdp else (None, None)
-        if world.is_main:
-            save_checkpoint(
-                hooks.checkpoint_root, step=loop.step, epoch=next_epoch, batch=next_batch,
-                plan_sha256=hooks.plan_sha256,
-                adapter_state=weights if weights is not None else adapter_state(peft_model, name),
-                optimizer_state=opt if opt is not None else loop.opt.state_dict(),
-                stats={"tokens": loop.tokens, "train_s": loop.train_s, "loss": loop.loss, "extra": loop.stats,
-                       **({"step_options": plan.step_options()} if hasattr(plan, "step_options") else {})},
-            )
-        loop.checkpoint_step = loop.step
-
-    with loop.running():
-        drive_sft_epochs(loop, rows, plan, per_epoch, step, learned, before_cursor=checkpoint)
-        if fsdp:
-            unshard_adapter(peft_model, name)
+    loop.train(steps(), lambda global_rows: _rank_step(model, loop, global_rows, world, pad_id=pad_id,
+                                                       micro_batch_size=micro_batch_size, fsdp=fsdp),
+               learned=sft_learned(plan, learned), at_end=(lambda: unshard_adapter(peft_model, name)) if fsdp else None)
+    record_stop(loop, plan)
     return loop.report()
+
+
+def _rank_step(model: Any, loop: TrainLoop, global_rows: list[Row], world: World, *, pad_id: int,
+               micro_batch_size: int | None, fsdp: bool) -> float:
+    """This rank's share of one global batch, in micro-batches whose gradients are synchronised once (on
+    the last); the batch's loss over every rank's targets, already backpropagated."""
+    mine = rank_share(global_rows, world)
+    n_targets = target_tokens(global_rows)
+    micro = micro_batch_size or max(1, len(mine))
+    width = max(len(r.input_ids) for r in global_rows)  # the one-process batch's shape
+    chunks = [mine[i:i + micro] for i in range(0, len(mine), micro)] or [global_rows[:1]]
+    weight = world.world_size / n_targets if mine else 0.0  # an empty share joins with zero gradients
+    total = torch.zeros((), dtype=torch.float64)
+    for i, chunk in enumerate(chunks):
+        batch = _pad_to(collate(chunk, pad_id, loop.device), width, pad_id)
+        last = i == len(chunks) - 1
+        if fsdp and last:
+            model.set_requires_gradient_sync(True)
+        with nullcontext() if last else _no_sync(model, fsdp):
+            loss_sum = model(batch["input_ids"], batch["loss_mask"])
+            if not torch.isfinite(loss_sum):
+                raise TrainingFailed(f"loss became {loss_sum.item()} at step {loop.step + 1}; "
+                                     "lower the learning rate")
+            (loss_sum * weight).backward()
+        total += float(loss_sum.detach()) if mine else 0.0
+    return _global_loss(world, total, n_targets)
+
+
+def _no_sync(model: Any, fsdp: bool) -> Any:
+    """Accumulate this micro-batch's gradients without synchronising them."""
+    if not fsdp:
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)
+    return nullcontext()
 
 
 def _pad_to(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict[str, torch.Tensor]:

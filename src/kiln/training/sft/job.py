@@ -3,19 +3,21 @@
 :func:`prepare_sft` validates a request against the served model
 (:class:`~kiln.training.core.plan.PrepareContext`), tokenizes its examples and returns the job's plan
 (:func:`supervised_start` and :func:`supervised_plan` are shared with pre-scored GRPO,
-:mod:`kiln.training.grpo.job`); :func:`run_sft` trains it on :class:`~kiln.training.core.loop._Loop`;
+:mod:`kiln.training.grpo.job`); :func:`run_sft` trains it on :class:`~kiln.training.core.loop.TrainLoop`;
 :class:`SFTRecipe` is the job's recipe.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
 
 from kiln.runtime.model_family import is_hybrid
+from kiln.training.core.anchor import anchor_term
 from kiln.training.core.checkpoints import Checkpoint
-from kiln.training.core.chunked_loss import sft_loss_from_hidden, split_causal_lm
 from kiln.training.core.data import (
     Row,
     TrainingDataError,
@@ -26,19 +28,21 @@ from kiln.training.core.data import (
     load_sft_dataset,
     tokenize_sft,
 )
-from kiln.training.core.loop import Hooks, LearnedCheck, Plan, Report, _Loop, epoch_batches, greedy_margin
-from kiln.training.core.anchor import anchor_term
-from kiln.training.core.plan import (
-    JobPlan,
-    LoraShape,
-    PrepareContext,
-    SFTData,
-    anchor_fields,
-    lora_fields,
-    seal_plan,
+from kiln.training.core.loop import (
+    Hooks,
+    Learned,
+    LearnedCheck,
+    Plan,
+    Report,
+    StepInput,
+    TrainLoop,
+    epoch_batches,
+    greedy_margin,
 )
+from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe, step_plan
 from kiln.training.core.step import TrunkRunner
+from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
 from kiln.training.losses.sft import sft_loss
 from kiln.training.schemas import (
     DEFAULT_ANCHOR_WEIGHT,
@@ -55,6 +59,13 @@ from kiln.training.sft.corrections import with_corrections
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord
+
+
+@dataclass(frozen=True)
+class SFTData:
+    """An SFT job's plan data."""
+
+    rows: tuple[Row, ...]  # tokenized examples, loss on assistant tokens
 
 
 def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
@@ -134,35 +145,6 @@ def supervised_plan(kind: str, ctx: PrepareContext, request: SFTRequest | GRPORe
     return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
-def drive_sft_epochs(loop: _Loop, rows: Sequence[Row], plan: Plan, per_epoch: int,
-                     train_batch: Callable[[list[Row]], None], learned: Callable[[], bool], *,
-                     before_cursor: Callable[[int, int], None] | None = None) -> None:
-    """The SFT epoch loop, shared by one process (:func:`run_sft`) and torchrun
-    (:mod:`kiln.training.sft.distributed`): seeded batch order, cancel, the learned check every
-    ``until_learned.every`` steps, the checkpoint cursor; records ``stopped``/``learned`` in the stats."""
-    check = plan.until_learned
-    stopped = "epochs"
-    for chosen, cursor in epoch_batches(loop, len(rows), plan, per_epoch):
-        train_batch([rows[i] for i in chosen])
-        if check is not None and loop.step % check.every == 0 and learned():
-            stopped = "learned"
-            loop.stats["learned_at_step"] = loop.step
-            loop.total_steps = loop.step
-        if before_cursor is not None:
-            before_cursor(*cursor)
-        loop.after_step(*cursor)
-        if stopped == "learned":
-            break
-    if check is not None and stopped != "learned":
-        if learned():
-            stopped, loop.stats["learned_at_step"] = "learned", loop.step
-        else:
-            stopped = "step_cap" if plan.max_steps is not None and loop.step >= plan.max_steps else "epochs"
-    if check is not None:
-        loop.stats["learned"] = stopped == "learned"
-    loop.stats["stopped"] = stopped
-
-
 def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_id: int,
             hooks: Hooks | None = None, resume: Checkpoint | None = None, anchor: Any = None) -> Report:
     """Train adapter ``name`` on ``rows`` (loss on ``loss_mask`` tokens), plus the KL-to-base term of
@@ -172,10 +154,8 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
     targets are the greedy answer (by the margin) and stops as soon as they are;
     the report says why it stopped (``stopped``: learned, step_cap or epochs).
     """
-    hooks = hooks or Hooks()
     per_epoch = batches_per_epoch(len(rows), plan.batch_size)
-    loop = _Loop(peft_model, name, plan, hooks, plan.epochs * per_epoch, resume)
-    check = plan.until_learned
+    loop = TrainLoop(peft_model, name, plan, hooks or Hooks(), plan.epochs * per_epoch, resume)
     split = split_causal_lm(peft_model)  # logits only at the target positions, a chunk at a time
     # packed rows need the trunk's position_ids; a hybrid's recurrence would run across packed rows
     packing = plan.packing and split is not None and not is_hybrid(peft_model.config)
@@ -184,34 +164,59 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
         loop.stats.setdefault("packed_sequences", 0)
         loop.stats.setdefault("padded_positions_saved", 0)
 
+    def steps() -> Iterator[StepInput]:
+        for chosen, cursor in epoch_batches(loop, len(rows), plan, per_epoch):
+            batch = (collate_packed if packing else collate)([rows[i] for i in chosen], pad_id, loop.device)
+            if "rows_per_sequence" in batch:
+                n, width = batch["input_ids"].shape
+                loop.stats["packed_sequences"] += n
+                loop.stats["padded_positions_saved"] += (len(chosen) - n) * width
+            batch = runner.prepare(batch, pad_id)
+            yield StepInput(batch, int(batch["attention_mask"].sum()), cursor)
+
+    def loss_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if split is not None:
+            hidden = runner.hidden(split, batch)
+            loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
+        else:
+            logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+            loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+        if anchor is not None:
+            loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
+        return loss
+
     def learned() -> bool:
         with loop.step_ownership():
             margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size, packing=packing)
-        loop.stats["greedy_margin"] = round(margin, 4)
-        return margin >= check.margin  # type: ignore[union-attr]
+        return learned_by(loop, margin, plan)
 
-    def train_batch(chosen: list[Row]) -> None:
-        batch = (collate_packed if packing else collate)(chosen, pad_id, loop.device)
-        if "rows_per_sequence" in batch:
-            n, width = batch["input_ids"].shape
-            loop.stats["packed_sequences"] += n
-            loop.stats["padded_positions_saved"] += (len(chosen) - n) * width
-        batch = runner.prepare(batch, pad_id)
-        with loop.step_ownership(), runner.training():
-            t0 = time.perf_counter()
-            if split is not None:
-                hidden = runner.hidden(split, batch)
-                loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
-            else:
-                logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-                loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
-            if anchor is not None:
-                loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
-            loop.optimizer_step(loss, int(batch["attention_mask"].sum()), t0)
-
-    with loop.running():
-        drive_sft_epochs(loop, rows, plan, per_epoch, train_batch, learned)
+    loop.train(steps(), loss_step, learned=sft_learned(plan, learned), around=runner.training)
+    record_stop(loop, plan)
     return loop.report()
+
+
+def sft_learned(plan: Plan, check: Callable[[], bool]) -> Learned | None:
+    """SFT's learned check (``plan.until_learned``): every ``every`` steps, and once more at the end."""
+    lc = plan.until_learned
+    return None if lc is None else Learned(lc.every, check, final=True)
+
+
+def learned_by(loop: TrainLoop, margin: float, plan: Plan) -> bool:
+    """Record the greedy margin; the targets are learned when it reaches the check's margin."""
+    loop.stats["greedy_margin"] = round(margin, 4)
+    assert plan.until_learned is not None
+    return margin >= plan.until_learned.margin
+
+
+def record_stop(loop: TrainLoop, plan: Plan) -> None:
+    """Why an SFT job stopped (its report's ``stopped``): learned, the step cap (with a learned check that
+    never held) or the epochs."""
+    if "learned_at_step" in loop.stats:
+        loop.stats["stopped"] = "learned"
+    elif plan.until_learned is not None and plan.max_steps is not None and loop.step >= plan.max_steps:
+        loop.stats["stopped"] = "step_cap"
+    else:
+        loop.stats["stopped"] = "epochs"
 
 
 class SFTRecipe(TrainingRecipe):
