@@ -175,6 +175,7 @@ def test_verify_reports_planned_and_observed_bytes_per_token(expert_plan) -> Non
         "planned_dense_bytes": 24,
         "bytes_per_token": per_token,
         "problems": [],
+        "complete": True,  # the one shard covers every planned example once
     }
 
 
@@ -191,7 +192,11 @@ def test_verify_reports_every_shard_and_the_run_of_a_publication_root(tmp_path: 
     assert [s["verdict"]["transaction_id"] for s in out["shards"]] == ["t0", "t1"]
     assert [s["bytes_per_token"]["observed"] for s in out["shards"]] == [782 / 2, one_row / 1]
     run = out["run"]
-    assert (run["shards"], run["shards_counted"], run["problems"]) == (2, 2, [])
+    assert (run["shards"], run["shards_counted"]) == (2, 2)
+    # s1 holds an example s0 holds too: duplicate records fail closed, and the run observes more tokens than
+    # the plan has (autodistill v1: resume never duplicates a committed prefix)
+    assert len(run["problems"]) == 2 and "held by more than one shard" in run["problems"][0], run["problems"]
+    assert "exceed the plan's planned_tokens" in run["problems"][1] and run["complete"] is False
     assert run["bytes_per_token"]["observed_bytes"] == 782 + one_row
     assert run["bytes_per_token"]["observed_tokens"] == 3
     assert run["bytes_per_token"]["observed"] == (782 + one_row) / 3

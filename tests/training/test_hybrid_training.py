@@ -54,7 +54,12 @@ def idle_state(c: httpx.Client) -> dict:
 @pytest.fixture(scope="module")
 def corrected(client):
     assert ask(client, client.model_id) != CORRECTION
-    r = client.post("/v1/train/sft", json=correction_body("fix", QUESTION, CORRECTION))
+    # The hybrid here has random weights: with the SFT defaults (lr 1e-3 and the KL-to-base anchor, tuned for
+    # models that know something) the correction is not learned within the step cap, and the locality guard
+    # holds back whatever changes a random model's answers. This file tests the hybrid's training path (every
+    # projection targeted, hot swap, the served answer), so it asks for the previous lr and overrides the guard.
+    body = correction_body("fix", QUESTION, CORRECTION) | {"learning_rate": 1e-2, "locality": {"override": True}}
+    r = client.post("/v1/train/sft", json=body)
     assert r.status_code == 202, r.text
     job = wait_job(client, r.json()["id"], timeout=JOB_TIMEOUT_S)
     assert job["state"] == "succeeded", job.get("error")
