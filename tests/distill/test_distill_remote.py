@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import httpx
 import numpy as np
 import pytest
 
@@ -51,7 +52,11 @@ def remote(builtin_model_dir, tmp_path_factory):
                                local_teacher=None)  # type: ignore[arg-type]
     entry = registry.register(TeacherRequest(alias="big", kind="remote", provider="kiln", model_id=srv.model_id,
                                              url=srv.base_url.replace("localhost", "127.0.0.1")))
-    yield {"srv": srv, "home": home, "tmp": tmp, "entry": registry.pin("big"), "public": entry}
+    manifest = httpx.get(srv.base_url + "/v1/teacher/manifest", timeout=30)
+    assert manifest.status_code == 200, manifest.text
+    (tmp / "teacher-manifest.json").write_bytes(manifest.content)
+    yield {"srv": srv, "home": home, "tmp": tmp, "entry": registry.pin("big"), "public": entry,
+           "manifest": manifest.json()}
     stop_server(srv)
 
 
@@ -70,7 +75,8 @@ def test_capture_through_a_registered_kiln_teacher_equals_a_local_capture(remote
     monkeypatch.setenv("KILN_HOME", str(remote["home"]))
     res = CliRunner().invoke(app, ["capture", str(r_path), "--teacher-alias", "big", "--tokenizer",
                                    str(builtin_model_dir), "--dataset-root", str(r_data), "--out",
-                                   str(tmp / "r-run"), "--examples-per-shard", "3"])
+                                   str(tmp / "r-run"), "--examples-per-shard", "3", "--teacher-manifest",
+                                   str(tmp / "teacher-manifest.json")])
     assert res.exit_code == 0, res.stdout
     receipt = json.loads(res.stdout)
     assert receipt["tokens"] == 30 and len(receipt["shards"]) == 2
@@ -113,11 +119,13 @@ def test_remote_teacher_refusals(remote, builtin_model_dir):
     ident = identity_from_fingerprint(pinned["fingerprint"])
 
     def with_identity(**changes):
-        return pinned | {"fingerprint": dataclasses.replace(ident, **changes).fingerprint()}
+        fp = dataclasses.replace(ident, **changes).fingerprint()
+        return pinned | {"fingerprint": fp, "manifest": remote["manifest"] | {"system_fingerprint": fp}}
 
     with pytest.raises(ContractError, match="entropy"):
         RemoteTeacherScorer(plan, with_identity(max_top_k=20, max_prompt_logprob_candidates=21 * ident.max_model_len), str(builtin_model_dir))
-    scorer = RemoteTeacherScorer(plan, with_identity(inference_config_sha256="0" * 64), str(builtin_model_dir))
+    # pinned under another served_model_id: construction passes, every answer's fingerprint then differs
+    scorer = RemoteTeacherScorer(plan, with_identity(served_model_id="renamed"), str(builtin_model_dir))
     with pytest.raises(TeacherRefused) as err:
         scorer.score([("ex", [5, 6, 7], [8, 9])])
     assert err.value.code == "teacher_fingerprint_changed"
@@ -125,3 +133,7 @@ def test_remote_teacher_refusals(remote, builtin_model_dir):
                                    top_k=8)
     with pytest.raises(ContractError, match="capture.backend"):
         RemoteTeacherScorer(local_plan, pinned, str(builtin_model_dir))
+    # a manifest whose inference document was edited no longer digests to the pinned identity's
+    edited = remote["manifest"] | {"inference_config": remote["manifest"]["inference_config"] | {"dtype": "x"}}
+    with pytest.raises(ContractError, match="inference_config digests to"):
+        RemoteTeacherScorer(plan, pinned | {"manifest": edited}, str(builtin_model_dir))

@@ -294,18 +294,63 @@ def test_remote_capture_refuses_weight_files_that_do_not_digest_to_the_served_mo
     listed = base_model_digest((f.sha256, f.size) for f in lying.teacher.weight_files)
     assert listed != lying.teacher.revision  # what the spec's words make checkable
 
-    ident = TeacherIdentityV1(
-        served_model_id="teacher", base_model_sha256=plan.teacher.revision, tokenizer_vocab_sha256="a" * 64,
-        tokenizer_config_sha256="b" * 64, adapter=None, vocab_size=32, max_top_k=32, max_model_len=128,
-        max_prompt_logprob_candidates=32 * 128, implementation=f"kiln:{kiln.__version__}",
-        inference_config_sha256="c" * 64)
+    ident, manifest = _kiln_teacher(plan.teacher.revision, plan.teacher.config_sha256)
     spec = {"alias": "t", "provider": "kiln", "fingerprint": ident.fingerprint(), "url": "http://127.0.0.1:9",
-            "model_id": "teacher", "credential": None, "credential_id": None}
+            "model_id": "teacher", "credential": None, "credential_id": None, "manifest": manifest}
     with pytest.raises(ContractError, match="weight_files"):
         RemoteTeacherScorer(lying, spec, str(teacher))
     # the honest plan passes this check (and fails later only on the made-up tokenizer digest)
     with pytest.raises(ContractError, match="tokenizer_vocab_sha256"):
         RemoteTeacherScorer(plan, spec, str(teacher))
+
+
+def _kiln_teacher(revision: str, config_sha256: str):
+    """A Kiln teacher identity whose inference document binds ``config_sha256``, and its teacher manifest."""
+    import kiln
+    from kiln.canonical import canonical_json_bytes, domain_digest
+    from kiln.teachers.identity import TeacherIdentityV1
+    from kiln.teachers.kiln_identity import KILN_INFERENCE_DOMAIN
+
+    doc = {"schema": "kiln.kiln-teacher-inference.v1", "model_config_sha256": config_sha256, "dtype": "float32"}
+    ident = TeacherIdentityV1(
+        served_model_id="teacher", base_model_sha256=revision, tokenizer_vocab_sha256="a" * 64,
+        tokenizer_config_sha256="b" * 64, adapter=None, vocab_size=32, max_top_k=32, max_model_len=128,
+        max_prompt_logprob_candidates=32 * 128, implementation=f"kiln:{kiln.__version__}",
+        inference_config_sha256=domain_digest(KILN_INFERENCE_DOMAIN, canonical_json_bytes(doc)))
+    return ident, {"system_fingerprint": ident.fingerprint(), "inference_config": doc}
+
+
+def test_remote_capture_verifies_the_teacher_config_through_its_manifest(tmp_path, tiny_pair):
+    """The plan lists the teacher's config.json hash; the fingerprint binds the config only inside
+    inference_config_sha256, so the capture needs the teacher manifest (the inference document) to verify
+    it: a plan naming another config, no manifest, an edited manifest or another teacher's are refused."""
+    import kiln
+    from kiln.distill.contract import complete_plan
+    from kiln.distill.errors import ContractError
+    from kiln.distill.remote import RemoteTeacherScorer
+
+    teacher, student = tiny_pair
+    _p, plan, _d = make_plan(tmp_path, teacher, student, synthetic_examples(1, 32), top_k=4,
+                             backend="remote-kiln", backend_version=f"kiln:{kiln.__version__}")
+    ident, manifest = _kiln_teacher(plan.teacher.revision, plan.teacher.config_sha256)
+    spec = {"alias": "t", "provider": "kiln", "fingerprint": ident.fingerprint(), "url": "http://127.0.0.1:9",
+            "model_id": "teacher", "credential": None, "credential_id": None}
+    cfg = plan.to_obj()
+    cfg.pop("estimate")
+    cfg["teacher"]["config_sha256"] = "d" * 64  # another model's config.json
+    other = complete_plan(cfg)
+    with pytest.raises(ContractError, match="teacher.config_sha256: plan d{64}, the teacher serves config.json"):
+        RemoteTeacherScorer(other, spec | {"manifest": manifest}, str(teacher))
+    with pytest.raises(ContractError, match="--teacher-manifest"):
+        RemoteTeacherScorer(plan, spec, str(teacher))
+    edited = manifest | {"inference_config": manifest["inference_config"] | {"model_config_sha256": "d" * 64}}
+    with pytest.raises(ContractError, match="inference_config digests to"):
+        RemoteTeacherScorer(other, spec | {"manifest": edited}, str(teacher))
+    stranger, their_manifest = _kiln_teacher("e" * 64, plan.teacher.config_sha256)
+    with pytest.raises(ContractError, match="another teacher"):
+        RemoteTeacherScorer(plan, spec | {"manifest": their_manifest}, str(teacher))
+    with pytest.raises(ContractError, match="tokenizer_vocab_sha256"):  # the config is proven: later checks run
+        RemoteTeacherScorer(plan, spec | {"manifest": manifest}, str(teacher))
 
 
 # ---- item 6 -------------------------------------------------------------------------------

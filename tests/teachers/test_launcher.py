@@ -174,7 +174,13 @@ def test_manifest_only_from_identity_input(tmp_path):
                          capture_output=True, text=True, env=clean_env(), timeout=60)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert list(out) == ["identity", "system_fingerprint"]
+    assert list(out) == ["identity", "system_fingerprint", "inference_config"]
+    # the inference document is the preimage of the identity's inference_config_sha256 (the teacher manifest
+    # a capture uses to prove the teacher's config.json digest)
+    from kiln.teachers.identity import inference_config_digest
+
+    assert inference_config_digest(out["inference_config"]) == out["identity"]["inference_config_sha256"]
+    assert out["inference_config"]["model_config_sha256"] == _INPUT["model_config_sha256"]
     assert out["identity"]["max_prompt_logprob_candidates"] == 1_000_000
     assert out["identity"]["implementation"] == "vllm:0.25.0"
 

@@ -325,12 +325,27 @@ def _remote_teacher(alias: str) -> dict[str, Any]:
     return pinned_teacher_spec(entry, dict(settings.teachers.credentials))
 
 
+def _teacher_manifest(path: Path) -> dict[str, Any]:
+    """The manifest file, parsed strictly (its proof is checked against the pinned teacher in the child)."""
+    from kiln.canonical import read_regular_file
+    from kiln.teachers.inference_proof import MAX_MANIFEST_BYTES, TeacherManifestError, parse_teacher_manifest
+
+    try:
+        parsed = parse_teacher_manifest(read_regular_file(path, MAX_MANIFEST_BYTES))
+    except (OSError, TeacherManifestError) as exc:
+        raise _Refusal("invalid_teacher_manifest", f"--teacher-manifest {path}: {exc}") from None
+    return {"system_fingerprint": parsed.system_fingerprint, "inference_config": parsed.inference_config}
+
+
 @app.command(cls=_Command)
 def capture(
     plan_file: Path = typer.Argument(..., help="the run's plan.json"),
     teacher: Optional[Path] = typer.Option(None, "--teacher", help="local teacher checkpoint directory"),
     teacher_alias: Optional[str] = typer.Option(
         None, "--teacher-alias", help="a registered remote teacher (kiln.toml's registry; needs --tokenizer)"),
+    teacher_manifest: Optional[Path] = typer.Option(
+        None, "--teacher-manifest", help="the remote teacher's manifest (`kiln teacher launch --manifest-only` "
+        "output, or GET /v1/teacher/manifest of a Kiln teacher): proves its config.json digest"),
     dataset_root: Optional[Path] = typer.Option(None, "--dataset-root", help="directory holding the plan's dataset files"),
     out: Optional[Path] = typer.Option(None, "--out", help="publication root of this run's shards"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="tokenizer-only root (default: --teacher)"),
@@ -355,6 +370,11 @@ def capture(
         if layout not in ("packed", "jsonl"):
             raise _Refusal("invalid_option", f"--layout must be packed or jsonl, got {layout!r}")
         remote = None if teacher_alias is None else _remote_teacher(teacher_alias)
+        if teacher_manifest is not None:
+            if remote is None:
+                raise _Refusal("invalid_option", "--teacher-manifest goes with --teacher-alias (a local --teacher's "
+                                                 "config.json is read directly)")
+            remote["manifest"] = _teacher_manifest(teacher_manifest)
         req = CaptureRequest(
             plan=str(plan_file.resolve()),
             teacher=f"remote:{teacher_alias}" if teacher is None else str(teacher.resolve()),

@@ -29,7 +29,11 @@ safetensors digest), no adapter (the plan's teacher fingerprint cannot name
 one), ``vocab_size`` equal, ``tokenizer_vocab_sha256`` equal to the digest of the
 plan's tokenizer files (given as ``--tokenizer``), ``max_model_len`` at least
 ``max_sequence_length + 1``, ``capture.backend`` = ``remote-<provider>`` and
-``capture.backend_version`` = the identity's ``implementation``. A remote
+``capture.backend_version`` = the identity's ``implementation``, and the plan's
+``teacher.config_sha256`` equal to the ``config.json`` digest that the teacher
+manifest (``--teacher-manifest``) proves against the pinned fingerprint (refused
+without one: the fingerprint binds the config only inside
+``inference_config_sha256``). A remote
 teacher's dtype and quantization cannot be observed over the wire: the plan's
 declared values are repeated in the child receipt together with the pinned
 fingerprint, whose ``inference_config_sha256`` binds the teacher's dtype and
@@ -70,6 +74,27 @@ def pinned_teacher_spec(entry: dict[str, Any], credentials: dict[str, Any]) -> d
             "credential": cred}
 
 
+def _config_problems(plan: Plan, spec: dict[str, Any], ident: Any) -> list[str]:
+    """The plan's ``teacher.config_sha256`` against the config the pinned identity binds, proven by the teacher
+    manifest (:mod:`kiln.teachers.inference_proof`); without a manifest the digest cannot be seen, so fail closed."""
+    from kiln.teachers.inference_proof import TeacherManifest, TeacherManifestError, verified_model_config
+
+    raw = spec.get("manifest")
+    if raw is None:
+        return ["teacher.config_sha256: the fingerprint binds config.json only inside inference_config_sha256, so "
+                "it cannot be checked over the wire; pass --teacher-manifest FILE (`kiln teacher launch "
+                "--manifest-only` output, or GET /v1/teacher/manifest of a Kiln teacher)"]
+    try:
+        served = verified_model_config(TeacherManifest(raw["system_fingerprint"], raw["inference_config"]), ident,
+                                       spec["fingerprint"])
+    except TeacherManifestError as exc:
+        return [f"teacher manifest: {exc}"]
+    if served != plan.teacher.config_sha256:
+        return [f"teacher.config_sha256: plan {plan.teacher.config_sha256}, the teacher serves config.json "
+                f"{served}"]
+    return []
+
+
 class RemoteTeacherScorer:
     """``TeacherScorer`` over a pinned remote teacher's ``prompt_logprobs`` (full rows; see the module doc)."""
 
@@ -99,6 +124,7 @@ class RemoteTeacherScorer:
             # plan's weight_files (size + SHA-256 each) compute, not only the revision string.
             problems.append(f"teacher.weight_files: the listed weights digest to base_model_sha256 {listed}, the "
                             f"teacher serves {ident.base_model_sha256}")
+        problems.extend(_config_problems(plan, spec, ident))
         if ident.adapter is not None:
             problems.append("the teacher serves an adapter, which the plan's teacher fingerprint cannot bind")
         if ident.vocab_size != v:

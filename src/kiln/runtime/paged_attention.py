@@ -60,11 +60,14 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(directory: Path, *, baseline_only: bool = False) -> Path:
-    """The compiled kernel under ``directory`` (built there if missing); raises :class:`KernelUnavailable`.
+def build(directory: Path, *, baseline_only: bool = False, source: Path = SOURCE,
+          flags: tuple[str, ...] = FLAGS, libs: tuple[str, ...] = ("-lm",)) -> Path:
+    """The compiled library of ``source`` (this module's kernel unless another C file is named) under
+    ``directory``, built there if missing; raises :class:`KernelUnavailable`. Every C kernel Kiln ships
+    is built through here, keyed by (source, compiler version, flags, machine).
     ``baseline_only``: no ISA clones, only the architecture's baseline code (tests use it to check
     the code path a CPU without AVX2/AVX-512 would run)."""
-    flags = FLAGS + (("-DKILN_BASELINE_ONLY",) if baseline_only else ())
+    flags = flags + (("-DKILN_BASELINE_ONLY",) if baseline_only else ())
     cc = _compiler()
     if cc is None:
         raise KernelUnavailable("no C compiler found ($CC, cc, gcc)")
@@ -73,22 +76,23 @@ def build(directory: Path, *, baseline_only: bool = False) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"{cc} --version failed: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), platform.machine().encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(flags + libs).encode(),
+                 platform.machine().encode()):
         digest.update(part)
         digest.update(b"\0")
-    target = directory / f"paged_attention-{digest.hexdigest()[:16]}.so"
+    target = directory / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         out = Path(tmp) / target.name
         try:
-            done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, str(source), "-o", str(out), *libs], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
+            raise KernelUnavailable(f"compiling {source.name} failed: {exc}") from exc
         if done.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"compiling {source.name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, target)
     return target
 

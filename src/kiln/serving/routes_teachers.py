@@ -1,4 +1,5 @@
-"""HTTP routes for ``/v1/teachers``: register (after both probes), list, show, delete.
+"""HTTP routes for ``/v1/teachers``: register (after both probes), list, show, delete; and
+``/v1/teacher/manifest``, this server's own teacher manifest (:mod:`kiln.teachers.inference_proof`).
 
 The logic lives in :class:`kiln.teachers.registry.TeacherRegistry`
 (``get_state(request).teachers.registry``). Registration probes the teacher
@@ -8,16 +9,17 @@ worker thread.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
 from kiln.errors import Unavailable
 from kiln.serving.state import get_state
-from kiln.teachers.registry import TeacherRegistry, TeacherRequest
 from kiln.serving.path_params import TeacherAlias
+from kiln.teachers.registry import TeacherRegistry, TeacherRequest
+from kiln.teachers.service import TeacherService
 
 router = APIRouter(tags=["teachers"])
 
@@ -59,11 +61,29 @@ class TeacherList(BaseModel):
     data: list[TeacherInfo]
 
 
-def _registry(request: Request) -> TeacherRegistry:
+class TeacherManifestInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    identity: dict[str, Any]
+    system_fingerprint: str
+    inference_config: dict[str, Any]
+
+
+def _service(request: Request) -> TeacherService:
     teachers = get_state(request).teachers
     if teachers is None:
         raise Unavailable("teachers are not available in this process", code="teachers_unavailable")
-    return teachers.registry
+    return teachers
+
+
+def _registry(request: Request) -> TeacherRegistry:
+    return _service(request).registry
+
+
+@router.get("/v1/teacher/manifest", response_model=TeacherManifestInfo)
+def teacher_manifest(request: Request, model: Annotated[str | None, Query(max_length=512)] = None) -> dict[str, Any]:
+    """What a capture needs to prove this teacher's ``config.json`` digest (``kiln distill capture
+    --teacher-manifest``): the identity, its fingerprint and the inference document it binds."""
+    return _service(request).manifest(model)
 
 
 @router.post("/v1/teachers", status_code=201, response_model=TeacherInfo)

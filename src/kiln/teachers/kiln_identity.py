@@ -120,7 +120,7 @@ class KilnTeacherIdentity:
         self.max_top_k = max_top_k
         self.vocab_size = model_vocab_width(model)
         self._tok: tuple[str, str] | None = None
-        self._cache: dict[tuple[str, str | None, str | None], TeacherIdentityV1] = {}
+        self._cache: dict[tuple[str, str | None, str | None], tuple[TeacherIdentityV1, dict[str, Any]]] = {}
 
     @property
     def usable(self) -> bool:
@@ -133,6 +133,16 @@ class KilnTeacherIdentity:
 
     def identity(self, served_model_id: str, adapter: tuple[str, str, Path] | None = None) -> TeacherIdentityV1:
         """``adapter``: (name, content revision, directory) of the adapter the request runs on."""
+        return self._computed(served_model_id, adapter)[0]
+
+    def manifest(self, served_model_id: str, adapter: tuple[str, str, Path] | None = None) -> dict[str, Any]:
+        """The teacher manifest (:mod:`kiln.teachers.inference_proof`): the identity, its fingerprint and the
+        inference document whose digest is its ``inference_config_sha256``."""
+        ident, doc = self._computed(served_model_id, adapter)
+        return {"identity": ident.to_json(), "system_fingerprint": ident.fingerprint(), "inference_config": doc}
+
+    def _computed(self, served_model_id: str,
+                  adapter: tuple[str, str, Path] | None) -> tuple[TeacherIdentityV1, dict[str, Any]]:
         key = (served_model_id, None if adapter is None else adapter[0], None if adapter is None else adapter[1])
         hit = self._cache.get(key)
         if hit is not None:
@@ -156,8 +166,8 @@ class KilnTeacherIdentity:
             implementation=f"kiln:{__version__}",
             inference_config_sha256=domain_digest(KILN_INFERENCE_DOMAIN, canonical_json_bytes(doc)),
         )
-        self._cache[key] = ident
-        return ident
+        self._cache[key] = (ident, doc)
+        return ident, doc
 
 
 MAX_FINGERPRINT_NESTING = 8  # JSON objects/arrays in an identity payload (it has two)

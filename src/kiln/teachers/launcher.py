@@ -264,6 +264,12 @@ def _declared_vocab_width(config_path: Path, limiter: ReadLimiter) -> int:
 
 
 def _identity(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any], env: dict[str, str]) -> TeacherIdentityV1:
+    return _identity_and_document(cfg, facts, runtime, env)[0]
+
+
+def _identity_and_document(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any],
+                           env: dict[str, str]) -> tuple[TeacherIdentityV1, dict[str, Any]]:
+    """The identity and the inference document whose digest it binds (the teacher manifest's preimage)."""
     rank = facts["adapter_max_rank"]
     cap = None if rank is None else lora_rank_cap(rank)
     ceiling = resolve_candidate_ceiling(cfg.max_prompt_logprob_candidates, cfg.max_top_k, cfg.max_model_len, facts["vocab_size"])
@@ -282,7 +288,7 @@ def _identity(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any],
         environment=bound_environment(env),
         determinism=determinism_policy(env, cfg.options),
     )
-    return TeacherIdentityV1(
+    identity = TeacherIdentityV1(
         served_model_id=cfg.served_model_id,
         base_model_sha256=facts["base_model_sha256"],
         tokenizer_vocab_sha256=facts["tokenizer_vocab_sha256"],
@@ -295,6 +301,7 @@ def _identity(cfg: LaunchConfig, facts: dict[str, Any], runtime: dict[str, Any],
         implementation=runtime["implementation"],
         inference_config_sha256=inference_config_digest(doc),
     )
+    return identity, doc
 
 
 def _facts_from_trees(model_dir: Path, adapter_dir: Path | None, manifest: Manifest, limiter: ReadLimiter) -> dict[str, Any]:
@@ -407,8 +414,10 @@ def inspect(cfg: LaunchConfig, env: dict[str, str], limiter: ReadLimiter, declar
         runtime = _probe(limiter)
         manifest = manifest_of_sources(trees, inventory(trees), limiter)
         facts = _facts_from_trees(cfg.model_path, cfg.adapter_path, manifest, limiter)
-    identity = _identity(cfg, facts, runtime, child_env)
-    out: dict[str, Any] = {"identity": identity.to_json(), "system_fingerprint": identity.fingerprint()}
+    identity, document = _identity_and_document(cfg, facts, runtime, child_env)
+    # The inference document lets a capture prove the teacher's config.json digest (kiln.teachers.inference_proof).
+    out: dict[str, Any] = {"identity": identity.to_json(), "system_fingerprint": identity.fingerprint(),
+                           "inference_config": document}
     if cfg.dry_run:
         assert cfg.model_path is not None
         out["paths"] = "source"

@@ -60,6 +60,19 @@ class TeacherService:
             return None
         return self.identity.identity(adapter, ref).fingerprint()
 
+    def manifest(self, model: str | None) -> dict[str, Any]:
+        """This server's teacher manifest for the base model (``None`` or its ID) or a loaded adapter: the
+        identity, its fingerprint and the inference document behind ``inference_config_sha256``
+        (:mod:`kiln.teachers.inference_proof`)."""
+        from kiln.errors import Conflict
+
+        if not self.identity.usable:
+            raise Conflict("this server does not act as a teacher (limits.max_prompt_logprobs is 0)",
+                           code="teacher_unavailable", hint="set limits.max_prompt_logprobs to at least 1")
+        if model is None or model == self.model.model_id:
+            return self.identity.manifest(self.model.model_id)
+        return self.identity.manifest(model, self._adapter_ref(model))
+
     def local_teacher(self, adapter: str | None) -> LocalTeacher:
         if adapter is not None:
             self._adapter_ref(adapter)
