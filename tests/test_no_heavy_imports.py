@@ -16,6 +16,7 @@ HEAVY = ("torch", "transformers", "peft", "vllm", "mlx", "numpy", "safetensors")
 
 PURE_MODULES = [
     "kiln.canonical",
+    "kiln.wire_rules",
     "kiln.errors",
     "kiln.config",
     "kiln.config_reference",

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
 from kiln.adapter_names import NAME_SCHEMA, REVISION_SCHEMA
 from kiln.runtime.chat_generation import ChatGenerationFields
+from kiln.wire_rules import NOT_NULL, field_is, rules, when
 
 MAX_EXAMPLES = 2_000
 MAX_MESSAGES = 64
@@ -205,6 +206,12 @@ class GenerationSettings(_Wire, ChatGenerationFields):
 class SuiteSpec(_Wire):
     """A suite: examples, scorers (a sample passes when all pass), generation settings, aggregation."""
 
+    model_config = ConfigDict(json_schema_extra=rules(
+        when(field_is("aggregation", {"enum": ["pass@k", "majority@k"]}),
+             field_is("generation", field_is("samples", {"minimum": 2}))),
+        when(field_is("generation", field_is("samples", {"minimum": 2})),
+             field_is("generation", field_is("temperature", {"exclusiveMinimum": 0})))))
+
     name: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     description: str = Field("", max_length=4_096)
     examples: list[EvalExample] = Field(min_length=1, max_length=MAX_EXAMPLES)
@@ -233,6 +240,8 @@ class SuiteSpec(_Wire):
 class Target(_AdapterFields):
     """What is evaluated: the base model (``adapter`` omitted) or an adapter at a revision."""
 
+    model_config = ConfigDict(json_schema_extra=rules(when(field_is("revision", NOT_NULL), field_is("adapter", NOT_NULL))))
+
     adapter: str | None = Field(None, json_schema_extra=NAME_SCHEMA)
     revision: str | None = Field(None, json_schema_extra=REVISION_SCHEMA)
 
@@ -244,6 +253,9 @@ class Target(_AdapterFields):
 
 
 class _SuiteChoice(_Wire):
+    model_config = ConfigDict(json_schema_extra=rules(
+        {"oneOf": [field_is("suite", NOT_NULL), field_is("inline_suite", NOT_NULL)]}))
+
     suite: str | None = Field(None, json_schema_extra=SUITE_NAME_SCHEMA)
     inline_suite: SuiteSpec | None = None
 
@@ -287,6 +299,9 @@ class PostEval(_Wire):
     min_pairs: int = Field(20, ge=1, le=MAX_EXAMPLES)
     activate_on_pass: bool = False
     set_default_on_pass: bool = False  # a promoted, activated revision also becomes the server default adapter
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        when(field_is("set_default_on_pass", {"const": True}), field_is("activate_on_pass", {"const": True}))))
 
     _suite_name = field_validator("suite")(classmethod(lambda cls, v: _check_suite_name(v)))
 

@@ -51,7 +51,10 @@ class OpenEnvRunRequest(_Wire, ChatGenerationFields):
                                          description="added to the return of an invalid_model_action or protocol_error episode")
     policy_adapter: str | None = Field(None, max_length=64, json_schema_extra=NAME_SCHEMA,
                                        description="a loaded adapter that generates the actions (default: the base model)")
-    training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)")
+    training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)",
+                                     json_schema_extra={"required": ["adapter"], "properties": {
+                                         "adapter": {"type": "string", **NAME_SCHEMA}}, "not": {"anyOf": [
+                                         {"required": [k]} for k in ROLLOUT_OWNED]}})
     idempotency_key: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
                                         description="a retry with the same key and request returns the original run; "
                                         "the same key with any other field changed is a 409")

@@ -33,7 +33,6 @@ MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_VALUE_CHARS = 256
 TemplateKwargName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 TemplateKwargValue = bool | int | float | Annotated[str, StringConstraints(max_length=MAX_TEMPLATE_VALUE_CHARS)] | None
-ChatTemplateKwargs = Annotated[dict[TemplateKwargName, TemplateKwargValue], Field(max_length=MAX_TEMPLATE_KWARGS)]
 # apply_chat_template's own parameters and the variables it sets itself: a request cannot override them
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -41,6 +40,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now", "bos_token",
     "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
 })
+# the schema states what check_template_kwargs refuses: names outside the pattern, and the reserved names
+ChatTemplateKwargs = Annotated[dict[TemplateKwargName, TemplateKwargValue], Field(
+    max_length=MAX_TEMPLATE_KWARGS,
+    json_schema_extra={"additionalProperties": False,
+                       "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}}})]
 
 
 def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:

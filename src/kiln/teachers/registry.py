@@ -28,6 +28,7 @@ from kiln.errors import Conflict, InvalidRequest, NotFound
 from kiln.system.credentials import CredentialHandle, resolve_credential
 from kiln.teachers.identity import IDENTITY_SCHEMA, PROTOCOL, TeacherIdentityV1
 from kiln.teachers.probe import LocalTeacher, ProbeReport, RemoteTeacher, StudentFacts, probe
+from kiln.wire_rules import NOT_NULL, field_is, rules, when
 
 log = logging.getLogger("kiln.teachers")
 
@@ -55,10 +56,22 @@ FORBIDDEN_FIELDS = {
 }
 
 
+LOOPBACK_URL_PATTERN = r"^http://(localhost|127\.0\.0\.1|\[::1\]):[1-9][0-9]{0,3}$"
+
+
 class TeacherRequest(BaseModel):
     """``POST /v1/teachers``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=rules(
+        when(field_is("kind", {"const": "remote"}),
+             {"allOf": [field_is(name, NOT_NULL) for name in ("provider", "model_id", "url")]
+              + [{"properties": {"adapter": {"type": "null"}}}]}),
+        # without a credential only an exact loopback URL is accepted (check_url)
+        when({"allOf": [field_is("kind", {"const": "remote"}),
+                        {"not": field_is("credential_id", NOT_NULL)}]},
+             field_is("url", {"pattern": LOOPBACK_URL_PATTERN})),
+        when(field_is("kind", {"const": "local"}),
+             {"properties": {name: {"type": "null"} for name in ("provider", "url", "credential_id", "model_id")}})))
 
     alias: str = Field(min_length=1, max_length=128, pattern=ALIAS_RE.pattern)
     kind: Literal["remote", "local"]

@@ -1,0 +1,86 @@
+"""Issue 45 item 10: the published request schemas state the cross-field rules the validators enforce.
+
+For each rule, two bodies that differ only in the combination the rule is about: the server's own
+/openapi.json (jsonschema, draft 2020-12) and the server agree on which one is refused. Before the rules
+were published, the refused combinations were schema-valid (schemathesis' positive_data_acceptance
+reported them as "schema-valid request rejected").
+"""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from kiln.wire_rules import field_is, never_both, rules, when
+
+SUITE = {"name": "s", "examples": [{"messages": [{"role": "user", "content": "hi"}], "reference": "x"}],
+         "scorers": [{"type": "exact"}]}
+PAIRS = [
+    # (rule, path, refused body, accepted-by-schema body)
+    ("revision needs adapter", "/v1/evals/runs",
+     {"suite": "nope", "target": {"revision": "0" * 64}},
+     {"suite": "nope", "target": {"adapter": "nope", "revision": "0" * 64}}),
+    ("exactly one of suite and inline_suite", "/v1/evals/runs",
+     {"suite": "nope", "inline_suite": SUITE},
+     {"suite": "nope"}),
+    ("set_default_on_pass needs activate_on_pass", "/v1/evals/gate",
+     {"candidate": {"adapter": "nope", "revision": "0" * 64},
+      "post_eval": {"suite": "nope", "set_default_on_pass": True}},
+     {"candidate": {"adapter": "nope", "revision": "0" * 64},
+      "post_eval": {"suite": "nope", "set_default_on_pass": True, "activate_on_pass": True}}),
+    ("majority@k needs samples >= 2", "/v1/evals/suites",
+     {**SUITE, "aggregation": "majority@k"},
+     {**SUITE, "aggregation": "majority@k", "generation": {"samples": 2, "temperature": 0.7}}),
+    ("several samples need temperature > 0", "/v1/evals/suites",
+     {**SUITE, "generation": {"samples": 2}},
+     {**SUITE, "generation": {"samples": 2, "temperature": 0.5}}),
+    ("a local teacher takes no url", "/v1/teachers",
+     {"alias": "t1", "kind": "local", "url": "http://127.0.0.1:9"},
+     {"alias": "t1", "kind": "local"}),
+    ("a remote teacher needs provider, model_id and url", "/v1/teachers",
+     {"alias": "t2", "kind": "remote", "provider": "vllm", "url": "http://127.0.0.1:9"},
+     {"alias": "t2", "kind": "remote", "provider": "vllm", "model_id": "m", "url": "http://127.0.0.1:9"}),
+    ("a credential-free teacher URL is an exact loopback URL", "/v1/teachers",
+     {"alias": "t3", "kind": "remote", "provider": "vllm", "model_id": "m", "url": "http://example.com:9"},
+     {"alias": "t3", "kind": "remote", "provider": "vllm", "model_id": "m", "url": "http://127.0.0.1:9"}),
+    ("an OpenEnv run names its adapter", "/v1/openenv/preflight",
+     {"env_url": "http://127.0.0.1:9", "training": {}},
+     {"env_url": "http://127.0.0.1:9", "training": {"adapter": "a1"}}),
+    ("chat_template_kwargs names follow the pattern and avoid reserved names", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"tools": 1}},
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"x_flag": 1}}),
+]
+
+
+def _request_schema(checker, path: str) -> dict:
+    _, op = checker.operation("POST", path)
+    return op["requestBody"]["content"]["application/json"]["schema"]
+
+
+def _schema_valid(checker, schema: dict, body: dict) -> bool:
+    validator = jsonschema.Draft202012Validator({"components": checker.doc["components"], **schema})
+    return validator.is_valid(body)
+
+
+@pytest.mark.parametrize("rule,path,refused,accepted", PAIRS, ids=[p[0] for p in PAIRS])
+def test_schema_and_server_agree_on_the_rule(client, checker, rule, path, refused, accepted):
+    if path == "/v1/chat/completions":
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        refused, accepted = {**refused, "model": model}, {**accepted, "model": model}
+    schema = _request_schema(checker, path)
+    assert not _schema_valid(checker, schema, refused), f"{rule}: the schema still admits {refused}"
+    assert _schema_valid(checker, schema, accepted), f"{rule}: the schema refuses {accepted}"
+    r = client.post(path, json=refused)
+    assert r.status_code == 400, r.text
+    r = client.post(path, json=accepted)
+    # the accepted combination passes validation: anything but a 400 for the request's shape
+    assert r.status_code != 400 or r.json()["error"]["code"] not in ("invalid_request", "limit_exceeded"), r.text
+
+
+def test_the_rule_builders_compose_into_draft_2020_12():
+    schema = {"type": "object", **rules(
+        when(field_is("a", {"const": True}), field_is("b", {"const": True})),
+        never_both(field_is("x", {}), field_is("y", {})))}
+    v = jsonschema.Draft202012Validator(schema)
+    assert v.is_valid({"a": True, "b": True}) and not v.is_valid({"a": True})
+    assert v.is_valid({"x": 1}) and not v.is_valid({"x": 1, "y": 2})
