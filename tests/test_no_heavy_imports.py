@@ -21,6 +21,7 @@ PURE_MODULES = [
     "kiln.config",
     "kiln.config_reference",
     "kiln.adapters.served",
+    "kiln.adapters.activation",
     "kiln.serving.default_adapter",
     "kiln.runtime.serving_engine",
     "kiln.cli",
