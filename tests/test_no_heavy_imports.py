@@ -35,6 +35,7 @@ PURE_MODULES = [
     "kiln.distill.states",
     "kiln.distill.ledger",
     "kiln.distill.shards",
+    "kiln.distill.examples",
     "kiln.distill.shard_verify",
     "kiln.distill.dataset",
     "kiln.distill.paths",

@@ -34,173 +34,20 @@ from kiln.canonical import (
     sha256_hex,
     strict_json_loads,
 )
-from kiln.distill import shards
 from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, ShardManifest
-from kiln.distill.errors import ContractError, LedgerError, ShardError
+from kiln.distill.errors import ContractError, LedgerError
+from kiln.distill.examples import available_shards, forward_windows, load_shard_examples
 from kiln.distill.faults import fault
 from kiln.distill.consumption import adopt_legacy_ledger, artifact_ledger, consumption_dir
 from kiln.distill.ledger import MAX_LEDGER_BYTES
 from kiln.distill.paths import read_bytes_nofollow
+from kiln.training.losses.kd_batch import batch_tensors, kd_loss_split, kd_step_loss
 
-__all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
+__all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd"]
 
 TRAIN_CONFIG_SCHEMA = "kiln.distill.train-config.v1"
 CHECKPOINT_SCHEMA = "kiln.distill.kd-checkpoint.v1"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-# --------------------------------------------------------------------- shards
-
-
-def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple[Path, ShardManifest]], list[dict]]:
-    """(plan, [(shard dir, available manifest)] by shard_id, skipped) for one run's root.
-
-    Every shard is fully verified first; only intact available shards of a single
-    plan are returned. Anything else is listed in ``skipped`` with its reason. Two
-    available shards holding one example, or more tokens than the plan's
-    ``planned_tokens``, fail closed (the spec: duplicate records fail closed).
-    """
-    root = Path(run_root)
-    if not root.is_dir():
-        raise ShardError(f"{root} is not a capture root directory")
-    good, skipped, plans, verdicts = [], [], {}, []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
-            continue
-        verdict = shards.verify_shard(entry)
-        if not verdict.ok or verdict.state != "available":
-            skipped.append({"path": entry.name, "state": verdict.state, "problems": verdict.problems[:3]})
-            continue
-        plans[verdict.plan_sha256] = verdict.plan
-        good.append((entry, shards.read_manifest_chain(entry)[-1]))
-        verdicts.append(verdict)
-    if len(plans) > 1:
-        raise ShardError(f"{root} holds shards of {len(plans)} plans; train one run at a time")
-    if not good:
-        raise ShardError(f"{root} has no intact available shard to train on")
-    problems = shards.run_coverage(verdicts, next(iter(plans.values())))
-    if problems:
-        raise ShardError(f"{root}: {'; '.join(problems)}; refusing to consume any shard of this run")
-    good.sort(key=lambda x: (x[1].shard_id, x[1].transaction_id))
-    ids = [m.shard_id for _d, m in good]
-    if len(set(ids)) != len(ids):
-        raise ShardError("two available transactions publish the same shard_id; refusing to consume both")
-    return next(iter(plans.values())), good, skipped
-
-
-def load_shard_examples(shard_dir: Path, head: ShardManifest, plan: Plan) -> list:
-    """Columns (``binary.PackedExample``) of every example in a verified shard, in order."""
-    import numpy as np
-
-    from kiln.distill.binary import PackedExample, decode_packed_arrays
-
-    out = []
-    for p in head.payloads:
-        raw = read_bytes_nofollow(shard_dir, p.path, max_bytes=shards.MAX_PAYLOAD_BYTES)
-        if sha256_hex(raw) != p.sha256:
-            raise ShardError(f"{shard_dir.name}/{p.path} changed since verification; refusing to train on it")
-        if p.path.endswith(".kdpack"):
-            out += decode_packed_arrays(raw, p.path)[1]
-            continue
-        rows = shards.parse_payload(raw, p.path)
-        k = plan.probability.top_k
-        groups: dict[str, list] = {}
-        for r in rows:
-            groups.setdefault(r.example_id, []).append(r)
-        for eid, rs in groups.items():
-            lp_of = [dict(zip(r.selected_ids, r.selected_logprobs)) for r in rs]
-            out.append(
-                PackedExample(
-                    example_id=eid,
-                    context=np.asarray(rs[0].context_token_ids, np.int64),
-                    forced=np.asarray([r.forced_token_id for r in rs], np.int64),
-                    top_ids=np.asarray([r.top_k_ids for r in rs], np.int64).reshape(len(rs), k),
-                    top_logprobs=np.asarray([[m[i] for i in r.top_k_ids] for r, m in zip(rs, lp_of)], np.float64),
-                    forced_logprobs=np.asarray(
-                        [np.nan if r.forced_token_id in r.top_k_ids else m[r.forced_token_id] for r, m in zip(rs, lp_of)],
-                        np.float64,
-                    ),
-                    tail=np.asarray([r.tail_mass for r in rs], np.float64),
-                    entropy=np.asarray([r.entropy for r in rs], np.float64),
-                )
-            )
-    return out
-
-
-def _windows(examples: list, limit: int) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
-    """Forward rows: (tokens, [(offset, example index, position)]) reproducing each recorded context."""
-    out = []
-    for n, e in enumerate(examples):
-        ctx, forced = [int(x) for x in e.context], [int(x) for x in e.forced]
-        full = ctx + forced[:-1]
-        if len(full) <= limit:
-            out.append((full, [(len(ctx) - 1 + i, n, i) for i in range(len(forced))]))
-            continue
-        seq = list(ctx)
-        for i in range(len(forced)):
-            window = seq[-limit:]
-            out.append((window, [(len(window) - 1, n, i)]))
-            seq.append(forced[i])
-    return out
-
-
-def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
-    import numpy as np
-    import torch
-
-    width = max(len(w) for w, _p in batch)
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    att = torch.zeros((len(batch), width), dtype=torch.long)
-    for r, (w, _p) in enumerate(batch):
-        ids[r, : len(w)] = torch.tensor(w)
-        att[r, : len(w)] = 1
-    rows, offs, sel_ids, sel_lp, sel_mask, tail, target = [], [], [], [], [], [], []
-    for r, (_w, places) in enumerate(batch):
-        for off, n, i in places:
-            e = examples[n]
-            rows.append(r)
-            offs.append(off)
-            tok = int(e.forced[i])
-            flp = float(e.forced_logprobs[i])
-            has_forced = k < vocab and not np.isnan(flp)
-            sel_ids.append(list(e.top_ids[i]) + [tok])
-            sel_lp.append(list(e.top_logprobs[i]) + [flp if has_forced else 0.0])
-            sel_mask.append([True] * k + [has_forced])
-            tail.append(float(e.tail[i]))
-            target.append(tok if ce else -100)
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return (
-        ids.to(device),
-        att.to(device),
-        t(rows, torch.long),
-        t(offs, torch.long),
-        t(sel_ids, torch.long),
-        t(sel_lp, torch.float64),  # stored widths up to float64; the loss casts to the logits' dtype
-        t(sel_mask, torch.bool),
-        t(tail, torch.float64),
-        t(target, torch.long),
-    )
-
-
-def kd_loss_split(model):
-    """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
-    (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
-    from kiln.training.losses.chunked import split_causal_lm
-
-    return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
-
-
-def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail, target):
-    """Sparse-KD loss of one batch: with ``split``, from hidden states at the captured positions and the
-    head applied a chunk of rows at a time (no ``[B, T, V]`` or ``[N, V]`` logits kept); else from logits."""
-    if split is None:
-        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[rows, offs]
-        return loss_fn(logits, sel, lp, mask, tail, target)
-    from kiln.training.losses.kd import linear_sparse_kd
-
-    h = split.hidden(ids, att)[rows, offs]
-    return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
-                            kd_weight=loss_fn.kd_weight, temperature=loss_fn.temperature)
 
 
 # ------------------------------------------------------------------- ledgers
@@ -450,11 +297,11 @@ def train_sparse_kd(
                 action = "trained"
             fault("train_after_reserve")
             examples = load_shard_examples(shard_dir, head, plan)
-            windows = _windows(examples, limit)
+            windows = forward_windows(examples, limit)
             with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
                 for b0 in range(0, len(windows), batch_size):
                     batch = windows[b0 : b0 + batch_size]
-                    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                    ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
                         batch, examples, k, vocab, loaded.device, use_ce
                     )
                     loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,

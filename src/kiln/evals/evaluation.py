@@ -285,7 +285,7 @@ class Evaluation:
     def _judge(self, cancel_id: str, suite: s.SuiteSpec, sc: s.JudgeScorer, completions: list[list[dict[str, Any]]],
                judge: str | None) -> list[list[tuple[bool, str]]]:
         if sc.mode == "preference":  # the answer against the reference, from the judge's A/B logprobs
-            from kiln.judgments.scoring import preference_verdicts
+            from kiln.evals.judge_preference import preference_verdicts
 
             return preference_verdicts(self.engine, judge, suite, completions, sc.threshold,
                                        check=lambda: self._check_cancel(cancel_id))
