@@ -55,6 +55,7 @@ PURE_MODULES = [
     "kiln.adapters.manifest",
     "kiln.adapters.validate",
     "kiln.adapters.store",
+    "kiln.adapters.staging",
     "kiln.adapters.archive",
     "kiln.adapters.merge",
     "kiln.adapters.cli",
