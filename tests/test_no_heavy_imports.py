@@ -30,6 +30,7 @@ PURE_MODULES = [
     "kiln.runtime.builtin",
     "kiln.runtime.ownership",
     "kiln.distill.contract",
+    "kiln.distill.contract_types",
     "kiln.distill.probability",
     "kiln.distill.estimate",
     "kiln.distill.states",
