@@ -199,14 +199,76 @@ def train_sparse_kd(
     shard past it. It is not pinned in ``train.json``: raising it later continues.
     """
     import torch
-    from tqdm import tqdm
-
-    from kiln.distill.local import check_model_dir, check_tokenizer_dir
-    from kiln.runtime.loader import inspect_model_dir, load_model
-    from kiln.training.losses.kd import SparseKDLoss
 
     out = Path(out_dir)
     plan, todo, skipped = available_shards(run_root)
+    info = _check_run(plan, student, epochs)
+    _prepare_out(out, {
+        "schema": TRAIN_CONFIG_SCHEMA,
+        "plan_sha256": plan.digest(),
+        "student_fingerprint_sha256": plan.student.digest(),
+        "run_id": run_id,
+        "lora": lora,
+        "lora_r": lora_r,
+        "lora_alpha": lora_alpha,
+        "target_modules": sorted(target_modules),
+        "lr": float(lr),
+        "batch_size": batch_size,
+        "ce_weight": float(ce_weight),
+        "kd_weight": float(kd_weight),
+        "seed": seed,
+        "dtype": dtype,
+    })
+    torch.manual_seed(seed)
+    loaded, model = _load_student(info, plan, device=device, dtype=dtype, lora=lora, lora_r=lora_r,
+                                  lora_alpha=lora_alpha, target_modules=target_modules)
+    trainer = _ShardTrainer(model, plan, loaded.device, lr=lr, batch_size=batch_size, ce_weight=ce_weight,
+                            kd_weight=kd_weight, progress=progress)
+    ckpt_sha = trainer.resume(out)
+    report = []
+    owner = consumer_key(out)
+    for shard_dir, head in todo:
+        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
+        action = _settle_open_reservation(ledger, trainer.consumed, ckpt_sha, owner, out, head.transaction_id)
+        passes = 0
+        while ledger.view.commits < epochs:
+            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+            if ledger.view.commits:
+                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
+                action = "replayed"
+            else:
+                ledger.reserve(run_id, rid)
+                action = "trained"
+            fault("train_after_reserve")
+            passes += trainer.train_shard(shard_dir, head)
+            ckpt_sha = trainer.checkpoint(out, head.transaction_id, ledger.artifact_sha256, rid)
+            fault("train_after_checkpoint")
+            ledger.commit(ckpt_sha)
+            fault("train_after_commit")
+        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
+                       "commits": ledger.view.commits})
+    if ckpt_sha is None:
+        raise LedgerError(
+            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
+            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
+        )
+    adapter = _publish_output(out, trainer.model, lora, ckpt_sha)
+    return {
+        "adapter": str(adapter),
+        "plan_sha256": plan.digest(),
+        "shards": report,
+        "steps": trainer.state["step"],
+        "tokens": trainer.state["tokens"],
+        "checkpoint_sha256": ckpt_sha,
+        "skipped": skipped,
+    }
+
+
+def _check_run(plan: Plan, student: str | os.PathLike[str], epochs: int) -> Any:
+    """The student's model directory (``ModelDirInfo``), checked against the plan; ``epochs`` against its policy."""
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+    from kiln.runtime.loader import inspect_model_dir
+
     if epochs < 1:
         raise ContractError("epochs must be at least 1")
     if epochs > 1 and plan.consumption.replay != "chained":
@@ -217,29 +279,23 @@ def train_sparse_kd(
     info = inspect_model_dir(student)
     check_model_dir(plan.student, info.path, "student")
     check_tokenizer_dir(plan.tokenizer, info.path, "student")
+    return info
+
+
+def _prepare_out(out: Path, config: dict[str, Any]) -> None:
+    """Create ``out``, drop what a crash left before a rename, and record (or check) the training config."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
         shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
-    _config_record(
-        out,
-        {
-            "schema": TRAIN_CONFIG_SCHEMA,
-            "plan_sha256": plan.digest(),
-            "student_fingerprint_sha256": plan.student.digest(),
-            "run_id": run_id,
-            "lora": lora,
-            "lora_r": lora_r,
-            "lora_alpha": lora_alpha,
-            "target_modules": sorted(target_modules),
-            "lr": float(lr),
-            "batch_size": batch_size,
-            "ce_weight": float(ce_weight),
-            "kd_weight": float(kd_weight),
-            "seed": seed,
-            "dtype": dtype,
-        },
-    )
-    torch.manual_seed(seed)
+    _config_record(out, config)
+
+
+def _load_student(info: Any, plan: Plan, *, device: str, dtype: str, lora: bool, lora_r: int, lora_alpha: int,
+                  target_modules: tuple[str, ...]) -> tuple[Any, Any]:
+    """(the loaded student, the model to train: with a fresh LoRA unless ``lora`` is false); its output width
+    must be the plan's vocabulary."""
+    from kiln.runtime.loader import load_model
+
     loaded = load_model(info.path, device=device, dtype=dtype, info=info)
     model = loaded.model
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -254,91 +310,92 @@ def train_sparse_kd(
                        task_type="CAUSAL_LM"),
         )
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
-    use_ce = plan.consumption.trajectory == "teacher-expert"
-    split = kd_loss_split(model)
+    return loaded, model
 
-    ckpts = _checkpoint_dirs(out)
-    state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
-    ckpt_sha = None
-    if ckpts:
-        state, ckpt_sha = _checkpoint_record(ckpts[-1])
-        _restore(ckpts[-1], model, optimizer)
-    consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
-    k, limit = plan.probability.top_k, plan.capture.max_sequence_length
-    report = []
-    owner = consumer_key(out)
-    for shard_dir, head in todo:
-        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
-        action = "already-committed"
-        if ledger.view.state == "reserved":
-            open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
-            if (ledger.artifact_sha256, open_rid) in consumed:
-                ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
-                action = "reconciled"
-            elif _owned(open_rid, owner, out, head.transaction_id):
-                ledger.release()
-                fault("train_after_release")
-            else:
-                raise LedgerError(
-                    f"{head.transaction_id} is reserved by another consumer (run "
-                    f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "  # type: ignore[index]
-                    "by every trainer of this capture, and only that consumer may release or commit it"
-                )
-        passes = 0
-        while ledger.view.commits < epochs:
-            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
-            if ledger.view.commits:
-                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
-                action = "replayed"
-            else:
-                ledger.reserve(run_id, rid)
-                action = "trained"
-            fault("train_after_reserve")
-            examples = load_shard_examples(shard_dir, head, plan)
-            windows = forward_windows(examples, limit)
-            with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
-                for b0 in range(0, len(windows), batch_size):
-                    batch = windows[b0 : b0 + batch_size]
-                    ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
-                        batch, examples, k, vocab, loaded.device, use_ce
-                    )
-                    loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,
-                                                target)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    passes += 1
-                    state["step"] += 1
-                    state["tokens"] += int(rows.numel())
-                    bar.update(int(rows.numel()))
-                    fault("train_mid_shard")
-            state["consumed"].append(
-                {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
-            )
-            consumed.add((ledger.artifact_sha256, rid))
-            _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
-            fault("train_after_checkpoint")
-            ledger.commit(ckpt_sha)
-            fault("train_after_commit")
-        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
-                       "commits": ledger.view.commits})
-    if ckpt_sha is None:
-        raise LedgerError(
-            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
-            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
-        )
-    adapter = _publish_output(out, model, lora, ckpt_sha)
-    return {
-        "adapter": str(adapter),
-        "plan_sha256": plan.digest(),
-        "shards": report,
-        "steps": state["step"],
-        "tokens": state["tokens"],
-        "checkpoint_sha256": ckpt_sha,
-        "skipped": skipped,
-    }
+
+def _settle_open_reservation(ledger: Any, consumed: set[tuple[str, str]], ckpt_sha: str | None, owner: str,
+                             out: Path, transaction_id: str) -> str:
+    """A reservation left open by a crash: commit it from the checkpoint that already records it (``reconciled``,
+    never retrained) or release this consumer's own; another consumer's is refused. ``already-committed``
+    otherwise (the pass loop then decides)."""
+    if ledger.view.state != "reserved":
+        return "already-committed"
+    open_rid = ledger.view.open_reservation[1]
+    if (ledger.artifact_sha256, open_rid) in consumed:
+        ledger.reconcile(ckpt_sha)
+        return "reconciled"
+    if _owned(open_rid, owner, out, transaction_id):
+        ledger.release()
+        fault("train_after_release")
+        return "already-committed"
+    raise LedgerError(
+        f"{transaction_id} is reserved by another consumer (run "
+        f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "
+        "by every trainer of this capture, and only that consumer may release or commit it"
+    )
+
+
+class _ShardTrainer:
+    """The student, its optimizer and loss, and the training state a checkpoint records
+    (``{"step", "tokens", "consumed": [{transaction_id, artifact_sha256, reservation_id}]}``)."""
+
+    def __init__(self, model: Any, plan: Plan, device: Any, *, lr: float, batch_size: int, ce_weight: float,
+                 kd_weight: float, progress: bool):
+        import torch
+
+        from kiln.training.losses.kd import SparseKDLoss
+
+        self.model, self.plan, self.device, self.batch_size, self.progress = model, plan, device, batch_size, progress
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
+        self.use_ce = plan.consumption.trajectory == "teacher-expert"
+        self.split = kd_loss_split(model)
+        self.vocab = plan.tokenizer.vocab_size
+        self.state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
+        self.consumed: set[tuple[str, str]] = set()  # (artifact_sha256, reservation_id) the weights include
+
+    def resume(self, out: Path) -> str | None:
+        """Restore the latest checkpoint under ``out`` (weights, optimizer, state); its SHA-256, or None."""
+        ckpts = _checkpoint_dirs(out)
+        ckpt_sha = None
+        if ckpts:
+            self.state, ckpt_sha = _checkpoint_record(ckpts[-1])
+            _restore(ckpts[-1], self.model, self.optimizer)
+        self.consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in self.state["consumed"]}
+        return ckpt_sha
+
+    def train_shard(self, shard_dir: Path, head: ShardManifest) -> int:
+        """One pass over the shard's windows, one optimizer step per batch; the number of steps."""
+        from tqdm import tqdm
+
+        plan, steps = self.plan, 0
+        examples = load_shard_examples(shard_dir, head, plan)
+        windows = forward_windows(examples, plan.capture.max_sequence_length)
+        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not self.progress, file=sys.stderr) as bar:
+            for b0 in range(0, len(windows), self.batch_size):
+                ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
+                    windows[b0 : b0 + self.batch_size], examples, plan.probability.top_k, self.vocab, self.device,
+                    self.use_ce)
+                loss, _parts = kd_step_loss(self.model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp, mask,
+                                            tail, target)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                steps += 1
+                self.state["step"] += 1
+                self.state["tokens"] += int(rows.numel())
+                bar.update(int(rows.numel()))
+                fault("train_mid_shard")
+        return steps
+
+    def checkpoint(self, out: Path, transaction_id: str, artifact_sha256: str, reservation_id: str) -> str:
+        """Record the reservation as consumed and write a durable checkpoint; its SHA-256 (what the commit names)."""
+        self.state["consumed"].append(
+            {"transaction_id": transaction_id, "artifact_sha256": artifact_sha256, "reservation_id": reservation_id})
+        self.consumed.add((artifact_sha256, reservation_id))
+        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, self.model, self.optimizer,
+                                            self.state)
+        return ckpt_sha
 
 
 def ledger_status(base: str | os.PathLike[str]) -> list[dict[str, Any]]:
