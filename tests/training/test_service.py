@@ -131,6 +131,21 @@ def test_a_refused_activation_holds_the_adapter_back_and_the_job_succeeds(servic
     assert "can never fit" in result["held_back"]["reason"]
     assert svc.store.get("held").revision == result["revision"]  # published all the same
 
+    # a quarantined revision: the recipe's activation step holds it back the same way (no job needed to show it)
+    from kiln.training.core.recipe import TrainingRecipe
+
+    record = svc.store.get("held")
+    svc.store.quarantine("held", record.revision, "canary failed (test)")
+    try:
+        plan = SimpleNamespace(auto_load=True, request={})
+        ctx = SimpleNamespace(activation=svc.activation, store=svc.store, gate=None, set_default=None)
+        recipe = TrainingRecipe(plan, ctx, job_id="job-test")
+        recipe.activate(record)
+    finally:
+        svc.store.clear_quarantine("held")
+    assert recipe.activated is False and "held" not in engine.active_adapters()
+    assert recipe.held_back["code"] == "adapter_quarantined" and "canary failed (test)" in recipe.held_back["reason"]
+
 
 @pytest.mark.parametrize(
     "body, status, code",
