@@ -401,7 +401,7 @@ class _ShardTrainer:
 def ledger_status(base: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Consumption state per ledger file in ``base`` (a capture's ``.consumption``, or a legacy
     ``<train dir>/ledgers``); no model import."""
-    out = []
+    out: list[dict[str, Any]] = []
     base = Path(base)
     if not base.is_dir():
         return out
