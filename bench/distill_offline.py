@@ -55,7 +55,7 @@ def kd_step_child(variant: str, vocab: int, hidden: int, batch: int, seq: int, t
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kiln.distill.train import kd_step_loss
+    from kiln.training.losses.kd_batch import kd_step_loss
     from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.kd import SparseKDLoss
 
@@ -124,7 +124,8 @@ def main() -> None:
 
     from kiln.distill import shards
     from kiln.distill.capture import LocalTeacherScorer, _encode, _payload_name, load_examples, pad_windows
-    from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples
+    from kiln.distill.examples import available_shards, forward_windows, load_shard_examples
+    from kiln.training.losses.kd_batch import batch_tensors
     from kiln.training.losses.kd import SparseKDLoss
     from tests.distill.tinymodels import build_tiny_model, capture_in_process, make_plan, synthetic_examples
 
@@ -200,8 +201,8 @@ def main() -> None:
     plan_, todo, _ = available_shards(out_packed)
     shard_dir, head = todo[0]
     sexs = load_shard_examples(shard_dir, head, plan_)
-    swin = _windows(sexs, plan_.capture.max_sequence_length)[: args.batch]
-    tensors = _batch_tensors(swin, sexs, args.top_k, vocab, "cpu", True)
+    swin = forward_windows(sexs, plan_.capture.max_sequence_length)[: args.batch]
+    tensors = batch_tensors(swin, sexs, args.top_k, vocab, "cpu", True)
     smodel = get_peft_model(
         AutoModelForCausalLM.from_pretrained(student),
         LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -146,7 +146,7 @@ def run_correction(client: Any, *, question: str, correction: str, adapter: str,
     if job["state"] != "succeeded":
         raise RuntimeError(f"the correction job {job['state']}: {job.get('error')}")
     held = job["result"].get("held_back")
-    if held:  # published, not served: the locality guard (docs/training.md, "Locality") says why
+    if held:  # published, not served: the locality guard (docs/training.md, "Locality") or the activation says why
         raise RuntimeError(f"the correction was learned and published but not served ({held['code']}): "
                            f"{held['reason']}")
     timings["train + publish + hot-swap"] = time.perf_counter() - t_submit

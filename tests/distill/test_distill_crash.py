@@ -20,7 +20,8 @@ from kiln.distill import shards
 from kiln.distill.capture import CaptureRequest, run_capture_child
 from kiln.distill.faults import CAPTURE_FAULT_POINTS, FAULT_ENV, FAULT_EXIT_CODE, TRAIN_FAULT_POINTS
 from kiln.distill.ledger import Ledger
-from kiln.distill.train import available_shards, train_sparse_kd
+from kiln.distill.examples import available_shards
+from kiln.distill.train import train_sparse_kd
 
 from tests.distill.tinymodels import make_plan, synthetic_examples, tiny_pair  # noqa: F401
 

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kiln.distill.train import available_shards, load_shard_examples
+from kiln.distill.examples import available_shards, load_shard_examples
 from tests.distill.tinymodels import (
     build_tiny_model,
     capture_in_process,

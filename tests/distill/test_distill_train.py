@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from kiln.distill.ledger import Ledger
-from kiln.distill.train import _batch_tensors, _windows, available_shards, load_shard_examples, train_sparse_kd
+from kiln.distill.examples import available_shards, forward_windows, load_shard_examples
+from kiln.distill.train import train_sparse_kd
+from kiln.training.losses.kd_batch import batch_tensors
 
 from tests.distill.tinymodels import capture_in_process, make_plan, synthetic_examples, tiny_pair  # noqa: F401
 
@@ -25,8 +27,8 @@ def test_offline_sparse_kd_gradient_equals_dense_kd_at_full_vocabulary(tmp_path,
     plan, todo, _ = available_shards(tmp_path / "run")
     (shard_dir, head), = todo
     exs = load_shard_examples(shard_dir, head, plan)
-    windows = _windows(exs, plan.capture.max_sequence_length)
-    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(windows, exs, 32, 32, "cpu", True)
+    windows = forward_windows(exs, plan.capture.max_sequence_length)
+    ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(windows, exs, 32, 32, "cpu", True)
     assert float(tail.abs().max()) == 0.0 and bool(mask[:, :32].all()) and not bool(mask[:, 32].any())
 
     from transformers import AutoModelForCausalLM

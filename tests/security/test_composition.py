@@ -59,6 +59,9 @@ def test_build_state_wires_one_store_and_one_engine(built):
     assert isinstance(built.trainer, TrainingService)
     assert built.trainer.store is built.store
     assert built.trainer.engine is built.engine
+    # one activation service (kiln.adapters.activation) for routes, training, evals and restore
+    assert built.trainer.activation is built.activation is built.evals.activation
+    assert built.activation.memory is built.memory and built.activation.served is built.served
     assert built.model.device == default_device()
 
 

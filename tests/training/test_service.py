@@ -110,6 +110,43 @@ def test_continue_from_base_adapter_records_parent(service):
     assert info.value.status == 400 and info.value.code == "lora_config_conflict"
 
 
+def test_a_refused_activation_holds_the_adapter_back_and_the_job_succeeds(service):
+    """auto_load goes through the activation service: a refusal (here memory: a budget no adapter fits) leaves
+    the revision published, not served, and the job succeeded with ``held_back`` naming why."""
+    from kiln.adapters.activation import AdapterActivation
+    from kiln.runtime.memory_budget import MemoryBudget
+
+    svc, engine = service.trainer, service.engine
+    before = svc.activation
+    svc.activation = AdapterActivation(engine, svc.store, service.loaded.base_model_sha256,
+                                       memory=MemoryBudget(1, 0, lambda: {"weights": 0}))
+    try:
+        done = _wait(svc, svc.submit(_sft(adapter="held", max_steps=2, until_learned=False))["id"])
+    finally:
+        svc.activation = before
+    assert done["state"] == "succeeded", done["error"]
+    result = done["result"]
+    assert result["activated"] is False and "held" not in engine.active_adapters()
+    assert result["held_back"]["code"] == "memory_budget_exceeded"
+    assert "can never fit" in result["held_back"]["reason"]
+    assert svc.store.get("held").revision == result["revision"]  # published all the same
+
+    # a quarantined revision: the recipe's activation step holds it back the same way (no job needed to show it)
+    from kiln.training.core.recipe import TrainingRecipe
+
+    record = svc.store.get("held")
+    svc.store.quarantine("held", record.revision, "canary failed (test)")
+    try:
+        plan = SimpleNamespace(auto_load=True, request={})
+        ctx = SimpleNamespace(activation=svc.activation, store=svc.store, gate=None, set_default=None)
+        recipe = TrainingRecipe(plan, ctx, job_id="job-test")
+        recipe.activate(record)
+    finally:
+        svc.store.clear_quarantine("held")
+    assert recipe.activated is False and "held" not in engine.active_adapters()
+    assert recipe.held_back["code"] == "adapter_quarantined" and "canary failed (test)" in recipe.held_back["reason"]
+
+
 @pytest.mark.parametrize(
     "body, status, code",
     [

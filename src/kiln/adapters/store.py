@@ -4,7 +4,7 @@ Layout under the store root (``settings.adapters_path``)::
 
     <root>/.lock                               flock serialising every mutation
     <root>/.staging/<id>/ + <id>.lock          private work dirs; the flock on <id>.lock
-                                               is held while the owner process lives
+                                               is held while the owner process lives (kiln.adapters.staging)
     <root>/.trash/                             directories being removed
     <root>/<name>/HEAD                         {"revision": R, "history": [older R, ...]}
     <root>/<name>/revisions/<R>/adapter_config.json
@@ -26,12 +26,9 @@ status 137 at that step, so tests can kill publication at every step for real.
 from __future__ import annotations
 
 import builtins
-import errno
 import fcntl
 import os
 import shutil
-import stat
-import threading
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,9 +58,17 @@ from kiln.adapters.receipt import (
     read_receipt,
     store_receipt,
 )
+from kiln.adapters.staging import (
+    ADAPTER_FILES,
+    STAGING_DIR,
+    Staging,
+    flatten_staging,
+    live_staging,
+    remove_entry,
+    remove_stale_stagings,
+)
 from kiln.adapters.validate import (
     CONFIG_FILE,
-    WEIGHTS_FILE,
     base_weight_shapes,
     normalize_adapter_config,
     validate_lora_dir,
@@ -86,7 +91,6 @@ PUBLISH_FAULT_POINTS = ("after_validate", "after_manifest", "after_rename", "aft
 DELETE_FAULT_POINTS = ("delete_after_trash",)
 FAULT_POINTS = PUBLISH_FAULT_POINTS + DELETE_FAULT_POINTS
 
-STAGING_DIR = ".staging"
 TRASH_DIR = ".trash"
 LOCK_FILE = ".lock"
 HEAD_FILE = "HEAD"
@@ -94,18 +98,8 @@ QUARANTINE_FILE = "quarantine.json"  # revisions whose load or canary failed: re
 QUARANTINE_SCHEMA = "kiln-adapter-quarantine-v1"
 MAX_QUARANTINE_REASON = 500  # characters kept of the failure
 REVISIONS_DIR = "revisions"
-ADAPTER_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE})
-DROPPED_FILES = frozenset({"README.md"})  # the model card PEFT writes beside the weights
 KEEP_PREVIOUS_REVISIONS = 2
 MAX_HEAD_BYTES = 4096
-MAX_STAGED_ENTRIES = 16
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def base_model_id(info: Any) -> str:
@@ -145,63 +139,6 @@ class AdapterRecord:
             "size_bytes": m.size,
             "created": m.created,
         }
-
-
-# Live staging dirs of this process by path, so publish() also accepts Path(staging).
-_LIVE_STAGINGS: dict[str, "Staging"] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-class Staging:
-    """A private work directory inside the store, on the store's filesystem.
-
-    Use it like a path (``os.fspath(staging)``, ``staging / "file"``) or via
-    ``.path``. It stays reserved while this process lives; ``discard()`` (or
-    leaving a ``with`` block without publishing) removes it.
-    """
-
-    def __init__(self, path: Path, lock_path: Path, lock_fd: int):
-        self.path = path
-        self._lock_path = lock_path
-        self._lock_fd: int | None = lock_fd
-        with _LIVE_LOCK:
-            _LIVE_STAGINGS[str(path)] = self
-
-    def __fspath__(self) -> str:
-        return str(self.path)
-
-    def __truediv__(self, other: str) -> Path:
-        return self.path / other
-
-    def __repr__(self) -> str:
-        return f"Staging({str(self.path)!r})"
-
-    @property
-    def active(self) -> bool:
-        return self._lock_fd is not None
-
-    def discard(self) -> None:
-        if self._lock_fd is None:
-            return
-        shutil.rmtree(self.path, ignore_errors=True)
-        self._release()
-
-    def _release(self) -> None:
-        if self._lock_fd is None:
-            return
-        with _LIVE_LOCK:
-            _LIVE_STAGINGS.pop(str(self.path), None)
-        try:
-            self._lock_path.unlink(missing_ok=True)
-        finally:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def __enter__(self) -> "Staging":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.discard()
 
 
 @dataclass(frozen=True)
@@ -248,38 +185,6 @@ class AdapterStore:
             path.mkdir(mode=0o700)
         return Staging(path, lock_path, fd)
 
-    def _flatten_staging(self, staging: Path) -> None:
-        """Bring PEFT output to the top level and drop PEFT's model card; reject anything else.
-
-        ``save_pretrained`` writes into ``<dir>/<adapter name>/`` for non-default
-        adapter names; a single such sub-directory is moved up.
-        """
-        entries = list(staging.iterdir())
-        if len(entries) > MAX_STAGED_ENTRIES:
-            raise InvalidAdapter(f"staging holds {len(entries)} entries; expected the PEFT files only")
-        names = {e.name for e in entries}
-        if CONFIG_FILE not in names:
-            subdirs = [e for e in entries if e.is_dir() and not e.is_symlink()]
-            if len(subdirs) == 1 and (subdirs[0] / CONFIG_FILE).is_file():
-                for inner in subdirs[0].iterdir():
-                    if inner.name in names - {subdirs[0].name}:
-                        raise InvalidAdapter(f"{inner.name} exists both at the top and in {subdirs[0].name}/")
-                    os.rename(inner, staging / inner.name)
-                subdirs[0].rmdir()
-                entries = list(staging.iterdir())
-        for entry in entries:
-            st = os.lstat(entry)
-            if entry.name in DROPPED_FILES and stat.S_ISREG(st.st_mode):
-                entry.unlink()
-                continue
-            if entry.name not in ADAPTER_FILES:
-                raise InvalidAdapter(
-                    f"unexpected entry {entry.name!r} in the adapter files",
-                    hint=f"An adapter consists of exactly {CONFIG_FILE} and {WEIGHTS_FILE}.",
-                )
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidAdapter(f"{entry.name} is not a regular file (links are not accepted)")
-
     # -------------------------------------------------------------- publication
     def publish(
         self,
@@ -308,9 +213,7 @@ class AdapterStore:
         """
         from kiln.runtime.loader import ModelDirInfo, ModelLoadError, inspect_model_dir
 
-        if not isinstance(staging, Staging):
-            with _LIVE_LOCK:
-                staging = _LIVE_STAGINGS.get(os.fspath(staging), staging)  # type: ignore[arg-type]
+        staging = live_staging(staging)
         if not isinstance(staging, Staging) or not staging.active:
             raise InvalidAdapter(f"{staging} is not a live staging directory from new_staging() in this process")
         if staging.path.parent != self.root / STAGING_DIR:
@@ -331,7 +234,7 @@ class AdapterStore:
                     f"({info.base_model_sha256})",
                     hint="Publish against the base model the adapter was trained on.",
                 )
-            self._flatten_staging(staging.path)
+            flatten_staging(staging.path)
             summary = validate_lora_dir(staging.path, base_weight_shapes(info.path))
             # No filesystem paths in stored configs (identity must not depend on $KILN_HOME), and no
             # patterns PEFT would run through Python's backtracking `re` when it loads the adapter.
@@ -615,27 +518,9 @@ class AdapterStore:
         """Remove what interrupted operations left behind. Safe to run at any time."""
         staging_removed = revisions_removed = names_removed = temps_removed = 0
         with self._locked():
-            staging_root = self.root / STAGING_DIR
-            for lock_path in staging_root.glob("*.lock"):
-                fd = os.open(lock_path, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        raise
-                    continue  # its owner is alive
-                else:
-                    shutil.rmtree(staging_root / lock_path.stem, ignore_errors=True)
-                    lock_path.unlink(missing_ok=True)
-                    staging_removed += 1
-                finally:
-                    os.close(fd)
-            for entry in staging_root.iterdir():
-                if entry.suffix != ".lock" and not (staging_root / f"{entry.name}.lock").exists():
-                    _remove(entry)
-                    staging_removed += 1
+            staging_removed = remove_stale_stagings(self.root / STAGING_DIR)
             for entry in (self.root / TRASH_DIR).iterdir():
-                _remove(entry)
+                remove_entry(entry)
             for name_dir in self.root.iterdir():
                 if name_dir.name.startswith(".") or not name_dir.is_dir():
                     continue

@@ -34,173 +34,20 @@ from kiln.canonical import (
     sha256_hex,
     strict_json_loads,
 )
-from kiln.distill import shards
 from kiln.distill.contract import MAX_ARTIFACT_JSON_BYTES, Plan, ShardManifest
-from kiln.distill.errors import ContractError, LedgerError, ShardError
+from kiln.distill.errors import ContractError, LedgerError
+from kiln.distill.examples import available_shards, forward_windows, load_shard_examples
 from kiln.distill.faults import fault
 from kiln.distill.consumption import adopt_legacy_ledger, artifact_ledger, consumption_dir
 from kiln.distill.ledger import MAX_LEDGER_BYTES
 from kiln.distill.paths import read_bytes_nofollow
+from kiln.training.losses.kd_batch import batch_tensors, kd_loss_split, kd_step_loss
 
-__all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd", "available_shards", "load_shard_examples"]
+__all__ = ["TRAIN_CONFIG_SCHEMA", "CHECKPOINT_SCHEMA", "train_sparse_kd"]
 
 TRAIN_CONFIG_SCHEMA = "kiln.distill.train-config.v1"
 CHECKPOINT_SCHEMA = "kiln.distill.kd-checkpoint.v1"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-# --------------------------------------------------------------------- shards
-
-
-def available_shards(run_root: str | os.PathLike[str]) -> tuple[Plan, list[tuple[Path, ShardManifest]], list[dict]]:
-    """(plan, [(shard dir, available manifest)] by shard_id, skipped) for one run's root.
-
-    Every shard is fully verified first; only intact available shards of a single
-    plan are returned. Anything else is listed in ``skipped`` with its reason. Two
-    available shards holding one example, or more tokens than the plan's
-    ``planned_tokens``, fail closed (the spec: duplicate records fail closed).
-    """
-    root = Path(run_root)
-    if not root.is_dir():
-        raise ShardError(f"{root} is not a capture root directory")
-    good, skipped, plans, verdicts = [], [], {}, []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
-            continue
-        verdict = shards.verify_shard(entry)
-        if not verdict.ok or verdict.state != "available":
-            skipped.append({"path": entry.name, "state": verdict.state, "problems": verdict.problems[:3]})
-            continue
-        plans[verdict.plan_sha256] = verdict.plan
-        good.append((entry, shards.read_manifest_chain(entry)[-1]))
-        verdicts.append(verdict)
-    if len(plans) > 1:
-        raise ShardError(f"{root} holds shards of {len(plans)} plans; train one run at a time")
-    if not good:
-        raise ShardError(f"{root} has no intact available shard to train on")
-    problems = shards.run_coverage(verdicts, next(iter(plans.values())))
-    if problems:
-        raise ShardError(f"{root}: {'; '.join(problems)}; refusing to consume any shard of this run")
-    good.sort(key=lambda x: (x[1].shard_id, x[1].transaction_id))
-    ids = [m.shard_id for _d, m in good]
-    if len(set(ids)) != len(ids):
-        raise ShardError("two available transactions publish the same shard_id; refusing to consume both")
-    return next(iter(plans.values())), good, skipped
-
-
-def load_shard_examples(shard_dir: Path, head: ShardManifest, plan: Plan) -> list:
-    """Columns (``binary.PackedExample``) of every example in a verified shard, in order."""
-    import numpy as np
-
-    from kiln.distill.binary import PackedExample, decode_packed_arrays
-
-    out = []
-    for p in head.payloads:
-        raw = read_bytes_nofollow(shard_dir, p.path, max_bytes=shards.MAX_PAYLOAD_BYTES)
-        if sha256_hex(raw) != p.sha256:
-            raise ShardError(f"{shard_dir.name}/{p.path} changed since verification; refusing to train on it")
-        if p.path.endswith(".kdpack"):
-            out += decode_packed_arrays(raw, p.path)[1]
-            continue
-        rows = shards.parse_payload(raw, p.path)
-        k = plan.probability.top_k
-        groups: dict[str, list] = {}
-        for r in rows:
-            groups.setdefault(r.example_id, []).append(r)
-        for eid, rs in groups.items():
-            lp_of = [dict(zip(r.selected_ids, r.selected_logprobs)) for r in rs]
-            out.append(
-                PackedExample(
-                    example_id=eid,
-                    context=np.asarray(rs[0].context_token_ids, np.int64),
-                    forced=np.asarray([r.forced_token_id for r in rs], np.int64),
-                    top_ids=np.asarray([r.top_k_ids for r in rs], np.int64).reshape(len(rs), k),
-                    top_logprobs=np.asarray([[m[i] for i in r.top_k_ids] for r, m in zip(rs, lp_of)], np.float64),
-                    forced_logprobs=np.asarray(
-                        [np.nan if r.forced_token_id in r.top_k_ids else m[r.forced_token_id] for r, m in zip(rs, lp_of)],
-                        np.float64,
-                    ),
-                    tail=np.asarray([r.tail_mass for r in rs], np.float64),
-                    entropy=np.asarray([r.entropy for r in rs], np.float64),
-                )
-            )
-    return out
-
-
-def _windows(examples: list, limit: int) -> list[tuple[list[int], list[tuple[int, int, int]]]]:
-    """Forward rows: (tokens, [(offset, example index, position)]) reproducing each recorded context."""
-    out = []
-    for n, e in enumerate(examples):
-        ctx, forced = [int(x) for x in e.context], [int(x) for x in e.forced]
-        full = ctx + forced[:-1]
-        if len(full) <= limit:
-            out.append((full, [(len(ctx) - 1 + i, n, i) for i in range(len(forced))]))
-            continue
-        seq = list(ctx)
-        for i in range(len(forced)):
-            window = seq[-limit:]
-            out.append((window, [(len(window) - 1, n, i)]))
-            seq.append(forced[i])
-    return out
-
-
-def _batch_tensors(batch, examples, k: int, vocab: int, device: str, ce: bool):
-    import numpy as np
-    import torch
-
-    width = max(len(w) for w, _p in batch)
-    ids = torch.zeros((len(batch), width), dtype=torch.long)
-    att = torch.zeros((len(batch), width), dtype=torch.long)
-    for r, (w, _p) in enumerate(batch):
-        ids[r, : len(w)] = torch.tensor(w)
-        att[r, : len(w)] = 1
-    rows, offs, sel_ids, sel_lp, sel_mask, tail, target = [], [], [], [], [], [], []
-    for r, (_w, places) in enumerate(batch):
-        for off, n, i in places:
-            e = examples[n]
-            rows.append(r)
-            offs.append(off)
-            tok = int(e.forced[i])
-            flp = float(e.forced_logprobs[i])
-            has_forced = k < vocab and not np.isnan(flp)
-            sel_ids.append(list(e.top_ids[i]) + [tok])
-            sel_lp.append(list(e.top_logprobs[i]) + [flp if has_forced else 0.0])
-            sel_mask.append([True] * k + [has_forced])
-            tail.append(float(e.tail[i]))
-            target.append(tok if ce else -100)
-    t = lambda x, dt: torch.tensor(x, dtype=dt, device=device)  # noqa: E731
-    return (
-        ids.to(device),
-        att.to(device),
-        t(rows, torch.long),
-        t(offs, torch.long),
-        t(sel_ids, torch.long),
-        t(sel_lp, torch.float64),  # stored widths up to float64; the loss casts to the logits' dtype
-        t(sel_mask, torch.bool),
-        t(tail, torch.float64),
-        t(target, torch.long),
-    )
-
-
-def kd_loss_split(model):
-    """The LM head split (``chunked_loss.SplitLM``) a KD step uses, or ``None`` for the full-logits path
-    (full fine-tuning, or a model whose head is not a plain linear map of the trunk's hidden states)."""
-    from kiln.training.losses.chunked import split_causal_lm
-
-    return split_causal_lm(model) if hasattr(model, "base_model") and hasattr(model, "peft_config") else None
-
-
-def kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail, target):
-    """Sparse-KD loss of one batch: with ``split``, from hidden states at the captured positions and the
-    head applied a chunk of rows at a time (no ``[B, T, V]`` or ``[N, V]`` logits kept); else from logits."""
-    if split is None:
-        logits = model(input_ids=ids, attention_mask=att, use_cache=False).logits[rows, offs]
-        return loss_fn(logits, sel, lp, mask, tail, target)
-    from kiln.training.losses.kd import linear_sparse_kd
-
-    h = split.hidden(ids, att)[rows, offs]
-    return linear_sparse_kd(h, split.head.weight, sel, lp, mask, tail, target, ce_weight=loss_fn.ce_weight,
-                            kd_weight=loss_fn.kd_weight, temperature=loss_fn.temperature)
 
 
 # ------------------------------------------------------------------- ledgers
@@ -352,14 +199,76 @@ def train_sparse_kd(
     shard past it. It is not pinned in ``train.json``: raising it later continues.
     """
     import torch
-    from tqdm import tqdm
-
-    from kiln.distill.local import check_model_dir, check_tokenizer_dir
-    from kiln.runtime.loader import inspect_model_dir, load_model
-    from kiln.training.losses.kd import SparseKDLoss
 
     out = Path(out_dir)
     plan, todo, skipped = available_shards(run_root)
+    info = _check_run(plan, student, epochs)
+    _prepare_out(out, {
+        "schema": TRAIN_CONFIG_SCHEMA,
+        "plan_sha256": plan.digest(),
+        "student_fingerprint_sha256": plan.student.digest(),
+        "run_id": run_id,
+        "lora": lora,
+        "lora_r": lora_r,
+        "lora_alpha": lora_alpha,
+        "target_modules": sorted(target_modules),
+        "lr": float(lr),
+        "batch_size": batch_size,
+        "ce_weight": float(ce_weight),
+        "kd_weight": float(kd_weight),
+        "seed": seed,
+        "dtype": dtype,
+    })
+    torch.manual_seed(seed)
+    loaded, model = _load_student(info, plan, device=device, dtype=dtype, lora=lora, lora_r=lora_r,
+                                  lora_alpha=lora_alpha, target_modules=target_modules)
+    trainer = _ShardTrainer(model, plan, loaded.device, lr=lr, batch_size=batch_size, ce_weight=ce_weight,
+                            kd_weight=kd_weight, progress=progress)
+    ckpt_sha = trainer.resume(out)
+    report = []
+    owner = consumer_key(out)
+    for shard_dir, head in todo:
+        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
+        action = _settle_open_reservation(ledger, trainer.consumed, ckpt_sha, owner, out, head.transaction_id)
+        passes = 0
+        while ledger.view.commits < epochs:
+            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
+            if ledger.view.commits:
+                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
+                action = "replayed"
+            else:
+                ledger.reserve(run_id, rid)
+                action = "trained"
+            fault("train_after_reserve")
+            passes += trainer.train_shard(shard_dir, head)
+            ckpt_sha = trainer.checkpoint(out, head.transaction_id, ledger.artifact_sha256, rid)
+            fault("train_after_checkpoint")
+            ledger.commit(ckpt_sha)
+            fault("train_after_commit")
+        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
+                       "commits": ledger.view.commits})
+    if ckpt_sha is None:
+        raise LedgerError(
+            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
+            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
+        )
+    adapter = _publish_output(out, trainer.model, lora, ckpt_sha)
+    return {
+        "adapter": str(adapter),
+        "plan_sha256": plan.digest(),
+        "shards": report,
+        "steps": trainer.state["step"],
+        "tokens": trainer.state["tokens"],
+        "checkpoint_sha256": ckpt_sha,
+        "skipped": skipped,
+    }
+
+
+def _check_run(plan: Plan, student: str | os.PathLike[str], epochs: int) -> Any:
+    """The student's model directory (``ModelDirInfo``), checked against the plan; ``epochs`` against its policy."""
+    from kiln.distill.local import check_model_dir, check_tokenizer_dir
+    from kiln.runtime.loader import inspect_model_dir
+
     if epochs < 1:
         raise ContractError("epochs must be at least 1")
     if epochs > 1 and plan.consumption.replay != "chained":
@@ -370,29 +279,23 @@ def train_sparse_kd(
     info = inspect_model_dir(student)
     check_model_dir(plan.student, info.path, "student")
     check_tokenizer_dir(plan.tokenizer, info.path, "student")
+    return info
+
+
+def _prepare_out(out: Path, config: dict[str, Any]) -> None:
+    """Create ``out``, drop what a crash left before a rename, and record (or check) the training config."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob(".tmp-adapter-*")) + list((out / "checkpoints").glob(".tmp-ckpt-*")):
         shutil.rmtree(stale, ignore_errors=True)  # a crash before its rename; never referenced
-    _config_record(
-        out,
-        {
-            "schema": TRAIN_CONFIG_SCHEMA,
-            "plan_sha256": plan.digest(),
-            "student_fingerprint_sha256": plan.student.digest(),
-            "run_id": run_id,
-            "lora": lora,
-            "lora_r": lora_r,
-            "lora_alpha": lora_alpha,
-            "target_modules": sorted(target_modules),
-            "lr": float(lr),
-            "batch_size": batch_size,
-            "ce_weight": float(ce_weight),
-            "kd_weight": float(kd_weight),
-            "seed": seed,
-            "dtype": dtype,
-        },
-    )
-    torch.manual_seed(seed)
+    _config_record(out, config)
+
+
+def _load_student(info: Any, plan: Plan, *, device: str, dtype: str, lora: bool, lora_r: int, lora_alpha: int,
+                  target_modules: tuple[str, ...]) -> tuple[Any, Any]:
+    """(the loaded student, the model to train: with a fresh LoRA unless ``lora`` is false); its output width
+    must be the plan's vocabulary."""
+    from kiln.runtime.loader import load_model
+
     loaded = load_model(info.path, device=device, dtype=dtype, info=info)
     model = loaded.model
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -407,97 +310,98 @@ def train_sparse_kd(
                        task_type="CAUSAL_LM"),
         )
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
-    use_ce = plan.consumption.trajectory == "teacher-expert"
-    split = kd_loss_split(model)
+    return loaded, model
 
-    ckpts = _checkpoint_dirs(out)
-    state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
-    ckpt_sha = None
-    if ckpts:
-        state, ckpt_sha = _checkpoint_record(ckpts[-1])
-        _restore(ckpts[-1], model, optimizer)
-    consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in state["consumed"]}
-    k, limit = plan.probability.top_k, plan.capture.max_sequence_length
-    report = []
-    owner = consumer_key(out)
-    for shard_dir, head in todo:
-        ledger = _open_ledger(run_root, out, shard_dir, head, plan)
-        action = "already-committed"
-        if ledger.view.state == "reserved":
-            open_rid = ledger.view.open_reservation[1]  # type: ignore[index]
-            if (ledger.artifact_sha256, open_rid) in consumed:
-                ledger.reconcile(ckpt_sha)  # type: ignore[arg-type]
-                action = "reconciled"
-            elif _owned(open_rid, owner, out, head.transaction_id):
-                ledger.release()
-                fault("train_after_release")
-            else:
-                raise LedgerError(
-                    f"{head.transaction_id} is reserved by another consumer (run "
-                    f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "  # type: ignore[index]
-                    "by every trainer of this capture, and only that consumer may release or commit it"
-                )
-        passes = 0
-        while ledger.view.commits < epochs:
-            rid = f"{owner}.{head.transaction_id}.r{len(ledger.view.reservation_ids)}"
-            if ledger.view.commits:
-                ledger.replay(run_id, rid)  # a chained replay: replay_of = the last commit event
-                action = "replayed"
-            else:
-                ledger.reserve(run_id, rid)
-                action = "trained"
-            fault("train_after_reserve")
-            examples = load_shard_examples(shard_dir, head, plan)
-            windows = _windows(examples, limit)
-            with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not progress, file=sys.stderr) as bar:
-                for b0 in range(0, len(windows), batch_size):
-                    batch = windows[b0 : b0 + batch_size]
-                    ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
-                        batch, examples, k, vocab, loaded.device, use_ce
-                    )
-                    loss, _parts = kd_step_loss(model, split, loss_fn, ids, att, rows, offs, sel, lp, mask, tail,
-                                                target)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    passes += 1
-                    state["step"] += 1
-                    state["tokens"] += int(rows.numel())
-                    bar.update(int(rows.numel()))
-                    fault("train_mid_shard")
-            state["consumed"].append(
-                {"transaction_id": head.transaction_id, "artifact_sha256": ledger.artifact_sha256, "reservation_id": rid}
-            )
-            consumed.add((ledger.artifact_sha256, rid))
-            _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, model, optimizer, state)
-            fault("train_after_checkpoint")
-            ledger.commit(ckpt_sha)
-            fault("train_after_commit")
-        report.append({"transaction_id": head.transaction_id, "action": action, "steps": passes,
-                       "commits": ledger.view.commits})
-    if ckpt_sha is None:
-        raise LedgerError(
-            f"nothing was trained and no checkpoint exists: every shard of {run_root} was already consumed "
-            f"(its ledgers are under {consumption_dir(run_root)}); a further pass is a chained replay (--epochs)"
-        )
-    adapter = _publish_output(out, model, lora, ckpt_sha)
-    return {
-        "adapter": str(adapter),
-        "plan_sha256": plan.digest(),
-        "shards": report,
-        "steps": state["step"],
-        "tokens": state["tokens"],
-        "checkpoint_sha256": ckpt_sha,
-        "skipped": skipped,
-    }
+
+def _settle_open_reservation(ledger: Any, consumed: set[tuple[str, str]], ckpt_sha: str | None, owner: str,
+                             out: Path, transaction_id: str) -> str:
+    """A reservation left open by a crash: commit it from the checkpoint that already records it (``reconciled``,
+    never retrained) or release this consumer's own; another consumer's is refused. ``already-committed``
+    otherwise (the pass loop then decides)."""
+    if ledger.view.state != "reserved":
+        return "already-committed"
+    open_rid = ledger.view.open_reservation[1]
+    if (ledger.artifact_sha256, open_rid) in consumed:
+        ledger.reconcile(ckpt_sha)
+        return "reconciled"
+    if _owned(open_rid, owner, out, transaction_id):
+        ledger.release()
+        fault("train_after_release")
+        return "already-committed"
+    raise LedgerError(
+        f"{transaction_id} is reserved by another consumer (run "
+        f"{ledger.view.open_reservation[0]!r}, reservation {open_rid!r}); consumption state is shared "
+        "by every trainer of this capture, and only that consumer may release or commit it"
+    )
+
+
+class _ShardTrainer:
+    """The student, its optimizer and loss, and the training state a checkpoint records
+    (``{"step", "tokens", "consumed": [{transaction_id, artifact_sha256, reservation_id}]}``)."""
+
+    def __init__(self, model: Any, plan: Plan, device: Any, *, lr: float, batch_size: int, ce_weight: float,
+                 kd_weight: float, progress: bool):
+        import torch
+
+        from kiln.training.losses.kd import SparseKDLoss
+
+        self.model, self.plan, self.device, self.batch_size, self.progress = model, plan, device, batch_size, progress
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.loss_fn = SparseKDLoss(ce_weight=ce_weight, kd_weight=kd_weight, temperature=plan.probability.temperature)
+        self.use_ce = plan.consumption.trajectory == "teacher-expert"
+        self.split = kd_loss_split(model)
+        self.vocab = plan.tokenizer.vocab_size
+        self.state: dict[str, Any] = {"step": 0, "tokens": 0, "consumed": []}
+        self.consumed: set[tuple[str, str]] = set()  # (artifact_sha256, reservation_id) the weights include
+
+    def resume(self, out: Path) -> str | None:
+        """Restore the latest checkpoint under ``out`` (weights, optimizer, state); its SHA-256, or None."""
+        ckpts = _checkpoint_dirs(out)
+        ckpt_sha = None
+        if ckpts:
+            self.state, ckpt_sha = _checkpoint_record(ckpts[-1])
+            _restore(ckpts[-1], self.model, self.optimizer)
+        self.consumed = {(c["artifact_sha256"], c["reservation_id"]) for c in self.state["consumed"]}
+        return ckpt_sha
+
+    def train_shard(self, shard_dir: Path, head: ShardManifest) -> int:
+        """One pass over the shard's windows, one optimizer step per batch; the number of steps."""
+        from tqdm import tqdm
+
+        plan, steps = self.plan, 0
+        examples = load_shard_examples(shard_dir, head, plan)
+        windows = forward_windows(examples, plan.capture.max_sequence_length)
+        with tqdm(total=head.tokens, unit="tok", desc=head.shard_id, disable=not self.progress, file=sys.stderr) as bar:
+            for b0 in range(0, len(windows), self.batch_size):
+                ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
+                    windows[b0 : b0 + self.batch_size], examples, plan.probability.top_k, self.vocab, self.device,
+                    self.use_ce)
+                loss, _parts = kd_step_loss(self.model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp, mask,
+                                            tail, target)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                steps += 1
+                self.state["step"] += 1
+                self.state["tokens"] += int(rows.numel())
+                bar.update(int(rows.numel()))
+                fault("train_mid_shard")
+        return steps
+
+    def checkpoint(self, out: Path, transaction_id: str, artifact_sha256: str, reservation_id: str) -> str:
+        """Record the reservation as consumed and write a durable checkpoint; its SHA-256 (what the commit names)."""
+        self.state["consumed"].append(
+            {"transaction_id": transaction_id, "artifact_sha256": artifact_sha256, "reservation_id": reservation_id})
+        self.consumed.add((artifact_sha256, reservation_id))
+        _path, ckpt_sha = _write_checkpoint(out, len(_checkpoint_dirs(out)) + 1, self.model, self.optimizer,
+                                            self.state)
+        return ckpt_sha
 
 
 def ledger_status(base: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Consumption state per ledger file in ``base`` (a capture's ``.consumption``, or a legacy
     ``<train dir>/ledgers``); no model import."""
-    out = []
+    out: list[dict[str, Any]] = []
     base = Path(base)
     if not base.is_dir():
         return out

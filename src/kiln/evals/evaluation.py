@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from kiln.errors import Conflict, KilnError, Unavailable
+from kiln.errors import Conflict, Unavailable
 from kiln.evals import gate as gates
 from kiln.evals import schemas as s
 from kiln.evals.scorers import Scorers, judge_prompt, judge_verdict
@@ -27,6 +27,7 @@ from kiln.runtime.chat_generation import ChatGeneration
 if TYPE_CHECKING:
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
+    from kiln.adapters.activation import AdapterActivation
     from kiln.runtime.memory_budget import MemoryBudget
 
 log = logging.getLogger("kiln.evals")
@@ -81,7 +82,8 @@ class Evaluation:
     allow_code: bool
     runs: RunStore
     metrics: Any
-    memory: MemoryBudget | None  # memory admission (kiln.runtime.memory_budget); None: no accounting
+    memory: MemoryBudget | None  # memory admission of submissions (kiln.runtime.memory_budget); None: none
+    activation: AdapterActivation  # private loads: quarantine, memory reservation, canary
     _gating: bool  # the run being executed is a post-train gate (its job's own reservation is not in its way)
 
     @contextmanager
@@ -91,30 +93,12 @@ class Evaluation:
             yield None
             return
         name = f"{PRIVATE_PREFIX}{secrets.token_hex(6)}"
-        assert resolved.path is not None and resolved.revision is not None
-        reservation = None
-        if self.memory is not None:  # held while the private copy is loaded (409 / 507 as any adapter load)
-            from kiln.adapters.footprint import adapter_parts
-
-            reservation = self.memory.reserve(
-                "adapter", f"{name}@{resolved.revision}", adapter_parts(resolved.path),
+        assert resolved.adapter is not None and resolved.path is not None and resolved.revision is not None
+        with self.activation.private(
+                name, resolved.adapter, resolved.revision, resolved.path,
                 what=f"the eval's private load of {resolved.adapter!r} revision {resolved.revision[:12]}",
-                ignore_kinds=frozenset({"training"}) if self._gating else frozenset(), pending=True)
-        try:
-            self.engine.activate_adapter(name, resolved.path, resolved.revision)
-        except BaseException:
-            if reservation is not None:
-                self.memory.release(reservation)
-            raise
-        try:
+                ignore_kinds=frozenset({"training"}) if self._gating else frozenset()):
             yield name
-        finally:
-            try:
-                self.engine.deactivate_adapter(name)
-            except KilnError:
-                log.warning("private eval adapter %s was already gone", name)
-            if reservation is not None:
-                self.memory.release(reservation)
 
     def _verify_loaded(self, name: str | None, resolved: Resolved) -> None:
         """Before generation: the engine serves exactly the resolved revision under ``name``."""
@@ -301,7 +285,7 @@ class Evaluation:
     def _judge(self, cancel_id: str, suite: s.SuiteSpec, sc: s.JudgeScorer, completions: list[list[dict[str, Any]]],
                judge: str | None) -> list[list[tuple[bool, str]]]:
         if sc.mode == "preference":  # the answer against the reference, from the judge's A/B logprobs
-            from kiln.judgments.scoring import preference_verdicts
+            from kiln.evals.judge_preference import preference_verdicts
 
             return preference_verdicts(self.engine, judge, suite, completions, sc.threshold,
                                        check=lambda: self._check_cancel(cancel_id))

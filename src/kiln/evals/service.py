@@ -4,7 +4,8 @@ strict replay and the post-train gate.
 One evaluation (:meth:`EvalService._evaluate`, :mod:`kiln.evals.evaluation`):
 
 1. **Load.** An adapter target is loaded from the adapter store into the engine under a private
-   name ``kiln-eval-<hex>`` through the engine's own activation boundary (canary first), and its
+   name ``kiln-eval-<hex>`` through the activation service (:mod:`kiln.adapters.activation`: quarantine,
+   memory reservation, canary first), and its
    revision and base model are checked against the store before any row is generated. The base
    model needs no loading.
 2. **Generate.** Every ``(example, sample)`` row is submitted to the engine at once (a window of
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from kiln.adapters.activation import AdapterActivation
 from kiln.canonical import FileTooLargeError, NotRegularFileError, read_regular_file
 from kiln.errors import Conflict, InvalidRequest, KilnError, NotFound, Unavailable
 from kiln.evals import gate as gates
@@ -86,7 +88,9 @@ class EvalService(Evaluation):
         self.suites = SuiteStore(root / "suites")
         self.runs = RunStore(root / "runs.sqlite3")
         self.metrics = EvalMetrics(registry)
-        self.memory = None  # memory admission (set by the composition root): private loads reserve their bytes
+        self.memory = None  # memory admission of submissions (set by the composition root)
+        # private loads (kiln.adapters.activation); the composition root hands in the server's one service
+        self.activation = AdapterActivation(engine, store, model.base_model_sha256)
         self._gating = False
         self._queue: queue.Queue[str] = queue.Queue()
         self._stop = threading.Event()

@@ -1,9 +1,8 @@
-"""The preference prompt format (``kiln.judge-preference.v1``) a judge adapter is trained on and asked in.
+"""A judge adapter's training examples in the preference format (:mod:`kiln.evals.judge_format`).
 
-The judge reads one user turn that shows the prompt and two responses labelled ``A`` and ``B`` and
-answers with one letter. Training shows every judgment in both orders (the preferred response once
-as ``A``, once as ``B``), so the labels are balanced and the judge cannot learn the position. Asking
-also uses both orders and averages them (:mod:`kiln.judgments.scoring`).
+Training shows every judgment in both orders (the preferred response once as ``A``, once as ``B``), so
+the labels are balanced and the judge cannot learn the position. Asking also uses both orders and
+averages them (:mod:`kiln.evals.judge_preference`).
 
 Pure text; no torch.
 """
@@ -13,19 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kiln.canonical import canonical_sha256
-
-PREFERENCE_FORMAT = "kiln.judge-preference.v1"
-CHOICES = ("A", "B")
-_HEAD = "Which response answers the prompt better?\n\n### Prompt\n"
-_A = "\n\n### Response A\n"
-_B = "\n\n### Response B\n"
-_TAIL = "\n\nAnswer with one letter: A or B."
-
-
-def judge_messages(prompt: str, first: str, second: str) -> list[dict[str, str]]:
-    """The judge's chat turn for ``first`` shown as A and ``second`` as B (plain concatenation: text in a
-    response is never read as a placeholder)."""
-    return [{"role": "user", "content": _HEAD + prompt + _A + first + _B + second + _TAIL}]
+from kiln.evals.judge_format import PREFERENCE_FORMAT, judge_messages
 
 
 def training_examples(judgments: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

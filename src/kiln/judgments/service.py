@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from kiln.canonical import canonical_json_bytes
 from kiln.errors import InvalidRequest, Unavailable
+from kiln.evals.judge_preference import preferences, served_judge_revision
 from kiln.judgments import format as fmt
 from kiln.judgments.schemas import CompareRequest, JudgeTrainRequest, JudgmentCreate
-from kiln.judgments.scoring import preferences, served_judge_revision
 from kiln.judgments.store import FILE_NAME, JudgmentStore
 
 if TYPE_CHECKING:

@@ -50,11 +50,12 @@ from kiln.errors import (
     Unavailable,
 )
 from kiln.openenv import episode as ep
+from kiln.openenv.actions import ACTION_PROMPT, ActionGenerator
 from kiln.openenv.discovery import Discovery, discover
 from kiln.openenv.metrics import OpenEnvMetrics
 from kiln.openenv.policy import PolicyPin
 from kiln.openenv.schemas import RUN_ID_RE, TERMINAL, OpenEnvRunRequest
-from kiln.runtime.chat_generation import Answer, ChatGeneration
+from kiln.runtime.chat_generation import Answer
 
 if TYPE_CHECKING:
     from kiln.config import Settings
@@ -76,7 +77,6 @@ REPLAY_SCHEMA = "kiln.openenv-replay.v2"  # v2: the run's policy and each action
 RECEIPT_FILE = "train_receipt.json"
 RECEIPT_SCHEMA = "kiln.openenv-train-receipt.v1"
 CONTRACT_DOMAIN = "kiln.openenv-training-contract.v1"
-ACTION_PROMPT = "\n\nReply with exactly one JSON object (the action) that matches this JSON schema:\n"
 
 
 class ArtifactIntegrityError(Conflict):
@@ -104,7 +104,7 @@ class OpenEnvService:
         self._cancel: dict[str, threading.Event] = {}
         self._seq = 0
         self._stop = False
-        self._compiler: Any = None
+        self._actions = ActionGenerator(engine, settings.serving, self.cfg)  # the policy's actions
         self._threads = [threading.Thread(target=self._worker, name=f"kiln-openenv-{i}", daemon=True)
                          for i in range(self.cfg.max_active_runs)]
         self._recover()
@@ -333,87 +333,14 @@ class OpenEnvService:
         return discover(url, max_bytes=self.cfg.max_discovery_bytes, timeout_s=self.cfg.exchange_timeout_s)
 
     def _execute(self, rec: dict[str, Any], req: OpenEnvRunRequest, cancelled: Callable[[], bool]) -> None:
-        import httpx
-
+        """Discover, collect every group's episodes, revalidate the environment, publish, then train."""
         from kiln.training.schemas import GRPORequest
 
         disc = self._discover(req.env_url)
         self._update(rec, state="collecting",
                      environment={"url": disc.base_url, "name": disc.name, "discovery_sha256": disc.digest,
                                   "documents": sorted(disc.documents)})
-        system = req.instructions + ACTION_PROMPT + canonical_json(disc.action_schema)
-        pin = PolicyPin(req.policy_adapter)  # the first action pins the policy revision; a change fails the run
-        generate = self._policy(req, disc)
-        budget = ep.Budget(self.cfg.max_rollout_bytes)
-        groups: list[dict[str, Any]] = []
-        returns: list[list[float]] = []
-        played: list[tuple[dict[str, Any], list[ep.Episode]]] = []  # (reset payload, episodes) per group
-        with httpx.Client(follow_redirects=False, timeout=self.cfg.exchange_timeout_s, trust_env=False) as http:
-            retries = [0]
-
-            def open_session() -> ep.Session:
-                retries[0] += 1
-                return ep.Session(disc.base_url, max_frame_bytes=self.cfg.max_frame_bytes,
-                                  timeout_s=self.cfg.exchange_timeout_s, http=http,
-                                  discovery_cap=self.cfg.max_discovery_bytes)
-
-            for g in range(req.groups):
-                seed = req.seed + g
-                reset = {**req.reset, "seed": seed}
-                initial: list[dict[str, str]] | None = None
-                completions = []
-                played.append((reset, []))
-                group_returns = []
-                for _ in range(req.group_size):
-                    if cancelled():
-                        raise ep.Cancelled("the run was cancelled")
-                    session, data = ep.open_episode(open_session, reset, capacity_wait_s=self.cfg.capacity_wait_s,
-                                                    cancelled=cancelled, budget=budget)
-                    messages = [{"role": "system", "content": system},
-                                {"role": "user", "content": ep.render_observation(data)}]
-                    if initial is None:
-                        initial = messages
-                    elif messages != initial:
-                        session.close(polite=False)
-                        raise ep.EnvironmentProtocolError(
-                            f"group {g}: reset with seed {seed} gave a different initial observation",
-                            code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
-                    episode = ep.Episode(seed, data)
-
-                    def policy(msgs: list[dict[str, str]], episode: ep.Episode = episode) -> Answer:
-                        answer, revision = generate(msgs)
-                        episode.policies.append(pin.check(revision))
-                        if rec.get("policy") is None:  # the first action: the run's policy, persisted
-                            self._update(rec, policy=pin.pinned)
-                        return answer
-
-                    episode = ep.play(session, episode, policy, messages, validator=disc.validator,
-                                      max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
-                                      budget=budget, render=ep.render_observation, cancelled=cancelled)
-                    played[-1][1].append(episode)
-                    completions.append(ep.as_completion(episode))
-                    group_returns.append(episode.episode_return)
-                    self.metrics.episode(episode.termination, episode.episode_return, episode.steps,
-                                         len(episode.actions))
-                    with self._lock:
-                        rec["terminations"][episode.termination] += 1
-                        p = rec["progress"]
-                        p["episodes_done"] += 1
-                        p["env_steps"] += episode.steps
-                        p["policy_actions"] += len(episode.actions)
-                        self.metrics.capacity_retries.inc(retries[0] - p["episodes_done"] - p["capacity_retries"])
-                        p["capacity_retries"] = retries[0] - p["episodes_done"]
-                        p["rollout_bytes"] = budget.used
-                        if episode.error is not None:
-                            p["last_episode_error"] = {"termination": episode.termination, **episode.error}
-                        self._persist(rec)
-                assert initial is not None
-                groups.append({"messages": initial, "completions": completions})
-                returns.append(group_returns)
-                with self._lock:
-                    rec["progress"]["groups_done"] = g + 1
-                    rec["returns"] = _return_stats(returns)
-                    self._persist(rec)
+        groups, played = self._collect(rec, req, disc, cancelled)
         self._update(rec, state="revalidating")
         again = self._discover(req.env_url)
         if again.digest != disc.digest:
@@ -440,6 +367,91 @@ class OpenEnvService:
         job = self.trainer.submit(grpo)
         self._update(rec, state="training", training_job=_job_view(job))
         self._follow(rec, job["id"], cancelled)
+
+
+    def _collect(self, rec: dict[str, Any], req: OpenEnvRunRequest, disc: Discovery,
+                 cancelled: Callable[[], bool]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], list[ep.Episode]]]]:
+        """Play ``req.groups`` groups of ``req.group_size`` episodes; (GRPO groups, (reset payload, episodes) per group)."""
+        import httpx
+
+        system = req.instructions + ACTION_PROMPT + canonical_json(disc.action_schema)
+        pin = PolicyPin(req.policy_adapter)  # the first action pins the policy revision; a change fails the run
+        generate = self._actions.for_run(req, disc)
+        budget = ep.Budget(self.cfg.max_rollout_bytes)
+        groups: list[dict[str, Any]] = []
+        returns: list[list[float]] = []
+        played: list[tuple[dict[str, Any], list[ep.Episode]]] = []  # (reset payload, episodes) per group
+        with httpx.Client(follow_redirects=False, timeout=self.cfg.exchange_timeout_s, trust_env=False) as http:
+            retries = [0]
+
+            def open_session() -> ep.Session:
+                retries[0] += 1
+                return ep.Session(disc.base_url, max_frame_bytes=self.cfg.max_frame_bytes,
+                                  timeout_s=self.cfg.exchange_timeout_s, http=http,
+                                  discovery_cap=self.cfg.max_discovery_bytes)
+
+            def policy_for(episode: ep.Episode) -> Callable[[list[dict[str, str]]], Answer]:
+                def policy(msgs: list[dict[str, str]]) -> Answer:
+                    answer, revision = generate(msgs)
+                    episode.policies.append(pin.check(revision))
+                    if rec.get("policy") is None:  # the first action: the run's policy, persisted
+                        self._update(rec, policy=pin.pinned)
+                    return answer
+                return policy
+
+            for g in range(req.groups):
+                seed = req.seed + g
+                reset = {**req.reset, "seed": seed}
+                initial: list[dict[str, str]] | None = None
+                completions = []
+                played.append((reset, []))
+                group_returns = []
+                for _ in range(req.group_size):
+                    if cancelled():
+                        raise ep.Cancelled("the run was cancelled")
+                    session, data = ep.open_episode(open_session, reset, capacity_wait_s=self.cfg.capacity_wait_s,
+                                                    cancelled=cancelled, budget=budget)
+                    messages = [{"role": "system", "content": system},
+                                {"role": "user", "content": ep.render_observation(data)}]
+                    if initial is None:
+                        initial = messages
+                    elif messages != initial:
+                        session.close(polite=False)
+                        raise ep.EnvironmentProtocolError(
+                            f"group {g}: reset with seed {seed} gave a different initial observation",
+                            code="initial_messages_differ", hint="the environment's reset must be deterministic in its seed")
+                    episode = ep.Episode(seed, data)
+                    episode = ep.play(session, episode, policy_for(episode), messages, validator=disc.validator,
+                                      max_steps=req.max_steps, protocol_error_reward=req.protocol_error_reward,
+                                      budget=budget, render=ep.render_observation, cancelled=cancelled)
+                    played[-1][1].append(episode)
+                    completions.append(ep.as_completion(episode))
+                    group_returns.append(episode.episode_return)
+                    self._record_episode(rec, episode, retries[0], budget.used)
+                assert initial is not None
+                groups.append({"messages": initial, "completions": completions})
+                returns.append(group_returns)
+                with self._lock:
+                    rec["progress"]["groups_done"] = g + 1
+                    rec["returns"] = _return_stats(returns)
+                    self._persist(rec)
+        return groups, played
+
+    def _record_episode(self, rec: dict[str, Any], episode: ep.Episode, sessions_opened: int, rollout_bytes: int) -> None:
+        """A finished episode into the metrics and the run's persisted progress."""
+        self.metrics.episode(episode.termination, episode.episode_return, episode.steps, len(episode.actions))
+        with self._lock:
+            rec["terminations"][episode.termination] += 1
+            p = rec["progress"]
+            p["episodes_done"] += 1
+            p["env_steps"] += episode.steps
+            p["policy_actions"] += len(episode.actions)
+            self.metrics.capacity_retries.inc(sessions_opened - p["episodes_done"] - p["capacity_retries"])
+            p["capacity_retries"] = sessions_opened - p["episodes_done"]
+            p["rollout_bytes"] = rollout_bytes
+            if episode.error is not None:
+                p["last_episode_error"] = {"termination": episode.termination, **episode.error}
+            self._persist(rec)
 
     def _publish(self, rec: dict[str, Any], disc: Discovery, groups: list[dict[str, Any]],
                  played: list[tuple[dict[str, Any], list[ep.Episode]]]) -> dict[str, dict[str, Any]]:
@@ -553,70 +565,6 @@ class OpenEnvService:
             os.close(fd)
             raise
         return fd, entry["bytes"], entry["sha256"]
-
-    def _policy(self, req: OpenEnvRunRequest,
-                disc: Discovery) -> Callable[[list[dict[str, str]]], tuple[Answer, str | None]]:
-        """The policy's generator: messages -> (its answer, the adapter revision that produced it).
-
-        Actions follow the in-process generation contract (:mod:`kiln.runtime.chat_generation`): the run's
-        ``chat_template_kwargs`` and ``thinking_token_budget``, the server's reasoning parser. Where the model may
-        think, the answer reasons first: under the action grammar the span is opened after the prompt, so the
-        grammar starts once the reasoning ends (or the budget closes it). The action is the answer after the
-        span; the reasoning is kept beside it."""
-        from kiln.runtime.sampling import SamplingParams
-
-        grammar = self._grammar(generation_schema(disc.action_schema)) if req.constrained else None
-        contract = ChatGeneration.for_engine(self.engine, self.settings.serving, req.chat_template_kwargs,
-                                             req.budget())
-        counter = [0]
-
-        def act(messages: list[dict[str, str]]) -> tuple[Answer, str | None]:
-            counter[0] += 1
-            base = contract.prompt_ids(messages)
-            ids = contract.opening(base) if grammar is not None else base
-            room = max(1, self.engine.config.max_model_len - len(ids))
-            params = contract.constrain([SamplingParams(
-                max_tokens=min(req.max_action_tokens, room), temperature=req.temperature,
-                seed=(req.seed * 1_000_003 + counter[0]) % (2**63),
-                constraint=None if grammar is None else self._compiler.matcher(grammar))], ids)
-            try:
-                out = self.engine.generate(ids, params, adapter=req.policy_adapter,
-                                           timeout=self.cfg.generation_timeout_s)
-            except TimeoutError as exc:
-                raise Unavailable(str(exc), code="policy_timeout") from None
-            answer = contract.split(out[0].text, ids)
-            opened = self.engine.decode(ids[len(base):]) if len(ids) > len(base) else ""  # the span start appended
-            return Answer(answer.content, answer.reasoning, opened + answer.text), out[0].adapter_revision
-
-        return act
-
-    def _grammar(self, schema: dict[str, Any]) -> str:
-        from kiln.runtime.constrained import GrammarCompiler
-
-        if self._compiler is None:
-            tokens = self.engine.tokens
-            config = getattr(getattr(self.engine, "loaded", None), "model", None)
-            vocab = max(int(getattr(getattr(config, "config", None), "vocab_size", 0) or 0), tokens.vocab_size)
-            self._compiler = GrammarCompiler(tokens.tokenizer, vocab, tokens.eos_ids)
-        try:
-            return self._compiler.json_schema(schema, "action_schema")
-        except InvalidRequest as exc:
-            raise ep.EnvironmentProtocolError(f"the action schema cannot be compiled for constrained decoding: "
-                                              f"{exc.message}", code="action_schema_unsupported",
-                                              hint="run with constrained=false") from None
-
-
-def generation_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema actions are decoded under: the action schema without OpenEnv's optional ``metadata``.
-
-    Every OpenEnv ``Action`` inherits a free-form ``metadata`` object; it is bookkeeping, not the
-    policy's decision, and under a grammar a row could spend all its tokens inside it. The
-    complete schema still validates every action before it is sent.
-    """
-    props = schema.get("properties")
-    if isinstance(props, dict) and "metadata" in props and "metadata" not in (schema.get("required") or []):
-        return {**schema, "properties": {k: v for k, v in props.items() if k != "metadata"}}
-    return schema
 
 
 def _contract(plan: Any) -> dict[str, Any]:

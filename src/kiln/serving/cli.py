@@ -20,7 +20,7 @@ import gc
 import shlex
 import sys
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -96,30 +96,40 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"kiln serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    settings = loaded.settings
+    app, model_id = _build_app(loaded)
+    if not _run_server(app, loaded.settings.server, model_id):
+        raise typer.Exit(1)
 
+
+def _build_app(loaded: Any) -> tuple[Any, str]:
+    """Load the model and build the state and the app (private umask first); a problem exits with status 2."""
     import os
 
-    import uvicorn
-
+    from kiln.config import ConfigError
     from kiln.runtime.loader import ModelLoadError
     from kiln.serving.app import build_state, create_app
-    from kiln.serving.security import MAX_REQUEST_HEAD_BYTES, ApiKeyMissing, header_timeout_protocol
+    from kiln.serving.security import ApiKeyMissing
     from kiln.serving.state import PRIVATE_UMASK
 
     os.umask(PRIVATE_UMASK)
-
-    typer.echo(f"kiln serve: loading model {settings.model.path or '(built-in)'} ...", err=True)
+    typer.echo(f"kiln serve: loading model {loaded.settings.model.path or '(built-in)'} ...", err=True)
     try:
         state = build_state(loaded)
     except (ModelLoadError, ConfigError) as exc:  # ConfigError: a [vllm] problem found while resolving it
         typer.echo(f"kiln serve: {exc}", err=True)
         raise typer.Exit(2) from None
     try:
-        app = create_app(loaded, state=state)
+        return create_app(loaded, state=state), state.model_id
     except ApiKeyMissing as exc:
         typer.echo(f"kiln serve: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _run_server(app: Any, srv: Any, model_id: str) -> bool:
+    """Serve ``app`` with uvicorn under the [server] settings ``srv`` until a signal; whether it started."""
+    import uvicorn
+
+    from kiln.serving.security import MAX_REQUEST_HEAD_BYTES, header_timeout_protocol
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -131,7 +141,7 @@ def serve(
             gc.collect()
             gc.freeze()
             bound = self.servers[0].sockets[0].getsockname()
-            _print_ready(bound[0], bound[1], state.model_id)
+            _print_ready(bound[0], bound[1], model_id)
 
         @contextmanager
         def capture_signals(self):
@@ -143,7 +153,6 @@ def serve(
                 finally:
                     self._captured_signals.clear()
 
-    srv = settings.server
     server = _Server(uvicorn.Config(
         app, host=srv.host, port=srv.port, log_level=srv.log_level, access_log=srv.log_level == "debug",
         http=header_timeout_protocol(_uvicorn_http_protocol(), srv.header_timeout_s),
@@ -151,8 +160,7 @@ def serve(
         h11_max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES,  # h11 answers 400 past it; httptools: the protocol
     ))
     server.run()
-    if not server.started:
-        raise typer.Exit(1)
+    return bool(server.started)
 
 
 def _uvicorn_http_protocol() -> type:

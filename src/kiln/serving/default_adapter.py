@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.errors import InvalidRequest
-from kiln.serving.activation import activate
 
 BARE_BASE_SUFFIX = "@base"  # "<base model ID>@base": the base without the default adapter
 
@@ -47,7 +46,7 @@ def set_default(state: Any, name: str, revision: str | None = None) -> dict[str,
         raise InvalidRequest("this server keeps no served adapter set", code="default_adapter_unavailable")
     record = state.store.verify(name, revision)
     if state.engine.active_adapters().get(name) != record.revision:
-        activate(state, record)  # base and quarantine checked, canary run; a failure quarantines it
+        state.activation.activate(record)  # base, quarantine, memory and canary; a failure quarantines it
     state.served.default = (record.name, record.revision)
     state.served.save(state.engine.active_adapters())
     return describe(state)

@@ -1,7 +1,8 @@
 """HTTP routes for ``/v1/adapters``: list, inspect, receipt, load, unload, delete, upload, download, merge.
 
-The store logic lives in :mod:`kiln.adapters`; activation goes through the
-engine (``activate_adapter`` canary-checks and swaps atomically). Adapter
+The store logic lives in :mod:`kiln.adapters`; a load goes through the activation service
+(:mod:`kiln.adapters.activation`: base, quarantine, memory, then the engine's canary-checked atomic
+swap). Adapter
 errors become Kiln's error envelope with their own status codes.
 """
 
@@ -24,7 +25,6 @@ from kiln.adapters.merge import DEFAULT_TIES_DENSITY, MAX_MERGE_PARENTS, publish
 from kiln.adapters.store import AdapterRecord, AdapterStore
 from kiln.errors import NotFound
 from kiln.serving import default_adapter
-from kiln.serving.activation import activate
 from kiln.serving.state import require_experimental
 from kiln.serving.path_params import AdapterName
 
@@ -177,7 +177,7 @@ def load_adapter(name: AdapterName, request: Request) -> dict[str, Any]:
     """Verify the stored files, then serve the adapter's current revision (canary-checked, atomic swap)."""
     state = _state(request)
     record = _store(request).verify(name)
-    activate(state, record)  # 409 other base or quarantined; a failed load or canary: 400 adapter_rejected, quarantined
+    state.activation.activate(record)  # 409 other base / quarantined / memory; failed canary: 400, quarantined
     return {"name": record.name, "revision": record.revision, "active": True}
 
 

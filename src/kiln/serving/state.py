@@ -31,6 +31,7 @@ from kiln.serving.metrics import Metrics
 if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from fastapi import Request
 
+    from kiln.adapters.activation import AdapterActivation
     from kiln.adapters.served import ServedSet
     from kiln.adapters.store import AdapterStore
     from kiln.evals.service import EvalService
@@ -60,6 +61,7 @@ class KilnState:
     evals: EvalService  # suites, runs and post-train gates
     openenv: OpenEnvService  # OpenEnv runs -> GRPO
     judgments: JudgmentService  # A/B preferences -> judge adapters (docs/evals.md, "Judgments")
+    activation: AdapterActivation  # the one way an adapter revision comes onto the engine (kiln.adapters.activation)
     started_at: float = field(default_factory=time.time)
     teachers: TeacherService | None = None  # this server's teacher identity and the teacher registry
     served: ServedSet | None = None  # the served adapter set kept across restarts (restore_served)
@@ -129,22 +131,27 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     from kiln.teachers.service import build_teachers
 
     teachers = build_teachers(settings, model, engine, store)
+    from kiln.adapters.activation import AdapterActivation
+    from kiln.adapters.served import ServedSet
+
+    served = ServedSet(store.root, public=store.has)  # not an eval's private load
+    activation = AdapterActivation(engine, store, model.base_model_sha256, memory=memory, served=served,
+                                   on_canary_failed=metrics.canary_failed)
     evals = build_evals(settings, model, engine, store, metrics)
-    evals.memory = memory  # private loads of eval targets and judges reserve their bytes
+    evals.memory = memory  # eval submissions are admitted by memory
+    evals.activation = activation  # private loads of eval targets and judges: quarantine, memory, canary
     trainer = build_training(settings, engine, store, model) if settings.training.enabled else None
     if trainer is not None:
         trainer.set_teachers(teachers)  # OPD jobs resolve their teacher here
         trainer.set_eval_service(evals)  # post_eval gates
         trainer.memory = memory  # memory admission at submission and at the job's start
+        trainer.activation = activation  # auto_load / activate_on_pass: the same checks as an operator load
         trainer.observer = metrics  # step time, tokens/s
         metrics.bind_counts("training", trainer.jobs.counts)
-    from kiln.adapters.served import ServedSet
-
-    served = ServedSet(store.root, public=store.has)  # not an eval's private load
     openenv = build_openenv(settings, engine, trainer, metrics)
     judgments = build_judgments(settings, engine, trainer)
     state = KilnState(loaded_settings, model, engine, store, trainer, metrics, fingerprint, evals, openenv, judgments,
-                      teachers=teachers, served=served, memory=memory)
+                      activation, teachers=teachers, served=served, memory=memory)
     if trainer is not None:  # post_eval.set_default_on_pass: a promoted revision becomes the server default
         from kiln.serving.default_adapter import set_default
 
@@ -175,24 +182,13 @@ def build_memory_budget(settings: Settings, model: LoadedModel, engine: ServingE
 
 def restore_served(state: KilnState) -> None:
     """At start-up, before requests: serve again what was served before the restart (each at its
-    revision), then record every later change of the served set (blocking: run it off the loop)."""
+    revision, through the activation service), then record every later change of the served set
+    (blocking: run it off the loop)."""
     if state.served is None:
         return
     served = state.served
-    from kiln.serving.activation import activate
-
-    state.adapters_not_restored, saved_default = served.restore(state.store, lambda record: activate(state, record))
-    memory = state.memory
-
-    def adapters_changed(active: dict[str, str]) -> None:
-        served.save(active)
-        if memory is not None:  # an unloaded or replaced revision releases its reservation
-            owners = {f"{name}@{revision}": name for name, revision in active.items()}
-            memory.keep_only("adapter", set(owners))
-            for owner in set(owners) - memory.owners("adapter"):  # loaded by a job's auto_load
-                record_served_adapter(state, memory, owners[owner], owner)
-
-    state.engine.on_adapters_changed = adapters_changed
+    state.adapters_not_restored, saved_default = state.activation.restore()
+    state.engine.on_adapters_changed = state.activation.record_served
     configured = state.settings.adapters.default
     if configured:  # the operator's start-up default wins over the saved one; failing it stops start-up
         from kiln.errors import KilnError
@@ -209,18 +205,6 @@ def restore_served(state: KilnState) -> None:
         state.adapters_not_restored.append({"name": name, "revision": revision,
                                             "error": "the default adapter's revision is not served; default cleared"})
     served.save(state.engine.active_adapters())
-
-
-def record_served_adapter(state: KilnState, memory: MemoryBudget, name: str, owner: str) -> None:
-    """Reserve the bytes of an adapter revision that was loaded without admission (a job's auto_load)."""
-    from kiln.adapters.footprint import adapter_parts
-
-    try:
-        record = state.store.get(name)
-    except Exception:  # noqa: BLE001 - accounting must never fail the load that already happened
-        return
-    if f"{record.name}@{record.revision}" == owner:
-        memory.record("adapter", owner, adapter_parts(record.path))
 
 
 def build_vllm_engine(settings: Settings, model: LoadedModel, engine_config, metrics: Metrics, fingerprint: str):

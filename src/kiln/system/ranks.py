@@ -364,12 +364,18 @@ class RankPopulationDecision(BaseModel):
 
 
 def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDecision:
-    """Decide a declared observation; every check runs, every finding is kept."""
-    obs = observation
+    """Decide a declared observation; every check runs, every finding is kept (in the order of the checks)."""
+    findings = (_rank_set_findings(observation) + _host_findings(observation) + _process_findings(observation)
+                + _decomposition_findings(observation))
+    if findings:
+        return RankPopulationDecision(decision="refused", findings=tuple(findings))
+    return RankPopulationDecision(decision="coherent", findings=())
+
+
+def _rank_set_findings(obs: DeclaredObservation) -> list[Any]:
+    """The rank set: count, uniqueness and range together pin it (see the module docstring)."""
     parts = obs.participants
     findings: list[Any] = []
-
-    # Rank set: count, uniqueness and range together pin it (see module docstring).
     if len(parts) != obs.world_size:
         findings.append(ParticipantCountMismatch(world_size=obs.world_size, participant_count=len(parts)))
 
@@ -383,8 +389,13 @@ def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDe
     for p in _by_location(parts):
         if not 0 <= p.global_rank < obs.world_size:
             findings.append(RankOutOfRange(global_rank=p.global_rank, host=p.host, world_size=obs.world_size))
+    return findings
 
-    # Host join, in both directions, over distinct host identities.
+
+def _host_findings(obs: DeclaredObservation) -> list[Any]:
+    """The host join, in both directions, over distinct host identities."""
+    parts = obs.participants
+    findings: list[Any] = []
     selected = set(obs.selected_hosts)
     carrying = {p.host for p in parts}
     for p in _by_location(parts):
@@ -395,8 +406,13 @@ def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDe
     for host, n in sorted(Counter(obs.selected_hosts).items()):
         if n > 1:
             findings.append(SelectedHostNamedMoreThanOnce(host=host, occurrences=n))
+    return findings
 
-    # Process keys are host-local: only compare them within one host.
+
+def _process_findings(obs: DeclaredObservation) -> list[Any]:
+    """Worker processes (their keys are host-local: compared within one host), incarnations, completeness."""
+    parts = obs.participants
+    findings: list[Any] = []
     ranks_by_key: dict[tuple[str, str], list[int]] = defaultdict(list)
     for p in parts:
         ranks_by_key[(p.host, p.host_local_worker_process_key)].append(p.global_rank)
@@ -419,8 +435,13 @@ def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDe
 
     if not obs.returned_completely:
         findings.append(ObservationIncomplete(participant_count=len(parts)))
+    return findings
 
-    # Decomposition: only a pure tensor-parallel world is in this law's scope.
+
+def _decomposition_findings(obs: DeclaredObservation) -> list[Any]:
+    """The decomposition: only a pure tensor-parallel world is in this law's scope."""
+    parts = obs.participants
+    findings: list[Any] = []
     tp, pp, dp = obs.tensor_parallel_size, obs.pipeline_parallel_size, obs.data_parallel_size
     if pp != 1 or dp != 1:
         findings.append(
@@ -451,10 +472,7 @@ def decide_rank_population(observation: DeclaredObservation) -> RankPopulationDe
                     global_rank=p.global_rank, tensor_parallel_rank=p.tensor_parallel_rank, host=p.host
                 )
             )
-
-    if findings:
-        return RankPopulationDecision(decision="refused", findings=tuple(findings))
-    return RankPopulationDecision(decision="coherent", findings=())
+    return findings
 
 
 def _by_location(parts: tuple[Participant, ...]) -> list[Participant]:

@@ -43,9 +43,13 @@ def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
     if loc.get("unchanged_fraction") is not None:
         typer.echo(f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL "
                    f"{loc['kl_mean']:.4f} nats/token, {loc['degenerate']} made degenerate")
-    if res.get("held_back"):
-        typer.echo(f"not served: {res['held_back']['reason']} (serve it anyway: kiln adapters load {res['adapter']}, "
+    held = res.get("held_back")
+    if held and str(held.get("code", "")).startswith("locality_"):  # the locality guard
+        typer.echo(f"not served: {held['reason']} (serve it anyway: kiln adapters load {res['adapter']}, "
                    "or resubmit with --locality-override)", err=True)
+    elif held:  # the activation was refused (quarantine, memory, a failed canary)
+        typer.echo(f"not served ({held['code']}): {held['reason']} (kiln adapters load {res['adapter']} "
+                   "once that is resolved)", err=True)
 
 
 def _common(adapter: str, epochs: Optional[int], lr: Optional[float], rank: Optional[int], base: Optional[str],

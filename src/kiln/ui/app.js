@@ -603,10 +603,12 @@
       const report = result.report || {};
       status.dataset.revision = result.revision || '';
       status.dataset.learned = String(report.learned === true);
-      if (result.held_back) { // the locality guard did not serve it: say why instead of asking it
+      if (result.held_back) { // the locality guard or the activation (quarantine, memory) did not serve it: say why
         status.dataset.heldBack = result.held_back.code;
+        const guard = result.held_back.code.startsWith('locality_');
         status.textContent = `job ${done.id} published ${adapter} revision ${short(result.revision)}, but it is not `
-          + `served: ${result.held_back.reason}. Load it by hand on the Adapters page, or correct with fewer steps.`;
+          + `served: ${result.held_back.reason}. Load it by hand on the Adapters page`
+          + (guard ? ', or correct with fewer steps.' : ' once that is resolved.');
         return;
       }
       status.textContent = `job ${done.id} succeeded: ${adapter} revision ${short(result.revision)}`

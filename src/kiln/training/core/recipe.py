@@ -24,6 +24,7 @@ from kiln.training.core.lora import add_private_adapter, lora_config, save_adapt
 from kiln.training.core.plan import JobPlan
 
 if TYPE_CHECKING:
+    from kiln.adapters.activation import AdapterActivation
     from kiln.adapters.store import AdapterRecord, AdapterStore, Staging
     from kiln.runtime.engine import Engine
     from kiln.runtime.loader import LoadedModel
@@ -50,6 +51,8 @@ class RecipeContext:
     set_default: Callable[[str, str], Any] | None = None
     locality: Any = None  # settings.locality (kiln.config.LocalitySettings); None: its defaults
     suites: Any = None  # the eval suite store a job's locality.eval_suite is read from (None: no evals)
+    # the server's activation service (kiln.adapters.activation); None: one over this engine and store, no memory
+    activation: AdapterActivation | None = None
 
 
 class TrainingRecipe:
@@ -185,7 +188,9 @@ class TrainingRecipe:
         return None
 
     def activate(self, record: AdapterRecord) -> None:
-        """``auto_load``, or with ``post_eval`` only a ``promoted`` verdict with ``activate_on_pass``."""
+        """``auto_load``, or with ``post_eval`` only a ``promoted`` verdict with ``activate_on_pass``; through the
+        activation service, so a refused activation (quarantine, memory, canary) or the locality guard holds the
+        adapter back (:attr:`held_back`) and the job still succeeds: its revision is published."""
         post_eval = self.plan.request.get("post_eval")
         activate = self.plan.auto_load
         if post_eval is not None:
@@ -197,12 +202,29 @@ class TrainingRecipe:
         if activate and not self.admitted_by_guard():
             activate = False
         if activate:
-            self.ctx.engine.activate_adapter(record.name, Path(record.path), record.revision)
-            if post_eval is not None and post_eval.get("set_default_on_pass") and self.ctx.set_default is not None:
-                self.ctx.set_default(record.name, record.revision)
-                self.default_set = True
+            activate = self._activate(record)
+        if activate and post_eval is not None and post_eval.get("set_default_on_pass") \
+                and self.ctx.set_default is not None:
+            self.ctx.set_default(record.name, record.revision)
+            self.default_set = True
         self.activated = activate
         self._phase("activate")
+
+    def _activate(self, record: AdapterRecord) -> bool:
+        """Serve ``record`` through the activation service; a refusal is recorded in :attr:`held_back`."""
+        from kiln.adapters.activation import AdapterActivation
+        from kiln.errors import KilnError
+
+        service = self.ctx.activation or AdapterActivation(self.ctx.engine, self.ctx.store,
+                                                           self.ctx.model.base_model_sha256)
+        try:  # this job's own training reservation ends with it: it is not in the adapter's way
+            service.activate(record, ignore_kinds=frozenset({"training"}))
+        except KilnError as exc:
+            log.warning("job %s: adapter %s@%s held back: %s", self.job_id, record.name, record.revision[:12],
+                        exc.message)
+            self.held_back = {"code": exc.code, "reason": exc.message}
+            return False
+        return True
 
     def admitted_by_guard(self) -> bool:
         """Whether the locality guard lets this job activate its adapter (auto_load, post_eval activate_on_pass

@@ -153,7 +153,7 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any, cont
 
     if engine is None:
         raise _refuse("the judge reward needs the serving engine", "unsupported_reward_scorer")
-    from kiln.judgments.scoring import served_judge_revision
+    from kiln.evals.judge_preference import served_judge_revision
 
     adapter = None if spec.judge is None else spec.judge.adapter
     revision = served_judge_revision(engine, adapter, param="reward.scorer.judge")
@@ -197,9 +197,9 @@ def _judge_reward(spec: Any, prompts: Sequence[RolloutPrompt], engine: Any, cont
 def _preference_reward(prompts: Sequence[RolloutPrompt], engine: Any, adapter: str | None,
                        revision: str | None) -> RewardFn:
     """Reward = P(completion better than the prompt's reference) from a judge adapter's A/B logprobs
-    (:mod:`kiln.judgments.scoring`, both orders averaged): a value in [0, 1], no sampling."""
-    from kiln.judgments.format import PREFERENCE_FORMAT
-    from kiln.judgments.scoring import last_user_text, preferences
+    (:mod:`kiln.evals.judge_preference`, both orders averaged): a value in [0, 1], no sampling."""
+    from kiln.evals.judge_format import PREFERENCE_FORMAT
+    from kiln.evals.judge_preference import last_user_text, preferences
 
     missing = [i for i, p in enumerate(prompts) if not (p.reference or "").strip()]
     if missing:

@@ -2,7 +2,7 @@
 
 ``POST /v1/train/kd`` names a capture run root (``kiln distill capture --out``)
 under the server's data dir. :func:`prepare_kd` validates it before queueing:
-every shard is verified (:func:`kiln.distill.train.available_shards`), the
+every shard is verified (:func:`kiln.distill.examples.available_shards`), the
 capture plan's ``student`` must be the served checkpoint and its ``tokenizer``
 the served tokenizer (the same checks ``train_sparse_kd`` makes), and its
 ``vocab_size`` the model's output width. The worker then consumes each shard
@@ -138,7 +138,7 @@ def _check_open_reservation(ctx: PrepareContext, ledger: Any, resume_from: str |
 def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     """Validate a KD request against the capture run, the served model and the ledgers; return its plan."""
     from kiln.distill.errors import DistillError
-    from kiln.distill.train import _windows, available_shards, load_shard_examples
+    from kiln.distill.examples import available_shards, forward_windows, load_shard_examples
     from kiln.training.core.data import TrainingDataError, confined_data_dir
     from kiln.training.core.loop import Plan
 
@@ -167,7 +167,7 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     for shard_dir, head in todo:
         try:
             examples = load_shard_examples(shard_dir, head, plan)
-            windows = len(_windows(examples, plan.capture.max_sequence_length))
+            windows = len(forward_windows(examples, plan.capture.max_sequence_length))
             data_shard = KDShard(head.transaction_id, shard_dir, head.digest(),
                                  math.ceil(windows / request.batch_size))
             ledger = _ledger(root, data_shard, plan, legacy_root)
@@ -242,10 +242,10 @@ def run_kd(peft_model: Any, name: str, data: KDData, plan: Any, *, hooks: Any, r
 
 
 class _KDStep:
-    """One sparse-KD optimizer step on a batch of a shard's windows (:mod:`kiln.distill.train`'s loss)."""
+    """One sparse-KD optimizer step on a batch of a shard's windows (:mod:`kiln.training.losses.kd_batch`)."""
 
     def __init__(self, peft_model: Any, data: KDData, loop: Any, *, anchor: Any = None, pad_id: int = 0):
-        from kiln.distill.train import kd_loss_split
+        from kiln.training.losses.kd_batch import kd_loss_split
         from kiln.training.losses.kd import SparseKDLoss
 
         cplan = data.capture_plan
@@ -258,18 +258,19 @@ class _KDStep:
 
     def train_pass(self, shard: KDShard, pass_index: int) -> None:
         """Every batch of ``shard``'s windows, in order: one optimizer step each."""
-        from kiln.distill.train import _batch_tensors, _windows, kd_step_loss, load_shard_examples
+        from kiln.distill.examples import forward_windows, load_shard_examples
         from kiln.training.core.anchor import anchor_term
+        from kiln.training.losses.kd_batch import batch_tensors, kd_step_loss
 
         loop, cplan, batch_size = self.loop, self.cplan, self.loop.plan.batch_size
         k, vocab = cplan.probability.top_k, cplan.tokenizer.vocab_size
         examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
-        windows = _windows(examples, cplan.capture.max_sequence_length)
+        windows = forward_windows(examples, cplan.capture.max_sequence_length)
         for b0 in range(0, len(windows), batch_size):
             loop.check_cancel()
             with loop.step_ownership():
                 t0 = time.perf_counter()
-                ids, att, rows, offs, sel, lp, mask, tail, target = _batch_tensors(
+                ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
                     windows[b0:b0 + batch_size], examples, k, vocab, loop.device, self.use_ce)
                 loss, _parts = kd_step_loss(self.peft_model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp,
                                             mask, tail, target)

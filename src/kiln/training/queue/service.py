@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from kiln.adapters.activation import AdapterActivation
 from kiln.errors import Conflict
 from kiln.training.core.data import TrainingDataError
 from kiln.training.core.loop import Hooks
@@ -77,6 +78,8 @@ class TrainingService:
                                         check_resumable=self._check_resumable, engine=engine, jobs=self.jobs)
         self._plans: dict[str, JobPlan[Any]] = {}  # plans of jobs submitted to this process, by job ID
         self.memory: MemoryBudget | None = None  # admission by memory (set by the app)
+        # auto_load / activate_on_pass (kiln.adapters.activation); the app hands in the server's one service
+        self.activation = AdapterActivation(engine, store, model.base_model_sha256)
         self.observer: Any = None  # kiln.serving.metrics.Metrics: step time, tokens/s (set by the app)
         # post_eval.set_default_on_pass: (name, revision) -> pin as the server default (set by the serving root)
         self.set_default: Callable[[str, str], Any] | None = None
@@ -229,7 +232,8 @@ class TrainingService:
             else:
                 self.jobs.finish(job.id, jobstates.SUCCEEDED, result=result)
                 if self.observer is not None:
-                    self.observer.training_locality(job.kind, result.get("locality"), "held_back" in result)
+                    guard = str((result.get("held_back") or {}).get("code", "")).startswith("locality_")
+                    self.observer.training_locality(job.kind, result.get("locality"), guard)
             finally:
                 self._running = None
                 if reservation is not None and self.memory is not None:
@@ -316,7 +320,7 @@ class TrainingService:
                             None if not resumed else self._checkpoint_root(resumed), gate=self._gate_for(job),
                             compile=self.settings.training.compile, teachers=self.teachers,
                             set_default=self.set_default, locality=self.settings.locality,
-                            suites=None if self.evals is None else self.evals.suites)
+                            suites=None if self.evals is None else self.evals.suites, activation=self.activation)
         return kinds.kind_of_plan(plan).recipe(plan, ctx, job_id=job.id).run()
 
 

@@ -1,7 +1,7 @@
 """Ask a judge which of two responses is better, from the logprobs of ``A`` and ``B``.
 
 The judge (the served base model or an adapter it serves, public or an eval's private load) reads the
-:mod:`kiln.judgments.format` turn; its next-token logprobs of the two letters, renormalised over the
+:mod:`kiln.evals.judge_format` turn; its next-token logprobs of the two letters, renormalised over the
 pair, give P(first is better). Each pair is asked in both orders and the two probabilities of the same
 response averaged, which cancels a judge's preference for a position. Scoring uses the engine's prompt
 scoring (one prefill per order and letter, no sampling), so the answer is the same for every seed.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kiln.errors import Conflict, InvalidRequest, RateLimited, Unavailable
-from kiln.judgments.format import CHOICES, judge_messages
+from kiln.evals.judge_format import CHOICES, judge_messages
 
 SCORE_TIMEOUT_S = 120.0
 WINDOW = 8  # pairs in flight at once (4 prompt scorings each); the engine batches them
