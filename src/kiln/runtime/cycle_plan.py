@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 from kiln.runtime.rows import Row, ScoreRow
 
@@ -63,9 +63,10 @@ class CyclePlan:
     @classmethod
     def of(cls, items: list[PlanItem], decoding: set[int]) -> CyclePlan:
         """A plan of ``items`` (rows whose id is in ``decoding`` decode one token), on the engine's threads."""
-        return cls(tuple(r for r, _ in items if id(r) in decoding),  # type: ignore[misc]
-                   tuple((r, c) for r, c in items if id(r) not in decoding and not r.scoring),  # type: ignore[misc]
-                   tuple((r, c) for r, c in items if r.scoring))  # type: ignore[misc]
+        return cls(cast("tuple[Row, ...]", tuple(r for r, _ in items if id(r) in decoding)),
+                   cast("tuple[tuple[Row, int], ...]",
+                        tuple((r, c) for r, c in items if id(r) not in decoding and not r.scoring)),
+                   cast("tuple[tuple[ScoreRow, int], ...]", tuple((r, c) for r, c in items if r.scoring)))
 
     def split(self, *, halves: bool) -> list[CyclePlan]:
         """Smaller plans covering this one: two halves (``halves``) or one plan per row."""

@@ -80,8 +80,8 @@ class RowQueues:
         """``row`` stops running: out of its stage, its blocks and state slot given back."""
         if row in self.prefilling:
             self.prefilling.remove(row)
-        elif row in self.decoding:
-            self.decoding.remove(row)  # type: ignore[arg-type]
+        elif isinstance(row, Row) and row in self.decoding:
+            self.decoding.remove(row)
         self.ledger.release(row)
 
     def preempt(self, row: AnyRow) -> None:

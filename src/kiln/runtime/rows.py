@@ -78,7 +78,7 @@ class ScoreRow:
     __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
                  "rows", "cancelled", "state_slot", "score_from", "cache_key", "cache_uid", "registered")
 
-    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future, score_from: int = 0):
+    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future[list[PromptLogprobRow | None]], score_from: int = 0):
         self.score_from = score_from
         self.cache_key = adapter_key  # prefix-cache namespace (used only with score_from > 1)
         self.cache_uid = 0

@@ -113,7 +113,7 @@ class Scheduler:
         self.observer = observer
         self._cv = threading.Condition()
         self._inbox: collections.deque[Row | ScoreRow] = collections.deque()
-        self._jobs: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._cancel_pending = False
         self._admitting = 0  # requests the HTTP layer is parsing and rendering, not yet submitted
         self.ledger = BlockLedger(kv, batches.states)
@@ -270,8 +270,8 @@ class Scheduler:
             self._cancel_pending = True
             self._cv.notify_all()
 
-    def run_job(self, fn: Callable[[], Any]) -> Future:
-        fut: Future = Future()
+    def run_job(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
         with self._cv:
             if not self.running:
                 raise EngineNotRunning("the engine is not running; restart the server")
@@ -338,7 +338,7 @@ class Scheduler:
         return bool(self._inbox or self._jobs or self._cancel_pending or self.queues.busy()
                     or self.adapters.reap_pending)
 
-    def _run_job(self, fn: Callable[[], Any], fut: Future) -> None:
+    def _run_job(self, fn: Callable[[], Any], fut: Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
