@@ -5,8 +5,12 @@ lives in its own module:
 
 * :mod:`kiln.runtime.submission` - the consumer side (``Submission``, ``RowStream``,
   ``Completion``) and the errors a caller sees;
-* :mod:`kiln.runtime.scheduler` - the actor thread, the queues, admission by memory, preemption, one cycle;
-* :mod:`kiln.runtime.paged_kv` - the paged KV pool (blocks, block tables, prefix cache);
+* :mod:`kiln.runtime.scheduler` - the actor thread, the inbox, one cycle (schedule -> execute -> update), health;
+* :mod:`kiln.runtime.cycle_plan`, :mod:`kiln.runtime.cycle_execute`, :mod:`kiln.runtime.cycle_update` - the
+  three steps of a cycle; :mod:`kiln.runtime.cycle_faults` - its failure classes and containment;
+* :mod:`kiln.runtime.row_queues` - rows by stage, admission by memory, preemption;
+* :mod:`kiln.runtime.paged_kv` - the paged KV pool; :mod:`kiln.runtime.kv_ledger` - each row's blocks,
+  prefix publication and state slot;
 * :mod:`kiln.runtime.batches` - the packed, decode and prefill forwards;
 * :mod:`kiln.runtime.tokenization` - chat rendering, tokenizing, token text;
 * :mod:`kiln.runtime.adapter_slots` - live LoRA adapters (name -> key, references).
