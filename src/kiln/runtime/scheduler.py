@@ -424,8 +424,10 @@ class Scheduler:
         try:
             out = self.execute(plan)
         except Exception as exc:  # noqa: BLE001  (classified and contained, or latched, by cycle_faults)
-            for cls, n in contain(plan, exc, self._containment).items():
-                self.faults[cls] = self.faults.get(cls, 0) + n
+            seen = contain(plan, exc, self._containment)
+            with self._cv:  # stats() copies the counts under it
+                for cls, n in seen.items():
+                    self.faults[cls] = self.faults.get(cls, 0) + n
         else:
             self._apply(plan, out, observe=True)
         q = self.queues
