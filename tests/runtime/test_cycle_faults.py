@@ -137,6 +137,29 @@ def test_out_of_memory_shrinks_the_cycle_by_halves():
     assert rec.relieved == 3  # before each retry: the 4, the 2, then the 1 that ran out
 
 
+def test_out_of_memory_on_one_prompt_chunk_cuts_the_chunk():
+    """A lone 5-token chunk that only fits at 2 tokens runs 2 now (the rest in later cycles); a decode
+    token cannot be cut, so a decoding row that runs out of memory alone ends."""
+    tried: list[int] = []
+    applied: list[int] = []
+    failed: list[str] = []
+
+    def execute(plan):
+        c = plan.items()[0][1]
+        tried.append(c)
+        if c > 2:
+            raise InjectedOutOfMemory("out of memory")
+        return "out"
+
+    how = Containment(execute, lambda plan, out: applied.append(plan.items()[0][1]),
+                      lambda row, fault: failed.append(row.name), lambda: None)
+    contain(_plan(0, 1), InjectedOutOfMemory("out of memory"), how)
+    assert tried == [2] and applied == [2] and failed == []  # 5 -> 2 (5 // 2)
+    assert CyclePlan(prompts=((_row("p"), 1),)).shrunk() is None  # type: ignore[arg-type]
+    contain(_plan(1, 0), InjectedOutOfMemory("out of memory"), how)
+    assert failed == ["d0"]
+
+
 def test_an_unknown_state_or_an_unsettled_model_latches():
     rec = Recorder(set())
     with pytest.raises(CycleLatched) as info:

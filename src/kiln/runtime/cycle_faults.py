@@ -11,9 +11,10 @@ rows of that cycle. The classes:
     :class:`~kiln.runtime.submission.EngineRowFailed`; the others go on as if nothing happened.
 ``out_of_memory``
     The forward ran out of memory (``torch.OutOfMemoryError``, a CPU allocator failure). The cycle is
-    shrunk: its rows run in halves, recursively, with the pool's workspace and the CUDA cache freed
-    between tries; a row that runs out of memory alone ends with
-    :class:`~kiln.runtime.submission.EngineOutOfMemory` (503, retry later).
+    shrunk: its rows run in halves, recursively, and a lone prompt chunk is cut in half (its rest runs
+    in later cycles), with the pool's workspace and the CUDA cache freed between tries; a row that
+    runs out of memory alone on one token ends with :class:`~kiln.runtime.submission.EngineOutOfMemory`
+    (503, retry later). The shrinking is per failed cycle: later cycles plan their usual size.
 ``unknown_state``
     Anything after which the engine cannot tell which writes completed: a failure in the update step
     (rows half advanced), a device error that poisons the context (``CUDA error``, a device-side
@@ -153,7 +154,7 @@ class Containment:
 
 def contain(plan: CyclePlan, exc: Exception, how: Containment) -> dict[str, int]:
     """Run the rows of ``plan``, whose forward raised ``exc``, in smaller plans: one per row after a
-    ``forward_error``, halves (recursively) after ``out_of_memory``. A row that fails alone is ended
+    ``forward_error``, halves (recursively, down to half a prompt chunk) after ``out_of_memory``. A row that fails alone is ended
     with its :class:`RowFault`; the others are updated as usual. Returns the count of each class seen.
     Raises :class:`CycleLatched` for ``unknown_state`` (or any failure when ``how.unsettled``)."""
     seen: dict[str, int] = {}
@@ -179,8 +180,11 @@ def contain(plan: CyclePlan, exc: Exception, how: Containment) -> dict[str, int]
                     "running it again in halves" if cls == OUT_OF_MEMORY else "running its rows one by one")
         if cls == OUT_OF_MEMORY:
             how.relieve()
+        smaller = sub.shrunk() if cls == OUT_OF_MEMORY else None
         if len(sub.items()) > 1:
             pending[:0] = sub.split(halves=cls == OUT_OF_MEMORY)
+        elif smaller is not None:  # one prompt chunk: half of it now, the rest in later cycles
+            pending.insert(0, smaller)
         else:
             row = sub.rows[0]
             log.error("ending one row after its forward failed alone (%s: %s)", cls, describe(failure))

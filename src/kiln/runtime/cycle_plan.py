@@ -68,6 +68,15 @@ class CyclePlan:
                         tuple((r, c) for r, c in items if id(r) not in decoding and not r.scoring)),
                    cast("tuple[tuple[ScoreRow, int], ...]", tuple((r, c) for r, c in items if r.scoring)))
 
+    def shrunk(self) -> CyclePlan | None:
+        """A one-row plan of a prompt chunk cut to its first half (the rest waits for a later cycle);
+        None when there is nothing left to cut (a decode token, a one-token chunk, several rows)."""
+        items = self.items()
+        if len(items) != 1 or self.decoding or items[0][1] < 2:
+            return None
+        row, c = items[0]
+        return CyclePlan.of([(row, c // 2)], set())
+
     def split(self, *, halves: bool) -> list[CyclePlan]:
         """Smaller plans covering this one: two halves (``halves``) or one plan per row."""
         items = self.items()
