@@ -145,16 +145,16 @@ def test_vanishing_top_p_with_a_neighbour(private_engine, top_p):
 
 
 def test_failure_in_one_rows_sampling_ends_that_row_only(private_engine, monkeypatch):
-    import kiln.runtime.scheduler as scheduler
+    import kiln.runtime.cycle_update as cycle_update
 
-    real = scheduler.select_tokens
+    real = cycle_update.select_tokens
 
     def flaky(logits, params, gens, shared=None, *rest):
         if any(p.top_k == 7 for p in params):
             raise RuntimeError("sampler blew up")
         return real(logits, params, gens, shared, *rest)
 
-    monkeypatch.setattr(scheduler, "select_tokens", flaky)
+    monkeypatch.setattr(cycle_update, "select_tokens", flaky)
     engine = private_engine()
     good = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     bad = SamplingParams(max_tokens=6, temperature=1.0, top_k=7)

@@ -95,14 +95,14 @@ def run_joining(loaded, factor: float) -> tuple[list[tuple[int, int]], list[int]
     sched = engine._scheduler
     sched.step_cost = FixedCost()
     cycles: list[tuple[int, int]] = []
-    plan = sched._plan
+    plan = sched.planner.plan
 
     def recording_plan():
-        chunks = plan()
-        cycles.append((len(sched._decoding), sum(c for r, c in chunks)))
-        return chunks
+        planned = plan()
+        cycles.append((len(planned.decoding), sum(c for _, c in planned.prompts + planned.scoring)))
+        return planned
 
-    sched._plan = recording_plan
+    sched.planner.plan = recording_plan
     try:
         a_prompt = engine.encode_chat([{"role": "user", "content": "Count: 1 2 3"}])
         b_prompt = engine.encode_chat([{"role": "user", "content": LONG}])

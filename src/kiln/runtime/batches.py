@@ -9,7 +9,10 @@
 
 Rows are the scheduler's (duck-typed: ``tokens`` (what to prefill), ``prefilled``,
 ``pos``, ``blocks``, ``generated``, ``adapter_key``); every row already holds the
-blocks its positions of this step need (the scheduler allocates them). KV lives in a
+blocks its positions of this step need (the scheduler allocates them). The builders
+read rows and never change them: a row's ``pos`` and ``prefilled`` advance in the
+cycle's update (:mod:`kiln.runtime.cycle_update`), after the forward returned, so a
+forward that raises leaves every row as it was before the cycle. KV lives in a
 :class:`~kiln.runtime.paged_kv.BlockPool`; attention reads each row's own blocks,
 ``len(blocks) * block_size`` positions wide, masked to its length. Every tensor is
 created on the model's device. The caller holds shared accelerator ownership and
@@ -174,11 +177,6 @@ class Batches:
             cache = self.kv.step(table, wb[None, :], wo[None, :], packed=True)
         logits = self._forward([rows[0].adapter_key], torch.tensor([ids], device=dev), pos_t[None, :], mask, cache,
                                torch.tensor(keep, dtype=torch.long, device=dev) if keep else 1)[0]
-        for r in decoding:
-            r.pos += 1
-        for r, c in chunks:
-            r.prefilled += c
-            r.pos = r.prefilled
         n = len(decoding)
         return (logits[:n] if n else None), (logits[n:] if completing else None), completing
 
@@ -207,8 +205,6 @@ class Batches:
             except Exception as exc:  # noqa: BLE001  (inductor raises its own C++/backend error types)
                 return self._compile_failed(rows, exc)
             self.compiled_shapes.add((rows_b, width))
-        for r in rows:
-            r.pos += 1
         return logits[:n]
 
     @property
@@ -248,8 +244,6 @@ class Batches:
             mask = (torch.arange(kv_len, device=dev)[None, :] <= pos[:, None])[:, None, None, :]
             cache = self._step(rows, table, wb[:, None], wo[:, None])
         logits = self._forward([r.adapter_key for r in rows], ids, pos[:, None], mask, cache, 1)
-        for r in rows:
-            r.pos += 1
         return logits[:, -1]
 
     def prefill(self, chunks: list[Chunk], *, all_logits: bool = False) -> tuple[torch.Tensor | None, list[Any]]:
@@ -310,12 +304,7 @@ class Batches:
         keep = 0 if all_logits else 1 if left else (lens - 1)[:, None]
         padding = real.long() if left and width > int(lens.min()) else None
         logits = self._forward([r.adapter_key for r in rows], ids, qpos, mask, cache, keep, padding)
-        completing_idx = []
-        for i, (r, c) in enumerate(chunks):
-            r.prefilled += c
-            r.pos = r.prefilled
-            if r.prefilled == len(r.tokens):
-                completing_idx.append(i)
+        completing_idx = [i for i, (r, c) in enumerate(chunks) if r.prefilled + c == len(r.tokens)]
         if all_logits:
             return logits, rows
         if not completing_idx:

@@ -1,21 +1,27 @@
-"""How one engine cycle spends its token budget: decode blocks first (preempting the youngest row when the
-pool is out), then prompt chunks for generation and scoring rows, admission from the waiting queue, the
-mixed-step allowance beside decoding rows, and the torch threads of a prompt-only cycle.
+"""How one engine cycle spends its token budget, as a frozen :class:`CyclePlan`: decode blocks first
+(preempting the youngest row when the pool is out), then prompt chunks for generation and scoring rows,
+admission from the waiting queue, the mixed-step allowance beside decoding rows, and the torch threads of
+a prompt-only cycle.
 
-:class:`CyclePlanner` is the planning half of :class:`kiln.runtime.scheduler.Scheduler` (which owns the rows,
-the KV pool and the actor thread, and provides the attributes and block operations declared below).
+:class:`CyclePlanner` is the *schedule* step of a cycle (schedule -> execute -> update, see
+:mod:`kiln.runtime.scheduler`). It moves rows between the stages of :class:`~kiln.runtime.row_queues.RowQueues`
+and grows block tables through the :class:`~kiln.runtime.kv_ledger.BlockLedger`; what it returns is fixed
+for the rest of the cycle: :mod:`kiln.runtime.cycle_execute` runs the plan's forwards without touching a row,
+and :mod:`kiln.runtime.cycle_update` applies their results.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, cast
+
+from kiln.runtime.rows import Row, ScoreRow
 
 if TYPE_CHECKING:
     from kiln.runtime.engine_config import EngineConfig
-    from kiln.runtime.paged_kv import BlockPool
-    from kiln.runtime.rows import Row, ScoreRow
+    from kiln.runtime.kv_ledger import BlockLedger
+    from kiln.runtime.row_queues import RowQueues
     from kiln.runtime.step_cost import StepCost
 
 QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
@@ -24,26 +30,80 @@ MIN_MIXED_PROMPT_TOKENS = 4  # prompt tokens a cycle beside decoding rows always
 # held-back prompt has waited (so a backlog is served in about sqrt(2 x cycles x backlog / allowance) cycles)
 MIXED_AGE_CYCLES = 4
 
+PlanItem = tuple[Row | ScoreRow, int]  # (row, tokens this cycle: 1 for a decoding row, the chunk for a prompt)
+
+
+@dataclass(frozen=True)
+class CyclePlan:
+    """What one cycle runs: one token for each decoding row, a prompt chunk for each generation and
+    scoring row (in that row's order of the scheduler's lists), and the torch threads to run it on
+    (0: the engine's own). Rows hold every block their positions of this cycle need."""
+
+    decoding: tuple[Row, ...] = ()
+    prompts: tuple[tuple[Row, int], ...] = ()
+    scoring: tuple[tuple[ScoreRow, int], ...] = ()
+    threads: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decoding or self.prompts or self.scoring)
+
+    @property
+    def rows(self) -> list[Row | ScoreRow]:
+        return [*self.decoding, *(r for r, _ in self.prompts), *(r for r, _ in self.scoring)]
+
+    @property
+    def generation_tokens(self) -> int:
+        """Tokens of the generation rows (what the cycle-cost fit is of)."""
+        return len(self.decoding) + sum(c for _, c in self.prompts)
+
+    def items(self) -> list[PlanItem]:
+        return [*((r, 1) for r in self.decoding), *self.prompts, *self.scoring]
+
+    @classmethod
+    def of(cls, items: list[PlanItem], decoding: set[int]) -> CyclePlan:
+        """A plan of ``items`` (rows whose id is in ``decoding`` decode one token), on the engine's threads."""
+        return cls(cast("tuple[Row, ...]", tuple(r for r, _ in items if id(r) in decoding)),
+                   cast("tuple[tuple[Row, int], ...]",
+                        tuple((r, c) for r, c in items if id(r) not in decoding and not r.scoring)),
+                   cast("tuple[tuple[ScoreRow, int], ...]", tuple((r, c) for r, c in items if r.scoring)))
+
+    def shrunk(self) -> CyclePlan | None:
+        """A one-row plan of a prompt chunk cut to its first half (the rest waits for a later cycle);
+        None when there is nothing left to cut (a decode token, a one-token chunk, several rows)."""
+        items = self.items()
+        if len(items) != 1 or self.decoding or items[0][1] < 2:
+            return None
+        row, c = items[0]
+        return CyclePlan.of([(row, c // 2)], set())
+
+    def split(self, *, halves: bool) -> list[CyclePlan]:
+        """Smaller plans covering this one: two halves (``halves``) or one plan per row."""
+        items = self.items()
+        decoding = {id(r) for r in self.decoding}
+        if halves and len(items) > 1:
+            mid = len(items) // 2
+            return [CyclePlan.of(items[:mid], decoding), CyclePlan.of(items[mid:], decoding)]
+        return [CyclePlan.of([item], decoding) for item in items]
+
 
 class CyclePlanner:
-    """Plans a cycle over the scheduler's row lists (mixed into the scheduler)."""
+    """Plans each cycle over the scheduler's rows (see the module docstring)."""
 
-    config: EngineConfig
-    kv: BlockPool
-    step_cost: StepCost
-    _decoding: list[Row]
-    _prefilling: list[Row | ScoreRow]
-    _waiting: deque[Row | ScoreRow]
-    _queue_view: tuple[str | None, list[Any]]
-    _oldest_wait: float | None
-    _wide_min_tokens: int | None
+    def __init__(self, config: EngineConfig, queues: RowQueues, ledger: BlockLedger, step_cost: StepCost,
+                 wide_min_tokens: int | None):
+        self.config = config
+        self.queues = queues
+        self.ledger = ledger
+        self.step_cost = step_cost
+        # prompt-only cycles with at least this many tokens run on config.prefill_threads (None: never)
+        self.wide_min_tokens = wide_min_tokens
+        self.oldest_wait: float | None = None  # perf_counter the oldest waiting row entered the queue
+        # published after each plan (one assignment, read by any thread): (what the head of the queue
+        # waits for, [(t_wait, prompt tokens, scoring)] of the first rows)
+        self.queue_view: tuple[str | None, list[tuple[float, int, bool]]] = (None, [])
 
-    def _grow(self, row: Row | ScoreRow, positions: int) -> bool: ...
-    def _preempt(self, row: Row | ScoreRow) -> None: ...
-    def _admit(self, row: Row | ScoreRow) -> bool: ...
-    def _running(self) -> int: ...
-
-    def _plan(self) -> list[tuple[Row | ScoreRow, int]]:
+    def plan(self) -> CyclePlan:
         """Blocks for this cycle's decode tokens, then prompt chunks within the token budget.
 
         Decoding rows get the block their next token needs first, oldest row first; when the
@@ -55,71 +115,43 @@ class CyclePlanner:
         chunks, and a stream of chats cannot starve scoring. A prompt chunk shrinks to the
         blocks it can get (preempting only younger prefilling rows); a waiting row is admitted
         only while the pool can hold its prompt."""
-        cfg = self.config
-        done: set[int] = set()
-        for row in sorted(self._decoding, key=lambda r: r.seq):
-            while row in self._decoding and not self._grow(row, row.pos + 1):
-                victim = max((r for r in self._prefilling + self._decoding if id(r) not in done), key=lambda r: r.seq)
-                self._preempt(victim)
-            done.add(id(row))
-        total = cfg.token_budget - len(self._decoding)
-        reserve = cfg.token_budget // 4
+        q = self.queues
+        self._grow_decoding()
+        total = self.config.token_budget - len(q.decoding)
+        reserve = self.config.token_budget // 4
         mixed = self._mixed_allowance()
         if mixed is not None and mixed < total:
             total, reserve = mixed, max(1, mixed // 4)
-        scoring_pending = any(r.scoring for r in self._prefilling) or any(r.scoring for r in self._waiting)
-        budget = [total - (reserve if scoring_pending else 0)]
-        chunks: list[tuple[Row | ScoreRow, int]] = []
-        planned: set[int] = set()
+        scoring_pending = any(r.scoring for r in q.prefilling) or any(r.scoring for r in q.waiting)
+        chunks = _Chunks(self, total - (reserve if scoring_pending else 0))
+        for row in [r for r in q.prefilling if not r.scoring]:
+            if chunks.budget > 0:
+                chunks.take(row)
+        chunks.admit(lambda r: not r.scoring)
+        chunks.budget = total - sum(c for _, c in chunks.taken)  # what is left, the scoring reserve included
+        for row in [r for r in q.prefilling if r.scoring]:
+            if chunks.budget > 0:
+                chunks.take(row)
+        chunks.admit(lambda r: r.scoring and sum(1 for p in q.prefilling if p.scoring) < self.scoring_slots)
+        self.oldest_wait = min((r.t_wait for r in q.waiting), default=None)
+        if q.waiting or self.queue_view[1]:
+            self.queue_view = (chunks.blocked, [(r.t_wait, len(r.tokens), r.scoring)
+                                                for r in list(q.waiting)[:QUEUE_DETAIL_MAX]])
+        decoding = tuple(q.decoding)
+        prompts = tuple((r, c) for r, c in chunks.taken if isinstance(r, Row))
+        return CyclePlan(decoding, prompts, tuple((r, c) for r, c in chunks.taken if isinstance(r, ScoreRow)),
+                         self._cycle_threads(decoding, chunks.taken))
 
-        def take(row: Row | ScoreRow) -> None:
-            if row not in self._prefilling:
-                return  # preempted by an older row this cycle
-            c = min(len(row.tokens) - row.prefilled, cfg.prefill_chunk_tokens, budget[0])
-            while not self._grow(row, row.prefilled + c):
-                younger = [r for r in self._prefilling if r.seq > row.seq and id(r) not in planned]
-                if not younger:
-                    break
-                self._preempt(max(younger, key=lambda r: r.seq))
-            c = min(c, len(row.blocks) * self.kv.block_size - row.prefilled)
-            if c > 0:
-                chunks.append((row, c))
-                planned.add(id(row))
-                budget[0] -= c
-
-        blocked: list[str | None] = [None]
-
-        def admit(pick: Callable[[Row | ScoreRow], bool]) -> None:
-            while True:
-                row = next((r for r in self._waiting if pick(r)), None)
-                if row is None:
-                    return
-                if budget[0] <= 0:
-                    blocked[0] = blocked[0] or "token_budget"
-                    return
-                if self._running() >= cfg.max_running_rows:
-                    blocked[0] = blocked[0] or "running_rows"
-                    return
-                if not self._admit(row):
-                    blocked[0] = blocked[0] or "kv_budget"
-                    return
-                self._waiting.remove(row)
-                take(row)
-
-        for row in [r for r in self._prefilling if not r.scoring]:
-            if budget[0] > 0:
-                take(row)
-        admit(lambda r: not r.scoring)
-        budget[0] = total - sum(c for _, c in chunks)  # what is left, the scoring reserve included
-        for row in [r for r in self._prefilling if r.scoring]:
-            if budget[0] > 0:
-                take(row)
-        admit(lambda r: r.scoring and sum(1 for p in self._prefilling if p.scoring) < self.scoring_slots)
-        self._oldest_wait = min((r.t_wait for r in self._waiting), default=None)
-        if self._waiting or self._queue_view[1]:
-            self._queue_view = (blocked[0], [(r.t_wait, len(r.tokens), r.scoring)
-                                             for r in list(self._waiting)[:QUEUE_DETAIL_MAX]])
-        return chunks
+    def _grow_decoding(self) -> None:
+        """The block each decoding row's next token needs, oldest row first; when the pool is out the
+        youngest running row not yet served this cycle is preempted (possibly the row itself)."""
+        q = self.queues
+        done: set[int] = set()
+        for row in sorted(q.decoding, key=lambda r: r.seq):
+            while row in q.decoding and not self.ledger.grow(row, row.pos + 1):
+                victim = max((r for r in q.prefilling + q.decoding if id(r) not in done), key=lambda r: r.seq)
+                q.preempt(victim)
+            done.add(id(row))
 
     def _mixed_allowance(self) -> int | None:
         """Prompt tokens this cycle may carry beside the decoding rows so that it is expected to
@@ -135,25 +167,73 @@ class CyclePlanner:
         cycle may take ``k`` times the allowance, so the stall each cycle adds grows gently
         instead of jumping to the whole token budget."""
         factor = self.config.mixed_step_factor
-        if not self._decoding or factor <= 0:
+        decoding = self.queues.decoding
+        if not decoding or factor <= 0:
             return None
-        extra = self.step_cost.extra_tokens(len(self._decoding), factor)
+        extra = self.step_cost.extra_tokens(len(decoding), factor)
         if extra is None:
             return None
-        held = [r.t_wait for r in self._waiting] + [r.t_wait for r in self._prefilling]
-        cycle_s = self.step_cost.predict(len(self._decoding)) or 0.0
+        held = [r.t_wait for r in self.queues.waiting] + [r.t_wait for r in self.queues.prefilling]
+        cycle_s = self.step_cost.predict(len(decoding)) or 0.0
         scale = 1.0
         if held and cycle_s > 0.0:
             scale = max(1.0, (time.perf_counter() - min(held)) / (MIXED_AGE_CYCLES * cycle_s))
         return max(MIN_MIXED_PROMPT_TOKENS, int(extra * scale))
 
-    def _cycle_threads(self, decoding: list[Row], chunks: list[tuple[Row | ScoreRow, int]]) -> int:
+    def _cycle_threads(self, decoding: tuple[Row, ...], chunks: list[PlanItem]) -> int:
         """Torch threads for this cycle's forwards: ``prefill_threads`` for a prompt-only cycle
         with enough work to pay for them (:mod:`kiln.runtime.threads`), else 0 (the engine's own)."""
-        if self._wide_min_tokens is None or decoding or sum(c for _, c in chunks) < self._wide_min_tokens:
+        if self.wide_min_tokens is None or decoding or sum(c for _, c in chunks) < self.wide_min_tokens:
             return 0
         return self.config.prefill_threads
 
     @property
     def scoring_slots(self) -> int:
         return max(1, self.config.max_running_rows // 2)
+
+
+class _Chunks:
+    """The prompt chunks of one plan being built: the budget left, what was taken, what blocked admission."""
+
+    def __init__(self, planner: CyclePlanner, budget: int):
+        self.planner = planner
+        self.budget = budget
+        self.taken: list[PlanItem] = []
+        self._planned: set[int] = set()
+        self.blocked: str | None = None
+
+    def take(self, row: Row | ScoreRow) -> None:
+        """The next chunk of ``row``'s prompt, shrunk to the blocks it can get (preempting only
+        younger prefilling rows not planned yet)."""
+        q, ledger = self.planner.queues, self.planner.ledger
+        if row not in q.prefilling:
+            return  # preempted by an older row this cycle
+        c = min(len(row.tokens) - row.prefilled, self.planner.config.prefill_chunk_tokens, self.budget)
+        while not ledger.grow(row, row.prefilled + c):
+            younger = [r for r in q.prefilling if r.seq > row.seq and id(r) not in self._planned]
+            if not younger:
+                break
+            q.preempt(max(younger, key=lambda r: r.seq))
+        c = min(c, ledger.blocks_room(row))
+        if c > 0:
+            self.taken.append((row, c))
+            self._planned.add(id(row))
+            self.budget -= c
+
+    def admit(self, pick: Callable[[Row | ScoreRow], bool]) -> None:
+        """Admit waiting rows ``pick`` accepts, in queue order, while budget, running slots and blocks last."""
+        q, cfg = self.planner.queues, self.planner.config
+        while True:
+            row = next((r for r in q.waiting if pick(r)), None)
+            if row is None:
+                return
+            if self.budget <= 0:
+                self.blocked = self.blocked or "token_budget"
+                return
+            if q.running() >= cfg.max_running_rows:
+                self.blocked = self.blocked or "running_rows"
+                return
+            if not q.admit(row):
+                self.blocked = self.blocked or "kv_budget"
+                return
+            self.take(row)

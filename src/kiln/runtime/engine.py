@@ -5,8 +5,12 @@ lives in its own module:
 
 * :mod:`kiln.runtime.submission` - the consumer side (``Submission``, ``RowStream``,
   ``Completion``) and the errors a caller sees;
-* :mod:`kiln.runtime.scheduler` - the actor thread, the queues, admission by memory, preemption, one cycle;
-* :mod:`kiln.runtime.paged_kv` - the paged KV pool (blocks, block tables, prefix cache);
+* :mod:`kiln.runtime.scheduler` - the actor thread, the inbox, one cycle (schedule -> execute -> update), health;
+* :mod:`kiln.runtime.cycle_plan`, :mod:`kiln.runtime.cycle_execute`, :mod:`kiln.runtime.cycle_update` - the
+  three steps of a cycle; :mod:`kiln.runtime.cycle_faults` - its failure classes and containment;
+* :mod:`kiln.runtime.row_queues` - rows by stage, admission by memory, preemption;
+* :mod:`kiln.runtime.paged_kv` - the paged KV pool; :mod:`kiln.runtime.kv_ledger` - each row's blocks,
+  prefix publication and state slot;
 * :mod:`kiln.runtime.batches` - the packed, decode and prefill forwards;
 * :mod:`kiln.runtime.tokenization` - chat rendering, tokenizing, token text;
 * :mod:`kiln.runtime.adapter_slots` - live LoRA adapters (name -> key, references).
@@ -173,7 +177,7 @@ class Engine(TokenFacade):
                           paged_attention=self._paged_attention(dtype), states=states)
         self._probe(batches)
         self._scheduler = Scheduler(cfg, kv, batches, self.adapters, self.ownership, self.observer, self.device,
-                                    macs_per_token=prompt_macs_per_token(self.model))
+                                    macs_per_token=prompt_macs_per_token(self.model), prompt_text=self.tokens.decode)
 
     @property
     def max_request_rows(self) -> int:
@@ -212,6 +216,7 @@ class Engine(TokenFacade):
             row.state_slot = states.allocate() if states is not None else -1
             with torch.inference_mode():
                 batches.prefill([(row, 2)])
+                row.prefilled = row.pos = 2  # the builders never advance a row (the cycle's update does)
                 logits, _ = batches.prefill([(row, 1)])
             if logits is None or logits.shape[-1] < 1:
                 raise RuntimeError("the probe forward returned no logits")
@@ -257,6 +262,11 @@ class Engine(TokenFacade):
     def health(self) -> tuple[bool, str | None]:
         """``(ok, reason)``: not ok when stopped, failed, or stuck in one step past ``stall_timeout_s``."""
         return self._scheduler.health()
+
+    @property
+    def restart_required(self) -> dict[str, str] | None:
+        """``{"class", "reason"}`` once a cycle failure latched the engine (kiln.runtime.cycle_faults), else None."""
+        return self._scheduler.restart_required
 
     # -- adapters (public API used by training/adapters code) --------------------
     def activate_adapter(self, name: str, path: Path, revision: str) -> None:

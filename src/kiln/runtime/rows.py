@@ -15,7 +15,7 @@ import torch
 from kiln.runtime.request_trace import RequestTrace
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.scoring import PromptLogprobRow
-from kiln.runtime.submission import EngineError, EngineNotRunning, RowStream
+from kiln.runtime.submission import EngineError, EngineNotRunning, RowFault, RowStream
 from kiln.runtime.textstream import TextStream
 
 
@@ -57,12 +57,13 @@ class Row:
         self.t_admit = self.t_first = self.lock_wait = 0.0
         self.trace: RequestTrace | None = None  # set when the recent-request log records this request
 
-    def end(self, reason: str) -> RowStream:
-        """Deliver the final text and the finish reason; returns the stream to wake."""
+    def end(self, reason: str, fault: RowFault | None = None) -> RowStream:
+        """Deliver the final text and the finish reason (and, for ``error``, the contained fault); returns
+        the stream to wake."""
         tail = self.text.flush()
         self.stream.completion_tokens = len(self.generated)
         self.stream._push(tail, None)
-        self.stream._close(reason)
+        self.stream._close(reason, fault)
         return self.stream
 
 
@@ -77,7 +78,7 @@ class ScoreRow:
     __slots__ = ("prompt", "tokens", "top_k", "adapter_key", "future", "blocks", "seq", "t_wait", "prefilled", "pos",
                  "rows", "cancelled", "state_slot", "score_from", "cache_key", "cache_uid", "registered")
 
-    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future, score_from: int = 0):
+    def __init__(self, prompt: list[int], top_k: int, adapter_key: str, future: Future[list[PromptLogprobRow | None]], score_from: int = 0):
         self.score_from = score_from
         self.cache_key = adapter_key  # prefix-cache namespace (used only with score_from > 1)
         self.cache_uid = 0
@@ -96,11 +97,13 @@ class ScoreRow:
         self.rows: list[PromptLogprobRow | None] = [None]
         self.cancelled = False
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: str, fault: RowFault | None = None) -> None:
         if not self.future.set_running_or_notify_cancel():
             return  # the caller cancelled it
         if reason == "stop":
             self.future.set_result(self.rows)
+        elif reason == "error" and fault is not None:
+            self.future.set_exception(fault.error())
         elif reason == "error":
             self.future.set_exception(EngineError("the engine failed while scoring this prompt"))
         else:

@@ -35,11 +35,21 @@ from admission until its blocks are released (finish, cancel, preemption, engine
 a waiting row is admitted only while a slot is free. A preempted hybrid row recomputes
 its state from scratch, as its KV.
 
+A cycle is three steps over frozen values: *schedule* (:class:`~kiln.runtime.cycle_plan.CyclePlanner`
+returns a :class:`~kiln.runtime.cycle_plan.CyclePlan`), *execute* (:class:`~kiln.runtime.cycle_execute.CycleExecutor`
+runs its forwards and returns a :class:`~kiln.runtime.cycle_execute.ForwardOutput`, touching no row) and
+*update* (:class:`~kiln.runtime.cycle_update.CycleUpdate` advances, publishes, samples and ends rows). Rows
+live in :class:`~kiln.runtime.row_queues.RowQueues`; their blocks and state slots in the
+:class:`~kiln.runtime.kv_ledger.BlockLedger`.
+
 A row is *active* from admission until its cleanup (blocks released, linear-state slot
 and adapter reference dropped, final event delivered) is done; ``stats()["active_rows"]`` counts exactly
 that, so a zero means nothing is held. Cancellation is settled by the actor at
 the next cycle boundary. A failure while sampling one row ends that row alone
-(finish reason ``error``); only a failure of the forward itself fails the engine.
+(finish reason ``error``). A failing forward is contained to the rows of its cycle
+(:mod:`kiln.runtime.cycle_faults`): they run again one by one (in halves after out-of-memory) and
+only a row that fails alone ends, with a typed error; the engine latches (``restart_required``)
+only when the completion state is unknown.
 """
 
 from __future__ import annotations
@@ -56,32 +66,45 @@ import torch
 
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
 from kiln.runtime.batches import Batches
-from kiln.runtime.cycle_plan import QUEUE_DETAIL_MAX, CyclePlanner
+from kiln.runtime.cycle_execute import CycleExecutor, ForwardOutput
+from kiln.runtime.cycle_faults import (
+    UNKNOWN_STATE,
+    Containment,
+    CycleLatched,
+    FaultHook,
+    RestartRequired,
+    contain,
+    describe,
+)
+from kiln.runtime.cycle_plan import QUEUE_DETAIL_MAX, CyclePlan, CyclePlanner
+from kiln.runtime.cycle_update import CycleUpdate
 from kiln.runtime.engine_config import EngineConfig
+from kiln.runtime.kv_ledger import BlockLedger
 from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.ownership import AcceleratorOwnership
+from kiln.runtime.row_queues import RowQueues
 from kiln.runtime.rows import Row, ScoreRow
 from kiln.runtime.request_trace import row_phases
-from kiln.runtime.sampling import TokenChoice, select_tokens
 from kiln.runtime.step_cost import StepCost
-from kiln.runtime.scoring import chunk_rows
-from kiln.runtime.submission import EngineNotRunning, Observer, RowStream, _wake_all
-from kiln.runtime.threads import WIDE_PREFILL_MIN_MACS, torch_threads
+from kiln.runtime.submission import EngineNotRunning, Observer, RowFault, RowStream, _wake_all
+from kiln.runtime.threads import WIDE_PREFILL_MIN_MACS
 
 log = logging.getLogger("kiln.engine")
 
 JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
+HYBRID_UNSETTLED = "a hybrid model's forward updates its linear state in place, so a failed cycle cannot be rerun"
 
 
-class Scheduler(CyclePlanner):
-    """The actor thread and the row queues (see the module docstring)."""
+class Scheduler:
+    """The actor thread, the inbox, and one cycle (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, kv: BlockPool, batches: Batches, adapters: AdapterSlots,
-                 ownership: AcceleratorOwnership, observer: Observer, device: Any, macs_per_token: int = 0):
+                 ownership: AcceleratorOwnership, observer: Observer, device: Any, macs_per_token: int = 0,
+                 prompt_text: Callable[[list[int]], str] | None = None):
         self.config = config
         # prompt-only cycles with at least this many tokens run on config.prefill_threads (CPU only)
         wide = config.prefill_threads > 0 and torch.device(device).type == "cpu" and macs_per_token > 0
-        self._wide_min_tokens = max(1, math.ceil(WIDE_PREFILL_MIN_MACS / macs_per_token)) if wide else None
+        wide_min_tokens = max(1, math.ceil(WIDE_PREFILL_MIN_MACS / macs_per_token)) if wide else None
         self.wide_steps = 0
         self.kv = kv
         self.batches = batches
@@ -90,28 +113,46 @@ class Scheduler(CyclePlanner):
         self.observer = observer
         self._cv = threading.Condition()
         self._inbox: collections.deque[Row | ScoreRow] = collections.deque()
-        self._jobs: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._cancel_pending = False
         self._admitting = 0  # requests the HTTP layer is parsing and rendering, not yet submitted
-        self._waiting: collections.deque[Row | ScoreRow] = collections.deque()
-        self._prefilling: list[Row | ScoreRow] = []
-        self._decoding: list[Row] = []
-        self._seq = 0
-        self.preemptions = 0
-        self._oldest_wait: float | None = None  # perf_counter the oldest waiting row entered the queue
-        # published by the engine thread after each plan (one assignment, read by any thread):
-        # (what the head of the queue waits for, [(t_wait, prompt tokens, scoring)] of the first rows)
-        self._queue_view: tuple[str | None, list[tuple[float, int, bool]]] = (None, [])
-        self._active = 0
-        self._queued = 0
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._failed: str | None = None
-        self._busy_since: float | None = None  # monotonic start of the iteration under way; None when idle
+        self.ledger = BlockLedger(kv, batches.states)
+        self.queues = RowQueues(self.ledger, observer, self._cv)
+        self.planner = CyclePlanner(config, self.queues, self.ledger, StepCost(), wide_min_tokens)
+        fault = FaultHook.from_env(prompt_text) if prompt_text is not None else None
+        self.execute = CycleExecutor(batches, adapters, ownership, fault)
         self._shared_gen = torch.Generator(device=device)
         self._shared_gen.manual_seed(int(time.time_ns() % (2**63)))
+        self.update = CycleUpdate(config, self.queues, self.ledger, observer, self._finish, self._shared_gen, fault)
+        self._containment = Containment(self.execute, self._apply_contained, self._fail_row, self._relieve,
+                                        HYBRID_UNSETTLED if batches.states is not None else None)
+        self.faults: dict[str, int] = {}  # failures contained so far, by class (cycle_faults)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._restart: RestartRequired | None = None
+        self._busy_since: float | None = None  # monotonic start of the iteration under way; None when idle
         self.steps = 0
-        self.step_cost = StepCost()
+
+    @property
+    def step_cost(self) -> StepCost:
+        return self.planner.step_cost
+
+    @step_cost.setter
+    def step_cost(self, value: StepCost) -> None:
+        self.planner.step_cost = value
+
+    @property
+    def preemptions(self) -> int:
+        return self.queues.preemptions
+
+    @property
+    def _failed(self) -> str | None:
+        return None if self._restart is None else self._restart.reason
+
+    @property
+    def restart_required(self) -> dict[str, str] | None:
+        """``{"class", "reason"}`` once the engine latched (cycle_faults), else None."""
+        return None if self._restart is None else self._restart.as_dict()
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -130,7 +171,8 @@ class Scheduler(CyclePlanner):
         thread.join(timeout_s)
         if thread.is_alive():
             busy = self._busy_for()
-            self._failed = self._failed or f"the engine thread did not stop within {timeout_s} s"
+            if self._restart is None:
+                self._restart = RestartRequired(UNKNOWN_STATE, f"the engine thread did not stop within {timeout_s} s")
             log.error("engine thread did not stop within %.1f s (its current iteration has run %.1f s); "
                       "giving up on it: its rows are lost", timeout_s, busy or 0.0)
             return False
@@ -153,7 +195,7 @@ class Scheduler(CyclePlanner):
         busy = self._busy_for()
         if busy is not None and busy > self.config.stall_timeout_s:
             return False, (f"the engine is stuck: its current step has not advanced for {busy:.1f} s "
-                           f"(limit {self.config.stall_timeout_s} s) with {self._active + self._queued} rows pending")
+                           f"(limit {self.config.stall_timeout_s} s) with {self.queues.active + self.queues.queued} rows pending")
         return True, None
 
     def stats(self) -> dict[str, Any]:
@@ -161,18 +203,18 @@ class Scheduler(CyclePlanner):
         now = time.perf_counter()
         with self._cv:
             starts = [r.t_wait for r in self._inbox]
-            if self._oldest_wait is not None:
-                starts.append(self._oldest_wait)
+            if self.planner.oldest_wait is not None:
+                starts.append(self.planner.oldest_wait)
             incoming = [(r.t_wait, len(r.tokens), r.scoring) for r in self._inbox]
-            blocked_on, waiting = self._queue_view
+            blocked_on, waiting = self.planner.queue_view
             queue = [{"position": i + 1, "wait_s": round(now - t, 3), "prompt_tokens": n,
                       "kind": "score" if scoring else "generate"}
                      for i, (t, n, scoring) in enumerate((waiting + incoming)[:QUEUE_DETAIL_MAX])]
             return {
                 "queue": queue,
-                "queue_blocked_on": blocked_on if self._queued else None,
-                "queued_rows": self._queued,
-                "active_rows": self._active,
+                "queue_blocked_on": blocked_on if self.queues.queued else None,
+                "queued_rows": self.queues.queued,
+                "active_rows": self.queues.active,
                 "max_running_rows": self.config.max_running_rows,
                 "steps": self.steps,
                 "kv_cache_bytes": self.kv.nbytes(),
@@ -183,10 +225,12 @@ class Scheduler(CyclePlanner):
                 **self.kv.stats(),
                 **(self.batches.states.stats() if self.batches.states is not None else {}),
                 "failed": self._failed,
+                "restart_required": self.restart_required,
+                "cycle_faults": dict(self.faults),
                 "busy_s": None if busy is None else round(busy, 3),
                 "step_cost": self.step_cost.snapshot(),
                 "admitting": self._admitting,
-                "prefill_threads": self.config.prefill_threads if self._wide_min_tokens is not None else None,
+                "prefill_threads": self.config.prefill_threads if self.planner.wide_min_tokens is not None else None,
                 "wide_prefill_steps": self.wide_steps,
             }
 
@@ -194,9 +238,9 @@ class Scheduler(CyclePlanner):
     def enqueue(self, rows: list[Row | ScoreRow]) -> bool:
         """Queue ``rows`` unless the waiting queue would overflow (then ``False``)."""
         with self._cv:
-            if self._queued + len(rows) > self.config.max_queued_rows:
+            if self.queues.queued + len(rows) > self.config.max_queued_rows:
                 return False
-            self._queued += len(rows)
+            self.queues.queued += len(rows)
             now = time.perf_counter()
             for r in rows:
                 r.t_wait = now
@@ -206,7 +250,7 @@ class Scheduler(CyclePlanner):
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return self.queues.queued
 
     def admission_started(self) -> None:
         """A request is being parsed and rendered (any thread): a burst being gathered waits for it."""
@@ -226,8 +270,8 @@ class Scheduler(CyclePlanner):
             self._cancel_pending = True
             self._cv.notify_all()
 
-    def run_job(self, fn: Callable[[], Any]) -> Future:
-        fut: Future = Future()
+    def run_job(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
         with self._cv:
             if not self.running:
                 raise EngineNotRunning("the engine is not running; restart the server")
@@ -254,18 +298,21 @@ class Scheduler(CyclePlanner):
                     self._cancel_pending = False
                     jobs = list(self._jobs)
                     self._jobs.clear()
-                self._waiting.extend(incoming)
+                self.queues.arrive(incoming)
                 if cancels:
                     self._settle_cancellations()
                 for fn, fut in jobs:
                     self._run_job(fn, fut)
                 self._cycle()
                 self.adapters.reap()  # retirements deferred out of the shared section
-        except BaseException as exc:  # a bug or a device failure: fail every row, refuse new work
+        except CycleLatched as exc:  # a cycle's completion state is unknown (cycle_faults)
+            log.error("engine latched (%s): %s; restart the server", exc.restart.fault_class, exc.restart.reason)
+            self._restart = exc.restart
+        except BaseException as exc:  # a bug outside a cycle's forwards: fail every row, refuse new work
             log.exception("engine actor failed")
-            self._failed = f"{type(exc).__name__}: {exc}"
+            self._restart = RestartRequired(UNKNOWN_STATE, describe(exc))
         finally:
-            self._abort_all("abort" if self._failed is None else "error")
+            self._abort_all("abort" if self._restart is None else "error")
             self._busy_since = None
 
     def _gather_burst(self) -> None:
@@ -276,7 +323,7 @@ class Scheduler(CyclePlanner):
         holds ``_cv``). Parsing and rendering a request costs the event loop about as long
         as the gap, so the gap alone split bursts the loop was still working through."""
         cfg = self.config
-        if cfg.burst_gap_s <= 0 or not self._inbox or self._decoding or self._prefilling or self._waiting:
+        if cfg.burst_gap_s <= 0 or not self._inbox or self.queues.busy():
             return
         deadline = time.monotonic() + cfg.burst_max_s
         seen = -1
@@ -288,36 +335,31 @@ class Scheduler(CyclePlanner):
             self._cv.wait(min(cfg.burst_gap_s, left))
 
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._jobs or self._cancel_pending or self._waiting or self._prefilling
-                    or self._decoding or self.adapters.reap_pending)
+        return bool(self._inbox or self._jobs or self._cancel_pending or self.queues.busy()
+                    or self.adapters.reap_pending)
 
-    def _run_job(self, fn: Callable[[], Any], fut: Future) -> None:
+    def _run_job(self, fn: Callable[[], Any], fut: Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
             with self.ownership.shared(), torch.inference_mode():
-                self._ensure_eval()
+                self.execute.ensure_eval()
                 fut.set_result(fn())
         except BaseException as exc:  # delivered to the caller
             fut.set_exception(exc)
 
-    def _ensure_eval(self) -> None:
-        fm = self.adapters.forward_model
-        if fm.training:
-            fm.eval()
-
     def _settle_cancellations(self) -> None:
+        q = self.queues
         touched: list[RowStream] = []
-        for row in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(row)
-            with self._cv:
-                self._queued -= 1
+        for row in [r for r in q.waiting if r.cancelled]:
+            q.drop_waiting(row)
             self._finish(row, "abort", touched, was_active=False)
-        for row in [r for r in self._decoding + self._prefilling if r.cancelled]:
+        for row in [r for r in q.decoding + q.prefilling if r.cancelled]:
             self._finish(row, "abort", touched)
         self._notify(touched)
 
     def _abort_all(self, reason: str) -> None:
+        q = self.queues
         touched: list[RowStream] = []
         with self._cv:
             incoming = list(self._inbox)
@@ -327,121 +369,29 @@ class Scheduler(CyclePlanner):
         for _fn, fut in jobs:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineNotRunning("the engine stopped before running this job"))
-        for row in incoming + list(self._waiting):
-            with self._cv:
-                self._queued -= 1
+        for row in incoming + list(q.waiting):
+            q.drop_waiting(row)
             self._finish(row, reason, touched, was_active=False)
-        self._waiting.clear()
-        for row in list(self._decoding) + list(self._prefilling):
+        for row in list(q.decoding) + list(q.prefilling):
             self._finish(row, reason, touched)
         self._notify(touched)
 
-    # -- rows and blocks ------------------------------------------------------------------
-    def _running(self) -> int:
-        return len(self._prefilling) + len(self._decoding)
-
-    def _admit(self, row: Row | ScoreRow) -> bool:
-        """Start ``row`` (cached prefix blocks attached) if the pool can hold its prompt; else ``False``."""
-        kv = self.kv
-        if not row.scoring:  # scoring keeps every position's logits: it computes them all, unless it
-            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, len(row.tokens) - 1)
-            row.registered = len(row.blocks)
-        elif row.score_from > 1:  # ... asks for rows from score_from on only (logits from score_from - 1)
-            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, row.score_from - 1)
-            row.registered = len(row.blocks)
-        need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
-        states = self.batches.states
-        slot = None if need > kv.available() and self._running() else states.allocate() if states else -1
-        if slot is None:
-            kv.release(row.blocks)  # wait for memory (or a linear-state slot); rows running now will free theirs
-            row.blocks = []
-            return False
-        row.state_slot = slot
-        if not row.seq:
-            self._seq += 1
-            row.seq = self._seq
-        now = time.perf_counter()
-        self.observer.queue_wait(now - row.t_wait)
-        if not row.scoring and not row.t_admit:
-            row.t_admit = now
-        row.prefilled = row.pos = len(row.blocks) * kv.block_size
-        if row.scoring:
-            row.rows = [None] * (row.prefilled + 1)
-        self._prefilling.append(row)
-        with self._cv:
-            self._queued -= 1
-            self._active += 1
-        return True
-
-    def _to_decoding(self, row: Row) -> None:
-        self._prefilling.remove(row)
-        self._decoding.append(row)
-
-    def _grow(self, row: Row | ScoreRow, positions: int) -> bool:
-        """Blocks for ``row``'s first ``positions`` positions; ``False`` when the pool ran out."""
-        for _ in range(self.kv.blocks_for(positions) - len(row.blocks)):
-            block = self.kv.allocate()
-            if block is None:
-                return False
-            row.blocks.append(block)
-        return True
-
-    def _release_blocks(self, row: Row | ScoreRow) -> None:
-        if row in self._prefilling:
-            self._prefilling.remove(row)
-        elif row in self._decoding:
-            self._decoding.remove(row)
-        self.kv.release(row.blocks)
-        row.blocks = []
-        if row.state_slot >= 0:
-            self.batches.states.release(row.state_slot)
-            row.state_slot = -1
-
-    def _preempt(self, row: Row | ScoreRow) -> None:
-        """Back to the head of the queue (in admission order), its blocks released; recomputed later."""
-        self._release_blocks(row)
-        row.prefilled = row.pos = 0
-        if row.scoring:
-            row.rows = [None]
-        else:
-            row.tokens = row.prompt + row.generated
-        row.registered = 0
-        row.cache_uid = 0
-        row.t_wait = time.perf_counter()
-        at = next((i for i, w in enumerate(self._waiting) if w.seq == 0 or w.seq > row.seq), len(self._waiting))
-        self._waiting.insert(at, row)
-        self.preemptions += 1
-        with self._cv:
-            self._queued += 1
-            self._active -= 1
-
-    def _publish(self, row: Row | ScoreRow) -> None:
-        """Offer ``row``'s newly completed prompt blocks to the prefix cache (a scoring row's only when it
-        asked for rows from a position on: a full-prompt scoring computes every position anyway)."""
-        if not self.kv.prefix_cache or (row.scoring and row.score_from <= 1):
-            return
-        bs = self.kv.block_size
-        while row.registered < row.prefilled // bs:
-            i = row.registered
-            row.cache_uid = self.kv.register(row.cache_key, row.cache_uid, tuple(row.tokens[i * bs:(i + 1) * bs]),
-                                             row.blocks[i])
-            row.registered += 1
-
-    def _finish(self, row: Row | ScoreRow, reason: str, touched: list[RowStream], *, was_active: bool = True) -> None:
+    # -- row ends ---------------------------------------------------------------------
+    def _finish(self, row: Row | ScoreRow, reason: str, touched: list[RowStream], *, was_active: bool = True,
+                fault: RowFault | None = None) -> None:
         """Terminal cleanup: blocks, adapter reference, final output; then the row stops counting as active."""
         if was_active:
-            self._release_blocks(row)
+            self.queues.release(row)
         if row.adapter_key != BASE_KEY:
             try:
                 self.adapters.release(row.adapter_key)
             except Exception:  # never let adapter bookkeeping wedge the actor
                 log.exception("releasing adapter %s failed", row.adapter_key)
-        if not row.scoring:
+        if isinstance(row, Row):
             self._row_ended(row, reason)
-        stream = row.end(reason)
+        stream = row.end(reason, fault)
         if was_active:
-            with self._cv:
-                self._active -= 1
+            self.queues.ended()
         if stream is not None:
             touched.append(stream)
 
@@ -466,124 +416,44 @@ class Scheduler(CyclePlanner):
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
                 pass
 
-    # -- one cycle ---------------------------------------------------------------------
+    # -- one cycle: schedule -> execute -> update ------------------------------------------
     def _cycle(self) -> None:
-        chunks = self._plan()
-        gen_chunks = [(r, c) for r, c in chunks if not r.scoring]
-        score_chunks = [(r, c) for r, c in chunks if r.scoring]
-        decoding = list(self._decoding)
-        if not decoding and not chunks:
+        plan = self.planner.plan()
+        if plan.empty:
             return
-        scored: list[ScoreRow] = []
-        threads = self._cycle_threads(decoding, chunks)
-        with self.ownership.shared(), torch.inference_mode(), torch_threads(threads) as wide:
-            t0 = time.perf_counter()
-            waited = self.ownership.last_shared_wait_s()
-            if waited:  # a training step or an adapter change held ownership exclusively
-                for row in decoding:
-                    row.lock_wait += waited
-                for row, _ in gen_chunks:
-                    row.lock_wait += waited
-            self._ensure_eval()
-            dec_logits = pre_logits = None
-            completing: list[Row] = []
-            if gen_chunks and self.batches.packable(decoding, gen_chunks):
-                dec_logits, pre_logits, completing = self.batches.packed(decoding, gen_chunks)
-            elif decoding or gen_chunks:
-                dec_logits = self.batches.decode(decoding) if decoding else None
-                if gen_chunks:
-                    pre_logits, completing = self.batches.prefill(gen_chunks)
-            if score_chunks:
-                scored = self._score_chunks(score_chunks)
-            forward_s = time.perf_counter() - t0
-        self.steps += 1
-        self.wide_steps += wide
-        for row, _ in gen_chunks:
-            self._publish(row)
-        # rotate partial prefills so the next cycle starts with someone else
-        partial = [r for r, _ in chunks if r.prefilled < len(r.tokens)]
-        if partial:
-            self._prefilling = [r for r in self._prefilling if r not in partial] + partial
-        touched: list[RowStream] = []
-        for row in scored:
-            self._finish(row, "stop", touched)
-        rows = decoding + completing
-        if rows:
-            logits = [t for t in (dec_logits, pre_logits) if t is not None]
-            t0 = time.perf_counter()
-            self._sample(rows, torch.cat(logits) if len(logits) > 1 else logits[0], completing, touched)
-            forward_s += time.perf_counter() - t0
-        if not score_chunks and not wide:  # the fit is of generation cycles on the engine's own threads
-            self.step_cost.observe(len(decoding) + sum(c for _, c in gen_chunks), forward_s)
-        self._notify(touched)
-        if not self._decoding and not self._prefilling:
+        try:
+            out = self.execute(plan)
+        except Exception as exc:  # noqa: BLE001  (classified and contained, or latched, by cycle_faults)
+            seen = contain(plan, exc, self._containment)
+            with self._cv:  # stats() copies the counts under it
+                for cls, n in seen.items():
+                    self.faults[cls] = self.faults.get(cls, 0) + n
+        else:
+            self._apply(plan, out, observe=True)
+        q = self.queues
+        if not q.decoding and not q.prefilling:
             self.kv.release_workspace()
 
-    def _score_chunks(self, chunks: list[tuple[ScoreRow, int]]) -> list[ScoreRow]:
-        """One forward over the scoring rows' chunks; appends their rows; returns the rows now complete."""
-        starts = [r.prefilled for r, _ in chunks]
-        logits, rows = self.batches.prefill(chunks, all_logits=True)
-        for i, ((row, c), start) in enumerate(zip(chunks, starts)):
-            skip = max(0, min(c, row.score_from - 1 - start))  # positions whose rows were not asked for
-            row.rows.extend([None] * skip)
-            row.rows.extend(chunk_rows(logits[i, skip:c], row.prompt, start + skip, row.top_k))
-            self._publish(row)
-        return [r for r in rows if r.prefilled == len(r.tokens)]
+    def _apply(self, plan: CyclePlan, out: ForwardOutput, *, observe: bool) -> None:
+        """The update step, the cycle counters and the cost fit (``observe``: of whole generation cycles
+        on the engine's own threads), then wake the consumers."""
+        touched, sample_s = self.update.apply(plan, out)
+        self.steps += 1
+        self.wide_steps += out.wide
+        if observe and not plan.scoring and not out.wide:
+            self.step_cost.observe(plan.generation_tokens, out.forward_s + sample_s)
+        self._notify(touched)
 
-    def _choose(self, logits: torch.Tensor, rows: list[Row]) -> list[TokenChoice | None]:
-        """One token per row; a row whose sampling fails gets ``None`` and the others are unharmed."""
-        try:
-            return list(select_tokens(logits, [r.params for r in rows], [r.gen for r in rows], self._shared_gen, rows))
-        except Exception:
-            log.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
-        out: list[TokenChoice | None] = []
-        for i, r in enumerate(rows):
-            try:
-                out.append(select_tokens(logits[i : i + 1], [r.params], [r.gen], self._shared_gen, [r])[0])
-            except Exception:
-                log.exception("sampling failed for one row (params %s); ending that row", r.params)
-                out.append(None)
-        return out
+    def _apply_contained(self, plan: CyclePlan, out: ForwardOutput) -> None:
+        self._apply(plan, out, observe=False)
 
-    def _sample(self, rows: list[Row], logits: torch.Tensor, completing: list[Row], touched: list[RowStream]) -> None:
-        choices = self._choose(logits, rows)
-        for row in completing:
-            self._to_decoding(row)
-        done: list[tuple[Row, str]] = []
-        now = time.perf_counter()
-        obs = self.observer
-        produced = 0
-        for row, choice in zip(rows, choices):
-            if choice is None:
-                done.append((row, "error"))
-                continue
-            produced += 1
-            tok = choice.token_id
-            if row.generated:
-                obs.inter_token(now - row.t_last)
-            else:
-                obs.first_token(now - row.t_submit)
-                if not row.t_first:
-                    row.t_first = now
-            row.t_last = now
-            row.generated.append(tok)
-            reason = None
-            if (tok in row.eos_ids and not row.params.ignore_eos) or tok in row.params.stop_token_ids:
-                c = row.params.constraint
-                reason = "grammar_error" if getattr(c, "error", None) is not None else "stop"
-                text = ""
-            else:
-                text = row.text.push(tok)
-                if row.text.stopped:
-                    reason = "stop"
-            row.stream._push(text, choice)
-            if reason is None and (len(row.generated) >= row.params.max_tokens or row.pos >= self.config.max_model_len):
-                reason = "length"
-            if reason is not None or row.cancelled:
-                done.append((row, reason or "abort"))
-            elif row.stream.incremental:
-                touched.append(row.stream)
-        obs.tokens_generated(produced)
-        for row, reason in done:
-            self._finish(row, reason, touched)
+    def _fail_row(self, row: Row | ScoreRow, fault: RowFault) -> None:
+        touched: list[RowStream] = []
+        self._finish(row, "error", touched, fault=fault)
+        self._notify(touched)
 
+    def _relieve(self) -> None:
+        """Between out-of-memory tries: the pool's gather workspace and the CUDA caching allocator's free blocks."""
+        self.kv.release_workspace()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -30,6 +30,36 @@ class EngineError(Internal):
     default_hint = "see the server log; GET /health"
 
 
+class EngineRowFailed(Internal):
+    """The forward of this request's row failed; the engine contained it (other requests ran on)."""
+
+    code = "engine_row_failed"
+    default_hint = "the engine contained the failure to this request's rows; see the server log and GET /health"
+
+
+class EngineOutOfMemory(Unavailable):
+    """This request's row ran out of device memory even alone; the engine contained it."""
+
+    code = "engine_out_of_memory"
+    default_hint = "retry later or with a shorter prompt / lower max_tokens; other requests were unaffected"
+
+
+@dataclass(frozen=True)
+class RowFault:
+    """Why the engine ended one row with finish reason ``error`` (:mod:`kiln.runtime.cycle_faults`):
+    the failure class (``forward_error`` | ``out_of_memory``) and what was raised."""
+
+    fault_class: str
+    message: str
+
+    def error(self) -> EngineError | EngineRowFailed | EngineOutOfMemory:
+        """The typed error a caller of this row gets."""
+        if self.fault_class == "out_of_memory":
+            return EngineOutOfMemory(f"the engine ran out of memory running this request alone ({self.message})",
+                                     retry_after=1.0)
+        return EngineRowFailed(f"the engine's forward failed for this request ({self.fault_class}: {self.message})")
+
+
 class EngineOverloaded(RateLimited):
     """The waiting queue is full; retry later."""
 
@@ -75,6 +105,7 @@ class StreamChunk:
     text: str = ""
     tokens: list[TokenChoice] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | abort | error
+    fault: RowFault | None = None  # with finish reason error: the engine contained a failure to this row
 
 
 class RowStream:
@@ -89,6 +120,7 @@ class RowStream:
         self._text: list[str] = []
         self._tokens: list[TokenChoice] = []
         self._finish: str | None = None
+        self._fault: RowFault | None = None
         self._delivered_finish = False
         # one event may be shared by all streams of a submission, so a consumer can wait on any of them
         self._aevent = event if event is not None else (asyncio.Event() if loop is not None else None)
@@ -105,9 +137,10 @@ class RowStream:
             if choice is not None:
                 self._tokens.append(choice)
 
-    def _close(self, reason: str) -> None:
+    def _close(self, reason: str, fault: RowFault | None = None) -> None:
         with self._lock:
             self._finish = reason
+            self._fault = fault
 
     def _wake(self) -> None:  # on the consumer's loop (async) or any thread (sync)
         if self._on_output is not None:
@@ -122,7 +155,8 @@ class RowStream:
         with self._lock:
             if not self._text and not self._tokens and (self._finish is None or self._delivered_finish):
                 return None
-            chunk = StreamChunk("".join(self._text), self._tokens, self._finish)
+            chunk = StreamChunk("".join(self._text), self._tokens, self._finish,
+                                self._fault if self._finish is not None else None)
             self._text, self._tokens = [], []
             if self._finish is not None:
                 self._delivered_finish = True

@@ -27,7 +27,7 @@ from kiln.errors import ClientClosed, Internal, InvalidRequest, NotFound, Unavai
 from kiln.runtime.constrained import GrammarTooComplex
 from kiln.runtime.engine import Submission, UnknownAdapter
 from kiln.runtime.sampling import SamplingParams, TokenChoice
-from kiln.runtime.submission import Admission
+from kiln.runtime.submission import Admission, RowFault
 from kiln.serving.default_adapter import BARE_BASE_SUFFIX, adapter_for_base
 from kiln.serving.protocol import IGNORED_FIELDS_HEADER
 from kiln.serving.sse import await_disconnect
@@ -198,6 +198,7 @@ async def collect(receive: Receive, sub: Submission, timeout_s: float) -> list[t
     texts: dict[int, list[str]] = {s.index: [] for s in sub.streams}
     toks: dict[int, list[TokenChoice]] = {s.index: [] for s in sub.streams}
     reasons: dict[int, str] = {}
+    faults: list[RowFault] = []
 
     async def drain() -> None:
         while True:
@@ -209,9 +210,13 @@ async def collect(receive: Receive, sub: Submission, timeout_s: float) -> list[t
                 toks[i].extend(c.tokens)
                 if c.finish_reason is not None:
                     reasons[i] = c.finish_reason
+                if c.fault is not None:
+                    faults.append(c.fault)
 
     await until_done(receive, asyncio.ensure_future(drain()), sub.cancel, timeout_s, "the request",
                       "lower max_tokens or raise server.request_timeout_s")
+    for fault in faults:  # the engine contained a failure to this request's rows: its typed error
+        raise fault.error()
     _raise_on_engine_error(reasons.values())
     return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
 

@@ -366,6 +366,9 @@ class HealthResponse(_Response):
     queue_blocked_on: str | None = None  # what the head of the queue waits for: kv_budget, running_rows, token_budget
     kv_blocks: dict[str, int] = {}  # paged KV: total, used, cached, free, block_size, preemptions, prefix_hit_blocks
     engine_error: str | None
+    # once a cycle failure latched the engine (its completion state unknown): class, reason; restart the server
+    restart_required: dict[str, str] | None = None
+    engine_faults: dict[str, int] = {}  # cycle failures contained to their rows so far: forward_error, out_of_memory
     engine_busy_s: float | None = None  # seconds the engine has been inside its current step
     engine_steps: int | None = None  # scheduling cycles run so far
     engine_step_cost: dict[str, float | int | None] | None = None  # cycle cost fit (batching.mixed_step_factor)

@@ -91,6 +91,10 @@ async def health(request: Request) -> JSONResponse:
                                                                       "linear_state_slots_used", "linear_state_bytes")}
         if "linear_state_slots_total" in stats else None,
         "engine_error": why,
+        # once a cycle failure latched the engine (unknown completion state): {class, reason}; restart the server
+        "restart_required": stats.get("restart_required"),
+        # cycle failures contained to their rows so far, by class (forward_error, out_of_memory)
+        "engine_faults": stats.get("cycle_faults", {}),
         "engine_busy_s": stats.get("busy_s"),
         "engine_steps": stats["steps"],
         "engine_step_cost": stats.get("step_cost"),  # the fitted cycle cost: fixed_ms, per_token_ms, steps

@@ -151,6 +151,10 @@ class SSEResponse(StreamingResponse):
                                                       "the grammar engine gave up during generation (a resource "
                                                       "limit of the grammar); this choice is incomplete"}}))
                     reason = "error"
+                if c.fault is not None:  # the engine contained a failure to this choice: say which, typed
+                    err = c.fault.error()
+                    parts.append(sse_frame({"error": {"code": err.code, "param": None, "message": err.message,
+                                                      "hint": err.hint}}))
                 if c.text or c.tokens or reason is not None:
                     frame = self._make_chunk(index, c, reason)
                     parts.append(frame if isinstance(frame, bytes) else sse_frame(frame))
