@@ -165,25 +165,29 @@ class LeanForward:
     def _fuse(self, layer: Any) -> None:
         """Packs ``[q; k; v]`` and ``[gate; up]`` of ``layer`` as one weight each (and the joint q|k norm)."""
         attn, mlp = layer.self_attn, layer.mlp
-        for mods in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-            parts = [_weight(m) for m in mods]
-            if any(w is None for w, _ in parts):
-                continue  # quantized: each projection runs its own kernel
-            if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
-                continue
-            biases = [b for _, b in parts]
-            if any(b is None for b in biases) and not all(b is None for b in biases):
-                continue  # a bias on some parts only: keep them separate
-            joint = torch.cat([w for w, _ in parts])  # [sum of out-features, in-features]
-            if not self._afford(joint):
-                continue
-            bias = None if biases[0] is None else torch.cat(biases)
-            self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
-                torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
+        self._fuse_group((attn.q_proj, attn.k_proj, attn.v_proj))
+        self._fuse_group((mlp.gate_proj, mlp.up_proj))
         if hasattr(attn, "q_norm") and attn.q_norm.variance_epsilon == attn.k_norm.variance_epsilon:
             qw, kw = attn.q_norm.weight, attn.k_norm.weight
             per_head = torch.cat([qw.expand(self.heads, -1), kw.expand(self.kv_heads, -1)])
             self._qk_norm[(qw.data_ptr(), kw.data_ptr())] = per_head[:, None, :]
+
+    def _fuse_group(self, mods: tuple[Any, ...]) -> None:
+        """Packs the Linear layers ``mods`` (same input) as ONE weight, their outputs side by side."""
+        parts = [_weight(m) for m in mods]
+        if any(w is None for w, _ in parts):
+            return  # quantized: each projection runs its own kernel
+        if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
+            return
+        biases = [b for _, b in parts]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return  # a bias on some parts only: keep them separate
+        joint = torch.cat([w for w, _ in parts])  # [sum of out-features, in-features]
+        if not self._afford(joint):
+            return
+        bias = None if biases[0] is None else torch.cat(biases)
+        self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
+            torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
 
     @property
     def packed(self) -> bool:

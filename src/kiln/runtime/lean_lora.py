@@ -11,7 +11,7 @@ gather). A fused q|k|v or gate|up projection takes each part's delta in its own 
 
 :class:`LoraSupport` decides per adapter key (cached on the identity of PEFT's config object for
 that key, so a key deleted and created again is checked again): only vanilla LoRA on the decoder
-layers' q/k/v/o and gate/up/down projections (no DoRA or other variant, no LoRA bias, no
+layers' q/k/v/o and gate/up/down projections and a hybrid's Gated DeltaNet in/out projections (no DoRA or other variant, no LoRA bias, no
 embedding or LM-head LoRA, no ``modules_to_save`` or trainable tokens, float32 A and B); anything
 else keeps PEFT's forward. A model in training mode keeps PEFT's forward too (LoRA dropout).
 """
@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from kiln.runtime.adapter_slots import BASE_KEY as BASE  # PEFT's name for "no adapter" in a mixed batch
 
-PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               # a hybrid's Gated DeltaNet projections (kiln.runtime.lean_hybrid)
+               "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
 LORA_DICTS = ("lora_embedding_A", "lora_magnitude_vector")  # per-key state this path does not implement
 
 Groups = list[tuple[str, "torch.Tensor | None"]]  # (adapter key, batch rows or None for all rows)
