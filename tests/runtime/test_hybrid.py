@@ -135,6 +135,7 @@ def test_concurrent_chunked_greedy_equals_generate_and_state_is_freed(hybrid):
                                          max_running_rows=8)).start()
     try:
         assert engine.prefix_cache == {"requested": True, "effective": False}
+        assert engine._scheduler.batches.hybrid is not None  # the lean hybrid forward runs these cycles
         assert run_concurrently(engine, batch) == want
         stats = wait_released(engine)
         assert stats["linear_state_slots_total"] == 8 and stats["linear_state_bytes"] > 0

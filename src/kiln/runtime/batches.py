@@ -18,8 +18,10 @@ forward that raises leaves every row as it was before the cycle. KV lives in a
 created on the model's device. The caller holds shared accelerator ownership and
 inference mode.
 
-Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run
-transformers' forward with the paged cache wrapped in a
+Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run the lean
+hybrid forward (kiln.runtime.lean_hybrid) when it supports the model and the rows' adapters: every
+generation cycle, decode and prompt chunks of any lengths, is one packed forward over
+variable-length rows. Otherwise (and for scoring rows) they run transformers' forward with the paged cache wrapped in a
 :class:`~kiln.runtime.linear_state.LinearStepState` (each row also has a ``state_slot``):
 decode steps batch every row as usual; the chunks that start a row's state go left-padded
 into one forward (the linear layers zero the padding's inputs, and zero inputs before an
@@ -35,7 +37,9 @@ from typing import Any, Sequence
 
 import torch
 
+from kiln.runtime import gated_deltanet
 from kiln.runtime.lean_forward import lean_forward_for
+from kiln.runtime.lean_hybrid import batch_of, lean_hybrid_for
 from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
@@ -52,6 +56,13 @@ PACKED_SCORE_CHANNELS = 128  # query channels (heads x head_dim) PACKED_MAX_SCOR
 Chunk = tuple[Any, int]  # (row, prompt tokens this cycle)
 
 
+def _lean_hybrid(model: Any, states: LinearStatePool | None, kernel: Any, lean: bool, packed_weights: bool) -> Any:
+    """The lean hybrid forward for a hybrid's batches (CPU: its state kernels), else None."""
+    if states is None or not lean or model is None or states.conv[0].device.type != "cpu":
+        return None
+    return lean_hybrid_for(model, pack=packed_weights, kernel=kernel, gdn_kernel=gated_deltanet.load())
+
+
 def bucket(n: int, cap: int) -> int:
     """The next power of two >= ``n``, at most ``cap`` (a static shape for the compiled decode)."""
     return min(cap, 1 << max(0, n - 1).bit_length())
@@ -64,6 +75,8 @@ class Batches:
         self.kv = kv
         self.adapters = adapters
         self.states = states
+        # a hybrid's own lean forward (kiln.runtime.lean_hybrid): packed variable-length rows, fused state steps
+        self.hybrid = _lean_hybrid(model, states, paged_attention, lean, packed_weights)
         if states is not None:  # those paths implement attention layers only
             lean = compile_decode = False
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
@@ -120,6 +133,27 @@ class Batches:
         bs = self.kv.block_size
         return table[row, pos // bs], pos % bs
 
+    def _hybrid_runs(self, rows: Sequence[Any]) -> bool:
+        """Whether the lean hybrid forward runs these rows (their adapters are ones it supports)."""
+        if self.hybrid is None:
+            return False
+        wrapped = self.adapters is not None and self.adapters.wrapped
+        return self.hybrid.runs([r.adapter_key for r in rows], self.adapters.forward_model.peft_config
+                                if wrapped else None)
+
+    def _hybrid_cycle(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None,
+                                                                                torch.Tensor | None, list[Any]]:
+        """:meth:`packed` on the lean hybrid forward: any mix of rows, lengths and adapters in one forward."""
+        batch, completing = batch_of(decoding, chunks, self.kv, self.device)
+        logits = self.hybrid.forward_batch(batch, self.kv, self.states)
+        for r in decoding:
+            r.pos += 1
+        for r, c in chunks:
+            r.prefilled += c
+            r.pos = r.prefilled
+        n = len(decoding)
+        return (logits[:n] if n else None), (logits[n:] if completing else None), completing
+
     def _in_place(self, rows: list[Any]) -> Any:
         """The in-place attention kernel when the lean forward will run these rows, else None."""
         if self.paged_attention is not None and self._lean_runs([r.adapter_key for r in rows]):
@@ -130,7 +164,9 @@ class Batches:
         """One packed forward if every row uses the same adapter and the attention stays small
         (in place, each token reads only its own row's positions: always small enough)."""
         rows = decoding + [r for r, _ in chunks]
-        if self.states is not None or len({r.adapter_key for r in rows}) != 1:
+        if self.states is not None:
+            return self._hybrid_runs(rows)
+        if len({r.adapter_key for r in rows}) != 1:
             return False  # a hybrid's recurrence runs per row; PEFT picks adapters per batch row
         if self._in_place(rows) is not None:
             return True
@@ -141,6 +177,8 @@ class Batches:
     def packed(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
         """Returns decode logits ``[len(decoding), vocab]`` (or ``None``), logits ``[m, vocab]``
         at the last prompt token of the ``m`` rows whose prefill completes, and those rows."""
+        if self.states is not None:
+            return self._hybrid_cycle(decoding, chunks)
         dev = self.device
         ids: list[int] = []
         row_of: list[int] = []
@@ -228,6 +266,8 @@ class Batches:
         adapter is loaded: PEFT's per-row adapter routing stays eager)."""
         if self._compiled is not None and not self.adapters.wrapped:
             return self.decode_compiled(rows)
+        if self._hybrid_runs(rows):
+            return self._hybrid_cycle(rows, [])[0]
         dev = self.device
         n = len(rows)
         pos = torch.tensor([r.pos for r in rows], device=dev)
@@ -258,6 +298,9 @@ class Batches:
         """
         if self.states is None:
             return self._prefill(chunks, all_logits)
+        if not all_logits and self._hybrid_runs([r for r, _ in chunks]):
+            _, logits, completing = self._hybrid_cycle([], chunks)
+            return logits, completing
         groups: dict[tuple[int, bool], list[Chunk]] = {}
         for r, c in chunks:  # scoring (all_logits) keeps every chunk right-aligned: grouped by length too
             fresh = r.prefilled == 0
