@@ -31,7 +31,7 @@ of the WY form, the C kernel's summation order); greedy outputs are checked equa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +164,8 @@ class LeanHybrid(LeanForward):
             slots = torch.tensor([batch.slots[r] for r in steps], dtype=torch.long, device=x.device)
             tok = None if every else torch.tensor([batch.spans[r][0] for r in steps], device=x.device)
             parts = [t if tok is None else t.index_select(0, tok) for t in (mixed, a, b, z)]
-            step = self.gdn_kernel.decode if self.gdn_kernel is not None else gdn.decode_reference
+            step: Callable[..., torch.Tensor] = (self.gdn_kernel.decode if self.gdn_kernel is not None
+                                                 else gdn.decode_reference)
             o = step(*parts, conv, state, slots, layer)
             if tok is None:
                 out = o
