@@ -146,11 +146,6 @@ class Batches:
         """:meth:`packed` on the lean hybrid forward: any mix of rows, lengths and adapters in one forward."""
         batch, completing = batch_of(decoding, chunks, self.kv, self.device)
         logits = self.hybrid.forward_batch(batch, self.kv, self.states)
-        for r in decoding:
-            r.pos += 1
-        for r, c in chunks:
-            r.prefilled += c
-            r.pos = r.prefilled
         n = len(decoding)
         return (logits[:n] if n else None), (logits[n:] if completing else None), completing
 

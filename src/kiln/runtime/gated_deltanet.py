@@ -92,7 +92,8 @@ def heads(y: torch.Tensor, layer: GdnLayer) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def gated_norm(o: torch.Tensor, z: torch.Tensor, layer: GdnLayer) -> torch.Tensor:
-    """``rmsnorm(o) * weight * silu(z)`` per value head; ``o`` ``[tokens, v_heads, v_dim]`` -> ``[tokens, v_heads * v_dim]``."""
+    """``rmsnorm(o) * weight * silu(z)`` per value head: ``o`` ``[tokens, v_heads, v_dim]`` ->
+    ``[tokens, v_heads * v_dim]``."""
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.eps)
     out = layer.norm_w * o * F.silu(z.reshape(o.shape).float())
     return out.reshape(o.shape[0], -1)

@@ -11,9 +11,9 @@ gather). A fused q|k|v or gate|up projection takes each part's delta in its own 
 
 :class:`LoraSupport` decides per adapter key (cached on the identity of PEFT's config object for
 that key, so a key deleted and created again is checked again): only vanilla LoRA on the decoder
-layers' q/k/v/o and gate/up/down projections and a hybrid's Gated DeltaNet in/out projections (no DoRA or other variant, no LoRA bias, no
-embedding or LM-head LoRA, no ``modules_to_save`` or trainable tokens, float32 A and B); anything
-else keeps PEFT's forward. A model in training mode keeps PEFT's forward too (LoRA dropout).
+layers' q/k/v/o and gate/up/down projections and a hybrid's Gated DeltaNet in/out projections
+(no DoRA or other variant, no LoRA bias, no embedding or LM-head LoRA, no ``modules_to_save`` or
+trainable tokens, float32 A and B); anything else keeps PEFT's forward. A model in training mode keeps PEFT's forward too (LoRA dropout).
 """
 
 from __future__ import annotations
