@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.runtime import gated_deltanet as gdn
-from kiln.runtime import paged_attention
+from kiln.runtime import lean_forward, paged_attention
 from kiln.runtime.lean_hybrid import batch_of, lean_hybrid_for
 from kiln.runtime.linear_state import LinearStatePool, linear_layers
 from kiln.runtime.paged_kv import BlockPool, cache_shape
@@ -22,6 +22,15 @@ from tests.hybrid_models import hybrid_text_kwargs
 BLOCK = 8
 VOCAB = 96
 ATOL = 2e-4  # logits of order 1: float rounding of a differently ordered but equal computation
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops: on a loaded machine more torch threads only wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +45,8 @@ def model():
 class Harness:
     """A block pool, a state pool and rows driven cycle by cycle as the engine's batches do."""
 
-    def __init__(self, model, *, kernel=True, gdn_kernel=True):
-        self.lean = lean_hybrid_for(model, kernel=paged_attention.load() if kernel else None,
+    def __init__(self, model, *, kernel=True, gdn_kernel=True, pack=False):
+        self.lean = lean_hybrid_for(model, pack=pack, kernel=paged_attention.load() if kernel else None,
                                     gdn_kernel=gdn.load() if gdn_kernel else None)
         assert self.lean is not None
         self.kv = BlockPool(cache_shape(model.config), 256, BLOCK, device="cpu", dtype=torch.float32,
@@ -91,9 +100,15 @@ def hf_logits(model, ids, adapter=None):
         return model(torch.tensor([ids]), **extra).logits[0]
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["c-kernels", "torch-fallback"])
-def test_packed_prompts_then_decode_match_transformers(model, kernels):
-    h = Harness(model, kernel=kernels, gdn_kernel=kernels)
+@pytest.mark.parametrize("kernels,pack", [(True, False), (False, False), (True, True)],
+                         ids=["c-kernels", "torch-fallback", "packed-weights"])
+def test_packed_prompts_then_decode_match_transformers(model, kernels, pack, monkeypatch):
+    if pack:  # the tiny model's weights are under the packing threshold: pack them all
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("oneDNN is not available in this torch build")
+        monkeypatch.setattr(lean_forward, "PACK_MIN_ELEMENTS", 0)
+    h = Harness(model, kernel=kernels, gdn_kernel=kernels, pack=pack)
+    assert h.lean.packed == pack
     batch = prompts((5, 70, 1, 19))
     rows = [h.row(p) for p in batch]
     logits, completing = h.cycle([], [(r, len(r.tokens)) for r in rows])  # one packed forward, fresh rows

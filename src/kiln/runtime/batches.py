@@ -18,16 +18,18 @@ forward that raises leaves every row as it was before the cycle. KV lives in a
 created on the model's device. The caller holds shared accelerator ownership and
 inference mode.
 
-Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`) run the lean
-hybrid forward (kiln.runtime.lean_hybrid) when it supports the model and the rows' adapters: every
-generation cycle, decode and prompt chunks of any lengths, is one packed forward over
-variable-length rows. Otherwise (and for scoring rows) they run transformers' forward with the paged cache wrapped in a
-:class:`~kiln.runtime.linear_state.LinearStepState` (each row also has a ``state_slot``):
-decode steps batch every row as usual; the chunks that start a row's state go left-padded
-into one forward (the linear layers zero the padding's inputs, and zero inputs before an
-empty state leave it empty), the others one forward per chunk length (the recurrence would
-run over padding after a state); the packed forward, the lean forward and the compiled
-decode are not used.
+Hybrid models (``states``: a :class:`~kiln.runtime.linear_state.LinearStatePool`; each row
+also has a ``state_slot``) run the lean hybrid forward (kiln.runtime.lean_hybrid, CPU) when it
+supports the model and the rows' adapters: every generation cycle, decode tokens and prompt
+chunks of any lengths and adapters, is one packed forward over variable-length rows. Otherwise
+(scoring rows, other devices, ``lean_forward = false``, unsupported adapters) they run
+transformers' forward with the paged cache wrapped in a
+:class:`~kiln.runtime.linear_state.LinearStepState`: decode steps batch every row as usual; the
+chunks that start a row's state go left-padded into one forward (the linear layers zero the
+padding's inputs, and zero inputs before an empty state leave it empty), the others one forward
+per chunk length (the recurrence would run over padding after a state). Both paths keep the
+state in the same pool layout, so a row may cross between them. The attention models' lean
+forward and compiled decode are not used for hybrids.
 """
 
 from __future__ import annotations

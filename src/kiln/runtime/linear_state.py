@@ -21,8 +21,9 @@ prefill, so a prompt split over several cycles runs the same operations as
 transformers' layer runs the whole chunk through the recurrence, so padding after a
 state would decay it: the batch builder left-pads only chunks that start a row's state
 (zeroed inputs before an empty state leave it empty) and batches the others by length
-(:meth:`kiln.runtime.batches.Batches.prefill`); a hybrid never uses the packed
-(one-sequence) forward.
+(:meth:`kiln.runtime.batches.Batches.prefill`). That is transformers' path; the lean hybrid
+forward (kiln.runtime.lean_hybrid) reads and writes the same pool tensors directly, per row,
+in packed variable-length cycles (no padding).
 """
 
 from __future__ import annotations
