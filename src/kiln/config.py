@@ -115,7 +115,7 @@ class BatchingSettings(_Section):
     compile_decode: bool = False  # torch.compile the decode step (bucketed static shapes); docs/benchmarks.md
     burst_gap_s: float = Field(0.001, ge=0.0, le=0.1)  # waking idle: gather requests this far apart (docs/serving.md)
     mixed_step_factor: float = Field(1.5, ge=0.0, le=100.0)  # prompt tokens beside decoding rows (docs/serving.md)
-    lean_forward: bool = True  # Llama-family forward without transformers' per-call Python (same math)
+    lean_forward: bool = True  # Llama-family and Qwen3.5-hybrid forwards without transformers' per-call Python
     packed_weights: bool = True  # oneDNN-packed Linear weights in that forward (CPU, fp32; 2x their memory)
     paged_attention: bool = True  # that forward's decode attention reads KV blocks in place (CPU, fp32; C kernel)
 

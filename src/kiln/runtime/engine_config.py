@@ -29,7 +29,7 @@ class EngineConfig:
     compile_decode: bool = False  # torch.compile the decode step over bucketed static shapes (docs/benchmarks.md)
     burst_gap_s: float = 0.001  # waking from idle: gather rows arriving at most this far apart (0: off)
     burst_max_s: float = 0.010  # ... for at most this long in all
-    lean_forward: bool = True  # kiln.runtime.lean_forward for adapter-free batches (bitwise equal logits)
+    lean_forward: bool = True  # kiln.runtime.lean_forward (attention models) and kiln.runtime.lean_hybrid (hybrids)
     packed_weights: bool = True  # oneDNN-packed Linear weights in the lean forward (CPU fp32; memory x2 for them)
     paged_attention: bool = True  # decode/packed attention reads KV blocks in place (CPU fp32; C kernel)
     mixed_step_factor: float = 1.5  # prompt tokens beside decoding rows: a cycle <= this x a decode-only one (0: off)
