@@ -134,12 +134,32 @@ def test_concurrent_chunked_greedy_equals_generate_and_state_is_freed(hybrid):
     engine = Engine(hybrid, EngineConfig(prefill_chunk_tokens=CHUNK, token_budget=48, max_model_len=256,
                                          max_running_rows=8)).start()
     try:
-        assert engine.prefix_cache == {"requested": True, "effective": False}
+        assert engine.prefix_cache == {"requested": True, "effective": True}
         assert engine._scheduler.batches.hybrid is not None  # the lean hybrid forward runs these cycles
         assert run_concurrently(engine, batch) == want
         stats = wait_released(engine)
         assert stats["linear_state_slots_total"] == 8 and stats["linear_state_bytes"] > 0
         assert stats["steps"] < sum(PROMPT_LENGTHS)  # rows really shared cycles
+    finally:
+        engine.stop()
+
+
+def test_prefix_cache_restores_the_linear_state_and_greedy_equals_generate(hybrid):
+    """8 concurrent prompts sharing a 150-token prefix after one of them ran: each takes the cached
+    blocks up to the last state snapshot (position 128) and starts from that state."""
+    vocab = hybrid.model.config.vocab_size
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(3, vocab - 1, (150,), generator=g).tolist()
+    batch = [shared + torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in (1, 5, 12, 30, 7, 2, 20, 9)]
+    want = [reference(hybrid.model, p) for p in batch]
+    engine = Engine(hybrid, EngineConfig(prefill_chunk_tokens=CHUNK * 4, token_budget=96, max_model_len=256,
+                                         max_running_rows=8)).start()
+    try:
+        assert engine.prefix_cache == {"requested": True, "effective": True}
+        assert run_concurrently(engine, batch[:1]) == want[:1]  # runs the prefix, snapshots at 64 and 128
+        assert run_concurrently(engine, batch) == want
+        stats = wait_released(engine)
+        assert stats["linear_snapshot_hits"] >= 8 and stats["prefix_cache_hit_blocks"] >= 8 * 128 // 16
     finally:
         engine.stop()
 
@@ -155,8 +175,8 @@ def test_preemption_recomputes_both_states(hybrid):
     block = probe._kv.block_nbytes
     reserve = probe.states.nbytes()
     engine = Engine(hybrid, EngineConfig(prefill_chunk_tokens=CHUNK, token_budget=48, max_model_len=256,
-                                         max_running_rows=6, kv_block_size=16,
-                                         kv_budget_bytes=reserve + 7 * block)).start()
+                                         max_running_rows=6, kv_block_size=16, prefix_cache=False,
+                                         kv_budget_bytes=reserve + 7 * block)).start()  # no snapshot reserve
     try:
         assert run_concurrently(engine, batch) == want
         stats = wait_released(engine)
@@ -196,7 +216,7 @@ def test_server_reports_the_family_and_the_effective_prefix_cache(server):
     cards = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
     assert cards[0]["model_family"]["linear_attention_layers"] == 4
     eff = httpx.get(f"{server.base_url}/v1/config", timeout=10).json()["effective"]
-    assert eff["prefix_cache"] == {"requested": True, "effective": False}
+    assert eff["prefix_cache"] == {"requested": True, "effective": True}  # linear-state snapshots beside blocks
 
 
 @pytest.mark.parametrize("stream", [False, True])

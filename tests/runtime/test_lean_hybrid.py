@@ -202,3 +202,39 @@ def test_chunked_equals_recurrence_and_splits():
 
 def test_unsupported_models_keep_transformers():
     assert lean_hybrid_for(SimpleNamespace()) is None
+
+
+def test_snapshots_restore_the_state_at_a_prefix(model):
+    """The state captured at position 128 while a prompt ran in 40-token chunks, copied into another
+    row's slot, continues that row to transformers' logits of the whole prompt (the prefix cache's
+    restore, kiln.runtime.linear_state.LinearSnapshots)."""
+    from kiln.runtime.linear_state import LinearSnapshots
+
+    h = Harness(model)
+    snaps = LinearSnapshots(h.states, BLOCK)
+    (prompt,) = prompts((150,), seed=4)
+    first = h.row(prompt)
+    first.cache_key = "k"
+    while first.prefilled < len(prompt):
+        c = min(40, len(prompt) - first.prefilled)
+        for _ in range(-(-(first.prefilled + c) // BLOCK) - len(first.blocks)):
+            first.blocks.append(h.kv.allocate())
+        batch, _ = batch_of([], [(first, c)], h.kv, "cpu", snaps.every)
+        with torch.inference_mode():
+            h.lean.forward_batch(batch, h.kv, h.states)
+        snaps.put("k", prompt, batch.captured.get(0, {}))
+        first.prefilled += c
+    assert snaps.limit("k", prompt, len(prompt) - 1) == 128 and snaps.limit("other", prompt, 149) == 0
+    second = h.row(prompt)
+    second.blocks = list(first.blocks[:128 // BLOCK])  # the cached attention blocks of the prefix
+    snaps.restore("k", prompt, 128, second.state_slot)
+    second.prefilled = second.pos = 128
+    logits, _ = h.cycle([], [(second, len(prompt) - 128)])
+    want = hf_logits(model, prompt)[-1]
+    assert torch.allclose(logits[0], want, atol=ATOL), (logits[0] - want).abs().max()
+    second.prefilled = second.pos = 128  # the check has teeth: a wrong state moves the logits
+    snaps.restore("k", prompt, 128, second.state_slot)
+    for i in range(len(h.states.recurrent)):
+        h.states.recurrent[i][second.state_slot].zero_()
+    logits, _ = h.cycle([], [(second, len(prompt) - 128)])
+    assert not torch.allclose(logits[0], want, atol=ATOL)

@@ -42,7 +42,7 @@ import torch
 from kiln.runtime import gated_deltanet
 from kiln.runtime.lean_forward import lean_forward_for
 from kiln.runtime.lean_hybrid import batch_of, lean_hybrid_for
-from kiln.runtime.linear_state import LinearStatePool
+from kiln.runtime.linear_state import LinearSnapshots, LinearStatePool
 from kiln.runtime.paged_kv import SCRATCH, BlockPool
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,9 @@ class Batches:
         self.states = states
         # a hybrid's own lean forward (kiln.runtime.lean_hybrid): packed variable-length rows, fused state steps
         self.hybrid = _lean_hybrid(model, states, paged_attention, lean, packed_weights)
+        # the hybrid half of the prefix cache: state snapshots the lean hybrid forward takes (None: no cache)
+        self.snapshots = LinearSnapshots(states, kv.block_size) if self.hybrid is not None and kv.prefix_cache \
+            else None
         if states is not None:  # those paths implement attention layers only
             lean = compile_decode = False
         # the same math as the model's forward with far less Python per step (bitwise equal logits);
@@ -146,8 +149,14 @@ class Batches:
     def _hybrid_cycle(self, decoding: list[Any], chunks: list[Chunk]) -> tuple[torch.Tensor | None,
                                                                                 torch.Tensor | None, list[Any]]:
         """:meth:`packed` on the lean hybrid forward: any mix of rows, lengths and adapters in one forward."""
-        batch, completing = batch_of(decoding, chunks, self.kv, self.device)
+        snaps = self.snapshots
+        batch, completing = batch_of(decoding, chunks, self.kv, self.device, snaps.every if snaps else 0)
         logits = self.hybrid.forward_batch(batch, self.kv, self.states)
+        if snaps is not None:
+            for i, (r, _) in enumerate(chunks):
+                key = getattr(r, "cache_key", None)
+                if key is not None and len(decoding) + i in batch.captured:
+                    snaps.put(key, r.tokens, batch.captured[len(decoding) + i])
         n = len(decoding)
         return (logits[:n] if n else None), (logits[n:] if completing else None), completing
 

@@ -34,7 +34,7 @@ from kiln.config import ConfigError
 from kiln.runtime.adapter_slots import BASE_KEY, AdapterError, AdapterSlots, UnknownAdapter
 from kiln.runtime.batches import PACKED_MAX_SCORES, Batches
 from kiln.runtime import paged_attention, request_trace
-from kiln.runtime.linear_state import LinearStatePool, linear_layers
+from kiln.runtime.linear_state import SNAPSHOTS_PER_SLOT, LinearStatePool, linear_layers
 from kiln.runtime.loader import ModelLoadError
 from kiln.runtime.memory import memory_total_bytes
 from kiln.runtime.paged_kv import BlockPool, CacheShape, block_bytes, cache_shape
@@ -126,6 +126,14 @@ def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, dev
     return budget // per_block + 1
 
 
+def _state_bytes(states: LinearStatePool | None, prefix_cache: bool) -> int:
+    """What a hybrid's linear state takes out of the KV budget: its slots, and with the prefix cache
+    the snapshots kept beside the cached blocks (kiln.runtime.linear_state)."""
+    if states is None:
+        return 0
+    return states.nbytes() * (1 + (SNAPSHOTS_PER_SLOT if prefix_cache else 0))
+
+
 class _ProbeRow:
     """The fields the batch builders read of a row (kiln.runtime.batches), for :meth:`Engine._probe`."""
 
@@ -163,18 +171,19 @@ class Engine(TokenFacade):
         cfg = self.config
         shape = cache_shape(self.model.config)
         linear = linear_layers(self.model)
-        # a hybrid's rows each hold a linear-state slot (kiln.runtime.linear_state); its prefix cache is off:
-        # reusing attention blocks alone would skip the recurrent state at the prefix end
+        # a hybrid's rows each hold a linear-state slot (kiln.runtime.linear_state); its prefix cache needs the
+        # state at the prefix end too: snapshots the lean hybrid forward takes (else the cache is off)
         states = LinearStatePool(linear, cfg.max_running_rows, device=self.device, dtype=dtype) if linear else None
         self.states = states
-        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device, states.nbytes() if states else 0),
-                       cfg.kv_block_size, device=self.device, dtype=dtype,
-                       prefix_cache=cfg.prefix_cache and states is None)
+        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device, _state_bytes(states, cfg.prefix_cache)),
+                       cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
                           model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
                           paged_attention=self._paged_attention(dtype), states=states)
+        if states is not None and batches.snapshots is None:  # no state snapshots (transformers' path): no cache
+            kv.prefix_cache = False
         self._probe(batches)
         self._scheduler = Scheduler(cfg, kv, batches, self.adapters, self.ownership, self.observer, self.device,
                                     macs_per_token=prompt_macs_per_token(self.model), prompt_text=self.tokens.decode)
@@ -187,7 +196,8 @@ class Engine(TokenFacade):
 
     @property
     def prefix_cache(self) -> dict[str, bool]:
-        """``batching.prefix_cache`` as configured, and whether the engine uses it (never for a hybrid)."""
+        """``batching.prefix_cache`` as configured, and whether the engine uses it (a hybrid: only on the
+        lean hybrid forward, which snapshots the linear state at block-aligned prefixes)."""
         return {"requested": self.config.prefix_cache, "effective": self._kv.prefix_cache}
 
     @property

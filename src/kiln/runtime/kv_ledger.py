@@ -10,7 +10,7 @@ builders only read what it wrote.
 
 from __future__ import annotations
 
-from kiln.runtime.linear_state import LinearStatePool
+from kiln.runtime.linear_state import LinearSnapshots, LinearStatePool
 from kiln.runtime.paged_kv import BlockPool
 from kiln.runtime.rows import Row, ScoreRow
 
@@ -18,9 +18,10 @@ from kiln.runtime.rows import Row, ScoreRow
 class BlockLedger:
     """Block tables and linear-state slots of the scheduler's rows (see the module docstring)."""
 
-    def __init__(self, kv: BlockPool, states: LinearStatePool | None):
+    def __init__(self, kv: BlockPool, states: LinearStatePool | None, snapshots: LinearSnapshots | None = None):
         self.kv = kv
         self.states = states
+        self.snapshots = snapshots  # a hybrid's prefix cache: the linear state at cached prefix ends
 
     def reserve(self, row: Row | ScoreRow, others_running: bool) -> bool:
         """Attach ``row``'s cached prefix blocks and its state slot if the pool can hold its prompt
@@ -29,13 +30,13 @@ class BlockLedger:
         A generation row reuses cached blocks up to its last prompt token; a scoring row keeps every
         position's logits, so it computes them all, unless it asks for rows from ``score_from`` on
         only (logits from ``score_from - 1``). On success ``prefilled`` and ``pos`` start after the
-        cached blocks."""
+        cached blocks; a hybrid's row starts from the state snapshot at their end."""
         kv = self.kv
         if not isinstance(row, ScoreRow):
-            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, len(row.tokens) - 1)
+            row.blocks, row.cache_uid = self._match(row, len(row.tokens) - 1)
             row.registered = len(row.blocks)
         elif row.score_from > 1:
-            row.blocks, row.cache_uid = kv.match(row.cache_key, row.tokens, row.score_from - 1)
+            row.blocks, row.cache_uid = self._match(row, row.score_from - 1)
             row.registered = len(row.blocks)
         need = kv.blocks_for(len(row.tokens)) - len(row.blocks)
         states = self.states
@@ -46,7 +47,24 @@ class BlockLedger:
             return False
         row.state_slot = slot
         row.prefilled = row.pos = len(row.blocks) * kv.block_size
+        if row.blocks and self.snapshots is not None:
+            self.snapshots.restore(row.cache_key, row.tokens, row.prefilled, slot)
         return True
+
+    def _match(self, row: Row | ScoreRow, limit: int) -> tuple[list[int], int]:
+        """Cached prefix blocks for ``row`` (``BlockPool.match``); a hybrid's end where a linear-state
+        snapshot does (kiln.runtime.linear_state.LinearSnapshots), or it takes none."""
+        kv, snaps = self.kv, self.snapshots
+        if snaps is None:
+            return kv.match(row.cache_key, row.tokens, limit)
+        while (limit := snaps.limit(row.cache_key, row.tokens, limit)) > 0:
+            blocks, uid = kv.match(row.cache_key, row.tokens, limit)
+            if len(blocks) * kv.block_size == limit:
+                return blocks, uid
+            kv.release(blocks)  # fewer blocks cached than the snapshot covers: a shorter prefix
+            kv.hits -= len(blocks)
+            limit = len(blocks) * kv.block_size
+        return [], 0
 
     def grow(self, row: Row | ScoreRow, positions: int) -> bool:
         """Blocks for ``row``'s first ``positions`` positions; ``False`` when the pool ran out."""

@@ -30,7 +30,7 @@ of the WY form, the C kernel's summation order); greedy outputs are checked equa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,7 +51,10 @@ class HybridBatch:
     """One packed forward: ``ids``/``row_of``/``pos_of`` ``[tokens]``; row r's tokens are
     ``spans[r] = (first token, count)``, its linear state lives in slot ``slots[r]`` and starts empty
     when ``fresh[r]``; ``table`` ``[rows, width]`` its KV blocks; ``keep``: the tokens whose logits are
-    returned; ``keys``: each row's adapter key (``None``: no adapter on any row)."""
+    returned; ``keys``: each row's adapter key (``None``: no adapter on any row). ``snap_every`` > 0:
+    each prompt chunk's linear state is captured at every position within it (its end included) that
+    is a multiple of ``snap_every``, into ``captured[row][position]`` (per linear layer, in layer
+    order: a copy of the conv window and of the recurrent state), for the hybrid prefix cache."""
 
     ids: torch.Tensor
     row_of: torch.Tensor
@@ -62,6 +65,8 @@ class HybridBatch:
     table: torch.Tensor
     keep: torch.Tensor
     keys: tuple[str, ...] | None = None
+    snap_every: int = 0
+    captured: dict[int, dict[int, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict)
 
     def steps(self) -> list[int]:
         """The rows that decode one token from a stored state (the fused step's rows)."""
@@ -175,24 +180,48 @@ class LeanHybrid(LeanForward):
         for r, (first, n) in enumerate(batch.spans):
             if r not in stepped:
                 sl = slice(first, first + n)
+                marks = self._marks(batch, r)
                 out[sl] = self._delta_chunk(mixed[sl], z[sl], b[sl], a[sl], conv, state, batch.slots[r],
-                                            batch.fresh[r], layer)
+                                            batch.fresh[r], layer, marks)
+                start = int(batch.pos_of[first]) if marks else 0
+                for at, snap in marks.items():  # keyed by the prompt position the state stands at
+                    batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
         return out
 
     @staticmethod
+    def _marks(batch: HybridBatch, r: int) -> dict[int, Any]:
+        """Offsets within row ``r``'s chunk (1..n) after which its state is captured (``snap_every``)."""
+        every = batch.snap_every
+        if not every:
+            return {}
+        first, n = batch.spans[r]
+        start = int(batch.pos_of[first])
+        return {p - start: None for p in range((start // every + 1) * every, start + n + 1, every)}
+
+    @staticmethod
     def _delta_chunk(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
-                     state: torch.Tensor, slot: int, fresh: bool, layer: gdn.GdnLayer) -> torch.Tensor:
-        """One row's prompt chunk: the convolution over its stored window and the chunked delta rule."""
+                     state: torch.Tensor, slot: int, fresh: bool, layer: gdn.GdnLayer,
+                     marks: dict[int, Any]) -> torch.Tensor:
+        """One row's prompt chunk: the convolution over its stored window and the chunked delta rule.
+        ``marks``: offsets after which (conv window, state) copies are put in (the chunk runs in pieces there)."""
+        kernel = conv.shape[-1]
         window = conv.new_zeros(conv.shape[1:]) if fresh else conv[slot]
         full = torch.cat([window, mixed.t().to(conv.dtype)], -1)  # [conv_dim, kernel + n]
-        conv[slot] = full[:, -conv.shape[-1]:]
+        conv[slot] = full[:, -kernel:]
         y = F.silu(F.conv1d(full[None], layer.conv_w[:, None, :], groups=full.shape[0])[0, :, 1:]).t()
         q, k, v = gdn.heads(y, layer)
         g, beta = gdn.gates(a, b, layer)
-        start = state.new_zeros(state.shape[1:]) if fresh else state[slot]
-        o, final = gdn.chunked(q, k, v, g, beta, start)
-        state[slot] = final
-        return gdn.gated_norm(o, z, layer)
+        s = state.new_zeros(state.shape[1:]) if fresh else state[slot]
+        outs, at = [], 0
+        for end in sorted(marks) + [mixed.shape[0]]:
+            if end > at:
+                o, s = gdn.chunked(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], s)
+                outs.append(o)
+                at = end
+            if end in marks:
+                marks[end] = (full[:, end:end + kernel].clone(), s.clone())
+        state[slot] = s
+        return gdn.gated_norm(torch.cat(outs) if len(outs) > 1 else outs[0], z, layer)
 
     # -- full attention ---------------------------------------------------------------------------
     def _attention_block(self, x: torch.Tensor, attn: dict[str, Any], i: int, batch: HybridBatch, kv: BlockPool,
@@ -271,7 +300,7 @@ def lean_hybrid_for(model: Any, *, pack: bool = False, kernel: Any = None,
 
 
 def batch_of(decoding: Sequence[Any], chunks: Sequence[tuple[Any, int]], kv: BlockPool,
-             device: Any) -> tuple[HybridBatch, list[Any]]:
+             device: Any, snap_every: int = 0) -> tuple[HybridBatch, list[Any]]:
     """The packed batch of one cycle: one token of each ``decoding`` row (its last generated one), then
     the next ``c`` prompt tokens of each ``(row, c)`` in ``chunks``; rows are the scheduler's (duck-typed:
     ``tokens``, ``prefilled``, ``pos``, ``blocks``, ``generated``, ``adapter_key``, ``state_slot``). Keeps
@@ -303,5 +332,5 @@ def batch_of(decoding: Sequence[Any], chunks: Sequence[tuple[Any, int]], kv: Blo
         pos_of=torch.tensor(pos, device=device), spans=tuple(spans), slots=tuple(r.state_slot for r in rows),
         fresh=tuple([False] * len(decoding) + [r.prefilled == 0 for r, _ in chunks]),
         table=kv.table([r.blocks for r in rows]), keep=torch.tensor(keep, dtype=torch.long, device=device),
-        keys=None if all(k == BASE_KEY for k in keys) else keys)
+        keys=None if all(k == BASE_KEY for k in keys) else keys, snap_every=snap_every)
     return batch, completing

@@ -24,12 +24,23 @@ state would decay it: the batch builder left-pads only chunks that start a row's
 (:meth:`kiln.runtime.batches.Batches.prefill`). That is transformers' path; the lean hybrid
 forward (kiln.runtime.lean_hybrid) reads and writes the same pool tensors directly, per row,
 in packed variable-length cycles (no padding).
+
+:class:`LinearSnapshots` is the hybrid half of the prefix cache: copies of a row's state at
+prompt positions that are multiples of ``every`` (``SNAPSHOT_EVERY`` rounded up to whole KV
+blocks), taken by the lean hybrid forward while it runs the prompt, keyed by a digest of the
+adapter revision key and the prefix's tokens (the identity the KV blocks are cached under). A row
+admitted with cached blocks keeps only as many as end at a snapshot and starts from its copy;
+at most ``SNAPSHOTS_PER_SLOT`` x slots are kept (least recently used dropped first), and their
+bytes come out of the KV budget like the slots'.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -184,3 +195,62 @@ class LinearStepState:
         for layer_idx, window in self._gathered.items():
             self.pool.conv[self.pool.index(layer_idx)].index_copy_(0, self.slots, window)
         self._gathered.clear()
+
+
+SNAPSHOT_EVERY = 64  # tokens between state snapshots (the chunked prefill's block; rounded up to whole KV blocks)
+SNAPSHOTS_PER_SLOT = 4  # snapshots kept per state slot of the pool (each costs one slot's bytes)
+
+Snapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per linear layer in order: (conv window, recurrent state)
+
+
+class LinearSnapshots:
+    """Snapshots of rows' linear state at block-aligned prompt prefixes (module docstring)."""
+
+    def __init__(self, pool: LinearStatePool, block_size: int, *, per_slot: int = SNAPSHOTS_PER_SLOT):
+        self.pool = pool
+        self.every = math.lcm(SNAPSHOT_EVERY, block_size)
+        self.capacity = per_slot * pool.slots
+        self._store: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
+        self.hits = 0
+        self.evictions = 0
+
+    def _digests(self, key: str, tokens: Sequence[int], upto: int) -> dict[int, bytes]:
+        """The identity of each prefix ``tokens[:p]`` for ``p`` a multiple of ``every`` up to ``upto``."""
+        h = hashlib.sha256(key.encode() + b"\0")
+        out = {}
+        for p in range(self.every, upto + 1, self.every):
+            h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[p - self.every:p]))
+            out[p] = h.copy().digest()
+        return out
+
+    def put(self, key: str, tokens: Sequence[int], captured: dict[int, Snapshot]) -> None:
+        """Keep ``captured`` (position -> snapshot) of a row whose adapter key is ``key`` and prompt ``tokens``."""
+        if not captured:
+            return
+        digests = self._digests(key, tokens, max(captured))
+        for pos, snap in captured.items():
+            d = digests[pos]
+            self._store[d] = snap
+            self._store.move_to_end(d)
+        while len(self._store) > self.capacity:
+            self._store.popitem(last=False)
+            self.evictions += 1
+
+    def limit(self, key: str, tokens: Sequence[int], limit: int) -> int:
+        """The longest prefix of ``tokens[:limit]`` with a snapshot (0: none)."""
+        digests = self._digests(key, tokens, limit)
+        return next((p for p in sorted(digests, reverse=True) if digests[p] in self._store), 0)
+
+    def restore(self, key: str, tokens: Sequence[int], pos: int, slot: int) -> None:
+        """Copy the snapshot of ``tokens[:pos]`` into ``slot`` (a row resuming its prompt at ``pos``)."""
+        d = self._digests(key, tokens, pos)[pos]
+        snap = self._store[d]
+        self._store.move_to_end(d)
+        for i, (conv, state) in enumerate(snap):
+            self.pool.conv[i][slot].copy_(conv)
+            self.pool.recurrent[i][slot].copy_(state)
+        self.hits += 1
+
+    def stats(self) -> dict[str, int]:
+        return {"linear_snapshots": len(self._store), "linear_snapshots_max": self.capacity,
+                "linear_snapshot_hits": self.hits, "linear_snapshot_evictions": self.evictions}

@@ -116,7 +116,7 @@ class Scheduler:
         self._jobs: collections.deque[tuple[Callable[[], Any], Future[Any]]] = collections.deque()
         self._cancel_pending = False
         self._admitting = 0  # requests the HTTP layer is parsing and rendering, not yet submitted
-        self.ledger = BlockLedger(kv, batches.states)
+        self.ledger = BlockLedger(kv, batches.states, batches.snapshots)
         self.queues = RowQueues(self.ledger, observer, self._cv)
         self.planner = CyclePlanner(config, self.queues, self.ledger, StepCost(), wide_min_tokens)
         fault = FaultHook.from_env(prompt_text) if prompt_text is not None else None
@@ -224,6 +224,7 @@ class Scheduler:
                 "preemptions": self.preemptions,
                 **self.kv.stats(),
                 **(self.batches.states.stats() if self.batches.states is not None else {}),
+                **(self.batches.snapshots.stats() if self.batches.snapshots is not None else {}),
                 "failed": self._failed,
                 "restart_required": self.restart_required,
                 "cycle_faults": dict(self.faults),
