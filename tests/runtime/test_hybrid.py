@@ -175,9 +175,10 @@ def test_preemption_recomputes_both_states(hybrid):
     block = probe._kv.block_nbytes
     reserve = probe.states.nbytes()
     engine = Engine(hybrid, EngineConfig(prefill_chunk_tokens=CHUNK, token_budget=48, max_model_len=256,
-                                         max_running_rows=6, kv_block_size=16, prefix_cache=False,
-                                         kv_budget_bytes=reserve + 7 * block)).start()  # no snapshot reserve
-    try:
+                                         max_running_rows=6, kv_block_size=16,
+                                         kv_budget_bytes=reserve + 7 * block)).start()
+    try:  # a budget that holds the state slots but not the prefix cache's snapshots: the cache is off
+        assert engine.prefix_cache == {"requested": True, "effective": False}
         assert run_concurrently(engine, batch) == want
         stats = wait_released(engine)
         assert stats["preemptions"] > 0

@@ -23,6 +23,7 @@ when full) and the same per-cycle token budget.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -58,6 +59,8 @@ from kiln.runtime.submission import (
 )
 from kiln.runtime.textstream import TextStream
 from kiln.runtime.tokenization import Tokenization
+
+log = logging.getLogger(__name__)
 
 CANARY_TOKENS = 4
 CANARY_MESSAGE = "Hello"
@@ -126,12 +129,20 @@ def kv_pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, dev
     return budget // per_block + 1
 
 
-def _state_bytes(states: LinearStatePool | None, prefix_cache: bool) -> int:
-    """What a hybrid's linear state takes out of the KV budget: its slots, and with the prefix cache
-    the snapshots kept beside the cached blocks (kiln.runtime.linear_state)."""
+def _pool_blocks(cfg: EngineConfig, shape: CacheShape, dtype: torch.dtype, device: Any,
+                 states: LinearStatePool | None) -> tuple[int, bool]:
+    """(KV pool blocks, prefix cache on): a hybrid's linear-state slots come out of the KV budget, and
+    with the prefix cache its state snapshots too (kiln.runtime.linear_state); a budget that holds the
+    slots but not the snapshots keeps the pool and turns the hybrid's prefix cache off (logged)."""
     if states is None:
-        return 0
-    return states.nbytes() * (1 + (SNAPSHOTS_PER_SLOT if prefix_cache else 0))
+        return kv_pool_blocks(cfg, shape, dtype, device), cfg.prefix_cache
+    if cfg.prefix_cache:
+        try:
+            return kv_pool_blocks(cfg, shape, dtype, device, states.nbytes() * (1 + SNAPSHOTS_PER_SLOT)), True
+        except ConfigError:
+            log.warning("the KV budget cannot also hold the hybrid prefix cache's state snapshots "
+                        "(%d bytes); the prefix cache is off", states.nbytes() * SNAPSHOTS_PER_SLOT)
+    return kv_pool_blocks(cfg, shape, dtype, device, states.nbytes()), False
 
 
 class _ProbeRow:
@@ -175,8 +186,8 @@ class Engine(TokenFacade):
         # state at the prefix end too: snapshots the lean hybrid forward takes (else the cache is off)
         states = LinearStatePool(linear, cfg.max_running_rows, device=self.device, dtype=dtype) if linear else None
         self.states = states
-        kv = BlockPool(shape, kv_pool_blocks(cfg, shape, dtype, self.device, _state_bytes(states, cfg.prefix_cache)),
-                       cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=cfg.prefix_cache)
+        blocks, prefix_cache = _pool_blocks(cfg, shape, dtype, self.device, states)
+        kv = BlockPool(shape, blocks, cfg.kv_block_size, device=self.device, dtype=dtype, prefix_cache=prefix_cache)
         self._kv = kv
         batches = Batches(kv, self.adapters, self.device, self.tokens.pad_id, compile_decode=cfg.compile_decode,
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
