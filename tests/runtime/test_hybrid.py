@@ -214,6 +214,7 @@ def test_server_reports_the_family_and_the_effective_prefix_cache(server):
     h = health(server)
     assert h["model_family"]["kind"] == "hybrid" and h["model_family"]["architecture"] == "Qwen3_5ForCausalLM"
     assert h["linear_state"]["slots_used"] == 0 and h["linear_state"]["slots_total"] > 0
+    assert h["linear_state"]["snapshots_max"] == 4 * h["linear_state"]["slots_total"]  # the hybrid prefix cache
     cards = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
     assert cards[0]["model_family"]["linear_attention_layers"] == 4
     eff = httpx.get(f"{server.base_url}/v1/config", timeout=10).json()["effective"]

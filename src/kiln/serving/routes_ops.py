@@ -86,9 +86,12 @@ async def health(request: Request) -> JSONResponse:
                                                                 "kv_blocks_cached", "kv_blocks_free") if k in stats}
         | {"block_size": stats.get("kv_block_size", 0), "preemptions": stats.get("preemptions", 0),
            "prefix_hit_blocks": stats.get("prefix_cache_hit_blocks", 0)},
-        # a hybrid's per-row Gated DeltaNet state slots (None for all-attention models)
+        # a hybrid's per-row Gated DeltaNet state slots and its prefix cache's state snapshots (None for
+        # all-attention models)
         "linear_state": {k[len("linear_state_"):]: stats[k] for k in ("linear_state_slots_total",
                                                                       "linear_state_slots_used", "linear_state_bytes")}
+        | {k[len("linear_"):]: stats[k] for k in ("linear_snapshots", "linear_snapshots_max", "linear_snapshot_hits",
+                                                  "linear_snapshot_evictions") if k in stats}
         if "linear_state_slots_total" in stats else None,
         "engine_error": why,
         # once a cycle failure latched the engine (unknown completion state): {class, reason}; restart the server
