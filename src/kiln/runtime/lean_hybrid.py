@@ -14,7 +14,9 @@ chunks of any rows side by side, ``[tokens, hidden]``, each token tagged with it
   one C call per layer over all of them, state read and written in place in the linear-state pool;
   its torch reference when the kernel is unavailable); each prompt chunk runs the convolution over its
   stored window and the chunked (WY) delta rule from its stored state (fresh rows: zero window, zero
-  state), so a prompt split over cycles gives the same state as one pass;
+  state), so a prompt split over cycles gives the same state as one pass; with the prefix cache
+  (``HybridBatch.snap_every``) the chunk runs in pieces at every multiple of it and the state there
+  is copied out (kiln.runtime.linear_state.LinearSnapshots);
 * the MLP with gate|up fused.
 
 Packed weights (``pack=True``) and LoRA rows come from :class:`~kiln.runtime.lean_forward.LeanForward`
