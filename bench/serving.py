@@ -83,6 +83,13 @@ SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed doe
                                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
                                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, vocab_size=8192,
                                max_position_embeddings=1024),
+    # issue 41's ~100M hybrid: the 25M layer stack with the Qwen3 vocabulary size (151,936; the built-in tokenizer's
+    # tokens, the other embedding rows zero)
+    "qwen3.5-hybrid-100m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                                layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, vocab_size=151936,
+                                max_position_embeddings=1024),
     "qwen3.5-0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
