@@ -154,3 +154,49 @@ def test_row_groups_and_sub_batch():
     sb = sub_batch(batch, range(1, 3))
     assert sb["input_ids"].tolist() == [[6, 7, 0], [8, 9, 10]]  # the columns past the longest row dropped
     assert sb["loss_mask"].shape == sb["attention_mask"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("loss", ["forward", "sampled_token"])
+def test_opd_pieces_have_the_whole_steps_gradients(model_and_rows, loss):
+    """OPD's step cut into completion groups and gold groups: the same gradients as :func:`opd_loss` of the batch."""
+    from dataclasses import dataclass
+
+    from kiln.training.core.loop import TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
+    from kiln.training.opd.step import opd_loss, opd_pieces
+
+    @dataclass(frozen=True)
+    class Settings:
+        loss: str
+        top_k: int = 4
+        ce_weight: float = 0.3
+        temperature: float = 0.7
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "o", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "o", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    pairs = [(r.input_ids[:r.loss_mask.index(1)], r.input_ids[r.loss_mask.index(1):]) for r in rows]
+    sampled = [t for _, c in pairs for t in c]
+    g = torch.Generator().manual_seed(2)
+    teacher = [{t: -0.5, **{int(v): -2.0 - j for j, v in enumerate(torch.randint(0, 200, (4,), generator=g))}}
+               for t in sampled]
+    gold = [(p, c[:3]) for p, c in pairs[:4]]
+    data = Settings(loss)
+    split = split_causal_lm(peft_model)
+    grads = []
+    for sliced in (False, True):
+        loop.opt.zero_grad(set_to_none=True)
+        with loop.step_ownership():
+            if sliced:
+                pieces = opd_pieces(peft_model, split, data, (pairs, teacher, sampled, gold), 30, pad_id=pad,
+                                    device=loop.device)
+                assert len(pieces) >= 4
+                for piece in pieces:
+                    (piece.loss() * piece.weight).backward()
+            else:
+                opd_loss(peft_model, split, data, pairs, teacher, sampled, gold, pad_id=pad, device=loop.device).backward()
+        grads.append([p.grad.clone() for p in loop.params])
+    scale = max(float(a.abs().max()) for a in grads[0])
+    assert scale > 0
+    for a, b in zip(*grads):  # float32 sums in another order: close to the largest gradient's scale
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
