@@ -197,6 +197,7 @@ class TrainingService:
             "queued": queued,
             "queue_max": self.jobs.queue_max,
             "recent": recent,
+            "pacer": self.pacer.snapshot(),
         }
 
     # --------------------------------------------------------------- worker
