@@ -176,24 +176,24 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
                     p1 = int((job.get("progress") or {}).get("step") or 0)
                     during = (p1 - p0) / (time.perf_counter() - t0)
                     prog = job.get("progress") or {}
+                    pacer = client.get("/v1/train/status").json().get("pacer") or {}
                     rows[-1].update(job_steps_s_solo=solo, job_steps_s_during=during,
                                     job_ratio=during / solo if solo else float("nan"),
-                                    sliced_steps=prog.get("sliced_steps", 0))
+                                    sliced_steps=prog.get("sliced_steps", 0),
+                                    hold_p50_ms=1000 * pacer.get("recent_busy_hold_p50_s", 0.0),
+                                    hold_p99_ms=1000 * pacer.get("recent_busy_hold_p99_s", 0.0))
             finally:
                 client.delete(f"/v1/train/queue/{job_id}")
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and client.get(f"/v1/train/jobs/{job_id}").json()["state"] in (
                         "queued", "running"):
                     time.sleep(0.2)
-        metrics = client.get("/metrics").text
-        rows.append({"model": model_dir.name, "arm": arm, "job": "_pacer", "metrics": [
-            line for line in metrics.splitlines() if line.startswith("kiln_training_hold")]})
     return rows
 
 
 def report(rows: list[dict]) -> None:
     print(f"\n{'model':14s} {'arm':3s} {'job':8s} {'c':>2s} {'TTFT p50':>8s} {'p99':>6s} {'xidle':>6s} {'ITL p50':>7s} "
-          f"{'p99':>6s} {'xidle':>6s} {'lock%':>5s} {'job x':>6s} {'load':>5s}")
+          f"{'p99':>6s} {'xidle':>6s} {'lock%':>5s} {'hold p50':>8s} {'p99':>6s} {'job x':>6s} {'load':>5s}")
     idle = {(r["model"], r["arm"], r["c"]): r for r in rows if r["job"] == "idle"}
     for r in rows:
         if r["job"].startswith("_"):
@@ -203,7 +203,7 @@ def report(rows: list[dict]) -> None:
         print(f"{r['model'][:14]:14s} {r['arm']:3s} {r['job']:8s} {r['c']:2d} {r['ttft_p50_ms']:8.1f} "
               f"{r['ttft_p99_ms']:6.0f} {r['ttft_p99_ms'] / i['ttft_p99_ms']:6.2f} {r['itl_p50_ms']:7.1f} "
               f"{r['itl_p99_ms']:6.1f} {r['itl_p99_ms'] / i['itl_p99_ms']:6.2f} {100 * r['lock_wait_share']:5.0f} "
-              f"{job_x:>6s} {r['load']:5.1f}")
+              f"{r.get('hold_p50_ms', 0):8.1f} {r.get('hold_p99_ms', 0):6.1f} {job_x:>6s} {r['load']:5.1f}")
     arms = sorted({r["arm"] for r in rows})
     if len(arms) == 2:
         a, b = arms
@@ -254,9 +254,6 @@ def main() -> None:
                 work.mkdir()
                 rows += arm_runs(model_dir, arm, env, args, work)
     report(rows)
-    for r in rows:
-        if r["job"] == "_pacer":
-            print(f"{r['model']} {r['arm']}:", *r["metrics"], sep="\n  ")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
+
+
+RECENT_HOLDS = 256  # busy holds HoldPacer.snapshot's percentiles are taken over
 
 
 class OwnershipError(RuntimeError):
@@ -132,6 +136,7 @@ class HoldPacer:
         self.yields = 0  # gaps left to serving
         self.yielded_s = 0.0
         self.longest_busy_hold_s = 0.0  # the longest hold taken while serving was busy
+        self._recent_busy: deque[float] = deque(maxlen=RECENT_HOLDS)  # the latest busy holds' seconds
 
     def budget_s(self) -> float | None:
         """Seconds the next hold may take (the trainer slices its work to fit); None: no bound now."""
@@ -163,8 +168,12 @@ class HoldPacer:
                 if busy:
                     self.busy_holds += 1
                     self.longest_busy_hold_s = max(self.longest_busy_hold_s, self.last_hold_s)
+                    self._recent_busy.append(self.last_hold_s)
 
     def snapshot(self) -> dict[str, float | int]:
+        recent = sorted(self._recent_busy)
+        p = (lambda q: round(recent[min(len(recent) - 1, q * len(recent) // 100)], 6)) if recent else (lambda q: 0.0)
         return {"serving_share": self.serving_share, "max_hold_ms": round(self.max_hold_s * 1000, 3),
                 "holds": self.holds, "busy_holds": self.busy_holds, "yields": self.yields,
-                "yielded_s": round(self.yielded_s, 6), "longest_busy_hold_s": round(self.longest_busy_hold_s, 6)}
+                "yielded_s": round(self.yielded_s, 6), "longest_busy_hold_s": round(self.longest_busy_hold_s, 6),
+                "recent_busy_hold_p50_s": p(50), "recent_busy_hold_p99_s": p(99)}

@@ -451,6 +451,8 @@ class HoldPacing(_Response):
     yields: int = Field(description="gaps left to serving between holds")
     yielded_s: float
     longest_busy_hold_s: float = Field(description="the longest hold taken while serving had rows")
+    recent_busy_hold_p50_s: float = Field(description="median of the latest 256 holds taken while serving had rows")
+    recent_busy_hold_p99_s: float = Field(description="p99 of the latest 256 holds taken while serving had rows")
 
 
 class ServingLatency(_Response):
