@@ -158,6 +158,7 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
                   f"{r['itl_p99_ms']:.1f} ms (max {r['itl_max_ms']:.0f}), {r['requests']} chats, lock_wait {row['lock_wait_share']:.0%} of chat time, load "
                   f"{row['load']:.1f}", file=sys.stderr, flush=True)
 
+        chat(base, model, max(args.concurrency), 1.0, 4)  # warm-up: the first cycles of each batch shape
         for c in args.concurrency:
             measure("idle", c, {})
         for kind in args.jobs:
