@@ -6,13 +6,13 @@ clients, ``--window-s`` seconds each measurement, ``--max-tokens`` tokens each, 
 * ``idle``: no job;
 * for each job kind (``sft``: 64 examples of ~200 tokens; ``sft-fix``: one correction with the defaults;
   ``grpo``: 16 pre-scored groups of 4; ``opd``: on-policy distillation from the base model as a local
-  teacher): the job is submitted, left to take a few steps, its steps/s measured with no chat (``solo``),
-  then chat runs at each C while the job trains (its steps/s meanwhile: ``during``); then it is cancelled.
+  teacher): the job is submitted, left to take a few steps, its trained tokens per wall second measured with no chat (``solo``),
+  then chat runs at each C while the job trains (its tokens/s meanwhile: ``during``); then it is cancelled.
 
 Printed per row: TTFT and ITL p50/p99 (ms), the ratio of busy p99 to idle p99 (the issue's target is
 <= 2x), the longest ITL gap, the summed ``lock_wait`` of the chats from ``/v1/debug/requests`` next to
 their summed wall time (a stall that is not lock wait is CPU/GIL contention, not the device hold), and the
-job's steps/s during chat over solo (the target is >= 0.7). The machine's load average is printed beside.
+job's tokens/s during chat over solo (the target is >= 0.7). The machine's load average is printed beside.
 
     .venv/bin/python bench/serve_while_training.py                                   # built-in model
     .venv/bin/python bench/serve_while_training.py --shape qwen3-31m --jobs sft grpo
@@ -77,14 +77,16 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
-def job_rate(client: Any, job_id: str, seconds: float) -> tuple[float, dict]:
-    """The job's optimizer steps per wall second over ``seconds`` (and its last progress)."""
-    p0 = client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}
-    t0 = time.perf_counter()
+def trained_tokens(client: Any, job_id: str) -> int:
+    """Tokens the job has trained on so far (its progress; a step counts when it ends)."""
+    return int((client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}).get("tokens") or 0)
+
+
+def job_rate(client: Any, job_id: str, seconds: float) -> float:
+    """The job's trained tokens per wall second over ``seconds``."""
+    n0, t0 = trained_tokens(client, job_id), time.perf_counter()
     time.sleep(seconds)
-    job = client.get(f"/v1/train/jobs/{job_id}").json()
-    p1 = job.get("progress") or {}
-    return (int(p1.get("step") or 0) - int(p0.get("step") or 0)) / (time.perf_counter() - t0), job
+    return (trained_tokens(client, job_id) - n0) / (time.perf_counter() - t0)
 
 
 def lock_wait(client: Any, n: int) -> tuple[float, float]:
@@ -168,17 +170,14 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
             job_id = r.json()["id"]
             try:
                 wait_steps(client, job_id, 2, 600)
-                solo, _ = job_rate(client, job_id, args.solo_s)
+                solo = job_rate(client, job_id, args.solo_s)
                 for c in args.concurrency:
-                    t0 = time.perf_counter()
-                    p0 = int((client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}).get("step") or 0)
+                    t0, n0 = time.perf_counter(), trained_tokens(client, job_id)
                     measure(kind, c, {})
-                    job = client.get(f"/v1/train/jobs/{job_id}").json()
-                    p1 = int((job.get("progress") or {}).get("step") or 0)
-                    during = (p1 - p0) / (time.perf_counter() - t0)
-                    prog = job.get("progress") or {}
+                    during = (trained_tokens(client, job_id) - n0) / (time.perf_counter() - t0)
+                    prog = client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}
                     pacer = client.get("/v1/train/status").json().get("pacer") or {}
-                    rows[-1].update(job_steps_s_solo=solo, job_steps_s_during=during,
+                    rows[-1].update(job_tok_s_solo=solo, job_tok_s_during=during,
                                     job_ratio=during / solo if solo else float("nan"),
                                     sliced_steps=prog.get("sliced_steps", 0),
                                     hold_p50_ms=1000 * pacer.get("recent_busy_hold_p50_s", 0.0),
@@ -208,14 +207,14 @@ def report(rows: list[dict]) -> None:
     arms = sorted({r["arm"] for r in rows})
     if len(arms) == 2:
         a, b = arms
-        print(f"\nB/A ratios ({b} over {a}): ITL p99, TTFT p99, job steps/s during chat")
+        print(f"\nB/A ratios ({b} over {a}): ITL p99, TTFT p99, job tokens/s during chat")
         by = {(r["model"], r["arm"], r["job"], r["c"]): r for r in rows if not r["job"].startswith("_")}
         for (m, arm, job, c), ra in by.items():
             rb = by.get((m, b, job, c)) if arm == a else None
             if rb is None:
                 continue
-            jr = (f"{rb['job_steps_s_during'] / ra['job_steps_s_during']:.2f}"
-                  if ra.get("job_steps_s_during") else "-")
+            jr = (f"{rb['job_tok_s_during'] / ra['job_tok_s_during']:.2f}"
+                  if ra.get("job_tok_s_during") else "-")
             print(f"  {m[:14]:14s} {job:8s} c={c}: ITL p99 {rb['itl_p99_ms'] / ra['itl_p99_ms']:.2f}x, "
                   f"TTFT p99 {rb['ttft_p99_ms'] / ra['ttft_p99_ms']:.2f}x, job {jr}x")
 
@@ -238,7 +237,7 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--window-s", type=float, default=8.0, help="seconds of chat per measurement")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--solo-s", type=float, default=6.0, help="seconds the job's solo steps/s is measured over")
+    ap.add_argument("--solo-s", type=float, default=6.0, help="seconds the job's solo tokens/s is measured over")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--a", default="", help="KILN_* settings of arm A (default: none)")
     ap.add_argument("--ab", default=None, help="KILN_* settings of arm B")

@@ -427,6 +427,7 @@ class TrainLoop:
             "epoch": self.epoch,
             "loss": None if math.isnan(self.loss) else round(self.loss, 6),
             "tokens_per_s": round(self.tokens / self.train_s, 1) if self.train_s > 0 else None,
+            "tokens": self.tokens,  # trained so far: tokens per wall second from two reads (bench/serve_while_training.py)
             "eta_s": round(per_step * (self.total_steps - self.step), 2) if per_step is not None else None,
             "checkpoint_step": self.checkpoint_step,
             **self.stats,
