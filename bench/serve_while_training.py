@@ -73,6 +73,9 @@ def job_body(kind: str, model: str) -> tuple[str, dict]:
     raise SystemExit(f"unknown job kind {kind!r}")
 
 
+LOGGED = 1000  # server.debug_requests: the chats the lock_wait share is read from
+
+
 def loadavg() -> float:
     return os.getloadavg()[0]
 
@@ -90,8 +93,8 @@ def job_rate(client: Any, job_id: str, seconds: float) -> float:
 
 
 def lock_wait(client: Any, n: int) -> tuple[float, float]:
-    """Summed lock_wait and HTTP total (s) of the newest ``n`` logged chat requests."""
-    rows = client.get("/v1/debug/requests", params={"limit": n}).json()["requests"]
+    """Summed lock_wait and HTTP total (s) of the newest ``n`` logged chat requests (at most the log's 1,000)."""
+    rows = client.get("/v1/debug/requests", params={"limit": min(n, LOGGED)}).json()["requests"]
     chats = [r for r in rows if r.get("route") == "/v1/chat/completions"]
     return (sum(r["timings_s"].get("lock_wait", 0.0) for r in chats),
             sum(r["timings_s"].get("total", 0.0) for r in chats))
@@ -139,7 +142,7 @@ def wait_steps(client: Any, job_id: str, steps: int, timeout_s: float) -> dict:
 def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespace, work: Path) -> list[dict]:
     import httpx
 
-    env = kiln_env(work) | {"KILN_SERVER_DEBUG_REQUESTS": "1000"} | env_extra
+    env = kiln_env(work) | {"KILN_SERVER_DEBUG_REQUESTS": str(LOGGED)} | env_extra
     cmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
            "--log-level", "warning"] + (["--threads", str(args.threads)] if args.threads else [])
     rows: list[dict] = []
