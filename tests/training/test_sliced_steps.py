@@ -200,3 +200,48 @@ def test_opd_pieces_have_the_whole_steps_gradients(model_and_rows, loss):
     assert scale > 0
     for a, b in zip(*grads):  # float32 sums in another order: close to the largest gradient's scale
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_kd_pieces_have_the_whole_steps_gradients(model_and_rows):
+    """Sparse KD's step cut into groups of windows: the same gradients as the whole batch's loss (KD and CE terms
+    are both means over the captured positions)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kiln.training.core.loop import TrainLoop
+    from kiln.training.kd.job import _KDStep
+    from kiln.training.losses.kd import SparseKDLoss
+    from kiln.training.losses.kd_batch import kd_loss_split
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "k", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "k", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    k, rng = 4, np.random.default_rng(3)
+    examples, windows = [], []
+    for n, r in enumerate(rows):
+        m = len(r.input_ids) - 1
+        top = rng.integers(0, 200, (m, k))
+        lp = np.log(0.8 * rng.dirichlet(np.ones(k), m))
+        examples.append(SimpleNamespace(forced=np.array(r.input_ids[1:]), forced_logprobs=np.full(m, np.nan),
+                                        top_ids=top, top_logprobs=lp, tail=np.full(m, 0.2)))
+        windows.append((list(r.input_ids), [(i, n, i) for i in range(m)]))
+    step = object.__new__(_KDStep)  # the step's loss and slicer, without a capture on disk
+    step.peft_model, step.loop, step.examples, step.anchor, step.pad_id = peft_model, loop, examples, None, pad
+    step.cplan = SimpleNamespace(probability=SimpleNamespace(top_k=k), tokenizer=SimpleNamespace(vocab_size=600))
+    step.loss_fn, step.use_ce = SparseKDLoss(ce_weight=0.5, kd_weight=1.0, temperature=1.0), True
+    step.split = kd_loss_split(peft_model)
+    grads = []
+    for sliced in (False, True):
+        loop.opt.zero_grad(set_to_none=True)
+        with loop.step_ownership():
+            if sliced:
+                pieces = step.pieces(windows, 40)
+                assert len(pieces) >= 3 and sum(p.weight for p in pieces) == pytest.approx(1.0)
+                for piece in pieces:
+                    (piece.loss() * piece.weight).backward()
+            else:
+                step.loss(windows).backward()
+        grads.append([p.grad.clone() for p in loop.params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
