@@ -143,6 +143,10 @@ class TrainingSettings(_Section):
     data_dir: str | None = None  # default: $KILN_HOME/data
     max_examples: int = Field(10_000, ge=1, le=10_000_000)  # examples one job may read
     compile: bool = False  # torch.compile each SFT job's trunk (docs/training.md: pays only on long jobs)
+    # while chats wait, the share of time serving gets between two exclusive training holds (docs/latency.md)
+    serving_share: float = Field(0.5, ge=0.0, lt=1.0, allow_inf_nan=False)
+    # while chats wait, the longest one training hold should take: steps are sliced into micro-batches to fit (0: whole steps)
+    max_hold_ms: float = Field(50.0, ge=0.0, le=60_000.0, allow_inf_nan=False)
 
 
 class AdapterSettings(_Section):

@@ -11,14 +11,22 @@ asks for exclusive ownership would wait on itself forever. :meth:`exclusive` ref
 that with :class:`OwnershipError` instead, and :meth:`holds_shared` lets code that may
 run inside a shared section (dropping the last reference to a retired adapter) defer
 its exclusive work until the section ends.
+
+:class:`HoldPacer` bounds what one trainer's exclusive holds take from serving: while chats wait it
+gives each hold a time budget (``training.max_hold_ms``: the trainer slices its steps to fit) and
+leaves serving ``training.serving_share`` of the time between holds (docs/latency.md).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
+
+
+RECENT_HOLDS = 256  # busy holds HoldPacer.snapshot's percentiles are taken over
 
 
 class OwnershipError(RuntimeError):
@@ -97,3 +105,75 @@ class AcceleratorOwnership:
                 "exclusive_wait_s": round(self.exclusive_wait_s, 6),
                 "exclusive_held_s": round(self.exclusive_held_s, 6),
             }
+
+
+class HoldPacer:
+    """Paces one trainer's exclusive holds while serving has work (``busy()``: rows running or queued).
+
+    * :meth:`budget_s` is how long the next hold may take: ``max_hold_ms`` while serving is busy, None
+      when it is idle (or the bound is 0: off), so an idle server trains in whole steps.
+    * :meth:`hold` takes exclusive ownership; while serving is busy it first leaves serving
+      ``serving_share`` of the time: after a hold of ``d`` seconds it waits
+      ``d * share / (1 - share)`` (at most ``max_gap_s``) before it asks again. Without that gap a
+      trainer that asks again at once, being writer-preferred, would keep serving out.
+
+    ``clock`` and ``sleep`` are injectable for tests; the counters feed ``snapshot()`` (/metrics).
+    """
+
+    def __init__(self, ownership: AcceleratorOwnership, busy: Callable[[], bool], *, serving_share: float = 0.5,
+                 max_hold_ms: float = 50.0, max_gap_s: float = 1.0,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+        if not 0.0 <= serving_share < 1.0:
+            raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
+        if max_hold_ms < 0:
+            raise ValueError(f"max_hold_ms must be >= 0, got {max_hold_ms}")
+        self.ownership, self.busy = ownership, busy
+        self.serving_share, self.max_hold_s, self.max_gap_s = serving_share, max_hold_ms / 1000.0, max_gap_s
+        self._clock, self._sleep = clock, sleep
+        self.last_hold_s = 0.0
+        self.holds = 0  # exclusive holds taken
+        self.busy_holds = 0  # of them, taken while serving was busy
+        self.yields = 0  # gaps left to serving
+        self.yielded_s = 0.0
+        self.longest_busy_hold_s = 0.0  # the longest hold taken while serving was busy
+        self._recent_busy: deque[float] = deque(maxlen=RECENT_HOLDS)  # the latest busy holds' seconds
+
+    def budget_s(self) -> float | None:
+        """Seconds the next hold may take (the trainer slices its work to fit); None: no bound now."""
+        if self.max_hold_s <= 0 or not self.busy():
+            return None
+        return self.max_hold_s
+
+    def gap_s(self) -> float:
+        """How long serving gets before the next hold, after the last one (0 when serving is idle)."""
+        if not self.serving_share or not self.last_hold_s or not self.busy():
+            return 0.0
+        return min(self.max_gap_s, self.last_hold_s * self.serving_share / (1.0 - self.serving_share))
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        gap = self.gap_s()
+        if gap > 0:
+            self._sleep(gap)
+            self.yields += 1
+            self.yielded_s += gap
+        with self.ownership.exclusive():
+            busy = self.busy()
+            t0 = self._clock()
+            try:
+                yield
+            finally:
+                self.last_hold_s = self._clock() - t0
+                self.holds += 1
+                if busy:
+                    self.busy_holds += 1
+                    self.longest_busy_hold_s = max(self.longest_busy_hold_s, self.last_hold_s)
+                    self._recent_busy.append(self.last_hold_s)
+
+    def snapshot(self) -> dict[str, float | int]:
+        recent = sorted(self._recent_busy)
+        p = (lambda q: round(recent[min(len(recent) - 1, q * len(recent) // 100)], 6)) if recent else (lambda q: 0.0)
+        return {"serving_share": self.serving_share, "max_hold_ms": round(self.max_hold_s * 1000, 3),
+                "holds": self.holds, "busy_holds": self.busy_holds, "yields": self.yields,
+                "yielded_s": round(self.yielded_s, 6), "longest_busy_hold_s": round(self.longest_busy_hold_s, 6),
+                "recent_busy_hold_p50_s": p(50), "recent_busy_hold_p99_s": p(99)}

@@ -7,6 +7,9 @@ observed on the engine thread at the moment each token is sampled.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -54,8 +57,10 @@ class Metrics(Observer):
         self._swaps = {a: swaps.labels(action=a) for a in ADAPTER_ACTIONS}
         self.canary_failures = Counter("kiln_adapter_canary_failures", "Adapter revisions whose load or canary "
                                        "failed (each was quarantined)", registry=r)
-        self.training_step_s = Histogram("kiln_training_step_seconds", "One training step under exclusive "
-                                         "accelerator ownership", buckets=DURATION_BUCKETS, registry=r)
+        self.training_step_s = Histogram("kiln_training_step_seconds", "One exclusive hold of the running training "
+                                         "job (a step, or one piece of a step sliced while serving waits)",
+                                         buckets=DURATION_BUCKETS, registry=r)
+        self.recent = RecentLatency()
         self.training_tps = Gauge("kiln_training_tokens_per_second", "The running training job's tokens per "
                                   "second of training time (0 when no job runs)", registry=r)
         self._locality = _locality_metrics(r)
@@ -87,9 +92,11 @@ class Metrics(Observer):
     # engine observer hooks (engine thread)
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.recent.add("ttft", ttft_s)
 
     def inter_token(self, itl_s: float) -> None:
         self.itl.observe(itl_s)
+        self.recent.add("itl", itl_s)
 
     def tokens_generated(self, count: int) -> None:
         self.tokens.inc(count)
@@ -133,6 +140,11 @@ class Metrics(Observer):
         if locality.get("seconds") is not None:
             self._locality["seconds"].labels(kind=kind).observe(locality["seconds"])
 
+    def bind_pacer(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """The trainer's hold pacer (:class:`kiln.runtime.ownership.HoldPacer`), read at each scrape."""
+        for key, name, doc in PACER_GAUGES:
+            Gauge(name, doc, registry=self.registry).set_function(partial(lambda k: float(snapshot().get(k, 0)), key))
+
     def bind_counts(self, kind: str, counts: Callable[[], dict[str, int]]) -> None:
         """``kind`` (training | eval): the function giving its jobs by state, read at each scrape."""
         self._counts[kind] = counts
@@ -151,6 +163,44 @@ class Metrics(Observer):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+PACER_GAUGES = (  # (snapshot key, metric, help): docs/latency.md
+    ("busy_holds", "kiln_training_busy_holds", "Exclusive training holds taken while serving had rows (cumulative)"),
+    ("longest_busy_hold_s", "kiln_training_longest_busy_hold_seconds",
+     "The longest exclusive training hold taken while serving had rows"),
+    ("yields", "kiln_training_yields", "Gaps the trainer left serving between two holds (cumulative)"),
+    ("yielded_s", "kiln_training_yielded_seconds", "Seconds of those gaps (cumulative)"),
+    ("serving_share", "kiln_training_serving_share", "training.serving_share: serving's share between holds"),
+    ("max_hold_ms", "kiln_training_max_hold_milliseconds", "training.max_hold_ms: one hold's budget while serving waits"),
+)
+
+
+class RecentLatency:
+    """TTFT and inter-token latency of the last ``window_s`` seconds (at most ``keep`` of each), for the training
+    status beside the running job (``GET /v1/train/status`` ``serving``; the dashboard shows it)."""
+
+    def __init__(self, window_s: float = 30.0, keep: int = 4096):
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._seen: dict[str, deque[tuple[float, float]]] = {"ttft": deque(maxlen=keep), "itl": deque(maxlen=keep)}
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._seen[kind].append((time.monotonic(), seconds))
+
+    def summary(self) -> dict[str, Any]:
+        """p50/p99 (ms) of each over the window, and how many were seen; None where none were."""
+        since = time.monotonic() - self.window_s
+        out: dict[str, Any] = {"window_s": self.window_s}
+        for kind, seen in self._seen.items():
+            with self._lock:
+                values = sorted(v for t, v in seen if t >= since)
+            out[f"{kind}_count"] = len(values)
+            for q in (50, 99):
+                out[f"{kind}_p{q}_ms"] = (round(1000 * values[min(len(values) - 1, (q * len(values)) // 100)], 3)
+                                          if values else None)
+        return out
 
 
 COUNT_GAUGES = {"training": ("kiln_training_jobs", "Training jobs by state"),

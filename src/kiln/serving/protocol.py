@@ -441,6 +441,32 @@ class TrainingJob(_Response):
     queue_position: int | None = None
 
 
+class HoldPacing(_Response):
+    """How the trainer shares the device with serving (kiln.runtime.ownership.HoldPacer; docs/latency.md)."""
+
+    serving_share: float = Field(description="training.serving_share: serving's share of the time between holds")
+    max_hold_ms: float = Field(description="training.max_hold_ms: one hold's budget while serving waits (0: whole steps)")
+    holds: int = Field(description="exclusive holds the trainer took since start-up")
+    busy_holds: int = Field(description="of them, taken while serving had rows")
+    yields: int = Field(description="gaps left to serving between holds")
+    yielded_s: float
+    longest_busy_hold_s: float = Field(description="the longest hold taken while serving had rows")
+    recent_busy_hold_p50_s: float = Field(description="median of the latest 256 holds taken while serving had rows")
+    recent_busy_hold_p99_s: float = Field(description="p99 of the latest 256 holds taken while serving had rows")
+
+
+class ServingLatency(_Response):
+    """Serving's TTFT and inter-token latency over the last ``window_s`` seconds (null p50/p99: none seen)."""
+
+    window_s: float
+    ttft_count: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_count: int
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+
+
 class TrainingStatus(_Response):
     enabled: bool
     worker_alive: bool
@@ -448,6 +474,8 @@ class TrainingStatus(_Response):
     queued: list[TrainingJob]
     queue_max: int
     recent: list[TrainingJob]
+    pacer: HoldPacing | None = None
+    serving: ServingLatency | None = Field(None, description="serving's latency beside the running job")
 
 
 class ReceiptSummary(_Response):

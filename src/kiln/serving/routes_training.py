@@ -66,8 +66,12 @@ for _kind in wire_kinds():  # one route per wire kind of the registry (kiln.trai
 
 @router.get("/v1/train/status", response_model=TrainingStatus)
 def train_status(request: Request) -> dict[str, Any]:
-    """The running job, the queue (FIFO) and the most recent finished jobs."""
-    return _public(request, _trainer(request).status())
+    """The running job, the queue (FIFO) and the most recent finished jobs; the trainer's hold pacer and serving's
+    recent latency beside them (docs/latency.md)."""
+    status = _trainer(request).status()
+    if status.get("enabled"):
+        status["serving"] = request.app.state.kiln.metrics.recent.summary()
+    return _public(request, status)
 
 
 @router.get("/v1/train/jobs/{job_id}", response_model=TrainingJob)

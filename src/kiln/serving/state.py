@@ -147,6 +147,7 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
         trainer.memory = memory  # memory admission at submission and at the job's start
         trainer.activation = activation  # auto_load / activate_on_pass: the same checks as an operator load
         trainer.observer = metrics  # step time, tokens/s
+        metrics.bind_pacer(trainer.pacer.snapshot)
         metrics.bind_counts("training", trainer.jobs.counts)
     openenv = build_openenv(settings, engine, trainer, metrics)
     judgments = build_judgments(settings, engine, trainer)

@@ -674,7 +674,21 @@
     });
   }
 
-  function renderRunning(job) {
+  // Serving's latency beside the running job (GET /v1/train/status `serving` and `pacer`; docs/latency.md).
+  function servingLine(serving, pacer) {
+    if (!serving) return null;
+    const ms = (v) => (v == null ? '–' : `${fmtNum(v)} ms`);
+    let text = `serving meanwhile (last ${fmtNum(serving.window_s)} s): inter-token p50 ${ms(serving.itl_p50_ms)}`
+      + ` · p99 ${ms(serving.itl_p99_ms)} · first token p99 ${ms(serving.ttft_p99_ms)}`;
+    if (pacer) {
+      text += ` · longest training hold while chats waited ${ms(1000 * pacer.longest_busy_hold_s)}`
+        + ` (budget ${pacer.max_hold_ms ? `${fmtNum(pacer.max_hold_ms)} ms` : 'whole steps'},`
+        + ` serving share ${fmtNum(100 * pacer.serving_share)}%)`;
+    }
+    return h('div', { class: 'muted serving-latency', text });
+  }
+
+  function renderRunning(job, serving, pacer) {
     const box = $('#running-job');
     if (!job) { box.replaceChildren(h('p', { class: 'muted', text: 'No job is running.' })); return; }
     const pct = job.total_steps ? Math.min(100, (100 * (job.step || 0)) / job.total_steps) : 0;
@@ -687,6 +701,7 @@
       h('div', { class: 'progress', title: `${pct.toFixed(0)}%` }, bar),
       h('div', { class: 'muted', text: `step ${job.step ?? 0} / ${job.total_steps ?? '?'} · loss ${fmtNum(job.loss)} · `
         + `${fmtNum(job.tokens_per_s)} tokens/s · ETA ${fmtDuration(job.eta_s)}` }),
+      servingLine(serving, pacer),
     );
     box.dataset.jobId = job.id;
   }
@@ -737,7 +752,7 @@
     else show($('#training-error'), '');
     track(status.running);
     for (const job of status.recent || []) trackFinished(job);
-    renderRunning(status.running);
+    renderRunning(status.running, status.serving, status.pacer);
     $('#queue-max').textContent = `(${(status.queued || []).length} queued, at most ${status.queue_max})`;
     $('#queue-table tbody').replaceChildren(...(status.queued || []).map((job) => h('tr', { dataset: { jobId: job.id } },
       h('td', { text: job.queue_position ?? '' }), h('td', {}, h('code', { text: job.id })), h('td', { text: job.kind }),

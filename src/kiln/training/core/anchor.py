@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kiln.training.core.data import Row, collate
+from kiln.training.core.loop import Piece
 from kiln.training.schemas import DEFAULT_ANCHOR_PER_STEP, DEFAULT_ANCHOR_QUESTIONS, DEFAULT_ANCHOR_WEIGHT
 
 ANCHOR_TOP_K = 32
@@ -84,6 +85,10 @@ class Anchor:
     def for_step(self, step: int) -> list[AnchorRow]:
         k = min(self.settings.per_step, len(self.rows))
         return [self.rows[(step * k + j) % len(self.rows)] for j in range(k)] if k else []
+
+    def tokens(self, step: int) -> int:
+        """The real tokens step ``step``'s rows run (sizes the anchor's piece of a sliced step)."""
+        return sum(len(r.row.input_ids) for r in self.for_step(step))
 
     def loss(self, peft_model: Any, split: Any, step: int, pad_id: int, device: Any) -> torch.Tensor | None:
         """``weight x`` the mean per-token D_tail(base || adapter) on step ``step``'s rows, with gradients
@@ -187,3 +192,9 @@ def anchor_term(anchor: Any, peft_model: Any, split: Any, loop: Any, pad_id: int
     loop.stats["anchor_kl"] = round(float(term.detach()) / max(anchor.settings.weight, 1e-12), 6)
     loop.stats["anchor_rows"] = len(anchor)
     return term
+
+
+def anchor_piece(anchor: Any, peft_model: Any, split: Any, loop: Any, pad_id: int) -> Piece:
+    """The anchor term as its own piece of a sliced step (:class:`kiln.training.core.loop.Piece`, weight 1):
+    its rows run in a hold of their own, not beside the job's rows."""
+    return Piece(lambda: anchor_term(anchor, peft_model, split, loop, pad_id), 1.0, anchor.tokens(loop.step))

@@ -15,6 +15,14 @@ loss. Without a mask the attention kernel keeps its plain causal path.
 Each job kind (:mod:`kiln.training.sft.job`, :mod:`kiln.training.grpo.job`, ...) reads top to
 bottom: build the loop, restore a checkpoint if given, then
 ``for batch: forward -> loss -> backward -> step``.
+
+While serving is busy a step need not be one hold: the hooks' ``hold_budget`` gives the seconds one
+hold may take, and a kind that passes a slicer to :meth:`TrainLoop.train` has its step cut into
+:class:`Piece` s (row micro-batches, the anchor rows) whose weighted losses sum to the step's loss.
+Each piece's forward and backward is one hold (gradients accumulate in the adapter's ``.grad``),
+the optimizer step another; serving runs between them. The gradients are those of the whole step
+(up to float summation order): every loss here is a token mean, and a piece of ``n`` of the step's
+``N`` loss tokens weighs ``n / N``.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import math
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -84,6 +93,8 @@ class Hooks:
     on_progress: Callable[[dict[str, Any]], None] = lambda p: None
     checkpoint_root: Path | None = None
     plan_sha256: str = ""
+    # seconds one exclusive hold may take now (serving is waiting), None: no bound (kiln.runtime.ownership.HoldPacer)
+    hold_budget: Callable[[], float | None] = lambda: None
 
 
 @dataclass
@@ -131,6 +142,68 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One slice of a step's loss: ``weight * loss()``, run as one exclusive hold (forward and backward).
+
+    A step's pieces sum to its loss; ``tokens`` (the real tokens it runs) sizes it against the hold budget."""
+
+    loss: Callable[[], torch.Tensor]
+    weight: float
+    tokens: int
+
+
+# A kind's slicer: (a step's batch, the most tokens one piece should run) -> the step's pieces. It may return
+# one piece (nothing to cut); a single row is never cut, so a piece can exceed the limit.
+Slicer = Callable[[Any, int], Sequence[Piece]]
+
+
+def row_groups(tokens: Sequence[int], limit: int) -> list[range]:
+    """Consecutive rows grouped so each group's ``tokens`` stay within ``limit`` (a row alone may exceed it)."""
+    groups: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(tokens):
+        if i > start and total + n > limit:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if len(tokens) > start:
+        groups.append(range(start, len(tokens)))
+    return groups
+
+
+def sub_batch(batch: dict[str, torch.Tensor], rows: range) -> dict[str, torch.Tensor]:
+    """Rows ``rows`` of a right-padded collated batch (every ``[N, T]`` tensor), the columns after its longest
+    real row dropped (causal attention: padding after a row cannot change it)."""
+    attn = batch["attention_mask"][rows.start:rows.stop]
+    real = attn.any(0).nonzero()
+    width = int(real[-1]) + 1 if real.numel() else attn.shape[1]
+    out: dict[str, torch.Tensor] = {}
+    for k, v in batch.items():
+        if v.dim() == 2 and v.shape[0] == batch["input_ids"].shape[0]:
+            out[k] = v[rows.start:rows.stop, :width]
+        elif v.dim() >= 1 and v.shape[0] == batch["input_ids"].shape[0]:
+            out[k] = v[rows.start:rows.stop]
+        else:
+            out[k] = v
+    return out
+
+
+def token_mean_pieces(batch: dict[str, torch.Tensor], limit: int, loss: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+                      ) -> list[Piece]:
+    """Pieces of a token-mean loss over ``batch``'s ``loss_mask[:, 1:]`` tokens: row groups within ``limit`` real
+    tokens, each weighted by its share of the loss tokens (groups with none are left out: they add nothing)."""
+    per_row = batch["loss_mask"][:, 1:].sum(1).tolist()
+    total = sum(per_row)
+    real = batch["attention_mask"].sum(1).tolist()
+    pieces = []
+    for g in row_groups(real, limit):
+        n = sum(per_row[i] for i in g)
+        if n:
+            pieces.append(Piece(partial(loss, sub_batch(batch, g)), n / total, int(sum(real[i] for i in g))))
+    return pieces
+
+
+@dataclass(frozen=True)
 class Learned:
     """A kind's learned check: ``check()`` after every ``every``-th step; the job stops once it holds.
 
@@ -161,6 +234,7 @@ class TrainLoop:
         self.tokens, self.train_s, self.loss = 0, 0.0, float("nan")
         self.stats: dict[str, Any] = {}
         self.last_step_s = 0.0  # the last update's seconds under exclusive ownership (train)
+        self.s_per_token = 0.0  # forward+backward seconds per token, measured (sizes pieces to the hold budget)
         self._last_progress = 0.0
         if resume is not None:
             self._restore(resume)
@@ -228,14 +302,15 @@ class TrainLoop:
 
     def train(self, steps: Iterable[StepInput], loss_step: Callable[[Any], torch.Tensor | float], *,
               learned: Learned | None = None, around: Callable[[], AbstractContextManager[Any]] = nullcontext,
-              at_end: Callable[[], None] | None = None) -> None:
+              at_end: Callable[[], None] | None = None, slicer: Slicer | None = None) -> None:
         """Run ``loss_step`` on each of ``steps`` under exclusive ownership, one optimizer step each, until
         the steps run out, the step cap is reached, the learned check holds or the job is cancelled (checked
         before each step is drawn, so a kind's sampling for the next step does not start). Puts the
         previously active adapter back at the end. ``around`` wraps each step's forward and backward (a
         kind's trunk options); ``at_end`` is the kind's last work before the adapter is released. Records
         ``learned`` (and ``learned_at_step``) in the stats when the kind has a learned check; the kind's
-        :meth:`report` follows."""
+        :meth:`report` follows. ``slicer``: how the kind cuts a step into pieces when holds are bounded
+        (:meth:`update`)."""
         with self.running():
             pending = iter(steps)
             while not self.done():
@@ -244,10 +319,7 @@ class TrainLoop:
                 if s is None:
                     break
                 if s.batch is not None:
-                    with self.step_ownership(), around():
-                        started = time.perf_counter()
-                        self.optimizer_step(loss_step(s.batch), s.tokens, started)
-                        self.last_step_s = time.perf_counter() - started
+                    self.update(s, loss_step, around, slicer)
                     if s.after is not None:
                         s.after()
                     if learned is not None and self.step % learned.every == 0 and learned.check():
@@ -259,6 +331,58 @@ class TrainLoop:
                 self.stats["learned"] = "learned_at_step" in self.stats
             if at_end is not None:
                 at_end()
+
+    def pieces(self, batch: Any, slicer: Slicer | None) -> Sequence[Piece] | None:
+        """The step's pieces when a hold is bounded now and the kind can slice; None: one hold for the step."""
+        budget = self.hooks.hold_budget()
+        if slicer is None or budget is None:
+            return None
+        limit = max(1, int(budget / self.s_per_token)) if self.s_per_token > 0 else 1
+        return slicer(batch, limit)
+
+    def update(self, s: StepInput, loss_step: Callable[[Any], torch.Tensor | float],
+               around: Callable[[], AbstractContextManager[Any]] = nullcontext, slicer: Slicer | None = None) -> None:
+        """One optimizer step on ``s``: one hold for forward, backward and step; or, when the hold budget asks for
+        it and the kind slices, one hold per piece (forward and backward, gradients accumulating) and one
+        for the optimizer step."""
+        pieces = self.pieces(s.batch, slicer)
+        if not pieces:
+            with self.step_ownership(), around():
+                started = time.perf_counter()
+                self.optimizer_step(loss_step(s.batch), s.tokens, started)
+                self.last_step_s = time.perf_counter() - started
+            self._measured(self.last_step_s, s.tokens)
+            return
+        total, held = 0.0, 0.0
+        for piece in pieces:
+            with self.step_ownership(), around():
+                t0 = time.perf_counter()
+                loss = piece.loss() * piece.weight
+                if not torch.isfinite(loss):
+                    self.opt.zero_grad(set_to_none=True)
+                    raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+                loss.backward()
+                total += float(loss.detach())
+                dt = time.perf_counter() - t0
+            held += dt
+            self._measured(dt, piece.tokens)
+        with self.step_ownership():
+            t0 = time.perf_counter()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            held += time.perf_counter() - t0
+        self.loss = total
+        self.step += 1
+        self.tokens += s.tokens
+        self.train_s += held
+        self.last_step_s = held
+        self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
+
+    def _measured(self, seconds: float, tokens: int) -> None:
+        """Fold one hold's seconds per token into the running estimate (a quarter weight for the newest)."""
+        if tokens > 0:
+            per = seconds / tokens
+            self.s_per_token = per if self.s_per_token <= 0 else 0.75 * self.s_per_token + 0.25 * per
 
     def checkpoint_due(self) -> bool:
         """A checkpoint is written after this step (every ``checkpoint_interval`` steps, never after the last)."""
@@ -303,6 +427,7 @@ class TrainLoop:
             "epoch": self.epoch,
             "loss": None if math.isnan(self.loss) else round(self.loss, 6),
             "tokens_per_s": round(self.tokens / self.train_s, 1) if self.train_s > 0 else None,
+            "tokens": self.tokens,  # trained so far: tokens per wall second from two reads (bench/serve_while_training.py)
             "eta_s": round(per_step * (self.total_steps - self.step), 2) if per_step is not None else None,
             "checkpoint_step": self.checkpoint_step,
             **self.stats,

@@ -23,6 +23,7 @@ from kiln.training.grpo.step import (
     grpo_batch,
     grpo_items,
     grpo_loss,
+    grpo_slicer,
     policy_logprobs,
     row_offsets,
 )
@@ -99,7 +100,8 @@ def run_grpo(peft_model: Any, name: str, items: Sequence[GRPOItem], plan: Plan, 
             yield StepInput(b, b.tokens, cursor, old_tensors)
 
     loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, settings, split, b, anchor=anchor,
-                                            pad_id=pad_id))
+                                            pad_id=pad_id),
+               slicer=grpo_slicer(peft_model, loop, loss_fn, settings, split, anchor=anchor, pad_id=pad_id))
     return loop.report()
 
 

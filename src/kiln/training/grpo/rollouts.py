@@ -126,7 +126,7 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
     seeded per iteration, so later iterations sample what the uninterrupted job sampled.
     """
     from kiln.training.core.loop import StepInput, TrainLoop
-    from kiln.training.grpo.step import grpo_loss, policy_logprobs
+    from kiln.training.grpo.step import grpo_loss, grpo_slicer, policy_logprobs
     from kiln.training.losses.chunked import split_causal_lm
     from kiln.training.losses.grpo import GRPOLoss
 
@@ -164,7 +164,8 @@ def run_rollouts(peft_model: Any, name: str, data: RolloutData, plan: Any, *, de
             loop.epoch, loop.batch, first_pass = (it + 1) * plan.epochs, 0, 0
             hooks.on_progress(loop.progress())  # every round's reward shows in status at once
 
-    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, s, split, b, anchor=anchor, pad_id=pad_id))
+    loop.train(steps(), lambda b: grpo_loss(peft_model, loop, loss_fn, s, split, b, anchor=anchor, pad_id=pad_id),
+               slicer=grpo_slicer(peft_model, loop, loss_fn, s, split, anchor=anchor, pad_id=pad_id))
     loop.total_steps = loop.step
     hooks.on_progress(loop.progress())
     if loop.step == 0:

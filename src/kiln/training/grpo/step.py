@@ -8,13 +8,14 @@ Shared by pre-scored GRPO (:mod:`kiln.training.grpo.job`) and GRPO with rollouts
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
 
-from kiln.training.core.anchor import anchor_term
+from kiln.training.core.anchor import anchor_piece, anchor_term
 from kiln.training.core.data import Row, collate
-from kiln.training.core.loop import TrainLoop
+from kiln.training.core.loop import Piece, Slicer, TrainLoop, row_groups, sub_batch
 from kiln.training.losses.chunked import SplitLM, linear_token_logprobs
 from kiln.training.losses.grpo import GRPOLoss, group_advantages
 from kiln.training.losses.sft import shifted_token_logprobs
@@ -81,12 +82,12 @@ def _padded(rows_logp: list[torch.Tensor], width: int, device: torch.device) -> 
 def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loop: TrainLoop,
                     split: SplitLM | None) -> list[torch.Tensor]:
     """Per row of every item, the current policy's token log-probs (``[len - 1]``), without gradients:
-    the ratio's denominator for the GRPO updates that follow."""
+    the ratio's denominator for the GRPO updates that follow. Each group is its own exclusive hold."""
     old: list[torch.Tensor] = []
-    with torch.no_grad(), loop.step_ownership():
-        for item in items:
+    for item in items:  # one hold per group: serving runs between them
+        with torch.no_grad(), loop.step_ownership():
             lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
-            old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
+        old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
     return old
 
 
@@ -140,3 +141,29 @@ def grpo_loss(peft_model: Any, loop: TrainLoop, loss_fn: GRPOLoss, settings: GRP
     loop.stats.update({"clip_fraction": round(st["clip_fraction"], 4), "kl": round(st["kl"], 6)})
     return loss
 
+
+
+def grpo_slicer(peft_model: Any, loop: TrainLoop, loss_fn: GRPOLoss, settings: GRPOSettings, split: SplitLM | None,
+                *, anchor: Any = None, pad_id: int = 0) -> Slicer:
+    """How a GRPO step is cut when holds are bounded (:meth:`TrainLoop.update`): row micro-batches of the
+    token-mean clipped loss (each with its rows' advantages and behaviour log-probs), the anchor rows as one
+    more piece. ``clip_fraction`` and ``kl`` are then the last row piece's."""
+
+    def slicer(b: GRPOBatch, limit: int) -> list[Piece]:
+        per_row = b.batch["loss_mask"][:, 1:].sum(1).tolist()
+        real = b.batch["attention_mask"].sum(1).tolist()
+        total = sum(per_row)
+        pieces = []
+        for g in row_groups(real, limit):
+            n = sum(per_row[i] for i in g)
+            if n:
+                sb = sub_batch(b.batch, g)
+                width = sb["input_ids"].shape[1] - 1
+                part = GRPOBatch(sb, b.advantages[g.start:g.stop], b.old_logp[g.start:g.stop, :width])
+                pieces.append(Piece(partial(grpo_loss, peft_model, loop, loss_fn, settings, split, part),
+                                    n / total, int(sum(real[i] for i in g))))
+        if anchor is not None:
+            pieces.append(anchor_piece(anchor, peft_model, split, loop, pad_id))
+        return pieces
+
+    return slicer

@@ -22,7 +22,6 @@ shards captured since the last job are trained alone. Ledgers an older Kiln kept
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -257,29 +256,61 @@ class _KDStep:
         self.split = kd_loss_split(peft_model)
 
     def train_pass(self, shard: KDShard, pass_index: int) -> None:
-        """Every batch of ``shard``'s windows, in order: one optimizer step each."""
+        """Every batch of ``shard``'s windows, in order: one optimizer step each (sliced into groups of windows
+        and the anchor rows while serving waits: :meth:`pieces`)."""
         from kiln.distill.examples import forward_windows, load_shard_examples
-        from kiln.training.core.anchor import anchor_term
-        from kiln.training.losses.kd_batch import batch_tensors, kd_step_loss
+        from kiln.training.core.loop import StepInput
 
         loop, cplan, batch_size = self.loop, self.cplan, self.loop.plan.batch_size
-        k, vocab = cplan.probability.top_k, cplan.tokenizer.vocab_size
-        examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
-        windows = forward_windows(examples, cplan.capture.max_sequence_length)
+        self.examples = load_shard_examples(shard.shard_dir, _head(shard), cplan)
+        windows = forward_windows(self.examples, cplan.capture.max_sequence_length)
         for b0 in range(0, len(windows), batch_size):
             loop.check_cancel()
-            with loop.step_ownership():
-                t0 = time.perf_counter()
-                ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(
-                    windows[b0:b0 + batch_size], examples, k, vocab, loop.device, self.use_ce)
-                loss, _parts = kd_step_loss(self.peft_model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp,
-                                            mask, tail, target)
-                if self.anchor is not None:
-                    loss = loss + anchor_term(self.anchor, self.peft_model, self.split, loop, self.pad_id)
-                loop.optimizer_step(loss, int(rows.numel()), t0)
+            batch = windows[b0:b0 + batch_size]
+            loop.update(StepInput(batch, sum(len(places) for _w, places in batch)), self.loss, slicer=self.pieces)
             if loop.stats["first_loss"] is None:
                 loop.stats["first_loss"] = round(loop.loss, 6)
             loop.after_step(pass_index, b0 // batch_size + 1)
+
+
+    def windows_loss(self, batch: list[Any]) -> Any:
+        """The sparse-KD loss of a batch of windows (a mean over their captured positions)."""
+        from kiln.training.losses.kd_batch import batch_tensors, kd_step_loss
+
+        k, vocab = self.cplan.probability.top_k, self.cplan.tokenizer.vocab_size
+        ids, att, rows, offs, sel, lp, mask, tail, target = batch_tensors(batch, self.examples, k, vocab,
+                                                                           self.loop.device, self.use_ce)
+        loss, _parts = kd_step_loss(self.peft_model, self.split, self.loss_fn, ids, att, rows, offs, sel, lp,
+                                    mask, tail, target)
+        return loss
+
+    def loss(self, batch: list[Any]) -> Any:
+        """One step's loss: the windows', plus the anchor's term."""
+        from kiln.training.core.anchor import anchor_term
+
+        loss = self.windows_loss(batch)
+        if self.anchor is not None:
+            loss = loss + anchor_term(self.anchor, self.peft_model, self.split, self.loop, self.pad_id)
+        return loss
+
+    def pieces(self, batch: list[Any], limit: int) -> list[Any]:
+        """Groups of windows within ``limit`` tokens, each weighted by its share of the captured positions (both
+        the KD and the CE term are means over them), then the anchor rows."""
+        from functools import partial
+
+        from kiln.training.core.anchor import anchor_piece
+        from kiln.training.core.loop import Piece, row_groups
+
+        total = sum(len(places) for _w, places in batch)
+        out = []
+        for g in row_groups([len(w) for w, _p in batch], limit):
+            part = batch[g.start:g.stop]
+            n = sum(len(places) for _w, places in part)
+            if n:
+                out.append(Piece(partial(self.windows_loss, part), n / total, sum(len(w) for w, _p in part)))
+        if self.anchor is not None:
+            out.append(anchor_piece(self.anchor, self.peft_model, self.split, self.loop, self.pad_id))
+        return out
 
 
 def _consume_pass(loop: Any, step: _KDStep, ledger: Any, shard: KDShard, done: int, job_id: str,

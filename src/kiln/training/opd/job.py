@@ -27,7 +27,7 @@ from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_p
 from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.losses.opd import outside_top_k
-from kiln.training.opd.step import opd_loss
+from kiln.training.opd.step import opd_loss, opd_pieces
 
 if TYPE_CHECKING:
     from kiln.adapters.store import AdapterRecord
@@ -183,7 +183,7 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
     exclusive ownership (a local teacher scores on the serving engine); the step runs under it. ``rehearsal``
     (:class:`~kiln.training.core.rehearsal.Rehearsal`) adds ``rehearsal_per_prompt`` rows per chosen prompt and step,
     scored by the base model."""
-    from kiln.training.core.anchor import anchor_term
+    from kiln.training.core.anchor import anchor_piece, anchor_term
     from kiln.training.core.loop import Learned, TrainLoop
     from kiln.training.losses.chunked import split_causal_lm
 
@@ -205,7 +205,11 @@ def run_opd(peft_model: Any, name: str, data: OPDData, plan: Any, *, teacher: An
             loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
         return loss
 
-    loop.train(steps, loss_step, learned=learned)
+    def slicer(b: Any, limit: int) -> list[Any]:
+        pieces = opd_pieces(peft_model, split, data, b, limit, pad_id=pad_id, device=loop.device)
+        return pieces + ([anchor_piece(anchor, peft_model, split, loop, pad_id)] if anchor is not None else [])
+
+    loop.train(steps, loss_step, learned=learned, slicer=slicer)
     return loop.report()
 
 

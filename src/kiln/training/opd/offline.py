@@ -166,7 +166,7 @@ def run_opd_offline(peft_model: Any, name: str, data: Any, corpus: Sequence[OffP
     ownership. Nothing is sampled and the teacher is not asked: its rows are in the corpus."""
     from kiln.training.core.loop import StepInput, TrainLoop
     from kiln.training.losses.chunked import split_causal_lm
-    from kiln.training.opd.step import opd_loss
+    from kiln.training.opd.step import opd_loss, opd_pieces
 
     loop = TrainLoop(peft_model, name, plan, hooks, data.total_steps, resume)
     split = split_causal_lm(peft_model)
@@ -186,5 +186,7 @@ def run_opd_offline(peft_model: Any, name: str, data: Any, corpus: Sequence[OffP
             yield StepInput((pairs, rows, sampled), len(sampled), after=timed)
 
     loop.train(steps(), lambda b: opd_loss(peft_model, split, data, b[0], b[1], b[2], [], pad_id=pad_id,
-                                           device=loop.device))  # b: (pairs, rows, sampled); no gold rows off policy
+                                           device=loop.device),  # b: (pairs, rows, sampled); no gold rows off policy
+               slicer=lambda b, limit: opd_pieces(peft_model, split, data, (*b, []), limit, pad_id=pad_id,
+                                                  device=loop.device))
     return loop.report()

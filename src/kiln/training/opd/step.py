@@ -6,11 +6,13 @@ and the rehearsal rows (:mod:`kiln.training.core.rehearsal`), which import it an
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from kiln.training.core.loop import Piece, row_groups
 from kiln.training.core.step import completion_logits
 from kiln.training.losses.opd import CANDIDATE_LOSSES, SampledTokenLoss, candidates, teacher_token_logp
 
@@ -91,10 +93,51 @@ def opd_loss(peft_model: Any, split: Any, data: LossSettings, pairs: Sequence[tu
     else:
         loss = loss_cls()(logits, ids, lp, mask)
     if gold:
-        glogits = completion_logits(peft_model, gold, device)
-        gold_targets = torch.tensor([t for _, g in gold for t in g], device=device)
-        loss = loss + data.ce_weight * nn.functional.cross_entropy(glogits.float(), gold_targets)
+        loss = loss + data.ce_weight * gold_ce(peft_model, None, gold, pad_id=pad_id, device=device)
     return loss
+
+
+def gold_ce(peft_model: Any, split: Any, gold: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_id: int,
+            device: Any) -> torch.Tensor:
+    """Mean cross-entropy over the target tokens of ``gold`` ((prompt, target) pairs): :func:`opd_loss`'s gold term
+    without its weight, computed alone (a piece of a sliced step)."""
+    from kiln.training.losses.chunked import linear_cross_entropy_sum
+    from kiln.training.opd.head import completion_hidden
+
+    targets = torch.tensor([t for _, g in gold for t in g], dtype=torch.long, device=device)
+    if split is not None:
+        h = completion_hidden(split, list(gold), pad_id, device)
+        return linear_cross_entropy_sum(h, split.head.weight, targets) / targets.numel()
+    return nn.functional.cross_entropy(completion_logits(peft_model, gold, device).float(), targets)
+
+
+def opd_pieces(peft_model: Any, split: Any, data: LossSettings, batch: Any, limit: int, *, pad_id: int,
+               device: Any) -> list[Piece]:
+    """One OPD step (``batch``: pairs, teacher rows, sampled tokens, gold) cut for bounded holds: groups of
+    completions within ``limit`` tokens (the distillation term, a token mean: each group weighs its share of the
+    completion tokens), then groups of gold rows (``ce_weight`` x their share of the gold tokens). Their sum is
+    :func:`opd_loss` of the whole batch."""
+    pairs, rows, sampled, gold = batch
+    ends = [0]
+    for _, c in pairs:
+        ends.append(ends[-1] + len(c))
+    sizes = [len(p) + len(c) for p, c in pairs]
+    pieces = []
+    for g in row_groups(sizes, limit):
+        lo, hi = ends[g.start], ends[g.stop]
+        if hi > lo:
+            pieces.append(Piece(partial(opd_loss, peft_model, split, data, pairs[g.start:g.stop], rows[lo:hi],
+                                        sampled[lo:hi], [], pad_id=pad_id, device=device),
+                                (hi - lo) / len(sampled), sum(sizes[i] for i in g)))
+    gold = [x for x in gold if x[1]]
+    n_gold = sum(len(t) for _, t in gold)
+    if gold and data.ce_weight:
+        for g in row_groups([len(p) + len(t) for p, t in gold], limit):
+            part = gold[g.start:g.stop]
+            pieces.append(Piece(partial(gold_ce, peft_model, split, part, pad_id=pad_id, device=device),
+                                data.ce_weight * sum(len(t) for _, t in part) / n_gold,
+                                sum(len(p) + len(t) for p, t in part)))
+    return pieces
 
 
 def sampler_logp(temperature: float, at: Any, n: int, device: Any) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from kiln.adapters.activation import AdapterActivation
 from kiln.errors import Conflict
+from kiln.runtime.ownership import HoldPacer
 from kiln.training.core.data import TrainingDataError
 from kiln.training.core.loop import Hooks
 from kiln.training.core.plan import RUN_ONLY_FIELDS, JobPlan, PrepareContext, checkpoint_root, prepare_context
@@ -45,11 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kiln.training")
 
 WORKER_POLL_S = 1.0
-# While requests are in flight, training steps take at most this share of the
-# time: after a step of d seconds the worker leaves the device to serving for
-# d * (1 - share) / share (capped) before it asks for exclusive ownership again.
-TRAINING_SHARE_WHILE_SERVING = 0.25
-MAX_YIELD_S = 1.0
+MAX_YIELD_S = 1.0  # the longest gap one hold leaves serving (kiln.runtime.ownership.HoldPacer)
 RECENT_JOBS = 10
 WORKER_JOIN_S = 30.0
 SHUTDOWN_REASON = "interrupted: the server shut down while this job was running"
@@ -90,7 +87,10 @@ class TrainingService:
         self._stop = threading.Event()
         self._cancel_running = threading.Event()
         self._running: str | None = None
-        self._last_step_s = 0.0
+        t = settings.training
+        # while chats wait, each hold is bounded (steps sliced to fit) and serving gets its share between holds
+        self.pacer = HoldPacer(engine.ownership, self._serving_busy, serving_share=t.serving_share,
+                               max_hold_ms=t.max_hold_ms, max_gap_s=MAX_YIELD_S)
         self._thread = threading.Thread(target=self._worker, name="kiln-trainer", daemon=True)
         if self.jobs.reconciled:
             log.warning("job(s) published before the previous shutdown marked succeeded: %s",
@@ -197,6 +197,7 @@ class TrainingService:
             "queued": queued,
             "queue_max": self.jobs.queue_max,
             "recent": recent,
+            "pacer": self.pacer.snapshot(),
         }
 
     # --------------------------------------------------------------- worker
@@ -247,18 +248,13 @@ class TrainingService:
 
     @contextmanager
     def _step_ownership(self) -> Iterator[None]:
-        """Exclusive ownership for one training step, yielding to serving first when it is busy."""
-        if self._last_step_s and self._serving_busy():
-            share = TRAINING_SHARE_WHILE_SERVING
-            time.sleep(min(MAX_YIELD_S, self._last_step_s * (1 - share) / share))
-        with self.engine.ownership.exclusive():
-            t0 = time.perf_counter()
-            try:
+        """One exclusive hold of the running job, paced against serving (:class:`HoldPacer`)."""
+        try:
+            with self.pacer.hold():
                 yield
-            finally:
-                self._last_step_s = time.perf_counter() - t0
-                if self.observer is not None:
-                    self.observer.training_step(self._last_step_s)
+        finally:
+            if self.observer is not None:
+                self.observer.training_step(self.pacer.last_hold_s)
 
     def _should_cancel(self) -> bool:
         if self._stop.is_set():
@@ -311,6 +307,7 @@ class TrainingService:
         resumed = job.request.get("resume_from_job")
         hooks = Hooks(
             exclusive=self._step_ownership,
+            hold_budget=self.pacer.budget_s,
             should_cancel=self._should_cancel,
             on_progress=lambda p: self._progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),

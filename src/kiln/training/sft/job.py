@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 
 from kiln.runtime.model_family import is_hybrid
-from kiln.training.core.anchor import anchor_term
+from kiln.training.core.anchor import anchor_piece, anchor_term
 from kiln.training.core.checkpoints import Checkpoint
 from kiln.training.core.data import (
     Row,
@@ -32,12 +32,14 @@ from kiln.training.core.loop import (
     Hooks,
     Learned,
     LearnedCheck,
+    Piece,
     Plan,
     Report,
     StepInput,
     TrainLoop,
     epoch_batches,
     greedy_margin,
+    token_mean_pieces,
 )
 from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe, step_plan
@@ -174,23 +176,32 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
             batch = runner.prepare(batch, pad_id)
             yield StepInput(batch, int(batch["attention_mask"].sum()), cursor)
 
-    def loss_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def rows_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if split is not None:
             hidden = runner.hidden(split, batch)
-            loss = sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
-        else:
-            logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
-            loss = sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+            return sft_loss_from_hidden(hidden, split.head.weight, batch["input_ids"], batch["loss_mask"])
+        logits = peft_model(input_ids=batch["input_ids"], use_cache=False).logits
+        return sft_loss(logits, batch["input_ids"], batch["loss_mask"])
+
+    def loss_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = rows_loss(batch)
         if anchor is not None:
             loss = loss + anchor_term(anchor, peft_model, split, loop, pad_id)
         return loss
+
+    def slicer(batch: dict[str, torch.Tensor], limit: int) -> list[Piece]:
+        """Row micro-batches of the loss (each re-padded as the trunk needs it), the anchor rows as one more piece."""
+        pieces = token_mean_pieces(batch, limit, lambda sb: rows_loss(runner.prepare(sb, pad_id)))
+        if anchor is not None:
+            pieces.append(anchor_piece(anchor, peft_model, split, loop, pad_id))
+        return pieces
 
     def learned() -> bool:
         with loop.step_ownership():
             margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size, packing=packing)
         return learned_by(loop, margin, plan)
 
-    loop.train(steps(), loss_step, learned=sft_learned(plan, learned), around=runner.training)
+    loop.train(steps(), loss_step, learned=sft_learned(plan, learned), around=runner.training, slicer=slicer)
     record_stop(loop, plan)
     return loop.report()
 

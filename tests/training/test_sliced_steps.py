@@ -1,0 +1,247 @@
+"""A step cut into pieces (row micro-batches, the anchor rows, the optimizer step: one exclusive hold each) computes
+what the whole step computes: the same losses, gradients and trajectory, for SFT (padded and packed) and GRPO."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.training.core.anchor import Anchor, AnchorRow, AnchorSettings
+from kiln.training.core.data import Row, collate, tokenize_sft
+from kiln.training.core.loop import Hooks, Plan, row_groups, sub_batch
+from kiln.training.core.lora import adapter_state, add_private_adapter, lora_config
+from kiln.training.grpo.job import run_grpo
+from kiln.training.grpo.step import GRPOItem, GRPOSettings
+from kiln.training.schemas import SFTExample
+from kiln.training.sft.job import run_sft
+
+EXAMPLES = [
+    SFTExample.model_validate({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+    for q, a in [
+        ("Hi?", "Hello."),
+        ("What is the capital of France?", "Paris."),
+        ("Tell me a story about a fox and a crow.", "A crow held cheese; a fox praised her song and ate it."),
+        ("2+2?", "4."),
+        ("Name a colour.", "Teal."),
+        ("Which bird guards the old mill?", "The old mill is guarded by a heron."),
+    ]
+]
+
+
+class CountingHolds:
+    """Hooks whose every exclusive hold is counted; ``budget`` is what the pacer would give (None: idle)."""
+
+    def __init__(self, budget: float | None):
+        self.budget, self.holds = budget, 0
+
+    def hooks(self) -> Hooks:
+        from contextlib import contextmanager
+
+        @contextmanager
+        def hold():
+            self.holds += 1
+            yield
+
+        return Hooks(exclusive=hold, hold_budget=lambda: self.budget)
+
+
+@pytest.fixture()
+def model_and_rows(builtin_model_dir):
+    from peft import get_peft_model
+
+    from kiln.runtime.loader import load_model
+
+    lm = load_model(builtin_model_dir, device="cpu")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(lm.model, lora_config(4, 8, ["q_proj", "v_proj"]), adapter_name="idle")
+    rows = tokenize_sft(lm.tokenizer, EXAMPLES, max_seq_len=512)
+    return peft_model, rows, lm.tokenizer.pad_token_id
+
+
+def _anchor(rows: list[Row], top_k: int = 4) -> Anchor:
+    """An anchor of fabricated base rows (a valid sparse distribution at every answer token)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for r in rows:
+        n = sum(r.loss_mask[1:])
+        ids = torch.randint(0, 200, (n, top_k), generator=g)
+        logp = torch.log(0.9 * torch.softmax(torch.randn(n, top_k, generator=g), -1))
+        prompt = tuple(r.input_ids[:r.loss_mask.index(1)])
+        out.append(AnchorRow(prompt, r, ids, logp, torch.ones(n, top_k, dtype=torch.bool), torch.full((n,), 0.1)))
+    return Anchor(out, AnchorSettings(questions=len(out), per_step=2, weight=0.5))
+
+
+def _sft(peft_model, rows, pad, name, plan, holds, anchor=None):
+    add_private_adapter(peft_model, name, lora_config(4, 8, ["q_proj", "v_proj"]), seed=plan.seed)
+    return run_sft(peft_model, name, rows, plan, pad_id=pad, hooks=holds.hooks(), anchor=anchor)
+
+
+def _close(peft_model, a: str, b: str) -> None:
+    sa, sb = adapter_state(peft_model, a), adapter_state(peft_model, b)
+    assert sa.keys() == sb.keys()
+    for k, v in sa.items():
+        assert not torch.equal(v, adapter_state(peft_model, "idle").get(k, torch.zeros(0)))  # it trained
+        torch.testing.assert_close(sb[k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sliced_sft_follows_the_whole_step_trajectory(model_and_rows, packing):
+    peft_model, rows, pad = model_and_rows
+    anchor = _anchor(rows[:3])
+    plan = Plan(5e-3, 2, 6, 0, packing=packing)
+    whole_holds, sliced_holds = CountingHolds(None), CountingHolds(1e-9)  # a tiny budget: one row per piece
+    whole = _sft(peft_model, rows, pad, "whole", plan, whole_holds, anchor)
+    sliced = _sft(peft_model, rows, pad, "sliced", plan, sliced_holds, anchor)
+    assert whole.steps == sliced.steps == 2
+    assert "sliced_steps" not in whole.extra and sliced.extra["sliced_steps"] == 2
+    # whole: one hold per step (+1 to release); sliced: one per row (or packed sequence) + anchor + optimizer step
+    assert whole_holds.holds == 3 and sliced_holds.holds >= 2 * (2 + 2) + 1
+    assert sliced.final_loss == pytest.approx(whole.final_loss, rel=1e-5)
+    assert sliced.extra["anchor_kl"] == pytest.approx(whole.extra["anchor_kl"], rel=1e-5)
+    _close(peft_model, "whole", "sliced")
+
+
+def test_sliced_step_has_the_whole_steps_gradients(model_and_rows):
+    """Before any update: the gradients one sliced step accumulates equal the whole step's."""
+    from kiln.training.core.loop import TrainLoop, token_mean_pieces
+    from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "g", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "g", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    split = split_causal_lm(peft_model)
+    batch = collate(rows, pad, loop.device)
+
+    def loss_of(b):
+        return sft_loss_from_hidden(split.hidden(b["input_ids"]), split.head.weight, b["input_ids"], b["loss_mask"])
+
+    with loop.step_ownership():
+        loss_of(batch).backward()
+    whole = [p.grad.clone() for p in loop.params]
+    loop.opt.zero_grad(set_to_none=True)
+    pieces = token_mean_pieces(batch, 40, loss_of)
+    assert len(pieces) > 2 and sum(p.weight for p in pieces) == pytest.approx(1.0)
+    for piece in pieces:
+        (piece.loss() * piece.weight).backward()
+    for g, p in zip(whole, loop.params):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+
+
+def test_sliced_grpo_follows_the_whole_step_trajectory(model_and_rows):
+    peft_model, rows, pad = model_and_rows
+    items = [GRPOItem(rows[0:3], torch.tensor([1.0, -0.5, -0.5], dtype=torch.float64)),
+             GRPOItem(rows[3:6], torch.tensor([-1.0, 0.2, 0.8], dtype=torch.float64))]
+    plan = Plan(5e-3, 3, 2, 0)
+    settings = GRPOSettings(kl_coef=0.1)
+    reports = {}
+    for name, budget in (("gw", None), ("gs", 1e-9)):
+        holds = CountingHolds(budget)
+        add_private_adapter(peft_model, name, lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+        reports[name] = run_grpo(peft_model, name, items, plan, settings, pad_id=pad, hooks=holds.hooks(),
+                                 anchor=_anchor(rows[:2]))
+        assert holds.holds >= (2 if budget is None else 6)  # the behaviour log-probs: one hold per group
+    assert reports["gs"].extra["sliced_steps"] == reports["gs"].steps == 3
+    assert reports["gs"].final_loss == pytest.approx(reports["gw"].final_loss, rel=1e-4, abs=1e-6)
+    _close(peft_model, "gw", "gs")
+
+
+def test_row_groups_and_sub_batch():
+    assert row_groups([5, 5, 5, 20, 1], 10) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert row_groups([3, 3], 100) == [range(0, 2)]
+    assert row_groups([], 10) == []
+    batch = collate([Row([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]), Row([6, 7], [0, 1]), Row([8, 9, 10], [0, 1, 1])], 0,
+                    torch.device("cpu"))
+    sb = sub_batch(batch, range(1, 3))
+    assert sb["input_ids"].tolist() == [[6, 7, 0], [8, 9, 10]]  # the columns past the longest row dropped
+    assert sb["loss_mask"].shape == sb["attention_mask"].shape == (2, 3)
+
+
+@pytest.mark.parametrize("loss", ["forward", "sampled_token"])
+def test_opd_pieces_have_the_whole_steps_gradients(model_and_rows, loss):
+    """OPD's step cut into completion groups and gold groups: the same gradients as :func:`opd_loss` of the batch."""
+    from dataclasses import dataclass
+
+    from kiln.training.core.loop import TrainLoop
+    from kiln.training.losses.chunked import split_causal_lm
+    from kiln.training.opd.step import opd_loss, opd_pieces
+
+    @dataclass(frozen=True)
+    class Settings:
+        loss: str
+        top_k: int = 4
+        ce_weight: float = 0.3
+        temperature: float = 0.7
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "o", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "o", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    pairs = [(r.input_ids[:r.loss_mask.index(1)], r.input_ids[r.loss_mask.index(1):]) for r in rows]
+    sampled = [t for _, c in pairs for t in c]
+    g = torch.Generator().manual_seed(2)
+    teacher = [{t: -0.5, **{int(v): -2.0 - j for j, v in enumerate(torch.randint(0, 200, (4,), generator=g))}}
+               for t in sampled]
+    gold = [(p, c[:3]) for p, c in pairs[:4]]
+    data = Settings(loss)
+    split = split_causal_lm(peft_model)
+    grads = []
+    for sliced in (False, True):
+        loop.opt.zero_grad(set_to_none=True)
+        with loop.step_ownership():
+            if sliced:
+                pieces = opd_pieces(peft_model, split, data, (pairs, teacher, sampled, gold), 30, pad_id=pad,
+                                    device=loop.device)
+                assert len(pieces) >= 4
+                for piece in pieces:
+                    (piece.loss() * piece.weight).backward()
+            else:
+                opd_loss(peft_model, split, data, pairs, teacher, sampled, gold, pad_id=pad, device=loop.device).backward()
+        grads.append([p.grad.clone() for p in loop.params])
+    scale = max(float(a.abs().max()) for a in grads[0])
+    assert scale > 0
+    for a, b in zip(*grads):  # float32 sums in another order: close to the largest gradient's scale
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_kd_pieces_have_the_whole_steps_gradients(model_and_rows):
+    """Sparse KD's step cut into groups of windows: the same gradients as the whole batch's loss (KD and CE terms
+    are both means over the captured positions)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kiln.training.core.loop import TrainLoop
+    from kiln.training.kd.job import _KDStep
+    from kiln.training.losses.kd import SparseKDLoss
+    from kiln.training.losses.kd_batch import kd_loss_split
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "k", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "k", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    k, rng = 4, np.random.default_rng(3)
+    examples, windows = [], []
+    for n, r in enumerate(rows):
+        m = len(r.input_ids) - 1
+        top = rng.integers(0, 200, (m, k))
+        lp = np.log(0.8 * rng.dirichlet(np.ones(k), m))
+        examples.append(SimpleNamespace(forced=np.array(r.input_ids[1:]), forced_logprobs=np.full(m, np.nan),
+                                        top_ids=top, top_logprobs=lp, tail=np.full(m, 0.2)))
+        windows.append((list(r.input_ids), [(i, n, i) for i in range(m)]))
+    step = object.__new__(_KDStep)  # the step's loss and slicer, without a capture on disk
+    step.peft_model, step.loop, step.examples, step.anchor, step.pad_id = peft_model, loop, examples, None, pad
+    step.cplan = SimpleNamespace(probability=SimpleNamespace(top_k=k), tokenizer=SimpleNamespace(vocab_size=600))
+    step.loss_fn, step.use_ce = SparseKDLoss(ce_weight=0.5, kd_weight=1.0, temperature=1.0), True
+    step.split = kd_loss_split(peft_model)
+    grads = []
+    for sliced in (False, True):
+        loop.opt.zero_grad(set_to_none=True)
+        with loop.step_ownership():
+            if sliced:
+                pieces = step.pieces(windows, 40)
+                assert len(pieces) >= 3 and sum(p.weight for p in pieces) == pytest.approx(1.0)
+                for piece in pieces:
+                    (piece.loss() * piece.weight).backward()
+            else:
+                step.loss(windows).backward()
+        grads.append([p.grad.clone() for p in loop.params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
