@@ -12,7 +12,8 @@
  *                   scales: float [N, K / 32, 2] = (s, z). The zero's term uses the block's exact
  *                   float sum of x.
  *
- * Paths: AVX-512 VNNI (256-bit vpdpbusd), AVX2 + FMA (vpmaddubsw / vpmaddwd), and portable C
+ * Paths: AVX-512 VNNI with 512-bit vectors (two blocks a vpdpbusd) and with 256-bit ones, AVX2 +
+ * FMA (vpmaddubsw / vpmaddwd), and portable C
  * (the only one compiled with -DKILN_BASELINE_ONLY), chosen once from the running CPU
  * (kiln_qmm_isa). All paths compute the same integer block sums; only the float accumulation
  * order differs. Output features are split across OpenMP threads (``threads`` per call) when
@@ -35,7 +36,7 @@ typedef struct {
     const void *w; const float *scales; const float *bias;  /* bias: optional [n] */
     int64_t n; int32_t mode;           /* 8 or 4 */
     int32_t threads;                   /* OpenMP threads (<= 1: the calling thread only) */
-    int32_t isa;                       /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni */
+    int32_t isa;                       /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni, 3 vnni512 */
     float *out;                        /* [m, n] contiguous */
 } kiln_qmm_args;
 
@@ -43,6 +44,7 @@ typedef struct {  /* the activations, quantized */
     const int8_t *q;   /* [m, k] */
     const float *d;    /* [m, k / 32] block scales */
     const float *s;    /* [m, k / 32] block sums of x (int4's zero term) */
+    float *e;          /* [m, k / 32, 8] each block scale repeated 8 times (the 512-bit path only) */
 } xquant;
 
 typedef void (*row_fn)(const kiln_qmm_args *, const xquant *, int64_t n0, int64_t n1);
@@ -186,14 +188,97 @@ AVX2 static inline __m256i load_w(const kiln_qmm_args *a, int64_t n, int64_t b) 
 
 TILES(rows_avx2, AVX2, DOT_AVX2)
 TILES(rows_vnni, VNNI, DOT_VNNI)
+
+/* AVX-512 VNNI, 512 bits: two blocks a vector. ``xq->e`` holds each block's activation scale
+ * repeated 8 times, so one load gives the two blocks' scales lane by lane. An odd last block
+ * goes through the 256-bit code above. */
+#define V512 __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+V512 static inline __m512i load_w2(const kiln_qmm_args *a, int64_t n, int64_t b) {
+    if (a->mode == 8) return _mm512_loadu_si512((const void *)((const int8_t *)a->w + n * a->k + b * QB));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load_w(a, n, b)), load_w(a, n, b + 1), 1);
+}
+
+V512 static inline __attribute__((always_inline)) void v512_tile(
+        const kiln_qmm_args *a, const xquant *xq, int64_t n, int64_t i0, const int R, const int NW) {
+    int64_t k = a->k, kb = k / QB, pairs = kb / 2;
+    __m512 acc[4][2];
+    float zacc[4][2];
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++) { acc[j][c] = _mm512_setzero_ps(); zacc[j][c] = 0.f; }
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t b = 2 * p;
+        __m512i w[2], aw[2];
+        __mmask64 neg[2];
+        __m512 ws[2];
+        float z0[2] = {0.f, 0.f}, z1[2] = {0.f, 0.f};
+        for (int c = 0; c < NW; c++) {
+            w[c] = load_w2(a, n + c, b);
+            aw[c] = _mm512_abs_epi8(w[c]);
+            neg[c] = _mm512_movepi8_mask(w[c]);
+            if (a->mode == 4) {
+                const float *sc = a->scales + ((n + c) * kb + b) * 2;
+                ws[c] = _mm512_insertf32x8(_mm512_set1_ps(sc[0]), _mm256_set1_ps(sc[2]), 1);
+                z0[c] = sc[1];
+                z1[c] = sc[3];
+            }
+        }
+        for (int j = 0; j < R; j++) {
+            int64_t row = i0 + j;
+            __m512i x = _mm512_loadu_si512((const void *)(xq->q + row * k + b * QB));
+            __m512 xd = _mm512_loadu_ps(xq->e + (row * kb + b) * 8);
+            for (int c = 0; c < NW; c++) {
+                __m512i sx = _mm512_mask_sub_epi8(x, neg[c], _mm512_setzero_si512(), x);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[c], sx);
+                __m512 sc = a->mode == 4 ? _mm512_mul_ps(xd, ws[c]) : xd;
+                acc[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[j][c]);
+                if (a->mode == 4) zacc[j][c] += z0[c] * xq->s[row * kb + b] + z1[c] * xq->s[row * kb + b + 1];
+            }
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++) {
+            float v = _mm512_reduce_add_ps(acc[j][c]);
+            if (kb % 2) {  /* the odd last block */
+                int64_t row = i0 + j, b = kb - 1;
+                __m256i w = load_w(a, n + c, b);
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + row * k + b * QB));
+                __m256i dot = DOT_VNNI(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+                float ws = a->mode == 4 ? a->scales[((n + c) * kb + b) * 2] : 1.f;
+                v += hsum8(_mm256_cvtepi32_ps(dot)) * xq->d[row * kb + b] * ws;
+                if (a->mode == 4) zacc[j][c] += a->scales[((n + c) * kb + b) * 2 + 1] * xq->s[row * kb + b];
+            }
+            v = a->mode == 8 ? v * a->scales[n + c] : v + zacc[j][c];
+            a->out[(i0 + j) * a->n + n + c] = v + (a->bias ? a->bias[n + c] : 0.f);
+        }
+}
+
+V512 static void rows_v512(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        int64_t i0 = 0;
+        for (; i0 + 4 <= a->m; i0 += 4) v512_tile(a, xq, n, i0, 4, 2);
+        switch (a->m - i0) {
+        case 3: v512_tile(a, xq, n, i0, 3, 2); break;
+        case 2: v512_tile(a, xq, n, i0, 2, 2); break;
+        case 1: v512_tile(a, xq, n, i0, 1, 2); break;
+        default: break;
+        }
+    }
+    for (; n < n1; n++)
+        for (int64_t i0 = 0; i0 < a->m; i0++) v512_tile(a, xq, n, i0, 1, 1);
+}
 #endif
 
 /* ---- dispatch --------------------------------------------------------------------------- */
 
-/* The best path this CPU runs: 2 AVX-512 VNNI, 1 AVX2 + FMA, 0 portable. */
+/* The best path this CPU runs: 3 AVX-512 VNNI 512-bit, 2 its 256-bit form, 1 AVX2 + FMA, 0 portable. */
 int kiln_qmm_isa(void) {
 #ifdef KILN_X86
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return 3;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2")
         && __builtin_cpu_supports("fma"))
         return 2;
@@ -204,7 +289,8 @@ int kiln_qmm_isa(void) {
 
 static row_fn pick(int isa) {
 #ifdef KILN_X86
-    if (isa >= 2) return rows_vnni;
+    if (isa >= 3) return rows_v512;
+    if (isa == 2) return rows_vnni;
     if (isa == 1) return rows_avx2;
 #else
     (void)isa;
@@ -218,7 +304,7 @@ int kiln_qmm(const kiln_qmm_args *a) {
         return -2;
     int best = kiln_qmm_isa();
     if (a->isa > best) return -2;  /* a path this CPU cannot run */
-    row_fn rows = pick(a->isa < 0 ? best : a->isa);
+    row_fn rows = pick(a->isa < 0 ? best : a->isa);  /* isa below: the same choice */
     if (a->m == 0) return 0;
     int64_t kb = a->k / QB;
     int8_t *q = malloc((size_t)(a->m * a->k));
@@ -228,7 +314,17 @@ int kiln_qmm(const kiln_qmm_args *a) {
         return -1;
     }
     quantize_x(a->x, a->m, a->k, q, d, s);
-    xquant xq = {q, d, s};
+    xquant xq = {q, d, s, NULL};
+    int isa = a->isa < 0 ? best : a->isa;
+    if (isa >= 3) {
+        xq.e = malloc(sizeof(float) * 8 * (size_t)(a->m * kb));
+        if (!xq.e) {
+            free(q); free(d); free(s);
+            return -1;
+        }
+        for (int64_t i = 0; i < a->m * kb; i++)
+            for (int j = 0; j < 8; j++) xq.e[i * 8 + j] = d[i];
+    }
     int threads = a->threads > 1 && a->n * a->k >= PAR_MIN_WORK ? a->threads : 1;
     if (threads == 1) {
         rows(a, &xq, 0, a->n);
@@ -240,6 +336,6 @@ int kiln_qmm(const kiln_qmm_args *a) {
             rows(a, &xq, c * chunk, n1 < a->n ? n1 : a->n);
         }
     }
-    free(q); free(d); free(s);
+    free(q); free(d); free(s); free(xq.e);
     return 0;
 }

@@ -2,8 +2,8 @@
 candidate of kiln.runtime.quantize's measured choice.
 
 The C file quantizes the activations per block of 32 (as llama.cpp's Q8_0 does for its
-activations) and takes integer block dot products with the weights: AVX-512 VNNI, AVX2 + FMA or
-portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
+activations) and takes integer block dot products with the weights: AVX-512 VNNI (512- or 256-bit
+vectors), AVX2 + FMA or portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
 for large matrices. It is built once through :func:`kiln.runtime.paged_attention.build` (the one
 C builder, cached in :func:`kiln.runtime.paged_attention.kernel_dir`) and self-checked against
 the dequantized reference before use: no compiler, a failed build or a failed check and
@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("quant_matmul.c")
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm", "-fopenmp")
 BLOCK = 32
-ISAS = {"portable": 0, "avx2": 1, "vnni": 2}
+ISAS = {"portable": 0, "avx2": 1, "vnni": 2, "vnni512": 3}
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 

@@ -277,16 +277,22 @@ def _targets(model: Any) -> list[tuple[Any, str, torch.nn.Linear]]:
     return out
 
 
-def quantize_model(model: Any, mode: str, dtype_name: str) -> QuantizationReport:
-    """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did."""
+def quantize_model(model: Any, mode: str, dtype_name: str, kernel: str | None = None) -> QuantizationReport:
+    """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did.
+    ``kernel`` (tests, benchmarks): use that candidate of :data:`KERNELS` instead of the measured choice."""
     before = _weight_bytes(model)
     if mode == "none":
         return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
     targets = _targets(model)
     if not targets:
         return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
-    chosen, timings = choose_kernel(mode, [lin for _, _, lin in targets])
     sample = targets[0][2].weight
+    if kernel is None:
+        chosen, timings = choose_kernel(mode, [lin for _, _, lin in targets])
+    elif kernel == "dequantize" or kernel_available(mode, sample.dtype, str(sample.device), kernel):
+        chosen, timings = kernel, {}
+    else:
+        raise ValueError(f"the {kernel} kernel does not run {mode} for {sample.dtype} on {sample.device} here")
     int8_aten = mode == "int8" or kernel_available("int8", sample.dtype, str(sample.device))
     counts: dict[str, int] = {}
     with torch.no_grad():
