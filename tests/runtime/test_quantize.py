@@ -161,10 +161,12 @@ def test_lora_rows_over_the_quantized_base_match_the_dequantized_reference(quant
         hf = run(lambda c: pm(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c,
                               use_cache=True, adapter_names=list(keys)).logits)
         got = run(lambda c: lean(ids, pos, mask, c, 0, list(keys)))
-        assert _close(kernel, hf, ref, 1e-3), keys
-        assert _close(kernel, got, ref, 1e-3), keys
-        if kernel == "c":  # the same kernel under both forwards: they agree to float rounding
-            assert (got - hf).abs().max().item() < 1e-3, keys
+        if kernel == "c":  # activations rounded per block in every matmul: 2 layers + head measured 2.2 %
+            assert (hf - ref).abs().max().item() < 5e-2 * ref.abs().max().item(), keys
+            assert (got - hf).abs().max().item() < 1e-3, keys  # the same kernel under both forwards
+        else:
+            assert (hf - ref).abs().max().item() < 1e-3, keys
+            assert (got - ref).abs().max().item() < 1e-3, keys
     base = run(lambda c: lean(ids, pos, mask, c, 0, [BASE_KEY] * 3))
     adapted = run(lambda c: lean(ids, pos, mask, c, 0, ["ta"] * 3))
     assert (adapted - base).abs().max().item() > 0.1  # the LoRA deltas are there
@@ -250,3 +252,28 @@ def test_hybrid_int8_and_int4_serve_what_transformers_decodes_over_the_same_weig
         finally:
             engine.stop()
         assert got == reference(loaded.model, prompt), mode
+
+
+def test_c_kernel_gives_the_lm_head_an_int8_inference_copy():
+    """With the c kernel the head infers in int8 (HF forward and lean forward alike) while its float
+    weight stays for training (autograd) and for the tied embedding."""
+    from kiln.runtime.quantize import quantized_head
+
+    torch.manual_seed(5)
+    model = _config("qwen3").eval()
+    head_w = model.lm_head.weight
+    report = quantize_model(model, "int8", "float32", kernel="c")
+    copy8 = quantized_head(model.lm_head)
+    assert report.head == "int8" and copy8 is not None and copy8.mode == "int8"
+    assert model.lm_head.weight is head_w and model.get_input_embeddings().weight is head_w  # still tied
+    assert not any("_kiln_int8" in k for k in model.state_dict())  # not a submodule: checkpoints never see it
+    h = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(model.lm_head(h), copy8._matmul_biased(h))
+    exact = torch.nn.functional.linear(h, head_w)
+    assert _close("c", copy8._matmul_biased(h), exact, 0.0)
+    hg = h.clone().requires_grad_(True)
+    assert torch.equal(model.lm_head(hg), exact)  # autograd records: the float head
+    aten = _config("qwen3").eval()
+    assert quantize_model(aten, "int8", "float32", kernel="aten").head == "float32"
+    assert quantized_head(aten.lm_head) is None

@@ -4,20 +4,21 @@ At load, each ``nn.Linear`` of the decoder (attention, MLP and a hybrid's Gated 
 the embedding and the LM head stay in the model's dtype) is replaced by a :class:`QuantizedLinear`
 holding only the quantized weight; activations stay in the model's dtype:
 
-* ``int8``: per-output-channel symmetric int8 (``scale = max|w| / 127`` per row), multiplied by
-  ``torch._weight_int8pack_mm(x, w_int8[N, K], scales[N])``.
+* ``int8``: per-output-channel symmetric int8 (``scale = max|w| / 127`` per row).
 * ``int4``: group-wise asymmetric 4-bit (groups of ``INT4_GROUP`` input features, a scale and a zero
-  per group: ``w = (q - 8) * scale + zero``), packed by ``aten._convert_weight_to_int4pack_for_cpu``
-  and multiplied by ``aten._weight_int4pack_mm_for_cpu``.
+  per group: ``w = (q - 8) * scale + zero``).
 
-A kernel that is missing (or refuses the model's dtype/device) on this build is detected once with a
-tiny probe call; the layers then multiply by the weight dequantized on the fly, and the effective
-``kernel`` says ``dequantize``. Where the kernel runs, it is also timed against the dequantizing path on
-the model's largest projection (8 rows, the median of a few calls) and the faster is used: on an AVX2 CPU
-without AVX-512 the int8 kernel measured 49 ms against 8 ms dequantizing (512 x 1536, 1 thread), so the
-choice is the machine's, reported with both timings (``kernel_ms``). A layer whose shape the int4 packing cannot take (in-features not a
-multiple of the group, out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``) is
-quantized as int8 instead and counted in the report's ``layers``.
+Three kernels (:data:`KERNELS`), one chosen per load by measurement: ``c``, Kiln's own
+(kiln.runtime.quant_matmul: activations rounded to int8 per block of 32, integer block dots by
+AVX-512 VNNI / AVX2 / portable C; float32 on the CPU, in-features a multiple of 32); ``aten``,
+torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (int4 packed once by
+``_convert_weight_to_int4pack_for_cpu``); ``dequantize``, ``F.linear`` over the weight dequantized on
+the fly. Each candidate that runs here (a tiny checked call) is timed on the model's largest
+projection (8 rows, the median of 7 calls) and the fastest is used, reported with every timing
+(``kernel_ms``). A layer whose shape the chosen int4 layout cannot take (in-features not a multiple of
+the group; for ``aten`` also out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``)
+is quantized as int8 and counted in the report's ``layers``. With ``c``, the LM head also gets an int8
+inference copy (:func:`quantize_head`; the float head stays for training and the tied embedding).
 
 :class:`QuantizedLinear` subclasses ``nn.Linear`` (no ``weight`` parameter: ``qweight`` and its scales
 are buffers) so PEFT wraps it as a LoRA ``base_layer``: served rows and training get f32 LoRA over the
@@ -248,18 +249,24 @@ class QuantizationReport:
     probe_kl: float | None = None  # mean per-token KL(float || quantized), nats
     probe_tokens: int = 0
     kernel_ms: dict[str, float] = field(default_factory=dict)  # the choice's timings per candidate, ms
+    head: str | None = None  # the LM head's inference representation: int8 (quantize_head) or the model's dtype
 
     def as_dict(self) -> dict[str, Any]:
         return {"requested": self.requested, "effective": self.effective, "kernel": self.kernel,
                 "layers": dict(self.layers), "float_layers": self.float_layers,
                 "weight_bytes_before": self.weight_bytes_before, "weight_bytes_after": self.weight_bytes_after,
-                "probe_kl": self.probe_kl, "probe_tokens": self.probe_tokens, "kernel_ms": dict(self.kernel_ms)}
+                "probe_kl": self.probe_kl, "probe_tokens": self.probe_tokens, "kernel_ms": dict(self.kernel_ms),
+                "head": self.head}
 
 
-def _weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters and buffers (each storage once) plus any int8 head copy
+    (:func:`quantize_head`): what the weights hold resident (memory admission counts this)."""
     seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    copy8 = quantized_head(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
+    extra = [] if copy8 is None else [copy8.qweight, copy8.scales]
+    for t in list(model.parameters()) + list(model.buffers()) + extra:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -280,7 +287,7 @@ def _targets(model: Any) -> list[tuple[Any, str, torch.nn.Linear]]:
 def quantize_model(model: Any, mode: str, dtype_name: str, kernel: str | None = None) -> QuantizationReport:
     """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did.
     ``kernel`` (tests, benchmarks): use that candidate of :data:`KERNELS` instead of the measured choice."""
-    before = _weight_bytes(model)
+    before = weight_bytes(model)
     if mode == "none":
         return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
     targets = _targets(model)
@@ -301,8 +308,41 @@ def quantize_model(model: Any, mode: str, dtype_name: str, kernel: str | None = 
             parent._modules[name] = QuantizedLinear(lin, m, kernel)
             counts[m] = counts.get(m, 0) + 1
     float_layers = sum(1 for mod in model.modules() if type(mod) is torch.nn.Linear)
-    return QuantizationReport(mode, mode, chosen, counts, float_layers, before, _weight_bytes(model),
-                              kernel_ms=timings)
+    head = quantize_head(model, chosen)
+    return QuantizationReport(mode, mode, chosen, counts, float_layers, before, weight_bytes(model),
+                              kernel_ms=timings, head="int8" if head else dtype_name)
+
+
+def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The LM head's forward once :func:`quantize_head` ran: the int8 copy for inference, the float
+    weight where autograd records (training keeps the exact head; the base gets no gradient either way)."""
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        return F.linear(x, self.weight, self.bias)
+    return quantized_head(self)._matmul_biased(x)  # type: ignore[union-attr]
+
+
+def quantized_head(head: Any) -> QuantizedLinear | None:
+    """The int8 inference copy :func:`quantize_head` gave ``head``, if any (the lean forward uses it)."""
+    return getattr(head, "_kiln_int8", None)
+
+
+def quantize_head(model: Any, kernel: str) -> bool:
+    """With the c kernel, give the LM head an int8 inference copy (whether it did).
+
+    The float head stays (tied to the embedding in most checkpoints, and read as ``.weight`` by
+    training's chunked loss and distillation), so this costs memory (N x K bytes) and buys speed: at
+    c=8 on qwen3-31m the f32 head was as much work as all int8 projections together. The copy is a
+    plain attribute, not a submodule: state dicts, ``modules()`` and PEFT do not see it."""
+    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if kernel != "c" or type(head) is not torch.nn.Linear or head.in_features % INT4_GROUP \
+            or head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return False
+    import types
+
+    q = QuantizedLinear(head, "int8", "c")
+    object.__setattr__(head, "_kiln_int8", q)
+    head.forward = types.MethodType(_head_forward, head)
+    return True
 
 
 def _probe_ids(tokenizer: Any) -> list[list[int]]:
