@@ -58,7 +58,7 @@ def test_every_path_equals_the_dequantized_reference(kernel, mode, rows):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_threads_split_outputs_without_changing_them(kernel, mode):
-    n, k = 520, 256  # n * k above the kernel's threshold for OpenMP
+    n, k = 1040, 4096  # 8 rows x n x k above the kernel's threshold for OpenMP (2^25)
     q, s = _operands(mode, n, k, seed=4)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
     one = kernel.matmul(x, q, s, mode, threads=1)

@@ -127,6 +127,8 @@ _lock = threading.Lock()
 
 def load() -> QuantMatmul | None:
     """The kernel, built (or found) and self-checked once per process, or ``None`` (reason logged once)."""
+    if _loaded:  # every call of a c layer asks: no lock once decided
+        return _loaded[0]
     with _lock:
         if not _loaded:
             try:
