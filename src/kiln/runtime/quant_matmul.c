@@ -36,7 +36,7 @@ typedef struct {
     const void *w; const float *scales; const float *bias;  /* bias: optional [n] */
     int64_t n; int32_t mode;           /* 8 or 4 */
     int32_t threads;                   /* OpenMP threads (<= 1: the calling thread only) */
-    int32_t isa;                       /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni, 3 vnni512 */
+    int32_t isa;  /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni, 3 vnni512 */
     float *out;                        /* [m, n] contiguous */
 } kiln_qmm_args;
 

@@ -94,7 +94,8 @@ class QuantizedLinear(torch.nn.Linear):
     def __init__(self, linear: torch.nn.Linear, mode: str, kernel: str | bool):
         torch.nn.Module.__init__(self)  # not nn.Linear's: no float weight is allocated
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        kernel = {True: "aten", False: "dequantize"}.get(kernel, kernel) if isinstance(kernel, bool) else kernel
+        if isinstance(kernel, bool):
+            kernel = "aten" if kernel else "dequantize"
         if kernel not in KERNELS:
             raise ValueError(f"unknown quantized kernel {kernel!r} (one of {', '.join(KERNELS)})")
         self.mode, self.kernel = mode, str(kernel)
