@@ -5,21 +5,29 @@ Builds (or reuses) a random-weight Qwen3 shape of bench/serving.py (default ``qw
 and the quantized weight bytes (in process, kiln.runtime.quantize), then runs the three servers
 through bench/serving.py's interleaved A/B runner (``--rounds`` rounds, the order flipped every
 round) at ``--concurrency`` (default 8) and prints tokens/s, CPU per token and the ratios to f32.
-llama.cpp is not a peer here (it is not built on the project's machines; see docs/serving.md).
+
+llama.cpp's server runs beside them as the peer (bench/peers/llamacpp.py: built from the
+``llama-cpp-python`` sdist's source, the same model converted by its own converter and quantized
+to Q8_0 / Q4_0; ``--peer-f32`` adds its f32 GGUF), with ``--threads`` threads (default: the
+CPUs), 8 slots of the model's context: the ratios int8 / Q8_0 and int4 / Q4_0 are printed. Where
+it cannot be built the run says why and goes on without it (``--no-llamacpp`` skips it).
 
     .venv/bin/python bench/quantized.py                       # qwen3-31m, c=8, 1 round
     .venv/bin/python bench/quantized.py --rounds 3 --threads 2
+    .venv/bin/python bench/quantized.py --no-llamacpp        # kiln only
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("int8", "int4")
+PEERS = {"int8": "Q8_0", "int4": "Q4_0"}  # kiln's mode -> the llama.cpp type it is compared with
 
 
 def probe(model_dir: Path) -> dict[str, dict]:
@@ -32,6 +40,23 @@ def probe(model_dir: Path) -> dict[str, dict]:
         loaded = load_model(model_dir, device="cpu")
         out[mode] = quantize_loaded(loaded, mode, None).as_dict()
     return out
+
+
+def peer_arms(model_dir: Path, threads: int, with_f32: bool) -> list[tuple[str, list[str], dict]]:
+    """llama.cpp's arms (label, command, environment), or none with the reason printed."""
+    sys.path.insert(0, str(ROOT / "bench" / "peers"))
+    from llamacpp import PeerUnavailable, convert, server_command
+    from serving import model_max_len
+
+    try:
+        files = convert(model_dir)
+    except PeerUnavailable as exc:
+        print(f"llama.cpp peer skipped: {exc}")
+        return []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    types = (["F32"] if with_f32 else []) + list(PEERS.values())
+    return [(f"llamacpp-{t.lower()}", server_command(files[t], threads or os.cpu_count() or 1, 8,
+                                                     model_max_len(model_dir), model_dir.name), env) for t in types]
 
 
 def main() -> None:
@@ -47,6 +72,8 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="kiln serve --threads (0: its default)")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
+    ap.add_argument("--peer-f32", action="store_true", help="also llama.cpp over the f32 GGUF")
     args = ap.parse_args()
 
     model_dir = build_shape_model(args.shape, kiln_home())
@@ -57,11 +84,12 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-quant-"))
     env, cmd = kiln_env(workdir), kiln_command(model_dir, args.threads)
     arms = [("f32", cmd, env)] + [(m, cmd + ["--quantize", m], env) for m in MODES]
+    arms += [] if args.no_llamacpp else peer_arms(model_dir, args.threads, args.peer_f32)
     texts_by_c = {c: prompts_for(max(8, args.waves * c)) for c in args.concurrency}
     runs = ab_runs(model_dir, workdir, arms, texts_by_c, args.max_tokens, args.rounds)
-    print(f"{'base':<6}{'round':>6}{'c':>4}{'tok/s':>8}{'CPU ms/tok':>11}{'ITL p50':>9}  (ms)")
+    print(f"{'base':<16}{'round':>6}{'c':>4}{'tok/s':>8}{'CPU ms/tok':>11}{'ITL p50':>9}  (ms)")
     for r in runs:
-        print(f"{r['setting']:<6}{r['round']:>6}{r['concurrency']:>4}{r['tok_s']:>8.0f}{r['cpu_ms_per_tok']:>11.3f}"
+        print(f"{r['setting']:<16}{r['round']:>6}{r['concurrency']:>4}{r['tok_s']:>8.0f}{r['cpu_ms_per_tok']:>11.3f}"
               f"{r['itl_p50_ms']:>9.2f}")
     for c in args.concurrency:
         best = {label: max(r["tok_s"] for r in runs if r["setting"] == label and r["concurrency"] == c)
@@ -70,6 +98,10 @@ def main() -> None:
                for label, _, _ in arms}
         print(f"c={c}: best tok/s " + ", ".join(f"{k} {v:.0f}" for k, v in best.items()) + "; vs f32: "
               + ", ".join(f"{m} {best[m] / best['f32']:.2f}x tok/s, {cpu['f32'] / cpu[m]:.2f}x CPU/tok" for m in MODES))
+        peers = [(m, f"llamacpp-{PEERS[m].lower()}") for m in MODES if f"llamacpp-{PEERS[m].lower()}" in best]
+        if peers:
+            print(f"c={c}: vs llama.cpp: " + ", ".join(
+                f"{m} / {p[9:]} {best[m] / best[p]:.2f}x tok/s, {cpu[p] / cpu[m]:.2f}x CPU/tok" for m, p in peers))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,18 @@ INT8_KL_MAX = 0.01  # nats per token, the issue's bound for int8
 INT4_KL_MAX = 0.2
 
 
+# kiln's c kernel rounds the activations to int8 per block of 32 (0.4 % of a block's largest value at most)
+C_REL_TOL = 2e-2
+
+
+def _close(kernel: str, got: torch.Tensor, ref: torch.Tensor, atol: float) -> bool:
+    """Within ``atol``, or for the c kernel within ``C_REL_TOL`` of the reference's largest value."""
+    err = (got - ref).abs().max().item()
+    return err < (C_REL_TOL * ref.abs().max().item() if kernel == "c" else atol)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("kernel", ["aten", "dequantize", "c"])
 def test_layer_multiplies_by_its_dequantized_weight(mode, kernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(128, 96)
@@ -39,7 +49,7 @@ def test_layer_multiplies_by_its_dequantized_weight(mode, kernel):
     x = torch.randn(2, 5, 128, requires_grad=True)
     ref = torch.nn.functional.linear(x, w, lin.bias)
     out = layer(x)
-    assert (out - ref).abs().max().item() < 1e-4
+    assert _close(kernel, out, ref, 1e-4)
     out.sum().backward()  # the input's gradient goes through the dequantized weight; the base has none
     assert torch.allclose(x.grad, torch.ones(2, 5, 96) @ w, atol=1e-4)
     assert not any(p.requires_grad for p in layer.parameters())
@@ -48,8 +58,10 @@ def test_layer_multiplies_by_its_dequantized_weight(mode, kernel):
 def test_kernels_exist_on_this_cpu_path():
     """Both kernels run here (the suite also runs under ATEN_CPU_CAPABILITY=default); a missing one
     would make layers dequantize on the fly and the report say so."""
-    assert kernel_available("int8", torch.float32, "cpu")
-    assert kernel_available("int4", torch.float32, "cpu")
+    for kernel in ("aten", "c"):
+        assert kernel_available("int8", torch.float32, "cpu", kernel)
+        assert kernel_available("int4", torch.float32, "cpu", kernel)
+    assert not kernel_available("int8", torch.bfloat16, "cpu", "c")  # float32 only
 
 
 def test_builtin_model_probe_kl(builtin_model_dir):
@@ -59,9 +71,10 @@ def test_builtin_model_probe_kl(builtin_model_dir):
         report = quantize_loaded(loaded, mode, None)
         # the kernel where it runs and beats dequantizing on this machine (timed at load), else dequantize
         ms = report.kernel_ms
-        if kernel_available(mode, torch.float32, "cpu"):
-            assert set(ms) == {"aten", "dequantize"} and all(v > 0 for v in ms.values()), ms
-            expected = "aten" if ms["aten"] <= ms["dequantize"] else "dequantize"
+        found = {k for k in ("c", "aten") if kernel_available(mode, torch.float32, "cpu", k)}
+        if found:
+            assert set(ms) == found | {"dequantize"} and all(v > 0 for v in ms.values()), ms
+            expected = min(ms, key=lambda k: ms[k])
         else:
             assert ms == {}
             expected = "dequantize"
@@ -100,15 +113,15 @@ def test_tiny_qwen3_int8_close_to_float(builtin_model_dir):
     assert 0 < kl < INT8_KL_MAX
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("int8", "aten"), ("int4", "aten"), ("int8", "c"), ("int4", "c")])
 def quantized_pair(request):
-    """(PEFT over the quantized base, PEFT over a float copy holding the dequantized weights), same LoRA."""
+    """(PEFT over the quantized base, PEFT over a float copy holding the dequantized weights, kernel), same LoRA."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(3)
     model = _config("qwen3").eval()
     reference = copy.deepcopy(model)
-    quantize_model(model, request.param, "float32")
+    quantize_model(model, request.param[0], "float32", kernel=request.param[1])
     with torch.no_grad():
         for (name, mod), ref in zip(model.named_modules(), reference.modules()):
             if isinstance(mod, QuantizedLinear):
@@ -122,13 +135,13 @@ def quantized_pair(request):
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
         pair.append(pm.eval())
-    return pair
+    return (*pair, request.param[1])
 
 
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_lora_rows_over_the_quantized_base_match_the_dequantized_reference(quantized_pair, q_len):
-    pm, ref_pm = quantized_pair
-    assert isinstance(pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer, QuantizedLinear)
+    pm, ref_pm, kernel = quantized_pair
+    assert pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.kernel == kernel
     lean = lean_forward_for(pm.base_model.model, pack=True)
     model = pm.base_model.model
     pool = _random_pool(model)
@@ -148,8 +161,12 @@ def test_lora_rows_over_the_quantized_base_match_the_dequantized_reference(quant
         hf = run(lambda c: pm(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c,
                               use_cache=True, adapter_names=list(keys)).logits)
         got = run(lambda c: lean(ids, pos, mask, c, 0, list(keys)))
-        assert (hf - ref).abs().max().item() < 1e-3, keys
-        assert (got - ref).abs().max().item() < 1e-3, keys
+        if kernel == "c":  # activations rounded per block in every matmul: 2 layers + head measured 2.2 %
+            assert (hf - ref).abs().max().item() < 5e-2 * ref.abs().max().item(), keys
+            assert (got - hf).abs().max().item() < 1e-3, keys  # the same kernel under both forwards
+        else:
+            assert (hf - ref).abs().max().item() < 1e-3, keys
+            assert (got - ref).abs().max().item() < 1e-3, keys
     base = run(lambda c: lean(ids, pos, mask, c, 0, [BASE_KEY] * 3))
     adapted = run(lambda c: lean(ids, pos, mask, c, 0, ["ta"] * 3))
     assert (adapted - base).abs().max().item() > 0.1  # the LoRA deltas are there
@@ -223,7 +240,9 @@ def test_hybrid_int8_and_int4_serve_what_transformers_decodes_over_the_same_weig
         report = quantize_loaded(loaded, mode, None)
         attn = loaded.model.model.layers[0].linear_attn
         assert isinstance(attn.in_proj_qkv, QuantizedLinear) and attn.in_proj_qkv.mode == mode
-        assert isinstance(attn.in_proj_a, QuantizedLinear) and attn.in_proj_a.mode == "int8"
+        # aten's int4 packing cannot take in_proj_a's 4 outputs (int8 instead); kiln's c kernel can
+        small = "int8" if mode == "int8" or attn.in_proj_a.kernel != "c" else "int4"
+        assert isinstance(attn.in_proj_a, QuantizedLinear) and attn.in_proj_a.mode == small
         assert report.float_layers == 1 and report.probe_kl is not None and report.probe_kl >= 0
         prompt = [5, 17, 33, 90, 11, 7]
         engine = Engine(loaded, EngineConfig()).start()
@@ -233,3 +252,28 @@ def test_hybrid_int8_and_int4_serve_what_transformers_decodes_over_the_same_weig
         finally:
             engine.stop()
         assert got == reference(loaded.model, prompt), mode
+
+
+def test_c_kernel_gives_the_lm_head_an_int8_inference_copy():
+    """With the c kernel the head infers in int8 (HF forward and lean forward alike) while its float
+    weight stays for training (autograd) and for the tied embedding."""
+    from kiln.runtime.quantize import quantized_head
+
+    torch.manual_seed(5)
+    model = _config("qwen3").eval()
+    head_w = model.lm_head.weight
+    report = quantize_model(model, "int8", "float32", kernel="c")
+    copy8 = quantized_head(model.lm_head)
+    assert report.head == "int8" and copy8 is not None and copy8.mode == "int8"
+    assert model.lm_head.weight is head_w and model.get_input_embeddings().weight is head_w  # still tied
+    assert not any("_kiln_int8" in k for k in model.state_dict())  # not a submodule: checkpoints never see it
+    h = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(model.lm_head(h), copy8._matmul_biased(h))
+    exact = torch.nn.functional.linear(h, head_w)
+    assert _close("c", copy8._matmul_biased(h), exact, 0.0)
+    hg = h.clone().requires_grad_(True)
+    assert torch.equal(model.lm_head(hg), exact)  # autograd records: the float head
+    aten = _config("qwen3").eval()
+    assert quantize_model(aten, "int8", "float32", kernel="aten").head == "float32"
+    assert quantized_head(aten.lm_head) is None

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from kiln.runtime.lean_lora import Groups, LoraSupport, add_fused_lora, add_lora, groups_for
 from kiln.runtime.memory import memory_total_bytes
-from kiln.runtime.quantize import QuantizedLinear
+from kiln.runtime.quantize import QuantizedLinear, quantized_head
 
 SUPPORTED = {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
 PACKED_WEIGHTS_MAX_BYTES = 16 << 30  # a second copy of the Linear weights costs this much memory at most,
@@ -295,7 +295,8 @@ class LeanForward:
                 h = h + delta
         h = x if kern is not None else _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
-        return self._linear(h, lm.lm_head)
+        head = quantized_head(lm.lm_head)  # an int8 inference copy (kiln.runtime.quantize.quantize_head)
+        return self._linear(h, lm.lm_head) if head is None else head._matmul_biased(h)
 
     def _rope_rows(self, inner: Any, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin rows ``[tokens, head_dim]`` for ``positions``, looked up in a table the model's

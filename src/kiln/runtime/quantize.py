@@ -4,20 +4,21 @@ At load, each ``nn.Linear`` of the decoder (attention, MLP and a hybrid's Gated 
 the embedding and the LM head stay in the model's dtype) is replaced by a :class:`QuantizedLinear`
 holding only the quantized weight; activations stay in the model's dtype:
 
-* ``int8``: per-output-channel symmetric int8 (``scale = max|w| / 127`` per row), multiplied by
-  ``torch._weight_int8pack_mm(x, w_int8[N, K], scales[N])``.
+* ``int8``: per-output-channel symmetric int8 (``scale = max|w| / 127`` per row).
 * ``int4``: group-wise asymmetric 4-bit (groups of ``INT4_GROUP`` input features, a scale and a zero
-  per group: ``w = (q - 8) * scale + zero``), packed by ``aten._convert_weight_to_int4pack_for_cpu``
-  and multiplied by ``aten._weight_int4pack_mm_for_cpu``.
+  per group: ``w = (q - 8) * scale + zero``).
 
-A kernel that is missing (or refuses the model's dtype/device) on this build is detected once with a
-tiny probe call; the layers then multiply by the weight dequantized on the fly, and the effective
-``kernel`` says ``dequantize``. Where the kernel runs, it is also timed against the dequantizing path on
-the model's largest projection (8 rows, the median of a few calls) and the faster is used: on an AVX2 CPU
-without AVX-512 the int8 kernel measured 49 ms against 8 ms dequantizing (512 x 1536, 1 thread), so the
-choice is the machine's, reported with both timings (``kernel_ms``). A layer whose shape the int4 packing cannot take (in-features not a
-multiple of the group, out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``) is
-quantized as int8 instead and counted in the report's ``layers``.
+Three kernels (:data:`KERNELS`), one chosen per load by measurement: ``c``, Kiln's own
+(kiln.runtime.quant_matmul: activations rounded to int8 per block of 32, integer block dots by
+AVX-512 VNNI / AVX2 / portable C; float32 on the CPU, in-features a multiple of 32); ``aten``,
+torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (int4 packed once by
+``_convert_weight_to_int4pack_for_cpu``); ``dequantize``, ``F.linear`` over the weight dequantized on
+the fly. Each candidate that runs here (a tiny checked call) is timed on the model's largest
+projection (8 rows, the median of 7 calls) and the fastest is used, reported with every timing
+(``kernel_ms``). A layer whose shape the chosen int4 layout cannot take (in-features not a multiple of
+the group; for ``aten`` also out-features not a multiple of 16: a hybrid's per-head ``in_proj_a/b``)
+is quantized as int8 and counted in the report's ``layers``. With ``c``, the LM head also gets an int8
+inference copy (:func:`quantize_head`; the float head stays for training and the tied embedding).
 
 :class:`QuantizedLinear` subclasses ``nn.Linear`` (no ``weight`` parameter: ``qweight`` and its scales
 are buffers) so PEFT wraps it as a LoRA ``base_layer``: served rows and training get f32 LoRA over the
@@ -37,7 +38,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kiln.runtime import quant_matmul
+
 MODES = ("none", "int8", "int4")
+KERNELS = ("c", "aten", "dequantize")  # kiln.runtime.quant_matmul, torch's packed kernels, dequantize on the fly
 INT4_GROUP = 32  # input features per int4 scale/zero
 INT4_N_MULTIPLE = 16  # the CPU int4 packing takes out-features in multiples of this (else: int8)
 INT4_INNER_K_TILES = 2  # the CPU int4 packing's K tiling (1, 2 or 4; the kernel takes any)
@@ -84,12 +88,17 @@ class _QuantMatmul(torch.autograd.Function):
 
 
 class QuantizedLinear(torch.nn.Linear):
-    """A frozen ``nn.Linear`` stored as int8 or int4 (see the module docstring)."""
+    """A frozen ``nn.Linear`` stored as int8 or int4 (see the module docstring); ``kernel`` is one of
+    :data:`KERNELS` (``True``/``False`` are accepted for ``aten``/``dequantize``)."""
 
-    def __init__(self, linear: torch.nn.Linear, mode: str, kernel: bool):
+    def __init__(self, linear: torch.nn.Linear, mode: str, kernel: str | bool):
         torch.nn.Module.__init__(self)  # not nn.Linear's: no float weight is allocated
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.mode, self.kernel = mode, kernel
+        if isinstance(kernel, bool):
+            kernel = "aten" if kernel else "dequantize"
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown quantized kernel {kernel!r} (one of {', '.join(KERNELS)})")
+        self.mode, self.kernel = mode, str(kernel)
         self.float_dtype = linear.weight.dtype
         w = linear.weight
         if mode == "int8":
@@ -98,9 +107,12 @@ class QuantizedLinear(torch.nn.Linear):
             self.register_buffer("scales", scales.to(w.device, self.float_dtype))
         else:
             codes, sz = _quant_int4(w, INT4_GROUP)
-            # the kernel's packed layout, or (dequantize path) the codes themselves, one per byte
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), INT4_INNER_K_TILES) if kernel \
-                else codes.to(torch.uint8)
+            if kernel == "aten":  # aten's packed layout
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), INT4_INNER_K_TILES)
+            elif kernel == "c":  # two codes a byte, scales [N, K / 32, 2] (kiln.runtime.quant_matmul)
+                packed, sz = quant_matmul.pack_int4(codes), sz.transpose(0, 1).contiguous()
+            else:  # dequantize: the codes themselves, one a byte
+                packed = codes.to(torch.uint8)
             self.register_buffer("qweight", packed.to(w.device))
             self.register_buffer("scales", sz.to(w.device, self.float_dtype))
         self.register_parameter("weight", None)
@@ -112,7 +124,11 @@ class QuantizedLinear(torch.nn.Linear):
         if self.mode == "int8":
             return (self.qweight.float() * self.scales.float()[:, None]).to(self.float_dtype)
         n, k = self.out_features, self.in_features
-        if self.kernel:  # recover the codes: the packed kernel times the identity gives the dequantized rows
+        if self.kernel == "c":
+            codes = quant_matmul.unpack_int4(self.qweight).float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+            sc = self.scales.float()
+            return ((codes - 8.0) * sc[..., 0:1] + sc[..., 1:2]).reshape(n, k).to(self.float_dtype)
+        if self.kernel == "aten":  # recover the codes: the packed kernel times the identity gives the dequantized rows
             eye = torch.eye(k, dtype=self.float_dtype, device=self.qweight.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales).T.contiguous()
         sz = self.scales.float()  # [K / g, N, 2]
@@ -125,7 +141,11 @@ class QuantizedLinear(torch.nn.Linear):
         x2 = x.reshape(-1, shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if not self.kernel:
+        if self.kernel == "c":
+            kern = quant_matmul.load()
+            assert kern is not None, "the c kernel is chosen only where it loaded"
+            out = kern.matmul(x2, self.qweight, self.scales, self.mode, threads=torch.get_num_threads())
+        elif self.kernel == "dequantize":
             out = F.linear(x2, self.dequantized())
         elif self.mode == "int8":
             out = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
@@ -146,39 +166,43 @@ class QuantizedLinear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, " \
-               f"kernel={'aten' if self.kernel else 'dequantize'}"
+               f"kernel={self.kernel}"
 
 
-def _int4_fits(lin: torch.nn.Linear) -> bool:
-    """Shapes the CPU int4 packing takes: whole groups of in-features, out-features a multiple of 16."""
-    return lin.in_features % INT4_GROUP == 0 and lin.out_features % INT4_N_MULTIPLE == 0
+def _int4_fits(lin: torch.nn.Linear, kernel: str) -> bool:
+    """Shapes int4 takes: whole groups of in-features; out-features a multiple of 16 too except for the c kernel."""
+    return lin.in_features % INT4_GROUP == 0 and (kernel == "c" or lin.out_features % INT4_N_MULTIPLE == 0)
 
 
-def kernel_available(mode: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether ``mode``'s kernel runs for ``dtype`` on ``device`` in this build (one tiny call)."""
+def kernel_available(mode: str, dtype: torch.dtype, device: str, kernel: str = "aten") -> bool:
+    """Whether ``kernel`` (``aten`` or ``c``) runs ``mode`` for ``dtype`` on ``device`` here (one tiny call)."""
+    if kernel == "c" and (dtype != torch.float32 or device != "cpu" or quant_matmul.load() is None):
+        return False
     g = torch.Generator().manual_seed(0)  # the caller's RNG state is left alone
     try:
         lin = torch.nn.Linear(64, 16, bias=False, device="meta")
         lin.weight = torch.nn.Parameter(torch.randn(16, 64, generator=g).to(device, dtype), requires_grad=False)
-        layer = QuantizedLinear(lin, mode, kernel=True)
+        layer = QuantizedLinear(lin, mode, kernel=kernel)
         x = torch.randn(3, 64, generator=g).to(device, dtype)
         ref = F.linear(x, layer.dequantized())
-        return bool(torch.allclose(layer._matmul(x), ref, atol=1e-2, rtol=1e-2))
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        # c rounds the activations to int8 per block of 32: about 0.4 % of the block's largest value
+        return bool((layer._matmul(x) - ref).abs().max() <= 2e-2 * ref.abs().max())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError, ValueError):
         return False
 
 
-def kernel_timings(mode: str, lin: torch.nn.Linear, rows: int = 8, calls: int = 5) -> dict[str, float]:
-    """Milliseconds per ``[rows, K] @ W.T`` of ``lin`` quantized as ``mode``: the kernel and the dequantizing
-    path (the median of ``calls`` after one warm-up call each)."""
+def kernel_timings(mode: str, lin: torch.nn.Linear, rows: int = 8, calls: int = 7,
+                   kernels: tuple[str, ...] = ("aten", "dequantize")) -> dict[str, float]:
+    """Milliseconds per ``[rows, K] @ W.T`` of ``lin`` quantized as ``mode`` by each of ``kernels`` (the
+    median of ``calls`` after one warm-up call each)."""
     import statistics
     import time
 
     x = torch.randn(rows, lin.in_features, generator=torch.Generator().manual_seed(0)).to(lin.weight)
     out: dict[str, float] = {}
     with torch.no_grad():
-        for name, kernel in (("aten", True), ("dequantize", False)):
-            layer = QuantizedLinear(lin, mode, kernel=kernel)
+        for name in kernels:
+            layer = QuantizedLinear(lin, mode, kernel=name)
             layer._matmul(x)
             times = []
             for _ in range(calls):
@@ -189,32 +213,61 @@ def kernel_timings(mode: str, lin: torch.nn.Linear, rows: int = 8, calls: int = 
     return out
 
 
+def choose_kernel(mode: str, targets: list[torch.nn.Linear]) -> tuple[str, dict[str, float]]:
+    """The fastest kernel for ``mode`` on the largest projection that every candidate takes, and the timings.
+    Candidates: ``c`` and ``aten`` where they run here (a tiny checked call each), ``dequantize`` always."""
+    sample = targets[0].weight
+    found = [k for k in ("c", "aten") if kernel_available(mode, sample.dtype, str(sample.device), k)]
+    fits = [lin for lin in targets if lin.in_features % INT4_GROUP == 0
+            and (mode == "int8" or _int4_fits(lin, "aten" if "aten" in found else "c"))]
+    if not found or not fits:
+        return "dequantize", {}
+    timings = kernel_timings(mode, max(fits, key=lambda lin: lin.weight.numel()), kernels=(*found, "dequantize"))
+    return min(timings, key=lambda k: timings[k]), timings
+
+
+def _layer_plan(lin: torch.nn.Linear, mode: str, chosen: str, int8_aten: bool) -> tuple[str, str]:
+    """``(mode, kernel)`` of one layer: int8 where int4 cannot take its shape; dequantize where its kernel cannot."""
+    m = mode if mode == "int8" or _int4_fits(lin, chosen) else "int8"
+    if chosen == "c":
+        return m, "c" if lin.in_features % INT4_GROUP == 0 else "dequantize"
+    if chosen == "aten" and (m == mode or int8_aten):
+        return m, "aten"
+    return m, "dequantize"
+
+
 @dataclass
 class QuantizationReport:
     """What a load did: ``/health``, ``/v1/config`` and adapter manifests show it (:meth:`as_dict`)."""
 
     requested: str
     effective: str  # the base representation: float32 | bfloat16 | float16 | int8 | int4 (int8 where int4 could not)
-    kernel: str | None = None  # aten | dequantize | None (none requested)
+    kernel: str | None = None  # c | aten | dequantize (the measured choice) | None (none requested)
     layers: dict[str, int] = field(default_factory=dict)  # quantized layers per mode
     float_layers: int = 0  # linear layers kept in the model's dtype (the LM head)
     weight_bytes_before: int = 0
     weight_bytes_after: int = 0
     probe_kl: float | None = None  # mean per-token KL(float || quantized), nats
     probe_tokens: int = 0
-    kernel_ms: dict[str, float] = field(default_factory=dict)  # the choice's timings: aten vs dequantize, ms
+    kernel_ms: dict[str, float] = field(default_factory=dict)  # the choice's timings per candidate, ms
+    head: str | None = None  # the LM head's inference representation: int8 (quantize_head) or the model's dtype
 
     def as_dict(self) -> dict[str, Any]:
         return {"requested": self.requested, "effective": self.effective, "kernel": self.kernel,
                 "layers": dict(self.layers), "float_layers": self.float_layers,
                 "weight_bytes_before": self.weight_bytes_before, "weight_bytes_after": self.weight_bytes_after,
-                "probe_kl": self.probe_kl, "probe_tokens": self.probe_tokens, "kernel_ms": dict(self.kernel_ms)}
+                "probe_kl": self.probe_kl, "probe_tokens": self.probe_tokens, "kernel_ms": dict(self.kernel_ms),
+                "head": self.head}
 
 
-def _weight_bytes(model: Any) -> int:
+def weight_bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters and buffers (each storage once) plus any int8 head copy
+    (:func:`quantize_head`): what the weights hold resident (memory admission counts this)."""
     seen: set[int] = set()
     total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    copy8 = quantized_head(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None
+    extra = [] if copy8 is None else [copy8.qweight, copy8.scales]
+    for t in list(model.parameters()) + list(model.buffers()) + extra:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
@@ -232,32 +285,65 @@ def _targets(model: Any) -> list[tuple[Any, str, torch.nn.Linear]]:
     return out
 
 
-def quantize_model(model: Any, mode: str, dtype_name: str) -> QuantizationReport:
-    """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did."""
-    before = _weight_bytes(model)
+def quantize_model(model: Any, mode: str, dtype_name: str, kernel: str | None = None) -> QuantizationReport:
+    """Replace ``model``'s linear layers in place (``mode`` in :data:`MODES`); the report of what it did.
+    ``kernel`` (tests, benchmarks): use that candidate of :data:`KERNELS` instead of the measured choice."""
+    before = weight_bytes(model)
     if mode == "none":
         return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
     targets = _targets(model)
     if not targets:
         return QuantizationReport(mode, dtype_name, weight_bytes_before=before, weight_bytes_after=before)
     sample = targets[0][2].weight
-    kernels = {m: kernel_available(m, sample.dtype, str(sample.device)) for m in {mode, "int8"}}
-    timings: dict[str, float] = {}
-    if kernels[mode]:  # the kernel runs here: keep it only where it beats dequantizing on the largest projection
-        largest = max((lin for _, _, lin in targets if mode == "int8" or _int4_fits(lin)),
-                      key=lambda lin: lin.weight.numel(), default=None)
-        if largest is not None:
-            timings = kernel_timings(mode, largest)
-            kernels[mode] = timings["aten"] <= timings["dequantize"]
+    if kernel is None:
+        chosen, timings = choose_kernel(mode, [lin for _, _, lin in targets])
+    elif kernel == "dequantize" or kernel_available(mode, sample.dtype, str(sample.device), kernel):
+        chosen, timings = kernel, {}
+    else:
+        raise ValueError(f"the {kernel} kernel does not run {mode} for {sample.dtype} on {sample.device} here")
+    int8_aten = mode == "int8" or kernel_available("int8", sample.dtype, str(sample.device))
     counts: dict[str, int] = {}
     with torch.no_grad():
         for parent, name, lin in targets:
-            m = mode if mode == "int8" or _int4_fits(lin) else "int8"
-            parent._modules[name] = QuantizedLinear(lin, m, kernels[m])
+            m, kernel = _layer_plan(lin, mode, chosen, int8_aten)
+            parent._modules[name] = QuantizedLinear(lin, m, kernel)
             counts[m] = counts.get(m, 0) + 1
     float_layers = sum(1 for mod in model.modules() if type(mod) is torch.nn.Linear)
-    return QuantizationReport(mode, mode, "aten" if all(kernels.values()) else "dequantize", counts,
-                              float_layers, before, _weight_bytes(model), kernel_ms=timings)
+    head = quantize_head(model, chosen)
+    return QuantizationReport(mode, mode, chosen, counts, float_layers, before, weight_bytes(model),
+                              kernel_ms=timings, head="int8" if head else dtype_name)
+
+
+def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The LM head's forward once :func:`quantize_head` ran: the int8 copy for inference, the float
+    weight where autograd records (training keeps the exact head; the base gets no gradient either way)."""
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        return F.linear(x, self.weight, self.bias)
+    return quantized_head(self)._matmul_biased(x)  # type: ignore[union-attr]
+
+
+def quantized_head(head: Any) -> QuantizedLinear | None:
+    """The int8 inference copy :func:`quantize_head` gave ``head``, if any (the lean forward uses it)."""
+    return getattr(head, "_kiln_int8", None)
+
+
+def quantize_head(model: Any, kernel: str) -> bool:
+    """With the c kernel, give the LM head an int8 inference copy (whether it did).
+
+    The float head stays (tied to the embedding in most checkpoints, and read as ``.weight`` by
+    training's chunked loss and distillation), so this costs memory (N x K bytes) and buys speed: at
+    c=8 on qwen3-31m the f32 head was as much work as all int8 projections together. The copy is a
+    plain attribute, not a submodule: state dicts, ``modules()`` and PEFT do not see it."""
+    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if kernel != "c" or type(head) is not torch.nn.Linear or head.in_features % INT4_GROUP \
+            or head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return False
+    import types
+
+    q = QuantizedLinear(head, "int8", "c")
+    object.__setattr__(head, "_kiln_int8", q)
+    head.forward = types.MethodType(_head_forward, head)
+    return True
 
 
 def _probe_ids(tokenizer: Any) -> list[list[int]]:

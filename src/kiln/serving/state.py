@@ -165,13 +165,9 @@ def build_memory_budget(settings: Settings, model: LoadedModel, engine: ServingE
     the weights (counted once) and the engine's KV pool and linear-state slots, read live."""
     from kiln.runtime.memory import memory_total_bytes
     from kiln.runtime.memory_budget import MemoryBudget
+    from kiln.runtime.quantize import weight_bytes
 
-    seen: set[int] = set()
-    weights = 0
-    for t in list(model.model.parameters()) + list(model.model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            weights += t.numel() * t.element_size()
+    weights = weight_bytes(model.model)  # an int8 head copy included (kiln.runtime.quantize.quantize_head)
 
     def resident() -> dict[str, int]:
         stats = engine.stats()
