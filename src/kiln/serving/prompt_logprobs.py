@@ -13,7 +13,9 @@ from starlette.types import Receive
 
 from kiln.runtime.engine import UnknownAdapter
 from kiln.runtime.scoring import PromptLogprobRow
-from kiln.serving.generation import admission_over, unknown_model, until_done
+from kiln.serving.admission import admission_over
+from kiln.serving.generation import until_done
+from kiln.serving.prepare import unknown_model
 
 
 async def score(state, prompt: list[int], k: int, adapter: str | None, receive: Receive,

@@ -1,7 +1,7 @@
 """OpenAI/vLLM wire models: the requests, and the operator/training/adapter responses.
 
 Static bounds here are hard ceilings for any configuration; the configured limits
-(``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.generation`.
+(``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.prepare`.
 Requests forbid unknown fields, so a typo or an unsupported option is a 400 rather
 than silently ignored.
 

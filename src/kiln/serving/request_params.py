@@ -1,9 +1,10 @@
-"""A generation request's sampling parameters: controls, structured output, tools and reasoning.
+"""A generation request's sampling parameters: controls, structured output and the thinking budget.
 
 :func:`sampling_params` turns a validated chat or completion request into the engine's
 :class:`~kiln.runtime.sampling.SamplingParams` rows, compiling its grammar (``response_format``,
-vLLM's ``guided_*`` or a forced ``tool_choice``) off the event loop. The tool-call and reasoning
-parsers the server's settings select are built once per served model and cached in ``state.extras``.
+vLLM's ``guided_*`` or a forced ``tool_choice``) off the event loop; a chat's rows get the
+reasoning span's thinking budget from its :class:`~kiln.serving.output_parser.OutputParser`.
+The grammar compiler is built once per served model and cached in ``state.extras``.
 """
 
 from __future__ import annotations
@@ -16,22 +17,24 @@ from kiln.errors import InvalidRequest
 from kiln.runtime.constrained import GrammarCompiler, NoValidOutput
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
-from kiln.serving.generation import check_token_ids
-from kiln.runtime.reasoning import ReasoningParser, reasoning_parser_for
-from kiln.serving.tool_parsers import ToolParser, tool_parser_for
+from kiln.runtime.reasoning import ReasoningParser, with_thinking_budget
+from kiln.serving.output_parser import OutputParser, forced_tools, tool_parser
+from kiln.serving.render import check_token_ids
+from kiln.serving.state import KilnState
 
 
-async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
-                  count: int | None = None) -> list[SamplingParams]:
+async def sampling_params(state: KilnState, req: Any, max_tokens: int, logprobs: int | None,
+                          count: int | None = None, output: OutputParser | None = None) -> list[SamplingParams]:
     """``count`` rows (default ``n``); each gets its own grammar state when the output is constrained
-    (the grammar compiled off the event loop, under the compiler's limits and deadline)."""
+    (the grammar compiled off the event loop, under the compiler's limits and deadline); with a chat's
+    ``output`` parser, each row also gets its thinking budget (:func:`thinking_budget`)."""
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
     extra = _controls(state, req, max_tokens)
     asked = _grammar(state, req)
     compiled = None if asked is None else await grammar_compiler(state).compile(*asked)
     if compiled is not None and asked is not None and extra.get("bad_words"):
         await asyncio.to_thread(_check_some_output, compiled, extra["bad_words"], asked[1])
-    return [
+    rows = [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
             seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
@@ -40,6 +43,10 @@ async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
         )
         for i in range(req.n if count is None else count)
     ]
+    if output is None:
+        return rows
+    return with_thinking_budget(rows, output.reasoning, output.opened,
+                                thinking_budget(state, req, output.reasoning), state.engine)
 
 
 def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
@@ -105,7 +112,7 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``): a builder of
     its grammar text (run on the compile thread by :meth:`GrammarCompiler.compile`) and the field it came from."""
     rf = req.response_format
-    forced = _forced_tools(req)
+    forced = forced_tools(req)
     asked = [name for name, v in (("response_format", rf if rf is not None and rf.type != "text" else None),
                                   ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
                                   ("guided_choice", req.guided_choice), ("tool_choice", forced)) if v is not None]
@@ -153,23 +160,6 @@ def _strictly(schema: Any) -> Any:
     return None if schema is None else close_schema(schema)
 
 
-def tool_parser(state) -> ToolParser:
-    """The tool-call parser ``serving.tool_call_parser`` selects (``auto``: by the chat template's family)."""
-    parser = state.extras.get("tool_parser")
-    if parser is None:
-        parser = state.extras["tool_parser"] = tool_parser_for(state.settings.serving.tool_call_parser,
-                                                               state.engine.chat_template, state.engine.tokenizer)
-    return parser
-
-
-def reasoning_parser(state) -> ReasoningParser | None:
-    """The reasoning parser ``serving.reasoning_parser`` selects (``auto``: by the chat template's family)."""
-    if "reasoning_parser" not in state.extras:
-        state.extras["reasoning_parser"] = reasoning_parser_for(state.settings.serving.reasoning_parser,
-                                                                state.engine.chat_template)
-    return state.extras["reasoning_parser"]
-
-
 def thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
     """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
     if "thinking_token_budget" not in req.model_fields_set:
@@ -179,38 +169,3 @@ def thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
                              "chat template", code="invalid_request", param="thinking_token_budget",
                              hint="drop thinking_token_budget, or start the server with --reasoning-parser")
     return req.thinking_token_budget
-
-
-def tools_on(req) -> bool:
-    return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
-
-
-def forces_call(req) -> bool:
-    """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
-    return tools_on(req) and req.tool_choice not in (None, "auto")
-
-
-def _forced_tools(req) -> tuple[list[dict[str, Any]], bool] | None:
-    """``(tools, parallel)`` a ``required`` or named ``tool_choice`` forces, else ``None``."""
-    choice = getattr(req, "tool_choice", None)
-    if choice is None or choice in ("none", "auto"):
-        return None
-    tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools or ()]
-    if choice == "required":
-        return tools, req.parallel_tool_calls is not False
-    named = [t for t in tools if t["name"] == choice.function.name]
-    if not named:
-        raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                             code="invalid_request", param="tool_choice",
-                             hint=f"name one of {[t['name'] for t in tools]}")
-    return named, False
-
-
-def check_tools(req) -> None:
-    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
-        raise InvalidRequest("tool_choice needs tools", code="invalid_request", param="tool_choice",
-                             hint="send the tools the model may call, or drop tool_choice")
-    names = [t.function.name for t in req.tools or ()]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("two tools share a name", code="invalid_request", param="tools",
-                             hint="give every function a distinct name")
