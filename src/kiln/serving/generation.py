@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 from starlette.types import Receive
 
@@ -33,10 +33,26 @@ from kiln.serving.state import KilnState
 BASE_REVISION = "base"
 
 
+class _Indexed(Protocol):
+    @property
+    def index(self) -> int: ...
+
+
+class Output(Protocol):
+    """What :func:`collect` and the response read of a submission (one, or several read as one)."""
+
+    @property
+    def streams(self) -> Sequence[_Indexed]: ...
+    @property
+    def adapter_revision(self) -> str | None: ...
+    def cancel(self) -> None: ...
+    async def next_chunks(self) -> list[tuple[int, Any]]: ...
+
+
 # -- submission and collection ------------------------------------------------------------
 
 
-def revision_header(sub: Submission | None, adapter: str | None, state) -> dict[str, str]:
+def revision_header(sub: Output | None, adapter: str | None, state: KilnState) -> dict[str, str]:
     if adapter is None:
         return {ADAPTER_HEADER: BASE_REVISION}
     rev = sub.adapter_revision if sub is not None else state.engine.active_adapters().get(adapter)
@@ -46,7 +62,7 @@ def revision_header(sub: Submission | None, adapter: str | None, state) -> dict[
 def submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams], adapter: str | None,
             stream: bool) -> Submission:
     try:
-        sub = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop(),
+        sub: Submission = state.engine.submit(prompt_ids, params, adapter=adapter, loop=asyncio.get_running_loop(),
                                   incremental=stream)
     except UnknownAdapter as exc:  # unloaded between resolution and admission
         raise unknown_model(state, str(exc)) from exc
@@ -55,7 +71,7 @@ def submit(state: KilnState, prompt_ids: list[int], params: list[SamplingParams]
     return sub
 
 
-async def collect(receive: Receive, sub: Submission, timeout_s: float) -> list[tuple[str, list[TokenChoice], str]]:
+async def collect(receive: Receive, sub: Output, timeout_s: float) -> list[tuple[str, list[TokenChoice], str]]:
     """Run a submission to the end; cancels it on disconnect or timeout."""
     texts: dict[int, list[str]] = {s.index: [] for s in sub.streams}
     toks: dict[int, list[TokenChoice]] = {s.index: [] for s in sub.streams}
@@ -83,7 +99,7 @@ async def collect(receive: Receive, sub: Submission, timeout_s: float) -> list[t
     return [("".join(texts[i]), toks[i], reasons[i]) for i in sorted(texts)]
 
 
-async def until_done(receive: Receive, work: asyncio.Future, cancel: Callable[[], None], timeout_s: float,
+async def until_done(receive: Receive, work: asyncio.Future[Any], cancel: Callable[[], None], timeout_s: float,
                       what: str, hint: str) -> Any:
     """``work``'s result; on a disconnect or after ``timeout_s`` cancel it (and the engine's rows) and raise."""
     watch = asyncio.ensure_future(await_disconnect(receive))
@@ -100,7 +116,7 @@ async def until_done(receive: Receive, work: asyncio.Future, cancel: Callable[[]
     return work.result()
 
 
-def _raise_on_engine_error(reasons) -> None:
+def _raise_on_engine_error(reasons: Collection[str]) -> None:
     if "grammar_error" in reasons:
         raise GrammarTooComplex("the grammar engine gave up during generation (a resource limit of the grammar); "
                                 "no valid output could be completed", None)
@@ -116,11 +132,11 @@ def _raise_on_engine_error(reasons) -> None:
 # costs more event-loop time per request than the rest of the response path.
 
 
-def _top_entry(token: str, logprob: float | None) -> dict:
+def _top_entry(token: str, logprob: float | None) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def chat_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str]) -> dict:
+def chat_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str]) -> dict[str, Any]:
     """``ChatLogprobs``."""
     return {"content": [
         {**_top_entry(tt(t.token_id), t.logprob), "top_logprobs": [_top_entry(tt(i), lp) for i, lp in t.top]}
@@ -128,9 +144,9 @@ def chat_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str]) -> dict:
     ]}
 
 
-def completion_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str], offset: int = 0) -> dict:
+def completion_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str], offset: int = 0) -> dict[str, Any]:
     """``CompletionLogprobs``."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t in tokens:
         s = tt(t.token_id)
         out["tokens"].append(s)
@@ -141,7 +157,7 @@ def completion_logprobs(tokens: list[TokenChoice], tt: Callable[[int], str], off
     return out
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -160,14 +176,14 @@ class StreamChunks:
     """What a route's :class:`~kiln.serving.sse.StreamFormat` shares: the chunk's fields before
     ``choices`` (``base``) and, when the request asked for it, the final usage chunk."""
 
-    first: Callable[[int], dict] | None = None
+    first: Callable[[int], dict[str, Any]] | None = None
 
-    def __init__(self, base: dict, prompt_tokens: int, include_usage: bool):
+    def __init__(self, base: dict[str, Any], prompt_tokens: int, include_usage: bool):
         self.base = base
         self.prompt_tokens = prompt_tokens
-        self.usage: Callable[[int], dict] | None = self._usage if include_usage else None
+        self.usage: Callable[[int], dict[str, Any]] | None = self._usage if include_usage else None
 
-    def _usage(self, completion_tokens: int) -> dict:
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage_json(self.prompt_tokens, completion_tokens)}
 
 

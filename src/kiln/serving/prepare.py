@@ -181,7 +181,7 @@ def max_tokens_for(state: KilnState, requested: int | None, prompt_len: int, pro
     """The ``max_tokens`` a prompt of ``prompt_len`` tokens gets; ``prompt_param`` (``prompt[j]`` in a list of
     prompts) is named in a refusal of the prompt as the param, and in the message."""
     lim = state.settings.limits
-    model_len = state.engine.config.max_model_len  # min(limits.max_model_len, the model's own limit)
+    model_len: int = state.engine.config.max_model_len  # min(limits.max_model_len, the model's own limit)
     room = model_len - prompt_len
     which = f"{prompt_param} " if prompt_param else ""
     if room <= 0:

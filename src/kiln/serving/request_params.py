@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from kiln.errors import InvalidRequest
-from kiln.runtime.constrained import GrammarCompiler, NoValidOutput
+from kiln.runtime.constrained import CompiledGrammar, GrammarCompiler, NoValidOutput
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
 from kiln.runtime.reasoning import ReasoningParser, with_thinking_budget
@@ -49,7 +49,7 @@ async def sampling_params(state: KilnState, req: Any, max_tokens: int, logprobs:
                                 thinking_budget(state, req, output.reasoning), state.engine)
 
 
-def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
+def _check_some_output(compiled: CompiledGrammar, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
     """Refuse (400 ``no_valid_output``) a grammar whose every first token ``bad_words`` forbids: generation
     could only end in an invalid output, which is the request's contradiction, not a grammar limit."""
     first, may_end = compiled.first_tokens()
@@ -59,7 +59,7 @@ def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: 
                             f"{len(first)} token(s), and bad_words forbids all of them", param="bad_words")
 
 
-def _controls(state, req, max_tokens: int) -> dict[str, Any]:
+def _controls(state: KilnState, req: Any, max_tokens: int) -> dict[str, Any]:
     """The sampling controls beyond temperature/top-p/top-k, checked against the vocabulary."""
     out: dict[str, Any] = {}
     if req.presence_penalty:
@@ -93,7 +93,7 @@ def _controls(state, req, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def grammar_compiler(state) -> GrammarCompiler:
+def grammar_compiler(state: KilnState) -> GrammarCompiler:
     """One compiler per served model, built on first use (route-module cache in ``state.extras``)."""
     comp = state.extras.get("grammar_compiler")
     if comp is None:
@@ -105,10 +105,10 @@ def grammar_compiler(state) -> GrammarCompiler:
             engine.tokenizer, vocab, engine.eos_ids, timeout_s=lim.grammar_compile_timeout_s,
             cache_bytes=lim.grammar_cache_mib << 20)
         comp.observer = state.metrics.grammar_compile  # /metrics kiln_grammar_compile_seconds{outcome}
-    return comp
+    return cast(GrammarCompiler, comp)
 
 
-def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
+def _grammar(state: KilnState, req: Any) -> tuple[Callable[[], str], str] | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``): a builder of
     its grammar text (run on the compile thread by :meth:`GrammarCompiler.compile`) and the field it came from."""
     rf = req.response_format
@@ -160,12 +160,14 @@ def _strictly(schema: Any) -> Any:
     return None if schema is None else close_schema(schema)
 
 
-def thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
+def thinking_budget(state: KilnState, req: Any, reasoner: ReasoningParser | None) -> int | None:
     """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
     if "thinking_token_budget" not in req.model_fields_set:
-        return state.settings.serving.thinking_token_budget if reasoner is not None else None
+        default: int | None = state.settings.serving.thinking_token_budget
+        return default if reasoner is not None else None
     if req.thinking_token_budget is not None and reasoner is None:
         raise InvalidRequest("thinking_token_budget needs a reasoning parser, and this server has none for its "
                              "chat template", code="invalid_request", param="thinking_token_budget",
                              hint="drop thinking_token_budget, or start the server with --reasoning-parser")
-    return req.thinking_token_budget
+    budget: int | None = req.thinking_token_budget
+    return budget

@@ -96,18 +96,19 @@ class ChatChunks(StreamChunks):
     """A chat stream's chunks: the role chunk first, then content deltas (pre-encoded while there are
     no logprobs and no finish reason), the finish reason in the choice's last chunk."""
 
-    def __init__(self, base: dict, prompt_tokens: int, usage: bool, logprobs: int | None,
+    def __init__(self, base: dict[str, Any], prompt_tokens: int, usage: bool, logprobs: int | None,
                  token_text: Callable[[int], str]):
         super().__init__(base, prompt_tokens, usage)
         self.logprobs = logprobs
         self.token_text = token_text
         self.content = DeltaFrame(base, '"delta":{"content":')
+        self.first = self._role
 
-    def first(self, i: int) -> dict:
+    def _role(self, i: int) -> dict[str, Any]:
         return {**self.base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]}
 
-    def chunk(self, i: int, c: Any, reason: str | None) -> dict | bytes:
+    def chunk(self, i: int, c: Any, reason: str | None) -> dict[str, Any] | bytes:
         if self.logprobs is None and reason is None:
             return self.content(i, c.text)
         lp = chat_logprobs(c.tokens, self.token_text) if self.logprobs is not None else None
@@ -125,13 +126,14 @@ class ParsedChatChunks(ChatChunks):
     they are generated; one event per call per engine step), ``finish_reason: "tool_calls"`` when
     the choice called a tool."""
 
-    def __init__(self, base: dict, prompt_tokens: int, usage: bool, logprobs: int | None,
+    def __init__(self, base: dict[str, Any], prompt_tokens: int, usage: bool, logprobs: int | None,
                  token_text: Callable[[int], str], output: OutputParser, n: int):
         super().__init__(base, prompt_tokens, usage, logprobs, token_text)
         self.streams = [output.stream() for _ in range(n)]
         self.reasoning = DeltaFrame(base, '"delta":{"reasoning_content":')
 
-    def _event(self, i: int, delta: dict, lp: dict | None = None, reason: str | None = None) -> bytes:
+    def _event(self, i: int, delta: dict[str, Any], lp: dict[str, Any] | None = None,
+               reason: str | None = None) -> bytes:
         return sse_frame({**self.base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                                     "finish_reason": reason}]})
 

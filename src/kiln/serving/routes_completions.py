@@ -145,9 +145,9 @@ class CompletionChunks(StreamChunks):
     text deltas pre-encoded while there are no logprobs and no finish reason; logprob text offsets
     counted per choice from the echoed prompt's end."""
 
-    def __init__(self, base: dict, prompt_tokens: int, usage: bool, logprobs: int | None,
+    def __init__(self, base: dict[str, Any], prompt_tokens: int, usage: bool, logprobs: int | None,
                  token_text: Callable[[int], str], n: int, echo_texts: list[str] | None,
-                 echo_lps: list[dict | None]):
+                 echo_lps: list[dict[str, Any] | None]):
         super().__init__(base, prompt_tokens, usage)
         self.logprobs = logprobs
         self.token_text = token_text
@@ -158,12 +158,12 @@ class CompletionChunks(StreamChunks):
         self.text = DeltaFrame(base, '"text":')
         self.first = self._echo if echo_texts is not None else None
 
-    def _echo(self, i: int) -> dict:
+    def _echo(self, i: int) -> dict[str, Any]:
         assert self.echo_texts is not None
         return {**self.base, "choices": [{"index": i, "text": self.echo_texts[i // self.n],
                                           "logprobs": self.echo_lps[i // self.n], "finish_reason": None}]}
 
-    def chunk(self, i: int, c: Any, reason: str | None) -> dict | bytes:
+    def chunk(self, i: int, c: Any, reason: str | None) -> dict[str, Any] | bytes:
         if self.logprobs is None and reason is None:
             return self.text(i, c.text)
         lp = None
@@ -203,7 +203,7 @@ class MergedSubmission:
 
     async def next_chunks(self) -> list[tuple[int, Any]]:
         while not self.finished:
-            events = [sub.streams[0]._aevent for sub in self._subs if not sub.finished]
+            events = [_event(sub) for sub in self._subs if not sub.finished]
             for e in events:
                 e.clear()
             out = self.take()
@@ -216,3 +216,9 @@ class MergedSubmission:
                 for w in waits:
                     w.cancel()
         return []
+
+
+def _event(sub: Submission) -> asyncio.Event:
+    event = sub.streams[0]._aevent
+    assert event is not None, "submit(..., loop=...) binds the streams to an event loop"
+    return event
