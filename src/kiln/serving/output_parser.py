@@ -11,12 +11,11 @@ built once per served model (:func:`tool_parser`, :func:`reasoning_parser`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kiln.errors import InvalidRequest
 from kiln.runtime.reasoning import ReasoningParser, ReasoningStream, prompt_opens_span, reasoning_parser_for
+from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.state import KilnState
 from kiln.serving.tool_parsers import CallDelta, StreamState, ToolParser, tool_parser_for
 
@@ -40,44 +39,6 @@ def reasoning_parser(state: KilnState) -> ReasoningParser | None:
     return cast("ReasoningParser | None", state.extras["reasoning_parser"])
 
 
-# -- the request's tools ------------------------------------------------------------------------
-
-
-def tools_on(req: Any) -> bool:
-    return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
-
-
-def forces_call(req: Any) -> bool:
-    """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
-    return tools_on(req) and req.tool_choice not in (None, "auto")
-
-
-def forced_tools(req: Any) -> tuple[list[dict[str, Any]], bool] | None:
-    """``(tools, parallel)`` a ``required`` or named ``tool_choice`` forces, else ``None``."""
-    choice = getattr(req, "tool_choice", None)
-    if choice is None or choice in ("none", "auto"):
-        return None
-    tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools or ()]
-    if choice == "required":
-        return tools, req.parallel_tool_calls is not False
-    named = [t for t in tools if t["name"] == choice.function.name]
-    if not named:
-        raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                             code="invalid_request", param="tool_choice",
-                             hint=f"name one of {[t['name'] for t in tools]}")
-    return named, False
-
-
-def check_tools(req: Any) -> None:
-    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
-        raise InvalidRequest("tool_choice needs tools", code="invalid_request", param="tool_choice",
-                             hint="send the tools the model may call, or drop tool_choice")
-    names = [t.function.name for t in req.tools or ()]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("two tools share a name", code="invalid_request", param="tools",
-                             hint="give every function a distinct name")
-
-
 # -- the parser ---------------------------------------------------------------------------------
 
 
@@ -93,16 +54,11 @@ class OutputParser:
     opened: bool = False
 
     @classmethod
-    def for_chat(cls, state: KilnState, req: Any) -> OutputParser:
-        """The parsers a chat request gets (its tools checked first); :meth:`after_prompt` adds the prompt."""
-        check_tools(req)
-        tools = tool_parser(state) if tools_on(req) else None
-        return cls(tools, reasoning_parser(state), forces_call(req))
-
-    def after_prompt(self, tokens: Any, prompt: list[int]) -> OutputParser:
-        """This parser for an answer to ``prompt`` (``tokens``: the engine's tokenization)."""
-        opened = self.reasoning is not None and prompt_opens_span(self.reasoning, tokens, prompt)
-        return dataclasses.replace(self, opened=opened)
+    def for_chat(cls, state: KilnState, req: ChatCompletionRequest, prompt: list[int]) -> OutputParser:
+        """The parser of the answers to ``req``, whose rendered prompt is ``prompt``."""
+        reasoning = reasoning_parser(state)
+        opened = reasoning is not None and prompt_opens_span(reasoning, state.engine, prompt)
+        return cls(tool_parser(state) if req.tools_on() else None, reasoning, req.forces_call(), opened)
 
     @property
     def parses(self) -> bool:

@@ -68,9 +68,9 @@ async def _prepare_chat(state: KilnState, body: ChatCompletionRequest) -> Prepar
     logprobs = (top or 0) if body.logprobs else None
     check_limits(state, body, logprobs, body.stop_list())
     check_rows(state, body.n, f"n={body.n}", "n")
-    output = OutputParser.for_chat(state, body)
+    check_tools(body)
     prompt = await chat_prompt(state, body)
-    output = output.after_prompt(state.engine, prompt)
+    output = OutputParser.for_chat(state, body, prompt)
     max_tokens = max_tokens_for(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     params = await sampling_params(state, body, max_tokens, logprobs, output=output)
     return PreparedRequest(adapter, (prompt,), (None,), tuple(params), body.n, max_tokens, logprobs, headers, output)
@@ -151,6 +151,16 @@ def check_limits(state: KilnState, req: Any, logprobs: int | None, stop: Sequenc
     if logprobs is not None and logprobs > lim.max_logprobs:
         raise InvalidRequest(f"{logprobs} logprobs exceed limits.max_logprobs={lim.max_logprobs}",
                              code="limit_exceeded", hint="ask for fewer logprobs")
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
+        raise InvalidRequest("tool_choice needs tools", code="invalid_request", param="tool_choice",
+                             hint="send the tools the model may call, or drop tool_choice")
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("two tools share a name", code="invalid_request", param="tools",
+                             hint="give every function a distinct name")
 
 
 def _check_prompt_logprobs(state: KilnState, body: CompletionRequest) -> None:

@@ -272,6 +272,14 @@ class ChatCompletionRequest(_Sampling):
 
     _check_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
+    def tools_on(self) -> bool:
+        """Whether the template shows the model tools and its answer is read for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forces_call(self) -> bool:
+        """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
+        return self.tools_on() and self.tool_choice not in (None, "auto")
+
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
 PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]

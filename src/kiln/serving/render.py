@@ -14,7 +14,7 @@ import json
 from typing import Any, Sequence
 
 from kiln.errors import InvalidRequest
-from kiln.serving.output_parser import tools_on
+from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.state import KilnState
 
 LARGE_PROMPT_CHARS = 20_000  # render/tokenize bigger prompts off the event loop
@@ -30,14 +30,6 @@ def check_fits(state: KilnState, text: str, param: str) -> None:
     if least is not None:
         raise InvalidRequest(f"the prompt has at least {least} tokens ({len(text)} characters); the model's limit is "
                              f"{limit}", code="context_length_exceeded", param=param, hint="shorten the prompt")
-
-
-def check_token_ids(state: KilnState, ids: list[int], param: str) -> None:
-    vocab = state.engine.vocab_size
-    bad = state.engine.first_out_of_vocab(ids)
-    if bad is not None:
-        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary (size {vocab})",
-                             code="invalid_token_id", param=param, hint=f"token ids must be in [0, {vocab})")
 
 
 # -- a chat ---------------------------------------------------------------------------------------
@@ -94,13 +86,13 @@ def _arguments(text: str) -> Any:
         return text
 
 
-def _template_tools(req: Any) -> list[dict[str, Any]] | None:
-    if not tools_on(req):
+def _template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    if not req.tools_on() or req.tools is None:  # tools_on() implies tools
         return None
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-async def chat_prompt(state: KilnState, req: Any) -> list[int]:
+async def chat_prompt(state: KilnState, req: ChatCompletionRequest) -> list[int]:
     """The chat's prompt IDs: counts checked before rendering, the rendered text's size before
     tokenizing (a prompt certainly over the context is refused without being tokenized); big
     chats are rendered and tokenized off the event loop."""

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from kiln.errors import InvalidRequest
 from kiln.runtime.constrained import CompiledGrammar, GrammarCompiler, NoValidOutput
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
 from kiln.runtime.reasoning import ReasoningParser, with_thinking_budget
-from kiln.serving.output_parser import OutputParser, forced_tools, tool_parser
-from kiln.serving.render import check_token_ids
 from kiln.serving.state import KilnState
+
+if TYPE_CHECKING:
+    from kiln.serving.output_parser import OutputParser
 
 
 async def sampling_params(state: KilnState, req: Any, max_tokens: int, logprobs: int | None,
@@ -30,7 +31,7 @@ async def sampling_params(state: KilnState, req: Any, max_tokens: int, logprobs:
     ``output`` parser, each row also gets its thinking budget (:func:`thinking_budget`)."""
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
     extra = _controls(state, req, max_tokens)
-    asked = _grammar(state, req)
+    asked = _grammar(state, req, output)
     compiled = None if asked is None else await grammar_compiler(state).compile(*asked)
     if compiled is not None and asked is not None and extra.get("bad_words"):
         await asyncio.to_thread(_check_some_output, compiled, extra["bad_words"], asked[1])
@@ -108,7 +109,7 @@ def grammar_compiler(state: KilnState) -> GrammarCompiler:
     return cast(GrammarCompiler, comp)
 
 
-def _grammar(state: KilnState, req: Any) -> tuple[Callable[[], str], str] | None:
+def _grammar(state: KilnState, req: Any, output: OutputParser | None) -> tuple[Callable[[], str], str] | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``): a builder of
     its grammar text (run on the compile thread by :meth:`GrammarCompiler.compile`) and the field it came from."""
     rf = req.response_format
@@ -131,7 +132,8 @@ def _grammar(state: KilnState, req: Any) -> tuple[Callable[[], str], str] | None
     if asked[0] == "tool_choice":
         assert forced is not None  # asked[0] names a field that was given
         tools, parallel = forced
-        parser = tool_parser(state)
+        parser = output.tools if output is not None else None
+        assert parser is not None  # a chat whose tool_choice forces calls has its tools on
         return (lambda: comp.lark(parser.forcing_grammar(
             [{**t, "parameters": strict(t["parameters"] or {"type": "object"})} for t in tools], parallel),
             "tool_choice")), "tool_choice"
@@ -152,6 +154,30 @@ def _grammar(state: KilnState, req: Any) -> tuple[Callable[[], str], str] | None
     if asked[0] == "guided_regex":
         return (lambda: comp.regex(req.guided_regex, "guided_regex")), "guided_regex"
     return (lambda: comp.choice(req.guided_choice, "guided_choice")), "guided_choice"
+
+
+def check_token_ids(state: KilnState, ids: list[int], param: str) -> None:
+    vocab = state.engine.vocab_size
+    bad = state.engine.first_out_of_vocab(ids)
+    if bad is not None:
+        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary (size {vocab})",
+                             code="invalid_token_id", param=param, hint=f"token ids must be in [0, {vocab})")
+
+
+def forced_tools(req: Any) -> tuple[list[dict[str, Any]], bool] | None:
+    """``(tools, parallel)`` a ``required`` or named ``tool_choice`` forces, else ``None``."""
+    choice = getattr(req, "tool_choice", None)
+    if choice is None or choice in ("none", "auto"):
+        return None
+    tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools or ()]
+    if choice == "required":
+        return tools, req.parallel_tool_calls is not False
+    named = [t for t in tools if t["name"] == choice.function.name]
+    if not named:
+        raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                             code="invalid_request", param="tool_choice",
+                             hint=f"name one of {[t['name'] for t in tools]}")
+    return named, False
 
 
 def _strictly(schema: Any) -> Any:

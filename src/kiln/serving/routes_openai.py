@@ -19,7 +19,8 @@ from kiln.serving.fast_path import FastRoute
 from kiln.serving.openai_responses import DetokenizeResponse, ModelCard, ModelList, ModelPermission, TokenizeResponse
 from kiln.serving.prepare import resolve_model
 from kiln.serving.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from kiln.serving.render import chat_text, check_token_ids
+from kiln.serving.render import chat_text
+from kiln.serving.request_params import check_token_ids
 from kiln.serving.state import get_state
 
 router = APIRouter()
