@@ -5,9 +5,11 @@ In order, each check before the work it bounds: the model is resolved to the bas
 adapter (404 for an unknown one), the request's limits are checked (``n``, stop sequences, logprobs,
 the rows the engine's queue can ever admit, a chat's tools), the prompts are rendered and tokenized
 (:mod:`kiln.serving.render`), each prompt's token budget is checked against the context
-(``max_tokens``), a chat's :class:`~kiln.serving.output_parser.OutputParser` learns whether the prompt
-left a reasoning span open, and the sampling parameters are built (:mod:`kiln.serving.request_params`,
-which compiles a grammar off the event loop). Every refusal is a 400 or 404 before any engine work.
+(``max_tokens``), a chat's :class:`~kiln.serving.output_parser.OutputParser` is built (its tool-call
+and reasoning parsers, and whether the prompt left a reasoning span open), and the sampling parameters
+are built (:mod:`kiln.serving.request_params`, which compiles a grammar off the event loop). Every refusal
+comes before the request reaches the engine; a completion's prompt scoring and the submission follow in
+its route.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ A chat is rendered with the model's chat template (:func:`chat_prompt`; its mess
 first, before the body is even validated, by :func:`precheck_chat`); a completion's prompts are text
 or token IDs (:func:`completion_prompt`). A text prompt whose characters alone prove it longer than the
 context is refused before it is tokenized (:func:`check_fits`); big prompts are rendered and tokenized
-off the event loop; token IDs are checked against the vocabulary (:func:`check_token_ids`).
+off the event loop; token-ID prompts are checked against the vocabulary. ``/tokenize`` renders a chat
+with the same template (:func:`chat_text`).
 """
 
 from __future__ import annotations
