@@ -104,19 +104,11 @@ class OutputStream:
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
         thought = ""
-        split = self._split
-        if split is not None:
-            thought, text = split.feed(text)
-            if final:
-                more_thought, tail = split.finish()
-                thought, text = thought + more_thought, text + tail
+        if self._split is not None:
+            thought, text = _fed(self._split, text, final)
         deltas: list[CallDelta] = []
-        calls = self._calls
-        if calls is not None:
-            text, deltas = calls.feed(text)
-            if final:
-                tail, more = calls.finish()
-                text, deltas = text + tail, deltas + more
+        if self._calls is not None:
+            text, deltas = _fed(self._calls, text, final)
             if self._forced:
                 text = ""
         return thought, text, deltas
@@ -125,3 +117,12 @@ class OutputStream:
     def called(self) -> bool:
         """Whether the choice began a tool call."""
         return self._calls is not None and bool(self._calls.calls)
+
+
+def _fed(stream: Any, text: str, final: bool) -> tuple[Any, Any]:
+    """``stream.feed(text)``, and with ``final`` what ``stream.finish()`` releases after it, part by part."""
+    first, second = stream.feed(text)
+    if final:
+        more_first, more_second = stream.finish()
+        first, second = first + more_first, second + more_second
+    return first, second
