@@ -4,6 +4,8 @@ Several prompts give ``n`` choices each, choice ``i`` of prompt ``p`` at index `
 (as OpenAI numbers them; :class:`MergedSubmission` reads their submissions as one). ``echo``
 puts each prompt's text (and, with ``logprobs``, its tokens' logprobs, the first ``None``)
 before the completion; ``prompt_logprobs`` scores the prompt (:mod:`kiln.serving.prompt_logprobs`).
+:func:`completion_response` reads: prepare (:func:`kiln.serving.prepare.prepare`) -> score the prompts
+when asked -> submit -> respond (JSON, or SSE with :class:`CompletionChunks`).
 
 Normally reached through :mod:`kiln.serving.fast_path`, which calls :func:`completion_response`
 without going through FastAPI; the FastAPI route (and the batch route) call the same function.
