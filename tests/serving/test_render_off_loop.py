@@ -1,7 +1,7 @@
 """Issue 45 item 4: whether a chat is rendered and tokenized off the event loop counts every field the
 template renders, not ``content`` alone. About 1 MB of ``reasoning_content`` (or of tool-call arguments) on
 an assistant turn with a short ``content`` used to be rendered and tokenized on the loop, stalling every
-stream (gaps up to 1.1 s). The real request model and the real ``_render_chat``; the engine records which
+stream (gaps up to 1.1 s). The real request model and the real ``render.chat_prompt``; the engine records which
 thread rendered and tokenized."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.serving.generation import LARGE_PROMPT_CHARS
 from kiln.serving.protocol import ChatCompletionRequest
-from kiln.serving.routes_chat import _render_chat
+from kiln.serving.render import LARGE_PROMPT_CHARS, chat_prompt
 
 
 class _RecordingEngine:
@@ -42,7 +41,7 @@ def _render(assistant: dict) -> list[str]:
     state = SimpleNamespace(engine=engine, settings=SimpleNamespace(limits=SimpleNamespace(max_messages=64)))
 
     async def run() -> None:
-        await _render_chat(state, req)
+        await chat_prompt(state, req)
 
     asyncio.run(run())
     return engine.threads

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -114,7 +114,7 @@ class GrammarCompiler:
     grammar never runs on the event loop or the engine's thread.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int], *,
                  timeout_s: float = COMPILE_TIMEOUT_S, cache_bytes: int = GRAMMAR_CACHE_BYTES):
         import llguidance
         import llguidance.hf

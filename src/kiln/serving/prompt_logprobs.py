@@ -7,27 +7,33 @@ cancelled on disconnect or timeout); the rest turns those rows into the response
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.types import Receive
 
 from kiln.runtime.engine import UnknownAdapter
 from kiln.runtime.scoring import PromptLogprobRow
-from kiln.serving.generation import admission_over, unknown_model, until_done
+from kiln.serving.admission import admission_over
+from kiln.serving.generation import until_done
+from kiln.serving.prepare import unknown_model
+from kiln.serving.state import KilnState
 
 
-async def score(state, prompt: list[int], k: int, adapter: str | None, receive: Receive,
+async def score(state: KilnState, prompt: list[int], k: int, adapter: str | None, receive: Receive,
                  timeout: float) -> list[PromptLogprobRow | None]:
     try:
         fut = state.engine.score_prompt(prompt, k, adapter=adapter)
     except UnknownAdapter as exc:  # unloaded between resolution and admission
         raise unknown_model(state, str(exc)) from exc
     admission_over()
-    return await until_done(receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
-                             "score a shorter prompt or raise server.request_timeout_s")
+    rows: list[PromptLogprobRow | None] = await until_done(
+        receive, asyncio.wrap_future(fut), fut.cancel, timeout, "scoring",
+        "score a shorter prompt or raise server.request_timeout_s")
+    return rows
 
 
-def prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: Callable[[int], str]) -> list[dict[str, dict] | None]:
+def prompt_logprobs_json(rows: list[PromptLogprobRow | None],
+                         tt: Callable[[int], str]) -> list[dict[str, dict[str, Any]] | None]:
     """One ``{token id: PromptLogprob}`` per prompt position (``None`` first)."""
     return [
         None if row is None else {
@@ -37,9 +43,10 @@ def prompt_logprobs_json(rows: list[PromptLogprobRow | None], tt: Callable[[int]
     ]
 
 
-def echo_logprobs(prompt: list[int], rows: list[PromptLogprobRow | None], k: int, tt: Callable[[int], str]) -> dict:
+def echo_logprobs(prompt: list[int], rows: list[PromptLogprobRow | None], k: int,
+                  tt: Callable[[int], str]) -> dict[str, Any]:
     """``CompletionLogprobs`` of the prompt itself (``echo`` with ``logprobs``): the first token has none."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     for tid, row in zip(prompt, rows):
         s = tt(tid)
@@ -55,7 +62,7 @@ def echo_logprobs(prompt: list[int], rows: list[PromptLogprobRow | None], k: int
     return out
 
 
-def join_logprobs(a: dict | None, b: dict | None) -> dict | None:
+def join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     if a is None or b is None:
         return a or b
     shift = sum(len(t) for t in a["tokens"])
@@ -78,6 +85,6 @@ def trim_rows(rows: list[PromptLogprobRow | None], k: int) -> list[PromptLogprob
     return out
 
 
-def _top_entries(row: PromptLogprobRow, k: int) -> list:
+def _top_entries(row: PromptLogprobRow, k: int) -> PromptLogprobRow:
     """The ``k`` best entries of a scored row (ranks are 1-based positions among the top)."""
     return sorted(row, key=lambda e: e.rank)[:k]

@@ -1,7 +1,7 @@
 """OpenAI/vLLM wire models: the requests, and the operator/training/adapter responses.
 
 Static bounds here are hard ceilings for any configuration; the configured limits
-(``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.generation`.
+(``limits.*``, e.g. ``max_n``) are checked per request in :mod:`kiln.serving.prepare`.
 Requests forbid unknown fields, so a typo or an unsupported option is a 400 rather
 than silently ignored.
 
@@ -271,6 +271,14 @@ class ChatCompletionRequest(_Sampling):
         "a reasoning parser")
 
     _check_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+    def tools_on(self) -> bool:
+        """Whether the template shows the model tools and its answer is read for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forces_call(self) -> bool:
+        """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
+        return self.tools_on() and self.tool_choice not in (None, "auto")
 
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]

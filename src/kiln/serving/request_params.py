@@ -1,37 +1,41 @@
-"""A generation request's sampling parameters: controls, structured output, tools and reasoning.
+"""A generation request's sampling parameters: controls, structured output and the thinking budget.
 
 :func:`sampling_params` turns a validated chat or completion request into the engine's
 :class:`~kiln.runtime.sampling.SamplingParams` rows, compiling its grammar (``response_format``,
-vLLM's ``guided_*`` or a forced ``tool_choice``) off the event loop. The tool-call and reasoning
-parsers the server's settings select are built once per served model and cached in ``state.extras``.
+vLLM's ``guided_*`` or a forced ``tool_choice``) off the event loop; a chat's rows get the
+reasoning span's thinking budget from its :class:`~kiln.serving.output_parser.OutputParser`.
+The grammar compiler is built once per served model and cached in ``state.extras``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from kiln.errors import InvalidRequest
-from kiln.runtime.constrained import GrammarCompiler, NoValidOutput
+from kiln.runtime.constrained import CompiledGrammar, GrammarCompiler, NoValidOutput
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.strict_schema import close_schema
-from kiln.serving.generation import check_token_ids
-from kiln.runtime.reasoning import ReasoningParser, reasoning_parser_for
-from kiln.serving.tool_parsers import ToolParser, tool_parser_for
+from kiln.runtime.reasoning import ReasoningParser, with_thinking_budget
+from kiln.serving.state import KilnState
+
+if TYPE_CHECKING:
+    from kiln.serving.output_parser import OutputParser
 
 
-async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
-                  count: int | None = None) -> list[SamplingParams]:
+async def sampling_params(state: KilnState, req: Any, max_tokens: int, logprobs: int | None,
+                          count: int | None = None, output: OutputParser | None = None) -> list[SamplingParams]:
     """``count`` rows (default ``n``); each gets its own grammar state when the output is constrained
-    (the grammar compiled off the event loop, under the compiler's limits and deadline)."""
+    (the grammar compiled off the event loop, under the compiler's limits and deadline); with a chat's
+    ``output`` parser, each row also gets its thinking budget (:func:`thinking_budget`)."""
     top_k = 0 if req.top_k in (-1, 0) else req.top_k
     extra = _controls(state, req, max_tokens)
-    asked = _grammar(state, req)
+    asked = _grammar(state, req, output)
     compiled = None if asked is None else await grammar_compiler(state).compile(*asked)
     if compiled is not None and asked is not None and extra.get("bad_words"):
         await asyncio.to_thread(_check_some_output, compiled, extra["bad_words"], asked[1])
-    return [
+    rows = [
         SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=top_k,
             seed=None if req.seed is None else (req.seed + i) % (2**63), stop=req.stop_list(),
@@ -40,9 +44,13 @@ async def sampling_params(state, req, max_tokens: int, logprobs: int | None,
         )
         for i in range(req.n if count is None else count)
     ]
+    if output is None:
+        return rows
+    return with_thinking_budget(rows, output.reasoning, output.opened,
+                                thinking_budget(state, req, output.reasoning), state.engine)
 
 
-def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
+def _check_some_output(compiled: CompiledGrammar, bad_words: tuple[tuple[int, ...], ...], param: str) -> None:
     """Refuse (400 ``no_valid_output``) a grammar whose every first token ``bad_words`` forbids: generation
     could only end in an invalid output, which is the request's contradiction, not a grammar limit."""
     first, may_end = compiled.first_tokens()
@@ -52,7 +60,7 @@ def _check_some_output(compiled, bad_words: tuple[tuple[int, ...], ...], param: 
                             f"{len(first)} token(s), and bad_words forbids all of them", param="bad_words")
 
 
-def _controls(state, req, max_tokens: int) -> dict[str, Any]:
+def _controls(state: KilnState, req: Any, max_tokens: int) -> dict[str, Any]:
     """The sampling controls beyond temperature/top-p/top-k, checked against the vocabulary."""
     out: dict[str, Any] = {}
     if req.presence_penalty:
@@ -86,7 +94,7 @@ def _controls(state, req, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def grammar_compiler(state) -> GrammarCompiler:
+def grammar_compiler(state: KilnState) -> GrammarCompiler:
     """One compiler per served model, built on first use (route-module cache in ``state.extras``)."""
     comp = state.extras.get("grammar_compiler")
     if comp is None:
@@ -98,14 +106,14 @@ def grammar_compiler(state) -> GrammarCompiler:
             engine.tokenizer, vocab, engine.eos_ids, timeout_s=lim.grammar_compile_timeout_s,
             cache_bytes=lim.grammar_cache_mib << 20)
         comp.observer = state.metrics.grammar_compile  # /metrics kiln_grammar_compile_seconds{outcome}
-    return comp
+    return cast(GrammarCompiler, comp)
 
 
-def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
+def _grammar(state: KilnState, req: Any, output: OutputParser | None) -> tuple[Callable[[], str], str] | None:
     """The request's structured-output grammar (``response_format`` or vLLM's ``guided_*``): a builder of
     its grammar text (run on the compile thread by :meth:`GrammarCompiler.compile`) and the field it came from."""
     rf = req.response_format
-    forced = _forced_tools(req)
+    forced = forced_tools(req)
     asked = [name for name, v in (("response_format", rf if rf is not None and rf.type != "text" else None),
                                   ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
                                   ("guided_choice", req.guided_choice), ("tool_choice", forced)) if v is not None]
@@ -124,7 +132,8 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
     if asked[0] == "tool_choice":
         assert forced is not None  # asked[0] names a field that was given
         tools, parallel = forced
-        parser = tool_parser(state)
+        parser = output.tools if output is not None else None
+        assert parser is not None  # a chat whose tool_choice forces calls has its tools on
         return (lambda: comp.lark(parser.forcing_grammar(
             [{**t, "parameters": strict(t["parameters"] or {"type": "object"})} for t in tools], parallel),
             "tool_choice")), "tool_choice"
@@ -147,50 +156,15 @@ def _grammar(state, req) -> tuple[Callable[[], str], str] | None:
     return (lambda: comp.choice(req.guided_choice, "guided_choice")), "guided_choice"
 
 
-def _strictly(schema: Any) -> Any:
-    """``schema`` closed as vLLM's default backend reads it (:mod:`kiln.runtime.strict_schema`); ``None``
-    (``response_format`` json_schema without a schema) stays any object."""
-    return None if schema is None else close_schema(schema)
+def check_token_ids(state: KilnState, ids: list[int], param: str) -> None:
+    vocab = state.engine.vocab_size
+    bad = state.engine.first_out_of_vocab(ids)
+    if bad is not None:
+        raise InvalidRequest(f"{param}: token id {bad} is outside the vocabulary (size {vocab})",
+                             code="invalid_token_id", param=param, hint=f"token ids must be in [0, {vocab})")
 
 
-def tool_parser(state) -> ToolParser:
-    """The tool-call parser ``serving.tool_call_parser`` selects (``auto``: by the chat template's family)."""
-    parser = state.extras.get("tool_parser")
-    if parser is None:
-        parser = state.extras["tool_parser"] = tool_parser_for(state.settings.serving.tool_call_parser,
-                                                               state.engine.chat_template, state.engine.tokenizer)
-    return parser
-
-
-def reasoning_parser(state) -> ReasoningParser | None:
-    """The reasoning parser ``serving.reasoning_parser`` selects (``auto``: by the chat template's family)."""
-    if "reasoning_parser" not in state.extras:
-        state.extras["reasoning_parser"] = reasoning_parser_for(state.settings.serving.reasoning_parser,
-                                                                state.engine.chat_template)
-    return state.extras["reasoning_parser"]
-
-
-def thinking_budget(state, req, reasoner: ReasoningParser | None) -> int | None:
-    """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
-    if "thinking_token_budget" not in req.model_fields_set:
-        return state.settings.serving.thinking_token_budget if reasoner is not None else None
-    if req.thinking_token_budget is not None and reasoner is None:
-        raise InvalidRequest("thinking_token_budget needs a reasoning parser, and this server has none for its "
-                             "chat template", code="invalid_request", param="thinking_token_budget",
-                             hint="drop thinking_token_budget, or start the server with --reasoning-parser")
-    return req.thinking_token_budget
-
-
-def tools_on(req) -> bool:
-    return bool(getattr(req, "tools", None)) and req.tool_choice != "none"
-
-
-def forces_call(req) -> bool:
-    """Whether ``tool_choice`` (``required`` or a named function) forces the answer to be calls."""
-    return tools_on(req) and req.tool_choice not in (None, "auto")
-
-
-def _forced_tools(req) -> tuple[list[dict[str, Any]], bool] | None:
+def forced_tools(req: Any) -> tuple[list[dict[str, Any]], bool] | None:
     """``(tools, parallel)`` a ``required`` or named ``tool_choice`` forces, else ``None``."""
     choice = getattr(req, "tool_choice", None)
     if choice is None or choice in ("none", "auto"):
@@ -206,11 +180,20 @@ def _forced_tools(req) -> tuple[list[dict[str, Any]], bool] | None:
     return named, False
 
 
-def check_tools(req) -> None:
-    if req.tool_choice is not None and req.tool_choice != "none" and not req.tools:
-        raise InvalidRequest("tool_choice needs tools", code="invalid_request", param="tool_choice",
-                             hint="send the tools the model may call, or drop tool_choice")
-    names = [t.function.name for t in req.tools or ()]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("two tools share a name", code="invalid_request", param="tools",
-                             hint="give every function a distinct name")
+def _strictly(schema: Any) -> Any:
+    """``schema`` closed as vLLM's default backend reads it (:mod:`kiln.runtime.strict_schema`); ``None``
+    (``response_format`` json_schema without a schema) stays any object."""
+    return None if schema is None else close_schema(schema)
+
+
+def thinking_budget(state: KilnState, req: Any, reasoner: ReasoningParser | None) -> int | None:
+    """The request's ``thinking_token_budget`` (omitted: the server default; ``None``: unlimited)."""
+    if "thinking_token_budget" not in req.model_fields_set:
+        default: int | None = state.settings.serving.thinking_token_budget
+        return default if reasoner is not None else None
+    if req.thinking_token_budget is not None and reasoner is None:
+        raise InvalidRequest("thinking_token_budget needs a reasoning parser, and this server has none for its "
+                             "chat template", code="invalid_request", param="thinking_token_budget",
+                             hint="drop thinking_token_budget, or start the server with --reasoning-parser")
+    budget: int | None = req.thinking_token_budget
+    return budget

@@ -11,6 +11,7 @@ from 0 within the prompt. ``limits.max_batch_prompts`` bounds the prompts; strea
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -38,9 +39,9 @@ async def completions_batch(body: BatchCompletionRequest, request: Request) -> R
                              param="stream", hint="send stream=false, or stream each prompt on /v1/completions")
     fields = {k: getattr(body, k) for k in body.model_fields_set if k != "prompts"}  # models stay models
     # validated already; the prompt list may mix strings and token-ID lists, which completion_response reads alike
-    single = CompletionRequest.model_construct(**fields, prompt=list(body.prompts))
+    single = CompletionRequest.model_construct(**fields, prompt=cast(Any, list(body.prompts)))
     answer = await completion_response(state, single, request.receive)
-    done = json.loads(answer.body)
+    done = json.loads(cast(bytes, answer.body))  # a JSONResponse's body: bytes
     n = body.n
     results = [{"index": p, "choices": [
         {"index": c["index"] - p * n, "text": c["text"], "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]}

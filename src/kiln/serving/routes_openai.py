@@ -2,25 +2,25 @@
 
 The generation routes live in their own modules: ``/v1/chat/completions`` in
 :mod:`kiln.serving.routes_chat`, ``/v1/completions`` (and prompt scoring) in
-:mod:`kiln.serving.routes_completions`; what both share in :mod:`kiln.serving.generation`,
-:mod:`kiln.serving.request_params` and the SSE writer in :mod:`kiln.serving.sse`.
+:mod:`kiln.serving.routes_completions`; both prepare a request with :mod:`kiln.serving.prepare`
+(rendering in :mod:`kiln.serving.render`), submit and collect it with :mod:`kiln.serving.generation`
+and stream it with :mod:`kiln.serving.sse`.
 :data:`FAST_ROUTES` is the table :class:`kiln.serving.fast_path.FastRoutes` serves ahead of FastAPI.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import APIRouter, Request
 
-from kiln.errors import InvalidRequest
 from kiln.serving import routes_chat, routes_completions
 from kiln.serving.fast_path import FastRoute
-from kiln.serving.generation import check_token_ids, resolve_model
 from kiln.serving.openai_responses import DetokenizeResponse, ModelCard, ModelList, ModelPermission, TokenizeResponse
+from kiln.serving.prepare import resolve_model
 from kiln.serving.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from kiln.serving.routes_chat import check_messages, template_messages
+from kiln.serving.render import chat_text
+from kiln.serving.request_params import check_token_ids
 from kiln.serving.state import get_state
 
 router = APIRouter()
@@ -59,7 +59,7 @@ async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, reques
         resolve_model(state, body.model)
     tok = state.engine.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        text = await _render_chat_text(state, body.messages, body.add_generation_prompt,
+        text = await chat_text(state, body.messages, body.add_generation_prompt,
                                        [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                                        body.chat_template_kwargs)
     else:
@@ -78,16 +78,3 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
         resolve_model(state, body.model)
     check_token_ids(state, body.tokens, "tokens")
     return DetokenizeResponse(prompt=await asyncio.to_thread(state.engine.decode, list(body.tokens)))
-
-
-async def _render_chat_text(state, messages_in, add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
-    """The chat template's text (``/tokenize``); template errors are the caller's input."""
-    check_messages(state, messages_in)
-    try:
-        return await asyncio.to_thread(state.engine.render_chat, template_messages(messages_in), tools,
-                                       template_kwargs, add_generation_prompt)
-    except Exception as exc:
-        raise InvalidRequest(f"the chat template could not render these messages: {exc}", code="template_error",
-                             param="messages", hint="check message roles and order") from exc

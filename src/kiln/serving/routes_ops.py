@@ -16,7 +16,7 @@ from kiln.runtime import request_trace
 from kiln.runtime.request_trace import RequestTrace
 from kiln.serving import default_adapter
 from kiln.serving.request_log import NOT_LOGGED
-from kiln.serving.request_params import reasoning_parser, tool_parser
+from kiln.serving.output_parser import reasoning_parser, tool_parser
 from kiln.serving.state import base_representation
 
 router = APIRouter()
