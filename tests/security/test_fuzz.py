@@ -33,7 +33,14 @@ ST = Path(sys.executable).with_name("st")
 MAX_EXAMPLES = 10
 RUN_TIMEOUT_S = 240
 EXCLUDE = r"^/v1/(train/(sft|grpo|opd|kd)$|openenv/runs$)"
-CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+# 5xx are judged below from the recorded exchanges instead of by schemathesis' not_a_server_error: two
+# operations contact an upstream the request names (a teacher URL, an environment URL, both on loopback),
+# and a fuzzed loopback port with nothing listening is rightly a documented 503 "unreachable", not a fault.
+CHECKS = "status_code_conformance,content_type_conformance,response_schema_conformance"
+UPSTREAM_UNAVAILABLE = {
+    ("POST", "/v1/teachers"): {"teacher_unreachable"},
+    ("POST", "/v1/openenv/preflight"): {"environment_unavailable"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +76,23 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(fuzz_server, tmp_p
     for op, counts in summary.items():
         print(f"  {op}: {counts}")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert not [e for e in entries if e["response"]["status"] >= 500]
+    faults = [e for e in entries if e["response"]["status"] >= 500 and not _upstream_unavailable(e)]
+    assert not faults, [(e["request"]["method"], e["request"]["url"], e["response"]["status"],
+                         e["response"]["content"].get("text", "")[:300]) for e in faults[:5]]
     assert len(summary) >= 15, summary
     generation = statuses["POST /v1/chat/completions"] + statuses["POST /v1/completions"]
     assert generation[200] >= 2, generation  # the fuzzer reached the engine, not only the validators
+
+
+def _upstream_unavailable(entry: dict) -> bool:
+    """A 503 from an operation that contacted the upstream its request named, saying it is unreachable."""
+    codes = UPSTREAM_UNAVAILABLE.get((entry["request"]["method"], urlsplit(entry["request"]["url"]).path))
+    if codes is None or entry["response"]["status"] != 503:
+        return False
+    try:
+        return json.loads(entry["response"]["content"].get("text", ""))["error"]["code"] in codes
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _template(path: str) -> str:

@@ -58,7 +58,7 @@ _GENERATION_ERRORS = (400, 404, 429, 503)
 
 
 def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
-    from kiln.serving.routes_teachers import TeacherInfo, TeacherList
+    from kiln.serving.routes_teachers import TeacherInfo, TeacherList, TeacherManifestInfo
 
     return {
         # 409: alias exists or the teacher's answer breaks the identity contract; 413: answer over the byte cap;
@@ -67,6 +67,8 @@ def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
         ("get", "/v1/teachers"): RouteDoc(TeacherList, (503,)),
         ("get", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
         ("delete", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
+        # 404: `model` names no loaded adapter; 409: this server does not act as a teacher
+        ("get", "/v1/teacher/manifest"): RouteDoc(TeacherManifestInfo, (404, 409, 503)),
     }
 def _openenv_docs() -> dict[tuple[str, str], RouteDoc]:
     from kiln.openenv.schemas import OpenEnvPreflight, OpenEnvRun, OpenEnvRunList
