@@ -202,6 +202,9 @@ def test_teachers_and_opd(client):
     assert client.get("/v1/teachers/schema-t").status_code == 200
     assert client.post("/v1/teachers", json={"alias": "schema-t", "kind": "local"}).status_code == 409
     assert client.get("/v1/teachers/absent").status_code == 404
+    manifest = client.get("/v1/teacher/manifest")  # this server's own teacher manifest (the base model)
+    assert manifest.status_code == 200 and set(manifest.json()) >= {"identity", "system_fingerprint"}, manifest.text
+    assert client.get("/v1/teacher/manifest", params={"model": "absent"}).status_code == 404
     job = client.post("/v1/train/opd", json={
         "adapter": "schema-o", "teacher": "schema-t", "prompts": [{"messages": [{"role": "user", "content": "Hi"}]}],
         "samples_per_prompt": 2, "max_tokens": 4, "top_k": 4, "steps": 1, "batch_size": 1})
