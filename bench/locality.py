@@ -258,7 +258,7 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
 PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False}
 
 
-def server_run(n: int, extra: dict[str, Any]) -> None:
+def server_run(n: int, extra: dict[str, Any], env: dict[str, str] | None = None) -> None:
     """``n`` corrections on ``kiln serve`` with the request defaults (plus ``extra`` fields), each continuing the
     adapter the one before published (``base_adapter``); per job: steps, submit -> served seconds, and after the
     last one the answers of the adapter to the corrected and the probe questions, through the HTTP API."""
@@ -267,10 +267,12 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
     from kiln.demo import _ask, kiln_server, wait_job
 
     with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={
-            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}) as srv:
+            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            **(env or {})}) as srv:
         c: httpx.Client = srv.client
         base_id = c.get("/v1/models").json()["data"][0]["id"]
         base = [_ask(c, base_id, q)[0] for q in PROBES]
+        wait_warm_up(c)
         adapter = "fix"
         print(f"{'job':>3} {'steps':>5} {'learned':>7} {'submit->served s':>16} {'server train s':>14}  load")
         for i, (q, a) in enumerate(FACTS[:n]):
@@ -297,6 +299,17 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
         for q, x, y in zip(PROBES, base, after):
             if x != y:
                 print(f"  changed: {q!r}: {x!r} -> {y!r}")
+
+
+def wait_warm_up(c: Any, timeout: float = 120.0) -> None:
+    """Wait for the training worker's start-up warm-up (training.warm_up) to end; prints its state."""
+    t0 = time.perf_counter()
+    while True:
+        w = c.get("/v1/train/status").json().get("warm_up") or {}
+        if w.get("state") not in ("pending", "running") or time.perf_counter() - t0 > timeout:
+            print(f"warm-up: {w}")
+            return
+        time.sleep(0.2)
 
 
 # ------------------------------------------------------------------------------------------------ world
@@ -408,6 +421,8 @@ def main() -> None:
     ap.add_argument("--spec-sample", type=int, default=100, help="world: untouched facts checked for specificity")
     ap.add_argument("--grpo", action="store_true", help="GRPO with rollouts on kiln serve, one rewarded word")
     ap.add_argument("--previous", action="store_true", help="--server: with the previous defaults' fields")
+    ap.add_argument("--fields", default="{}", help="--server: extra request fields (JSON)")
+    ap.add_argument("--env", default="", help="--server: KEY=VALUE,... for the server")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
     args = ap.parse_args()
     global HOLDOUT
@@ -417,7 +432,10 @@ def main() -> None:
         server_grpo()
         return
     if args.server:
-        server_run(max(1, args.sequential), PREVIOUS_FIELDS if args.previous else {})
+        import json
+
+        env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+        server_run(max(1, args.sequential), (PREVIOUS_FIELDS if args.previous else {}) | json.loads(args.fields), env)
         return
     from kiln.runtime.builtin import bench_model_path
 
