@@ -392,10 +392,18 @@ GRPO_RUNS = {  # label -> request fields beside prompts and reward
     "lr 0.02, 12 iterations, no anchor (the issue's run)": {"learning_rate": 0.02, "iterations": 12,
                                                             "anchor_weight": 0},
     "lr 0.02, 12 iterations, anchor default": {"learning_rate": 0.02, "iterations": 12},
+    "lr 0.01, 20 iterations, anchor w4": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 4},
+    "lr 0.01, 20 iterations, anchor w8": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 8},
+    "lr 5e-3, 30 iterations, anchor w4": {"learning_rate": 5e-3, "iterations": 30, "anchor_weight": 4},
+    "lr 5e-3, 30 iterations, anchor w8": {"learning_rate": 5e-3, "iterations": 30, "anchor_weight": 8},
+    "lr 5e-3, 20 iterations, anchor w4": {"learning_rate": 5e-3, "iterations": 20, "anchor_weight": 4},
+    "lr 3e-3, 40 iterations, anchor w4": {"learning_rate": 3e-3, "iterations": 40, "anchor_weight": 4},
+    "lr 0.01, 20 iterations, anchor w4, kl 0.1": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 4,
+                                                   "kl_coef": 0.1},
 }
 
 
-def server_grpo() -> None:
+def server_grpo(only: list[str] | None = None) -> None:
     """GRPO with rollouts on kiln serve, rewarded for the word "wheels" (a contains scorer): the mean reward of
     the first and last iteration, then the probes' greedy answers against the base's."""
     from kiln.demo import _ask, kiln_server, wait_job
@@ -407,6 +415,8 @@ def server_grpo() -> None:
         base = [_ask(c, base_id, q)[0] for q in PROBES]
         print(f"{'run':<52} {'reward first -> last':>20} {'unchanged':>9} {'degenerate':>10} {'train s':>8}")
         for i, (label, extra) in enumerate(GRPO_RUNS.items()):
+            if only and label not in only:
+                continue
             body = {"adapter": f"wheels-{i}", "auto_load": True, "locality": {"override": True},
                     "prompts": [{"messages": [{"role": "user", "content": p}], "reference": "wheels"}
                                 for p in GRPO_PROMPTS],
@@ -431,7 +441,7 @@ def main() -> None:
     ap.add_argument("world", choices=["builtin", "world"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sequential", type=int, default=0)
-    ap.add_argument("--only", default="", help="comma-separated setting labels to run")
+    ap.add_argument("--only", default="", help="comma-separated setting labels to run (--grpo: ';'-separated run labels)")
     ap.add_argument("--server", action="store_true", help="on kiln serve with the request defaults")
     ap.add_argument("--corrections", default="1,10", help="world: report after these many corrections")
     ap.add_argument("--spec-sample", type=int, default=100, help="world: untouched facts checked for specificity")
@@ -445,7 +455,7 @@ def main() -> None:
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
     if args.grpo:
-        server_grpo()
+        server_grpo([x for x in args.only.split(";") if x] or None)
         return
     if args.server:
         import json

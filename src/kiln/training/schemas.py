@@ -198,7 +198,7 @@ class _TrainCommon(_Wire):
         None, ge=0, le=100, allow_inf_nan=False,
         description="weight of the KL-to-base anchor: the base model's own questions and answers, rehearsed each "
                     "step so the adapter keeps what the base knew (docs/training.md, \"Locality\"); 0: off; "
-                    "default: DEFAULT_ANCHOR_WEIGHT for SFT, 0 for GRPO, KD and OPD (its rehearsal does this)")
+                    "default: DEFAULT_ANCHOR_WEIGHT for SFT and OPD (beside its rehearsal), 0 for GRPO and KD")
     anchor_questions: int | None = Field(None, ge=0, le=MAX_ANCHOR_QUESTIONS,
                                          description="questions the base model writes for the anchor; default "
                                                      "DEFAULT_ANCHOR_QUESTIONS")
