@@ -68,10 +68,17 @@ DEFAULT_SEQ_LEN = 1_024
 DEFAULT_ANCHOR_WEIGHT = 8.0
 DEFAULT_ANCHOR_QUESTIONS = 64
 DEFAULT_ANCHOR_PER_STEP = 8
-# GRPO: off by default. At weight 8 it kept tests/training/test_grpo_rollouts.py's reward from rising (0.30 ->
-# 0.02 over 8 iterations at lr 0.02), and at weight 4 it did not keep the built-in model's answers at that lr
-# either (bench/locality.py --grpo): a GRPO default that is both local and learns is not measured yet.
+# Pre-scored GRPO: off by default (not measured: the groups are the user's). GRPO with rollouts (`prompts` and a
+# `reward`): on at the SFT weight, with DEFAULT_GRPO_ROLLOUT_LEARNING_RATE and DEFAULT_GRPO_ROLLOUT_ITERATIONS
+# when the request does not set them. Issue 48, the built-in model rewarded for one word ("wheels", never said
+# by the base on those prompts): the previous defaults (1 iteration, lr 1e-3, no anchor) failed (every group
+# zero-variance); lr 0.02 x 12 without the anchor reached 1.0 and left 0/10 base answers; lr 5e-3 x 30 with the
+# anchor at weight 8 reached 0.72 with 10/10 kept and none degenerate (bench/locality.py --grpo).
 DEFAULT_GRPO_ANCHOR_WEIGHT = 0.0
+DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT = DEFAULT_ANCHOR_WEIGHT
+DEFAULT_GRPO_ROLLOUT_LEARNING_RATE = 5e-3
+DEFAULT_GRPO_ROLLOUT_ITERATIONS = 30
+DEFAULT_GRPO_LEARNING_RATE = 1e-3  # pre-scored groups
 MAX_ANCHOR_QUESTIONS = 1_024
 MAX_ANCHOR_PER_STEP = 256
 # Sequential corrections: an SFT job continuing `base_adapter` replays the corrections stored with its revision
@@ -320,7 +327,8 @@ class GRPORequest(_TrainCommon, ChatGenerationFields, ReasoningLossField):
                                                     "endpoint on loopback")
     group_size: int | None = Field(None, ge=2, le=MAX_COMPLETIONS_PER_GROUP, description="default 8")
     iterations: int | None = Field(None, ge=1, le=MAX_ROLLOUT_ITERATIONS,
-                                   description="sample -> score -> update rounds; default 1")
+                                   description="sample -> score -> update rounds; default "
+                                               "DEFAULT_GRPO_ROLLOUT_ITERATIONS")
     max_tokens: int | None = Field(None, ge=1, le=MAX_ROLLOUT_TOKENS, description="per completion; default 64")
     temperature: float | None = Field(None, gt=0, le=2.0, allow_inf_nan=False, description="default 1.0")
     top_p: float | None = Field(None, gt=0, le=1.0, description="default 1.0")
@@ -328,7 +336,9 @@ class GRPORequest(_TrainCommon, ChatGenerationFields, ReasoningLossField):
     scale_rewards: bool = Field(True, description="divide centred rewards by the group's std")
     kl_coef: float = Field(0.0, ge=0, le=100)
     kl_estimator: Literal["k1", "k3"] = "k3"
-    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    learning_rate: float = Field(DEFAULT_GRPO_LEARNING_RATE, gt=0, le=1.0,
+                                 description="default DEFAULT_GRPO_LEARNING_RATE with `groups`, "
+                                             "DEFAULT_GRPO_ROLLOUT_LEARNING_RATE with `prompts`")
 
     @model_validator(mode="after")
     def _one_source(self) -> GRPORequest:
