@@ -20,11 +20,10 @@ def test_a_failure_is_recorded_not_raised():
         def peft_model(self):
             raise RuntimeError("no model here")
 
+    import torch
+
     class Loaded:
-        class model:  # noqa: N801 - stands in for the LoadedModel's module
-            @staticmethod
-            def named_modules():
-                return [("layers.0.self_attn.q_proj", None)]
+        model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(2, 2)})
 
     w = WarmUp(enabled=True)
     w.run(Broken(), Loaded(), None)

@@ -52,9 +52,12 @@ DEFAULT_LEARNED_EVERY = 5
 DEFAULT_LEARNED_MARGIN = 1.0
 DEFAULT_LEARNED_MAX_STEPS = 300
 MAX_STEPS = 1_000_000
-DEFAULT_LEARNING_RATE = 1e-3
+DEFAULT_LEARNING_RATE = 2e-3  # SFT (and judge training): see DEFAULT_ANCHOR_WEIGHT and docs/training.md "Locality"
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# SFT's default targets (kiln.training.core.plan.correction_target_modules): the MLP, where a correction's fact
+# is kept with the least change elsewhere (docs/training.md, "Locality"); the attention ones for other kinds
+MLP_TARGET_MODULES = ("gate_proj", "up_proj", "down_proj")
 # the Gated DeltaNet projections of a Qwen3.5 hybrid (transformers 5.23 names): added to the default
 # targets of a model that has them, so its linear-attention layers are adapted too
 LINEAR_ATTENTION_TARGET_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")

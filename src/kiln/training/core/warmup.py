@@ -78,16 +78,15 @@ def _imports(engine: Any, loaded: Any, locality: Any) -> None:
 
 def _throwaway_adapter(engine: Any, loaded: Any, locality: Any) -> None:
     """PEFT's first private adapter (its module injection) and a first optimizer step's kernels, on a throwaway
-    adapter with the default LoRA shape."""
+    adapter with SFT's default LoRA shape."""
     import torch
 
     from kiln.training.core.lora import add_private_adapter, lora_config
-    from kiln.training.schemas import DEFAULT_LORA_RANK, DEFAULT_TARGET_MODULES
+    from kiln.training.core.plan import correction_target_modules, linear_module_suffixes
+    from kiln.training.schemas import DEFAULT_LORA_RANK
 
+    targets = correction_target_modules(linear_module_suffixes(loaded.model))  # a correction's (SFT's) shape
     peft_model = engine.peft_model()  # takes ownership itself: before exclusive()
-    targets = [t for t in DEFAULT_TARGET_MODULES if any(n.endswith(t) for n, _ in loaded.model.named_modules())]
-    if not targets:
-        return
     try:
         with engine.ownership.exclusive():
             params = add_private_adapter(peft_model, WARM_UP_ADAPTER,
