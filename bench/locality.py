@@ -267,7 +267,8 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
 
 
 # the fields that give a job the defaults before the anchor (main before issue 48)
-PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False}
+PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False,
+                   "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def server_run(n: int, extra: dict[str, Any], env: dict[str, str] | None = None) -> None:
@@ -336,6 +337,12 @@ WORLD_SETTINGS = {
                                                               anchor_weight=8, every=1,
                                                               targets=("down_proj", "gate_proj", "up_proj")),
     "anchor 64 x8 w8 + replay, MLP targets, lr 3e-3": Setting("mlp-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=8,
+                                                              anchor_weight=8, every=1,
+                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x16 w16 + replay, MLP targets, lr 2e-3": Setting("mlp16-lr2e-3", lr=2e-3, anchor=64,
+                                                                anchor_per_step=16, anchor_weight=16, every=1,
+                                                                targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x8 w8 + replay, MLP targets, lr 1e-3": Setting("mlp-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8,
                                                               anchor_weight=8, every=1,
                                                               targets=("down_proj", "gate_proj", "up_proj")),
     "anchor 64 x8 w8 + replay, rank 4, lr 2e-3": Setting("r4-lr2e-3", lr=2e-3, rank=4, anchor=64, anchor_per_step=8,
