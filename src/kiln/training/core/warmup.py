@@ -72,8 +72,8 @@ class WarmUp:
 
 
 def _imports(engine: Any, loaded: Any, locality: Any) -> None:
+    import kiln.training.core.loop  # noqa: F401 - every job's loop (and core.step)
     import kiln.training.losses.kd  # noqa: F401 - the anchor's loss
-    import kiln.training.sft.job  # noqa: F401 - the correction job's loop (and core.loop, core.step)
 
 
 def _throwaway_adapter(engine: Any, loaded: Any, locality: Any) -> None:
