@@ -219,6 +219,18 @@ SETTINGS = {
                                         every=1),
     "a64 x4 w4, m1/1, lr 1e-3": Setting("new-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                         every=1),
+    "a64 x8 w8, m1/1, lr 2e-3": Setting("d-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1),
+    "a64 x8 w8, m1/1, lr 3e-3": Setting("d-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1),
+    "a64 x4 w8, m1/1, lr 2e-3": Setting("d4-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=4, anchor_weight=8, every=1),
+    "a64 x4 w8, m1/1, lr 3e-3": Setting("d4-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=4, anchor_weight=8, every=1),
+    "a64 x8 w16, m1/1, lr 3e-3": Setting("d16-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=16,
+                                         every=1),
+    "a64 x8 w8, mlp, m1/1, lr 2e-3": Setting("dmlp-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                             every=1, targets=("down_proj", "gate_proj", "up_proj")),
+    "a64 x8 w8, mlp, m1/1, lr 3e-3": Setting("dmlp-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                             every=1, targets=("down_proj", "gate_proj", "up_proj")),
+    "a64 x4 w8, mlp, m1/1, lr 2e-3": Setting("dmlp4-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=4, anchor_weight=8,
+                                             every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "anchor, mlp, m0.5/1, lr 3e-3": Setting("a-mlp", lr=3e-3, anchor=32, margin=0.5, every=1,
                                             targets=("down_proj", "gate_proj", "up_proj")),
 }
@@ -255,10 +267,11 @@ def builtin_sequential(m: Model, settings: dict[str, Setting], n: int) -> None:
 
 
 # the fields that give a job the defaults before the anchor (main before issue 48)
-PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False}
+PREVIOUS_FIELDS = {"learning_rate": 1e-2, "anchor_weight": 0, "learned_check_every": 5, "replay_corrections": False,
+                   "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-def server_run(n: int, extra: dict[str, Any]) -> None:
+def server_run(n: int, extra: dict[str, Any], env: dict[str, str] | None = None) -> None:
     """``n`` corrections on ``kiln serve`` with the request defaults (plus ``extra`` fields), each continuing the
     adapter the one before published (``base_adapter``); per job: steps, submit -> served seconds, and after the
     last one the answers of the adapter to the corrected and the probe questions, through the HTTP API."""
@@ -267,10 +280,12 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
     from kiln.demo import _ask, kiln_server, wait_job
 
     with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={
-            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}) as srv:
+            "KILN_TRAINING_ENABLED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+            **(env or {})}) as srv:
         c: httpx.Client = srv.client
         base_id = c.get("/v1/models").json()["data"][0]["id"]
         base = [_ask(c, base_id, q)[0] for q in PROBES]
+        wait_warm_up(c)
         adapter = "fix"
         print(f"{'job':>3} {'steps':>5} {'learned':>7} {'submit->served s':>16} {'server train s':>14}  load")
         for i, (q, a) in enumerate(FACTS[:n]):
@@ -299,6 +314,17 @@ def server_run(n: int, extra: dict[str, Any]) -> None:
                 print(f"  changed: {q!r}: {x!r} -> {y!r}")
 
 
+def wait_warm_up(c: Any, timeout: float = 120.0) -> None:
+    """Wait for the training worker's start-up warm-up (training.warm_up) to end; prints its state."""
+    t0 = time.perf_counter()
+    while True:
+        w = c.get("/v1/train/status").json().get("warm_up") or {}
+        if w.get("state") not in ("pending", "running") or time.perf_counter() - t0 > timeout:
+            print(f"warm-up: {w}")
+            return
+        time.sleep(0.2)
+
+
 # ------------------------------------------------------------------------------------------------ world
 
 WORLD_SETTINGS = {
@@ -307,6 +333,36 @@ WORLD_SETTINGS = {
     "anchor x4 w4 + replay, lr 5e-3": Setting("a-lr5e-3", lr=5e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                               every=1, replay=True),
     "Kiln previous defaults": Setting("previous", replay=False),
+    "anchor 64 x8 w8 + replay, MLP targets, lr 2e-3": Setting("mlp-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                              anchor_weight=8, every=1,
+                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x8 w8 + replay, MLP targets, lr 3e-3": Setting("mlp-lr3e-3", lr=3e-3, anchor=64, anchor_per_step=8,
+                                                              anchor_weight=8, every=1,
+                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x16 w16 + replay, MLP targets, lr 2e-3": Setting("mlp16-lr2e-3", lr=2e-3, anchor=64,
+                                                                anchor_per_step=16, anchor_weight=16, every=1,
+                                                                targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x8 w8 + replay, MLP targets, lr 1e-3": Setting("mlp-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=8,
+                                                              anchor_weight=8, every=1,
+                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 256 x16 w16 + replay, MLP targets, lr 2e-3": Setting("mlpq256-lr2e-3", lr=2e-3, anchor=256,
+                                                                 anchor_per_step=16, anchor_weight=16, every=1,
+                                                                 targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x8 w8 + replay, MLP rank 4, lr 2e-3": Setting("mlpr4-lr2e-3", lr=2e-3, rank=4, anchor=64,
+                                                             anchor_per_step=8, anchor_weight=8, every=1,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 64 x8 w8 + replay, rank 4, lr 2e-3": Setting("r4-lr2e-3", lr=2e-3, rank=4, anchor=64, anchor_per_step=8,
+                                                         anchor_weight=8, every=1),
+    "anchor 64 x8 w8 + replay, lr 2e-3": Setting("w-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                                 every=1),
+    "anchor 64 x8 w16 + replay, lr 2e-3": Setting("w16-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                  anchor_weight=16, every=1),
+    "anchor 256 x8 w8 + replay, lr 2e-3": Setting("q256-lr2e-3", lr=2e-3, anchor=256, anchor_per_step=8,
+                                                  anchor_weight=8, every=1),
+    "anchor 256 x16 w16 + replay, lr 2e-3": Setting("q256x16-lr2e-3", lr=2e-3, anchor=256, anchor_per_step=16,
+                                                    anchor_weight=16, every=1),
+    "anchor 256 x8 w8 + replay, lr 1e-3": Setting("q256-lr1e-3", lr=1e-3, anchor=256, anchor_per_step=8,
+                                                  anchor_weight=8, every=1),
     "anchor + replay, lr 1e-3": Setting("a-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                         every=1, replay=True),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
@@ -363,10 +419,18 @@ GRPO_RUNS = {  # label -> request fields beside prompts and reward
     "lr 0.02, 12 iterations, no anchor (the issue's run)": {"learning_rate": 0.02, "iterations": 12,
                                                             "anchor_weight": 0},
     "lr 0.02, 12 iterations, anchor default": {"learning_rate": 0.02, "iterations": 12},
+    "lr 0.01, 20 iterations, anchor w4": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 4},
+    "lr 0.01, 20 iterations, anchor w8": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 8},
+    "lr 5e-3, 30 iterations, anchor w4": {"learning_rate": 5e-3, "iterations": 30, "anchor_weight": 4},
+    "lr 5e-3, 30 iterations, anchor w8": {"learning_rate": 5e-3, "iterations": 30, "anchor_weight": 8},
+    "lr 5e-3, 20 iterations, anchor w4": {"learning_rate": 5e-3, "iterations": 20, "anchor_weight": 4},
+    "lr 3e-3, 40 iterations, anchor w4": {"learning_rate": 3e-3, "iterations": 40, "anchor_weight": 4},
+    "lr 0.01, 20 iterations, anchor w4, kl 0.1": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 4,
+                                                   "kl_coef": 0.1},
 }
 
 
-def server_grpo() -> None:
+def server_grpo(only: list[str] | None = None) -> None:
     """GRPO with rollouts on kiln serve, rewarded for the word "wheels" (a contains scorer): the mean reward of
     the first and last iteration, then the probes' greedy answers against the base's."""
     from kiln.demo import _ask, kiln_server, wait_job
@@ -378,6 +442,8 @@ def server_grpo() -> None:
         base = [_ask(c, base_id, q)[0] for q in PROBES]
         print(f"{'run':<52} {'reward first -> last':>20} {'unchanged':>9} {'degenerate':>10} {'train s':>8}")
         for i, (label, extra) in enumerate(GRPO_RUNS.items()):
+            if only and label not in only:
+                continue
             body = {"adapter": f"wheels-{i}", "auto_load": True, "locality": {"override": True},
                     "prompts": [{"messages": [{"role": "user", "content": p}], "reference": "wheels"}
                                 for p in GRPO_PROMPTS],
@@ -402,22 +468,27 @@ def main() -> None:
     ap.add_argument("world", choices=["builtin", "world"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sequential", type=int, default=0)
-    ap.add_argument("--only", default="", help="comma-separated setting labels to run")
+    ap.add_argument("--only", default="", help="comma-separated setting labels to run (--grpo: ';'-separated run labels)")
     ap.add_argument("--server", action="store_true", help="on kiln serve with the request defaults")
     ap.add_argument("--corrections", default="1,10", help="world: report after these many corrections")
     ap.add_argument("--spec-sample", type=int, default=100, help="world: untouched facts checked for specificity")
     ap.add_argument("--grpo", action="store_true", help="GRPO with rollouts on kiln serve, one rewarded word")
     ap.add_argument("--previous", action="store_true", help="--server: with the previous defaults' fields")
+    ap.add_argument("--fields", default="{}", help="--server: extra request fields (JSON)")
+    ap.add_argument("--env", default="", help="--server: KEY=VALUE,... for the server")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
     args = ap.parse_args()
     global HOLDOUT
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
     if args.grpo:
-        server_grpo()
+        server_grpo([x for x in args.only.split(";") if x] or None)
         return
     if args.server:
-        server_run(max(1, args.sequential), PREVIOUS_FIELDS if args.previous else {})
+        import json
+
+        env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+        server_run(max(1, args.sequential), (PREVIOUS_FIELDS if args.previous else {}) | json.loads(args.fields), env)
         return
     from kiln.runtime.builtin import bench_model_path
 

@@ -17,6 +17,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The training worker's start-up warm-up (training.warm_up, kiln.training.core.warmup) builds the anchor and the
+# probe set in the background of every server: off for the lane's servers (each would pay it), on in the tests
+# that check it.
+os.environ.setdefault("KILN_TRAINING_WARM_UP", "0")
+
 
 def _builder_key() -> str:
     """The builder's source (which pins the shipped files' SHA-256) and the transformers version (which

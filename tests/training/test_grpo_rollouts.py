@@ -64,7 +64,8 @@ def _run(c: httpx.Client, body: dict) -> dict:
 def test_mean_reward_rises_on_a_verifiable_task(srv, reward_server):
     prompts = [{"messages": p["messages"], "reference": LEARN_WORD} for p in PROMPTS]
     body = {"adapter": "says-spider", "prompts": prompts, "reward": CONTAINS, "group_size": 8, "iterations": 8,
-            "max_tokens": 4, "temperature": 1.0, "learning_rate": 2e-2, "batch_size": 4, "seed": 3}
+            "max_tokens": 4, "temperature": 1.0, "learning_rate": 2e-2, "batch_size": 4, "seed": 3,
+            "anchor_weight": 0}  # the rise's mechanics at an aggressive lr; the defaults' locality: bench/locality.py
     job = _run(srv, body)
     report = job["result"]["report"]
     rewards = report["reward_per_iteration"]
@@ -273,3 +274,30 @@ def test_group_size_above_the_engine_queue_is_refused():
     with pytest.raises(InvalidRequest) as err:
         check_samples_fit_queue(engine, 9, "group_size")
     assert err.value.code == "samples_exceed_queue" and err.value.param == "group_size"
+
+
+@pytest.mark.slow  # 30 iterations of 4 prompts x 8 samples (~40-60 s on the loaded 2-core machine)
+def test_the_defaults_learn_a_rewarded_word_and_keep_the_base_answers(srv):
+    """Issue 48: GRPO with rollouts and nothing but prompts and a reward (the word "wheels", which the base never
+    writes on these prompts) raises the reward and is served past the locality guard: the defaults' lr, iterations
+    and KL-to-base anchor (kiln.training.schemas, DEFAULT_GRPO_ROLLOUT_*)."""
+    from kiln.training.schemas import (
+        DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT,
+        DEFAULT_GRPO_ROLLOUT_ITERATIONS,
+        DEFAULT_GRPO_ROLLOUT_LEARNING_RATE,
+    )
+
+    prompts = [{"messages": [{"role": "user", "content": p}], "reference": "wheels"}
+               for p in ("Tell me about your day.", "What is on the road?", "What do you see outside?",
+                         "Say something about travel.")]
+    r = srv.post("/v1/train/grpo", json={"adapter": "wheels", "auto_load": True, "prompts": prompts, "reward": CONTAINS})
+    assert r.status_code == 202, r.text
+    job = wait_job(srv, r.json()["id"], timeout=900)
+    assert job["state"] == "succeeded", job
+    rewards = job["result"]["report"]["reward_per_iteration"]
+    assert len(rewards) == DEFAULT_GRPO_ROLLOUT_ITERATIONS and sum(rewards[-3:]) / 3 >= 0.4, rewards
+    config = srv.get("/v1/adapters/wheels").json()["manifest"]["config"]
+    assert config["learning_rate"] == DEFAULT_GRPO_ROLLOUT_LEARNING_RATE
+    assert config["anchor_weight"] == DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT > 0
+    loc = job["result"]["locality"]
+    assert job["result"]["activated"] is True and loc["degenerate"] == 0, loc

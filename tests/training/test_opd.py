@@ -95,6 +95,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     import math
 
     from kiln.training.opd.schemas import (
+        DEFAULT_OPD_ANCHOR_WEIGHT,
         DEFAULT_OPD_PATH_CE_WEIGHT,
         DEFAULT_OPD_REHEARSAL,
         DEFAULT_OPD_TOKEN_BUDGET,
@@ -114,15 +115,18 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     teacher_lp = _answer_logprob(c, "mill-adapter", prompt_ids, answer_ids)
     assert teacher_lp > before + 20 and _greedy(c, srv.model_id, msgs) != answer  # only the teacher knows it
 
-    # the locality guard holds the OPD defaults' student (not local enough yet, issue 48) back (docs/training.md, "Locality"); the job's mechanics are
-    # under test here, so the operator overrides it (the guard itself: tests/training/test_locality.py)
+    # the defaults as a user sends them: no locality override (issue 48: the anchor, on by default, keeps the
+    # student local enough for the guard to serve it)
     r = c.post("/v1/train/opd", json={"adapter": "mill-student", "teacher": "mill", "prompts": [{"messages": msgs}],
-                                      "auto_load": True, "locality": {"override": True}})
+                                      "auto_load": True})
     assert r.status_code == 202, r.text
     job = wait_job(c, r.json()["id"], timeout=600)
     assert job["state"] == "succeeded", job.get("error")
     assert job["kind"] == "opd"
-    assert job["result"]["locality"]["probes"] > 0 and job["result"]["locality"]["kl_mean"] >= 0  # every kind measures
+    loc = job["result"]["locality"]
+    assert loc["probes"] > 0 and loc["kl_mean"] >= 0  # every kind measures
+    assert job["result"]["activated"] is True and "held_back" not in job["result"], job["result"]
+    assert loc["guard"]["admitted"] is True and not loc["guard"].get("override") and loc["degenerate"] == 0, loc
     rep = job["result"]["report"]
     f = OPDRequest.model_fields  # a one-prompt job trains up to the token budget, not one step...
     per_step = f["samples_per_prompt"].default * f["max_tokens"].default
@@ -131,6 +135,7 @@ def test_opd_request_defaults_make_the_teachers_answer_the_students(srv, tutor):
     assert config["teacher_path"] is True and config["ce_weight"] == DEFAULT_OPD_PATH_CE_WEIGHT > 0
     # rehearsal (on by default): questions the base model wrote itself, answered by it, trained beside the samples
     assert config["rehearsal"] == DEFAULT_OPD_REHEARSAL > 0
+    assert config["anchor_weight"] == DEFAULT_OPD_ANCHOR_WEIGHT > 0 and rep["anchor_rows"] > 0, rep  # and the anchor
     assert rep["rehearsal_rows"] >= 1 and rep["rehearsal_tokens"] >= rep["steps"], rep
     # ...and stops once the teacher's greedy answer (its teacher path, scored beside the samples, with CE on it)
     # is the student's: in process 8 steps with that CE, 27-32 with the path row alone, 42-57 with neither

@@ -90,7 +90,8 @@ def test_correction_is_trained_published_and_served(service):
     assert record.revision == result["revision"]
     assert record.manifest.base_model_sha256 == service.loaded.base_model_sha256
     cfg = json.loads((record.path / "adapter_config.json").read_text())
-    assert cfg["r"] == 16 and sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # SFT's default targets: the MLP (kiln.training.core.plan.correction_target_modules, issue 48)
+    assert cfg["r"] == 16 and sorted(cfg["target_modules"]) == ["down_proj", "gate_proj", "up_proj"]
     # After a kill between publication and the job's record, a restart finds the job's output.
     assert svc._published_result(SimpleNamespace(adapter="fix", id=done["id"]))["revision"] == result["revision"]
     assert svc._published_result(SimpleNamespace(adapter="fix", id="job-0000000000000000")) is None

@@ -484,6 +484,9 @@ class TrainingStatus(_Response):
     recent: list[TrainingJob]
     pacer: HoldPacing | None = None
     serving: ServingLatency | None = Field(None, description="serving's latency beside the running job")
+    warm_up: dict[str, Any] | None = Field(
+        None, description="the training worker's start-up warm-up (training.warm_up): state (off, pending, running, "
+                          "done, failed), seconds per piece (imports, adapter, anchor, probes), error")
 
 
 class ReceiptSummary(_Response):

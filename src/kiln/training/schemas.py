@@ -52,9 +52,12 @@ DEFAULT_LEARNED_EVERY = 5
 DEFAULT_LEARNED_MARGIN = 1.0
 DEFAULT_LEARNED_MAX_STEPS = 300
 MAX_STEPS = 1_000_000
-DEFAULT_LEARNING_RATE = 1e-3
+DEFAULT_LEARNING_RATE = 2e-3  # SFT (and judge training): see DEFAULT_ANCHOR_WEIGHT and docs/training.md "Locality"
 DEFAULT_LORA_RANK = 16
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# SFT's default targets (kiln.training.core.plan.correction_target_modules): the MLP, where a correction's fact
+# is kept with the least change elsewhere (docs/training.md, "Locality"); the attention ones for other kinds
+MLP_TARGET_MODULES = ("gate_proj", "up_proj", "down_proj")
 # the Gated DeltaNet projections of a Qwen3.5 hybrid (transformers 5.23 names): added to the default
 # targets of a model that has them, so its linear-attention layers are adapted too
 LINEAR_ATTENTION_TARGET_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
@@ -68,10 +71,17 @@ DEFAULT_SEQ_LEN = 1_024
 DEFAULT_ANCHOR_WEIGHT = 8.0
 DEFAULT_ANCHOR_QUESTIONS = 64
 DEFAULT_ANCHOR_PER_STEP = 8
-# GRPO: off by default. At weight 8 it kept tests/training/test_grpo_rollouts.py's reward from rising (0.30 ->
-# 0.02 over 8 iterations at lr 0.02), and at weight 4 it did not keep the built-in model's answers at that lr
-# either (bench/locality.py --grpo): a GRPO default that is both local and learns is not measured yet.
+# Pre-scored GRPO: off by default (not measured: the groups are the user's). GRPO with rollouts (`prompts` and a
+# `reward`): on at the SFT weight, with DEFAULT_GRPO_ROLLOUT_LEARNING_RATE and DEFAULT_GRPO_ROLLOUT_ITERATIONS
+# when the request does not set them. Issue 48, the built-in model rewarded for one word ("wheels", never said
+# by the base on those prompts): the previous defaults (1 iteration, lr 1e-3, no anchor) failed (every group
+# zero-variance); lr 0.02 x 12 without the anchor reached 1.0 and left 0/10 base answers; lr 5e-3 x 30 with the
+# anchor at weight 8 reached 0.72 with 10/10 kept and none degenerate (bench/locality.py --grpo).
 DEFAULT_GRPO_ANCHOR_WEIGHT = 0.0
+DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT = DEFAULT_ANCHOR_WEIGHT
+DEFAULT_GRPO_ROLLOUT_LEARNING_RATE = 5e-3
+DEFAULT_GRPO_ROLLOUT_ITERATIONS = 30
+DEFAULT_GRPO_LEARNING_RATE = 1e-3  # pre-scored groups
 MAX_ANCHOR_QUESTIONS = 1_024
 MAX_ANCHOR_PER_STEP = 256
 # Sequential corrections: an SFT job continuing `base_adapter` replays the corrections stored with its revision
@@ -198,7 +208,7 @@ class _TrainCommon(_Wire):
         None, ge=0, le=100, allow_inf_nan=False,
         description="weight of the KL-to-base anchor: the base model's own questions and answers, rehearsed each "
                     "step so the adapter keeps what the base knew (docs/training.md, \"Locality\"); 0: off; "
-                    "default: DEFAULT_ANCHOR_WEIGHT for SFT, 0 for GRPO, KD and OPD (its rehearsal does this)")
+                    "default: DEFAULT_ANCHOR_WEIGHT for SFT and OPD (beside its rehearsal), 0 for GRPO and KD")
     anchor_questions: int | None = Field(None, ge=0, le=MAX_ANCHOR_QUESTIONS,
                                          description="questions the base model writes for the anchor; default "
                                                      "DEFAULT_ANCHOR_QUESTIONS")
@@ -320,7 +330,8 @@ class GRPORequest(_TrainCommon, ChatGenerationFields, ReasoningLossField):
                                                     "endpoint on loopback")
     group_size: int | None = Field(None, ge=2, le=MAX_COMPLETIONS_PER_GROUP, description="default 8")
     iterations: int | None = Field(None, ge=1, le=MAX_ROLLOUT_ITERATIONS,
-                                   description="sample -> score -> update rounds; default 1")
+                                   description="sample -> score -> update rounds; default "
+                                               "DEFAULT_GRPO_ROLLOUT_ITERATIONS")
     max_tokens: int | None = Field(None, ge=1, le=MAX_ROLLOUT_TOKENS, description="per completion; default 64")
     temperature: float | None = Field(None, gt=0, le=2.0, allow_inf_nan=False, description="default 1.0")
     top_p: float | None = Field(None, gt=0, le=1.0, description="default 1.0")
@@ -328,7 +339,9 @@ class GRPORequest(_TrainCommon, ChatGenerationFields, ReasoningLossField):
     scale_rewards: bool = Field(True, description="divide centred rewards by the group's std")
     kl_coef: float = Field(0.0, ge=0, le=100)
     kl_estimator: Literal["k1", "k3"] = "k3"
-    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    learning_rate: float = Field(DEFAULT_GRPO_LEARNING_RATE, gt=0, le=1.0,
+                                 description="default DEFAULT_GRPO_LEARNING_RATE with `groups`, "
+                                             "DEFAULT_GRPO_ROLLOUT_LEARNING_RATE with `prompts`")
 
     @model_validator(mode="after")
     def _one_source(self) -> GRPORequest:

@@ -183,6 +183,20 @@ def base_anchor(key: str, build: Callable[[], list[AnchorRow]], settings: Anchor
     return Anchor(rows, settings)
 
 
+def model_anchor(peft_model: Any, loaded: Any, settings: AnchorSettings) -> Anchor:
+    """The anchor of the served model ``loaded`` (:class:`kiln.runtime.loader.LoadedModel`) with ``settings``,
+    built in ``peft_model`` on first use (:func:`base_anchor`). Call under exclusive ownership of the model: a
+    job's recipe (:meth:`kiln.training.core.recipe.TrainingRecipe.anchor`) and the start-up warm-up
+    (:mod:`kiln.training.core.warmup`) both come here, so they share one cache entry."""
+    from kiln.training.core.templates import end_of_turn_ids
+
+    tok = loaded.tokenizer
+    end_ids = sorted(end_of_turn_ids(tok, getattr(loaded.model, "generation_config", None)))
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
+    return base_anchor(loaded.base_model_sha256, lambda: anchor_rows(
+        peft_model, tok, settings, pad_id=pad_id, end_ids=end_ids), settings)
+
+
 def anchor_term(anchor: Any, peft_model: Any, split: Any, loop: Any, pad_id: int) -> Any:
     """The step's KL-to-base anchor loss (zero without rows) for the loop ``loop``
     (:class:`kiln.training.core.loop.TrainLoop`); its value is kept in the stats as ``anchor_kl``."""

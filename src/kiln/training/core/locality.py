@@ -226,22 +226,33 @@ def job_locality(peft_model: Any, adapter: str, loaded: Any, engine: Any, sectio
     server's ``section`` (``settings.locality``) or the job's ``request`` (its ``locality`` field) turns the
     measure off. ``exclusive``: the job's exclusive-ownership context (the probes run under it); ``suites``: the
     eval suite store (``.get(name)``) a request's ``eval_suite`` is read from."""
-    from kiln.training.core.templates import end_of_turn_ids
-
     if not section.measure or not request.get("measure", True):
         return None
+    t0 = time.perf_counter()
+    with exclusive():
+        probes, codec, pad_id, end_ids = served_probe_set(peft_model, loaded, engine, section,
+                                                          user_probes(request, suites))
+        figures = measure(peft_model, adapter, probes, codec, max_tokens=section.max_tokens, pad_id=pad_id,
+                          end_ids=end_ids)
+    return figures | {"seconds": round(time.perf_counter() - t0, 4)}
+
+
+def served_probe_set(peft_model: Any, loaded: Any, engine: Any, section: Any,
+                     user_prompts: Sequence[Probe] = ()) -> tuple[ProbeSet, TextCodec, int, list[int]]:
+    """The probe set of the served model ``loaded`` with the server's ``section`` (``settings.locality``) and
+    ``user_prompts`` (:func:`probe_set`, cached), with the codec, pad ID and end-of-turn IDs it was made with.
+    Call under exclusive ownership: a job's measure and the start-up warm-up
+    (:mod:`kiln.training.core.warmup`) both come here, so they share one cache entry."""
+    from kiln.training.core.templates import end_of_turn_ids
+
     tok = loaded.tokenizer
     end_ids = sorted(end_of_turn_ids(tok, getattr(loaded.model, "generation_config", None)))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
     codec = text_codec(tok, engine)
-    t0 = time.perf_counter()
-    with exclusive():
-        probes = probe_set(peft_model, codec, base_model_sha256=loaded.base_model_sha256, probes=section.probes,
-                           max_tokens=section.max_tokens, seed=section.seed,
-                           user_prompts=user_probes(request, suites), pad_id=pad_id, end_ids=end_ids)
-        figures = measure(peft_model, adapter, probes, codec, max_tokens=section.max_tokens, pad_id=pad_id,
-                          end_ids=end_ids)
-    return figures | {"seconds": round(time.perf_counter() - t0, 4)}
+    probes = probe_set(peft_model, codec, base_model_sha256=loaded.base_model_sha256, probes=section.probes,
+                       max_tokens=section.max_tokens, seed=section.seed, user_prompts=user_prompts, pad_id=pad_id,
+                       end_ids=end_ids)
+    return probes, codec, pad_id, end_ids
 
 
 def user_probes(request: dict[str, Any], suites: Any) -> list[Probe]:

@@ -137,18 +137,13 @@ class TrainingRecipe:
         """The job's KL-to-base anchor (:mod:`kiln.training.core.anchor`), less the rows whose prompt starts one of
         ``own`` (the job's sequences); None when the request turns it off. The rows are built once per base
         model and process, under exclusive ownership (the base model answers with every adapter disabled)."""
-        from kiln.training.core.anchor import anchor_rows, anchor_settings, base_anchor
-        from kiln.training.core.templates import end_of_turn_ids
+        from kiln.training.core.anchor import anchor_settings, model_anchor
 
         settings = anchor_settings(self.plan.request)
         if not settings.on:
             return None
-        model = self.ctx.model
-        end_ids = sorted(end_of_turn_ids(model.tokenizer, getattr(model.model, "generation_config", None)))
-        pad_id = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else end_ids[0]
         with self.ctx.engine.ownership.exclusive():
-            anchor = base_anchor(model.base_model_sha256, lambda: anchor_rows(
-                self.peft_model, model.tokenizer, settings, pad_id=pad_id, end_ids=end_ids), settings)
+            anchor = model_anchor(self.peft_model, self.ctx.model, settings)
         self._phase("anchor")
         return anchor.without(own)
 

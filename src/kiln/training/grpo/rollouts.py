@@ -40,10 +40,15 @@ from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.core.templates import end_of_turn_ids
 from kiln.training.grpo.rewards import RewardError, RewardFn, build_reward
 from kiln.training.grpo.step import GRPOItem, GRPOSettings, grpo_items
-from kiln.training.schemas import DEFAULT_GRPO_ANCHOR_WEIGHT, GRPORequest
+from kiln.training.schemas import (
+    DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT,
+    DEFAULT_GRPO_ROLLOUT_ITERATIONS,
+    DEFAULT_GRPO_ROLLOUT_LEARNING_RATE,
+    GRPORequest,
+)
 
 DEFAULT_GROUP_SIZE = 8
-DEFAULT_ITERATIONS = 1
+DEFAULT_ITERATIONS = DEFAULT_GRPO_ROLLOUT_ITERATIONS
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
@@ -94,11 +99,13 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
                                  hint="shorten the prompt or lower max_tokens")
         prompt_ids.append(tuple(ids))
     epochs = request.epochs or 1
+    if "learning_rate" not in request.model_fields_set:  # the rollout default (schemas: why it differs)
+        request = request.model_copy(update={"learning_rate": DEFAULT_GRPO_ROLLOUT_LEARNING_RATE})
     eff = request.model_dump(mode="json")
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
                top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
-               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_GRPO_ANCHOR_WEIGHT))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:

@@ -155,11 +155,12 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
     """The effective request (binding the teacher's fingerprint and identity), its digests (resume checks the
     plan digest) and the plan."""
     from kiln.training.core.loop import Plan
+    from kiln.training.opd.schemas import DEFAULT_OPD_ANCHOR_WEIGHT
 
     check = _learned_check(request)
     eff = request.model_dump(mode="json")
     eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
-               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0), **extra)
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_OPD_ANCHOR_WEIGHT), **extra)
     inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)

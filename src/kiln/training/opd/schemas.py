@@ -35,6 +35,10 @@ DEFAULT_OPD_LEARNING_RATE = 1e-2
 # answers degenerate), 10/10 at step 100 with 3.0 (0/10); one answer: learned at step 8 with 3.0 (bench/opd_transfer.py).
 DEFAULT_OPD_PATH_CE_WEIGHT = 3.0
 DEFAULT_OPD_TEMPERATURE = 0.5
+# `anchor_weight` omitted: the KL-to-base anchor (kiln.training.core.anchor) at the SFT weight, beside rehearsal.
+# Issue 48: with rehearsal alone the OPD defaults' student (teacher: an SFT correction with the defaults) was held
+# back by the locality guard; with the anchor it keeps the base's probe answers (docs/training.md, "Locality").
+DEFAULT_OPD_ANCHOR_WEIGHT = 8.0
 # `rehearsal` omitted on policy: the base model writes this many questions of its own and its answers to them are
 # rehearsed beside the job's prompts (kiln.training.core.rehearsal), keeping the student near the base model away
 # from the job's prompts; off policy, or continuing a `base_adapter`: 0.

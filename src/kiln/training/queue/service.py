@@ -27,6 +27,7 @@ from kiln.training.core.data import TrainingDataError
 from kiln.training.core.loop import Hooks
 from kiln.training.core.plan import RUN_ONLY_FIELDS, JobPlan, PrepareContext, checkpoint_root, prepare_context
 from kiln.training.core.recipe import RecipeContext, published_result
+from kiln.training.core.warmup import WarmUp
 from kiln.training.queue import jobs as jobstates
 from kiln.training.queue import kinds
 from kiln.training.queue.jobs import Job, JobStore
@@ -91,6 +92,7 @@ class TrainingService:
         # while chats wait, each hold is bounded (steps sliced to fit) and serving gets its share between holds
         self.pacer = HoldPacer(engine.ownership, self._serving_busy, serving_share=t.serving_share,
                                max_hold_ms=t.max_hold_ms, max_gap_s=MAX_YIELD_S)
+        self.warm_up = WarmUp(enabled=settings.training.warm_up)
         self._thread = threading.Thread(target=self._worker, name="kiln-trainer", daemon=True)
         if self.jobs.reconciled:
             log.warning("job(s) published before the previous shutdown marked succeeded: %s",
@@ -193,6 +195,7 @@ class TrainingService:
         return {
             "enabled": True,
             "worker_alive": self._thread.is_alive(),
+            "warm_up": self.warm_up.status(),
             "running": running[0] if running else None,
             "queued": queued,
             "queue_max": self.jobs.queue_max,
@@ -205,6 +208,7 @@ class TrainingService:
         from kiln.runtime.threads import pin_torch_threads
 
         pin_torch_threads()  # before any wide engine cycle can set the process-wide count
+        self.warm_up.run(self.engine, self.loaded, self.settings.locality, self._stop.is_set)
         while not self._stop.is_set():
             job = self.jobs.claim_next()
             if job is None:

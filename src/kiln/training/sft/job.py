@@ -41,7 +41,15 @@ from kiln.training.core.loop import (
     greedy_margin,
     token_mean_pieces,
 )
-from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.plan import (
+    JobPlan,
+    LoraShape,
+    PrepareContext,
+    anchor_fields,
+    correction_target_modules,
+    lora_fields,
+    seal_plan,
+)
 from kiln.training.core.recipe import TrainingRecipe, step_plan
 from kiln.training.core.step import TrunkRunner
 from kiln.training.losses.chunked import sft_loss_from_hidden, split_causal_lm
@@ -76,10 +84,11 @@ def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
     sequence limit and the effective request to complete."""
     ctx.check_adapter_name(request.adapter)
     parent = ctx.parent_of(request)
-    lora = ctx.lora_shape(request, parent)
+    sft = isinstance(request, SFTRequest)
+    lora = ctx.lora_shape(request, parent, default_targets=correction_target_modules if sft else None)
     limit = ctx.max_seq_len_limit
     max_len = request.max_seq_len if limit is None else min(request.max_seq_len, limit)
-    weight = DEFAULT_ANCHOR_WEIGHT if isinstance(request, SFTRequest) else DEFAULT_GRPO_ANCHOR_WEIGHT
+    weight = DEFAULT_ANCHOR_WEIGHT if sft else DEFAULT_GRPO_ANCHOR_WEIGHT
     return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request, default_weight=weight)
 
 
