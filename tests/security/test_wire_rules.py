@@ -15,6 +15,12 @@ from kiln.wire_rules import field_is, never_both, rules, when
 
 SUITE = {"name": "s", "examples": [{"messages": [{"role": "user", "content": "hi"}], "reference": "x"}],
          "scorers": [{"type": "exact"}]}
+TOOL_TURNS = [
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                          "function": {"name": "add", "arguments": "{}"}}]},
+    {"role": "tool", "content": "4", "tool_call_id": "c1"},
+]
 PAIRS = [
     # (rule, path, refused body, accepted-by-schema body)
     ("revision needs adapter", "/v1/evals/runs",
@@ -49,6 +55,15 @@ PAIRS = [
     ("chat_template_kwargs names follow the pattern and avoid reserved names", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"tools": 1}},
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"x_flag": 1}}),
+    ("one structured-output constraint at most", "/v1/completions",
+     {"prompt": "a", "max_tokens": 1, "guided_regex": "a", "guided_choice": ["a"]},
+     {"prompt": "a", "max_tokens": 1, "guided_regex": "a"}),
+    ("a tool message names the call it answers", "/v1/chat/completions",
+     {"messages": TOOL_TURNS[:2] + [{"role": "tool", "content": "4"}], "max_tokens": 1},
+     {"messages": TOOL_TURNS, "max_tokens": 1}),
+    ("only an assistant turn with tool_calls may omit content", "/v1/chat/completions",
+     {"messages": [{"role": "user"}], "max_tokens": 1},
+     {"messages": TOOL_TURNS, "max_tokens": 1}),
 ]
 
 
@@ -64,7 +79,7 @@ def _schema_valid(checker, schema: dict, body: dict) -> bool:
 
 @pytest.mark.parametrize("rule,path,refused,accepted", PAIRS, ids=[p[0] for p in PAIRS])
 def test_schema_and_server_agree_on_the_rule(client, checker, rule, path, refused, accepted):
-    if path == "/v1/chat/completions":
+    if path in ("/v1/chat/completions", "/v1/completions"):
         model = client.get("/v1/models").json()["data"][0]["id"]
         refused, accepted = {**refused, "model": model}, {**accepted, "model": model}
     schema = _request_schema(checker, path)

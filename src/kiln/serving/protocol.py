@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from kiln.runtime.chat_generation import MAX_TEMPLATE_KWARGS, ChatTemplateKwargs, check_template_kwargs
+from kiln.wire_rules import NOT_NULL, field_is, never_both, rules, when
 
 MAX_MODEL_NAME_CHARS = 256
 MAX_CONTENT_CHARS = 1_000_000
@@ -123,7 +124,23 @@ class AssistantToolCall(_Request):
     function: CalledFunction
 
 
+def _given(name: str) -> dict[str, Any]:
+    return field_is(name, NOT_NULL)
+
+
+def _role(*roles: str) -> dict[str, Any]:
+    return field_is("role", {"enum": list(roles)})
+
+
 class ChatMessage(_Request):
+    # _roles below, as JSON Schema
+    model_config = ConfigDict(json_schema_extra=rules(
+        when(_given("tool_calls"), _role("assistant")),
+        when(_given("reasoning_content"), _role("assistant")),
+        when(_role("tool"), _given("tool_call_id")),
+        when(_given("tool_call_id"), _role("tool")),
+        when({"not": _given("content")}, {"allOf": [_role("assistant"), _given("tool_calls")]})))
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | Annotated[
         list[TextPart], Field(max_length=MAX_CONTENT_PARTS)
@@ -178,7 +195,15 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+_CONSTRAINTS = (_given("guided_json"), _given("guided_regex"), _given("guided_choice"),
+                field_is("response_format", {"allOf": [NOT_NULL, {"properties": {"type": {"not": {"const": "text"}}}}]}))
+
+
 class _Sampling(_Request):
+    # one structured-output constraint at most (request_params._grammar), as JSON Schema
+    model_config = ConfigDict(json_schema_extra=rules(*(
+        never_both(a, b) for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:])))
+
     model: ModelName
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
