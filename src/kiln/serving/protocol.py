@@ -307,11 +307,14 @@ class ChatCompletionRequest(_Sampling):
 
 
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
+# a prompt to continue: at least one character (an empty one has no token to continue from)
+GenerationPrompt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
 PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 
 
 class CompletionRequest(_Sampling):
-    prompt: PromptText | PromptTokens | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+    prompt: GenerationPrompt | PromptTokens | Annotated[list[GenerationPrompt], Field(min_length=1,
+                                                                                     max_length=MAX_PROMPTS)] | \
         Annotated[list[PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
             description="a string, a token-ID list, or a list of either: each prompt gets n choices, choice i of "
                         "prompt p at index p * n + i")
@@ -335,7 +338,7 @@ class BatchCompletionRequest(_Sampling):
     """``POST /v1/completions/batch``: a bounded set of prompts (strings or token-ID lists, mixed), each with ``n``
     choices, answered in one response once every row has finished."""
 
-    prompts: Annotated[list[PromptText | PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+    prompts: Annotated[list[GenerationPrompt | PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
         description=f"at most limits.max_batch_prompts (default 64, never more than {MAX_PROMPTS})")
     max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
