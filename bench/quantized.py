@@ -45,7 +45,7 @@ def probe(model_dir: Path) -> dict[str, dict]:
 def peer_arms(model_dir: Path, threads: int, with_f32: bool) -> list[tuple[str, list[str], dict]]:
     """llama.cpp's arms (label, command, environment), or none with the reason printed."""
     sys.path.insert(0, str(ROOT / "bench" / "peers"))
-    from llamacpp import PeerUnavailable, convert, server_command
+    from llamacpp import PeerUnavailable, convert, server_command, server_env
     from serving import model_max_len
 
     try:
@@ -53,7 +53,7 @@ def peer_arms(model_dir: Path, threads: int, with_f32: bool) -> list[tuple[str, 
     except PeerUnavailable as exc:
         print(f"llama.cpp peer skipped: {exc}")
         return []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env = server_env()
     types = (["F32"] if with_f32 else []) + list(PEERS.values())
     return [(f"llamacpp-{t.lower()}", server_command(files[t], threads or os.cpu_count() or 1, 8,
                                                      model_max_len(model_dir), model_dir.name), env) for t in types]

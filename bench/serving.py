@@ -8,7 +8,9 @@ like for like. Peers, in one run:
 * ``hf-static-B``: ``generate`` on left-padded batches of B prompts (B = each concurrency > 1);
 * ``hf-cb``: transformers' own continuous batching (``generate_batch``), with ``--hf-cb``;
 * ``kiln-cC``: ``kiln serve`` as a subprocess, C concurrent streaming HTTP clients;
-* ``vllm-cC``: vLLM's OpenAI server (``--dtype float32``) when ``--vllm-venv`` exists.
+* ``vllm-cC``: vLLM's OpenAI server (``--dtype float32``) when ``--vllm-venv`` exists;
+* ``llamacpp-f32-cC``: llama.cpp's server over an f32 GGUF, with ``--llamacpp`` (bench/peers/llamacpp.py
+  builds it and converts the model; Qwen3.5 hybrids included; skipped saying why where it cannot).
 
 * ``engine-cC``: Kiln's engine in process without HTTP (C client threads), to
   separate the scheduler's cost from the HTTP/SSE path's.
@@ -529,6 +531,22 @@ def server_runs(name: str, cmd: list[str], env: dict, model_id: str, texts_by_c:
         return out
 
 
+def llamacpp_runs(model_dir: Path, threads: int, texts_by_c: dict, max_tokens: int, workdir: Path) -> list[dict]:
+    """llama.cpp's server over the model's f32 GGUF (bench/peers/llamacpp.py: ``-np`` the highest
+    concurrency, ``-t`` = ``threads``), or no rows with the reason printed."""
+    sys.path.insert(0, str(ROOT / "bench" / "peers"))
+    from llamacpp import PeerUnavailable, convert, server_command, server_env
+
+    try:
+        gguf = convert(model_dir, types=())["F32"]
+        cmd = server_command(gguf, threads or os.cpu_count() or 1, max(texts_by_c), model_max_len(model_dir),
+                             model_dir.name)
+    except PeerUnavailable as exc:
+        print(f"llama.cpp peer skipped: {exc}", file=sys.stderr)
+        return []
+    return server_runs("llamacpp-f32", cmd, server_env(), model_dir.name, texts_by_c, max_tokens, workdir, 300)
+
+
 # -- mixed cycles (prompts joining running batches) -------------------------------------------------
 
 
@@ -744,6 +762,7 @@ def main() -> None:
     ap.add_argument("--vllm-venv", default=str(ROOT / ".vllm-venv"))
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's server, f32 GGUF (bench/peers)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -841,6 +860,8 @@ def main() -> None:
     rows += server_runs("kiln", kiln_command(model_dir, args.threads), kiln_env(workdir), model_dir.name,
                         texts_by_c, args.max_tokens, workdir, 300)
 
+    if args.llamacpp:
+        rows += llamacpp_runs(model_dir, args.threads, texts_by_c, args.max_tokens, workdir)
     vpy = Path(args.vllm_venv) / "bin" / "python"
     if vpy.exists() and not args.no_vllm:
         try:
@@ -877,10 +898,11 @@ def report(rows: list[dict], concurrency: list[int]) -> None:
             parts.append(f"CPU/token {k['cpu_ms_per_tok'] / st['cpu_ms_per_tok']:.2f}x hf-static-{c}'s")
             if f"engine-c{c}" in by:
                 parts.append(f"engine alone {by[f'engine-c{c}']['tok_s'] / st['tok_s']:.2f}x hf-static-{c}")
-        if f"vllm-c{c}" in by:
-            parts.append(f"{k['tok_s'] / by[f'vllm-c{c}']['tok_s']:.2f}x vllm-c{c}")
+        for peer in ("vllm", "llamacpp-f32"):
+            if f"{peer}-c{c}" in by:
+                parts.append(f"{k['tok_s'] / by[f'{peer}-c{c}']['tok_s']:.2f}x {peer}-c{c}")
         print("  " + ", ".join(parts))
-    for name in ("kiln", "vllm"):
+    for name in ("kiln", "vllm", "llamacpp-f32"):
         s1, s8 = by.get(f"{name}-c1"), by.get(f"{name}-c8")
         if s1 and s8:
             print(f"  {name} TTFT p99 at c=8 / TTFT p50 at c=1: {s8['ttft_p99_ms'] / s1['ttft_p50_ms']:.2f} (target <= 3); "

@@ -8,6 +8,10 @@ random-weight HF models are converted with the tree's own ``convert_hf_to_gguf.p
 ``gguf-py`` on the path; it imports ``sentencepiece``, in the ``dev`` extra) to an f32 GGUF,
 then quantized by ``llama-quantize`` to Q8_0 / Q4_0 (cached per model file).
 
+Qwen3.5 hybrids (``Qwen3_5ForCausalLM``, llama.cpp's ``qwen35`` architecture) and Qwen3-Next convert
+with ``--no-mtp``: the converter expects multi-token-prediction tensors for these families and asserts
+(``opt_num_mtp_layers != 0``) when a checkpoint has none, as our bench shapes have none.
+
 The converter refuses a tokenizer whose pre-tokenizer hash it does not list (the built-in
 tokenizer's); where that tokenizer's pre-tokenizer is the plain GPT-2 ``ByteLevel`` one, the
 conversion names it ``gpt-2`` (llama.cpp's name for the same regex) instead of failing. Speed
@@ -123,6 +127,17 @@ def _model_key(model_dir: Path) -> str:
     return f"{model_dir.name}-{digest.hexdigest()[:12]}"
 
 
+MTP_FAMILIES = ("Qwen3_5", "Qwen3Next")  # architectures whose conversion needs --no-mtp without MTP tensors
+
+
+def _convert_flags(model_dir: Path) -> list[str]:
+    """``--no-mtp`` for a Qwen3.5 / Qwen3-Next checkpoint without ``mtp.*`` tensors (see the docstring)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = (cfg.get("architectures") or [""])[0]
+    n_mtp = cfg.get("mtp_num_hidden_layers", cfg.get("text_config", {}).get("mtp_num_hidden_layers", 0))
+    return ["--no-mtp"] if arch.startswith(MTP_FAMILIES) and not n_mtp else []
+
+
 def convert(model_dir: Path, types: tuple[str, ...] = TYPES, version: str = VERSION) -> dict[str, Path]:
     """GGUF files of ``model_dir``: ``{"F32": ..., "Q8_0": ..., ...}`` (cached per model file)."""
     bins = build(version)
@@ -132,7 +147,8 @@ def convert(model_dir: Path, types: tuple[str, ...] = TYPES, version: str = VERS
     files = {"F32": out / "model-f32.gguf"}
     if not files["F32"].exists():
         tmp = out / "model-f32.gguf.tmp"
-        _run([sys.executable, "-c", _CONVERT, str(tree), str(model_dir), "--outtype", "f32", "--outfile", str(tmp)],
+        _run([sys.executable, "-c", _CONVERT, str(tree), str(model_dir), *_convert_flags(model_dir),
+              "--outtype", "f32", "--outfile", str(tmp)],
              "convert_hf_to_gguf.py", 900)
         tmp.rename(files["F32"])
     for t in types:
@@ -152,6 +168,11 @@ def server_command(gguf: Path, threads: int, parallel: int, ctx_per_slot: int, a
     return [str(server), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", str(threads),
             "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "--alias", alias,
             "--jinja", "--no-webui"]
+
+
+def server_env() -> dict:
+    """The environment for ``llama-server``: this one without Kiln's settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
 
 
 def main() -> None:
