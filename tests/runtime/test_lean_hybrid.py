@@ -238,3 +238,64 @@ def test_snapshots_restore_the_state_at_a_prefix(model):
         h.states.recurrent[i][second.state_slot].zero_()
     logits, _ = h.cycle([], [(second, len(prompt) - 128)])
     assert not torch.allclose(logits[0], want, atol=ATOL)
+
+
+def test_chunked_rows_equals_chunked_per_row():
+    """Several rows' chunks in one batched pass (padded at the front to block-aligned starts and at the
+    end) give each row's per-row output, final state and the states at its marks."""
+    g = torch.Generator().manual_seed(2)
+    heads, dk, dv, block = 4, 8, 8, 8
+    lens, starts = [30, 5, 41, 8], [0, 3, 20, 8]
+    t = sum(lens)
+    q = torch.nn.functional.normalize(torch.randn(t, heads, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(t, heads, dk, generator=g), dim=-1)
+    v = torch.randn(t, heads, dv, generator=g)
+    decay, beta = -torch.rand(t, heads, generator=g), torch.rand(t, heads, generator=g)
+    s0 = torch.randn(len(lens), heads, dk, dv, generator=g)
+    spans = [(sum(lens[:r]), n) for r, n in enumerate(lens)]
+    marks = [[p - s for p in range((s // block + 1) * block, s + n + 1, block)] for s, n in zip(starts, lens)]
+    o, s, captured = gdn.chunked_rows(q, k, v, decay, beta, s0, spans, [s % block for s in starts], block, marks)
+    assert sorted(captured) == sorted((r, m) for r in range(len(lens)) for m in marks[r]) and marks[1] == [5]
+    for r, (first, n) in enumerate(spans):
+        cut = slice(first, first + n)
+        want_o, want_s = gdn.chunked(q[cut], k[cut], v[cut], decay[cut], beta[cut], s0[r])
+        assert torch.allclose(o[cut], want_o, atol=1e-5) and torch.allclose(s[r], want_s, atol=1e-5)
+        for m in marks[r]:
+            cut = slice(first, first + m)
+            _, at_mark = gdn.chunked(q[cut], k[cut], v[cut], decay[cut], beta[cut], s0[r])
+            assert torch.allclose(captured[(r, m)], at_mark, atol=1e-5)
+
+
+def test_rows_prefilled_together_capture_the_same_snapshots_as_alone(model):
+    """Two prompt chunks in one cycle (the batched delta rule) leave each row the state, conv window and
+    prefix-cache snapshots that the row's chunk run alone leaves (the second chunk starts mid-block)."""
+    together, alone = Harness(model), Harness(model)
+    a_prompt, b_prompt = prompts((29, 37), seed=6)
+
+    def run(h, chunks):
+        for r, c in chunks:
+            h._blocks(r, r.prefilled + c)
+        batch, _ = batch_of([], chunks, h.kv, "cpu", BLOCK)
+        with torch.inference_mode():
+            logits = h.lean.forward_batch(batch, h.kv, h.states)
+        for r, c in chunks:
+            r.prefilled += c
+        return logits, batch.captured
+
+    rows = [together.row(a_prompt), together.row(b_prompt)]
+    solo = [alone.row(a_prompt), alone.row(b_prompt)]
+    for cuts in ((11, 20), (18, 17)):  # second cycle: chunks start at positions 11 and 20 (not block ends)
+        logits, captured = run(together, list(zip(rows, cuts)))
+        for i, (r, c) in enumerate(zip(solo, cuts)):
+            want_logits, want = run(alone, [(r, c)])
+            assert sorted(captured.get(i, {})) == sorted(want.get(0, {}))
+            for pos, snaps in want.get(0, {}).items():
+                for (w_conv, w_state), (conv, state) in zip(snaps, captured[i][pos]):
+                    assert torch.allclose(conv, w_conv, atol=1e-5) and torch.allclose(state, w_state, atol=1e-5)
+    for layer in range(len(together.states.recurrent)):
+        for r, s in zip(rows, solo):
+            assert torch.allclose(together.states.recurrent[layer][r.state_slot],
+                                  alone.states.recurrent[layer][s.state_slot], atol=1e-5)
+            assert torch.allclose(together.states.conv[layer][r.state_slot], alone.states.conv[layer][s.state_slot],
+                                  atol=1e-5)
+    assert torch.allclose(logits[1], want_logits[0], atol=ATOL)
