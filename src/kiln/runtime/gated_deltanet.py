@@ -31,7 +31,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,58 +128,6 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
         outs.append(o.transpose(0, 1))
     return torch.cat(outs), s
-
-
-def chunked_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor, spans: Sequence[tuple[int, int]], lead: Sequence[int], block: int,
-                 marks: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[tuple[int, int], torch.Tensor]]:
-    """:func:`chunked` over several rows' prompt chunks in one pass (the rows batched per block).
-
-    ``q``/``k``/``v``/``g``/``beta`` are packed as the forward packs tokens: row r's are
-    ``[first, first + n)`` with ``spans[r] = (first, n)``; ``state`` ``[rows, heads, k_dim, v_dim]`` the
-    rows' states before. Each row is laid out after ``lead[r]`` padding tokens and padded at the end to
-    whole blocks of ``block``. A padding token has ``k = q = 0``, ``beta = 0`` and ``g = 0``: it leaves
-    the state unchanged and adds nothing to any real token's output, so the result is the per-row
-    :func:`chunked` one up to float rounding. ``marks[r]``: offsets within row r's chunk after which its
-    state is copied out; each must fall on a block end (``lead[r] + offset`` a multiple of ``block``).
-    -> (o packed like ``v``, final states ``[rows, heads, k_dim, v_dim]``, ``{(r, offset): state}``)."""
-    rows = len(spans)
-    width = max(lead[r] + n for r, (_, n) in enumerate(spans))
-    total = -(-width // block) * block
-
-    def laid_out(x: torch.Tensor) -> torch.Tensor:  # [tokens, heads, ...] -> [rows, heads, total, ...]
-        out = x.new_zeros(rows, total, *x.shape[1:])
-        for r, (first, n) in enumerate(spans):
-            out[r, lead[r]:lead[r] + n] = x[first:first + n]
-        return out.transpose(1, 2)
-
-    qs, ks, vs = laid_out(q.float()), laid_out(k.float()), laid_out(v.float())
-    gs, bs = laid_out(g.float()), laid_out(beta.float())
-    s = state.float()
-    ends = {(r, lead[r] + m): m for r in range(rows) for m in marks[r]}
-    lower = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
-    outs, captured = [], {}
-    for at in range(0, total, block):
-        qc, kc, vc = qs[:, :, at:at + block], ks[:, :, at:at + block], vs[:, :, at:at + block]
-        gc, bc = gs[:, :, at:at + block], bs[:, :, at:at + block]  # [rows, heads, L]
-        cum = gc.cumsum(-1)
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-        system = (kc @ kc.transpose(-1, -2) * decay * bc[..., None]).tril(-1)
-        system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-        rhs = torch.cat([vc * bc[..., None], kc * (bc * cum.exp())[..., None]], -1)
-        sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ s
-        outs.append((qc * cum.exp()[..., None]) @ s + (qc @ kc.transpose(-1, -2) * decay) @ u)
-        last = cum[..., -1:]
-        s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
-        for r in range(rows):
-            if (r, at + block) in ends:
-                captured[(r, ends[(r, at + block)])] = s[r].clone()
-    o_all = torch.cat(outs, 2)  # [rows, heads, total, v_dim]
-    o = v.new_empty(v.shape, dtype=torch.float32)
-    for r, (first, n) in enumerate(spans):
-        o[first:first + n] = o_all[r, :, lead[r]:lead[r] + n].transpose(0, 1)
-    return o, s, captured
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

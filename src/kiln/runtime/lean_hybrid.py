@@ -16,9 +16,7 @@ chunks of any rows side by side, ``[tokens, hidden]``, each token tagged with it
   stored window and the chunked (WY) delta rule from its stored state (fresh rows: zero window, zero
   state), so a prompt split over cycles gives the same state as one pass; with the prefix cache
   (``HybridBatch.snap_every``) the chunk runs in pieces at every multiple of it and the state there
-  is copied out (kiln.runtime.linear_state.LinearSnapshots). Two or more prompt chunks in one cycle
-  run the delta rule together (gated_deltanet.chunked_rows: the rows batched per block, each padded
-  with tokens that leave its state unchanged), not one row after another;
+  is copied out (kiln.runtime.linear_state.LinearSnapshots);
 * the MLP with gate|up fused.
 
 Packed weights (``pack=True``) and LoRA rows come from :class:`~kiln.runtime.lean_forward.LeanForward`
@@ -181,10 +179,6 @@ class LeanHybrid(LeanForward):
             else:
                 out.index_copy_(0, tok, o)
         stepped = set(steps)
-        prompts = [r for r in range(len(batch.spans)) if r not in stepped]
-        if len(prompts) > 1:
-            self._delta_rows(mixed, z, b, a, conv, state, batch, prompts, layer, out)
-            return out
         for r, (first, n) in enumerate(batch.spans):
             if r not in stepped:
                 sl = slice(first, first + n)
@@ -195,40 +189,6 @@ class LeanHybrid(LeanForward):
                 for at, snap in marks.items():  # keyed by the prompt position the state stands at
                     batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
         return out
-
-    def _delta_rows(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor,
-                    state: torch.Tensor, batch: HybridBatch, rows: list[int], layer: gdn.GdnLayer,
-                    out: torch.Tensor) -> None:
-        """Several rows' prompt chunks in one pass, into ``out``: the convolution per row over its own window,
-        then the delta rule over all of them batched per block (:func:`gdn.chunked_rows`; blocks of
-        ``snap_every`` aligned to absolute positions when snapshots are taken, so each lands on a block end).
-        States, windows and snapshots as :meth:`_delta_chunk` leaves them."""
-        kernel = conv.shape[-1]
-        block = batch.snap_every or gdn.CHUNK
-        ys, fulls, spans, lead, marks, starts = [], [], [], [], [], []
-        for r in rows:
-            first, n = batch.spans[r]
-            window = conv.new_zeros(conv.shape[1:]) if batch.fresh[r] else conv[batch.slots[r]]
-            full = torch.cat([window, mixed[first:first + n].t().to(conv.dtype)], -1)  # [conv_dim, kernel + n]
-            conv[batch.slots[r]] = full[:, -kernel:]
-            ys.append(F.silu(F.conv1d(full[None], layer.conv_w[:, None, :], groups=full.shape[0])[0, :, 1:]).t())
-            fulls.append(full)
-            starts.append(int(batch.pos_of[first]))
-            spans.append((sum(n for _, n in spans), n))
-            lead.append(starts[-1] % block if batch.snap_every else 0)
-            marks.append(sorted(self._marks(batch, r)))
-        tok = torch.cat([torch.arange(f, f + n, device=out.device) for f, n in (batch.spans[r] for r in rows)])
-        q, k, v = gdn.heads(torch.cat(ys), layer)
-        g, beta = gdn.gates(a.index_select(0, tok), b.index_select(0, tok), layer)
-        s0 = torch.stack([state.new_zeros(state.shape[1:]) if batch.fresh[r] else state[batch.slots[r]]
-                          for r in rows])
-        o, s, snaps = gdn.chunked_rows(q, k, v, g, beta, s0, spans, lead, block, marks)
-        for i, r in enumerate(rows):
-            state[batch.slots[r]] = s[i]
-            for m in marks[i]:  # keyed by the prompt position the state stands at
-                snap = (fulls[i][:, m:m + kernel].clone(), snaps[(i, m)])
-                batch.captured.setdefault(r, {}).setdefault(starts[i] + m, []).append(snap)
-        out.index_copy_(0, tok, gdn.gated_norm(o, z.index_select(0, tok), layer).to(out.dtype))
 
     @staticmethod
     def _marks(batch: HybridBatch, r: int) -> dict[int, Any]:
