@@ -17,6 +17,7 @@ from kiln.runtime.threads import (
     WIDE_PREFILL_MIN_MACS,
     default_threads,
     engine_prefill_threads,
+    one_torch_thread,
     pin_torch_threads,
     torch_threads,
     usable_cores,
@@ -72,6 +73,19 @@ def test_torch_threads_widens_restores_and_never_narrows(one_thread):
     torch.set_num_threads(2)
     with torch_threads(1) as wide:  # fewer than the caller has: left alone
         assert not wide and torch.get_num_threads() == 2
+
+
+def test_one_torch_thread_narrows_a_wide_cycle_and_restores(one_thread):
+    """The lean hybrid's per-row Gated DeltaNet prompt chunks run on one thread inside a wide cycle."""
+    with torch_threads(2):
+        with pytest.raises(RuntimeError):
+            with one_torch_thread():
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("a failing chunk")
+        assert torch.get_num_threads() == 2
+    with one_torch_thread():  # already one thread: left alone
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 1
 
 
 def test_a_pinned_worker_keeps_its_count_through_a_wide_cycle(one_thread):

@@ -44,6 +44,7 @@ from kiln.runtime.lean_forward import LeanForward
 from kiln.runtime.lean_lora import groups_for
 from kiln.runtime.linear_state import LinearStatePool
 from kiln.runtime.paged_kv import BlockPool
+from kiln.runtime.threads import one_torch_thread
 
 SUPPORTED = {"Qwen3_5ForCausalLM"}
 
@@ -179,15 +180,16 @@ class LeanHybrid(LeanForward):
             else:
                 out.index_copy_(0, tok, o)
         stepped = set(steps)
-        for r, (first, n) in enumerate(batch.spans):
-            if r not in stepped:
-                sl = slice(first, first + n)
-                marks = self._marks(batch, r)
-                out[sl] = self._delta_chunk(mixed[sl], z[sl], b[sl], a[sl], conv, state, batch.slots[r],
-                                            batch.fresh[r], layer, marks)
-                start = int(batch.pos_of[first]) if marks else 0
-                for at, snap in marks.items():  # keyed by the prompt position the state stands at
-                    batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
+        with one_torch_thread():  # small per-row ops: more threads only wait for each other (docs/benchmarks.md)
+            for r, (first, n) in enumerate(batch.spans):
+                if r not in stepped:
+                    sl = slice(first, first + n)
+                    marks = self._marks(batch, r)
+                    out[sl] = self._delta_chunk(mixed[sl], z[sl], b[sl], a[sl], conv, state, batch.slots[r],
+                                                batch.fresh[r], layer, marks)
+                    start = int(batch.pos_of[first]) if marks else 0
+                    for at, snap in marks.items():  # keyed by the prompt position the state stands at
+                        batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
         return out
 
     @staticmethod

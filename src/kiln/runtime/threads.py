@@ -82,3 +82,19 @@ def torch_threads(count: int) -> Iterator[bool]:
         yield True
     finally:
         torch.set_num_threads(base)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the block on one torch thread when the calling thread has more (a wide prompt-only cycle),
+    then restore its count: for runs of small ops whose fork/join costs more than a second thread gives."""
+    import torch
+
+    base = torch.get_num_threads()
+    if base > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if base > 1:
+            torch.set_num_threads(base)
