@@ -1,4 +1,5 @@
-"""llama.cpp's server as a serving peer for the benchmarks (bench/quantized.py, bench/serving.py --llamacpp), built from source.
+"""llama.cpp's server as a serving peer for the benchmarks, built from source (bench/quantized.py,
+``bench/serving.py --llamacpp``).
 
 The source is the llama.cpp tree vendored in the ``llama-cpp-python`` sdist on PyPI (``pip download
 --no-binary``; the only registry the project's machines reach). It is built with CMake (the
