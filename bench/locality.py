@@ -85,6 +85,8 @@ class Setting:
     anchor_weight: float = 1.0
     replay: bool = True  # sequential: retrain on the adapter's earlier corrections too
     plain: bool = False  # a plain PEFT loop: fixed steps, no learned check, no anchor
+    world_anchor: bool = False  # world: the anchor asks the world's own fact questions (not the probes or edits)
+    fresh: bool = False  # sequential: every job starts a new adapter (replay carries the earlier corrections)
 
 
 class Model:
@@ -142,16 +144,18 @@ class Model:
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
-    def anchor(self, s: Setting) -> Any:
+    def anchor(self, s: Setting, questions: list[str] | None = None) -> Any:
+        """The base's anchor for ``s``: on questions it writes itself, or on ``questions`` when given."""
         from kiln.training.core.anchor import AnchorSettings, anchor_rows, base_anchor
 
         settings = AnchorSettings(questions=s.anchor, per_step=s.anchor_per_step, weight=s.anchor_weight)
-        return base_anchor(f"bench:{id(self)}", lambda: anchor_rows(self.pm, self.tok, settings, pad_id=self.pad,
-                                                                     end_ids=self.end_ids), settings)
+        key = f"bench:{id(self)}" + ("" if questions is None else f":{hash(tuple(questions))}")
+        return base_anchor(key, lambda: anchor_rows(self.pm, self.tok, settings, pad_id=self.pad,
+                                                    end_ids=self.end_ids, questions=questions), settings)
 
 
 def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init: Any = None,
-          exclude: list[str] = (), seed: int = 0) -> dict[str, Any]:
+          exclude: list[str] = (), seed: int = 0, anchor_questions: list[str] | None = None) -> dict[str, Any]:
     """Train adapter ``name`` on ``pairs`` with setting ``s`` (from ``init`` weights when given); returns the
     report's figures. ``exclude``: questions the anchor must not rehearse (the bench's probes: held out)."""
     from kiln.training.core.loop import LearnedCheck, Plan
@@ -164,7 +168,7 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
     rows = m.rows(pairs)
     anchor = None
     if s.anchor and not s.plain:
-        anchor = m.anchor(s).without([m.prompt(q) for q in list(exclude) + [q for q, _ in pairs]])
+        anchor = m.anchor(s, anchor_questions).without([m.prompt(q) for q in list(exclude) + [q for q, _ in pairs]])
     if s.plain:
         plan = Plan(s.lr, s.max_steps, min(8, len(rows)), seed, max_steps=s.max_steps)
     else:
@@ -365,6 +369,14 @@ WORLD_SETTINGS = {
                                                   anchor_weight=8, every=1),
     "anchor + replay, lr 1e-3": Setting("a-lr1e-3", lr=1e-3, anchor=64, anchor_per_step=4, anchor_weight=4,
                                         every=1, replay=True),
+    "defaults, world-question anchor": Setting("wq", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                               every=1, targets=("down_proj", "gate_proj", "up_proj"),
+                                               world_anchor=True),
+    "defaults, new adapter each job": Setting("fresh", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                              every=1, targets=("down_proj", "gate_proj", "up_proj"), fresh=True),
+    "defaults, world-question anchor x16 w16": Setting("wq16", lr=2e-3, anchor=64, anchor_per_step=16,
+                                                       anchor_weight=16, every=1, world_anchor=True,
+                                                       targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -389,6 +401,9 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
     edits = order[:n_max]
     untouched = order[n_max:][:spec_sample]
     base_untouched = [base_q[i] for i in untouched]
+    # the world's own questions for a world anchor: facts neither corrected in the chain nor probed
+    rest = [facts[i].question(0) for i in order[n_max + len(untouched):]]
+    print(f"world-question anchor: {min(len(rest), 64)} of {len(rest)} questions left over")
     print(f"{'setting':<38} {'edits':>5} {'efficacy':>8} {'paraphr':>8} {'specif':>8} {'degen':>5} {'steps':>6} "
           f"{'train s':>8}")
     for label, s in settings.items():
@@ -397,7 +412,9 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
             pair = (facts[i].question(0), facts[i].answer(new_values[i]))
             pairs = [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]] \
                 if s.replay else [pair]
-            rep = train(m, "edit", pairs, s, init=init, exclude=[facts[j].question(0) for j in untouched])
+            rep = train(m, "edit", pairs, s, init=None if s.fresh else init,
+                        exclude=[facts[j].question(0) for j in untouched],
+                        anchor_questions=rest[:s.anchor] if s.world_anchor else None)
             init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
             if k + 1 in counts:
                 done = edits[:k + 1]
@@ -410,6 +427,12 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                 bad = sum(degenerate(a) for a in eff + par + spec)
                 print(f"{label:<38} {k + 1:>5} {e:>8.0%} {p:>8.0%} {sp:>8.0%} {bad:>5} {steps:>6} {secs:>8.1f}"
                       f"   load {os.getloadavg()[0]:.1f}", flush=True)
+                if k + 1 == n_max:  # how the other facts drift: into a corrected value, or elsewhere
+                    values = {facts[j].answer(new_values[j]).split(" is ")[-1] for j in done}
+                    changed = [(b, a) for a, b in zip(spec, base_untouched) if a != b]
+                    into = sum(a.split(" is ")[-1] in values for _, a in changed)
+                    print(f"   {len(changed)} other facts changed, {into} of them into a corrected value; "
+                          + "; ".join(f"{b!r} -> {a!r}" for b, a in changed[:4]), flush=True)
 
 
 GRPO_PROMPTS = ["Tell me about your day.", "What is on the road?", "What do you see outside?",

@@ -125,42 +125,48 @@ def anchor_settings(request: dict[str, Any]) -> AnchorSettings:
 
 
 def anchor_rows(peft_model: Any, tokenizer: Any, settings: AnchorSettings, *, pad_id: int,
-                end_ids: Sequence[int]) -> list[AnchorRow]:
-    """The base model's own questions and greedy answers with its top-K rows (all adapters disabled).
-    Call under exclusive ownership of the model."""
+                end_ids: Sequence[int], questions: Sequence[str] | None = None) -> list[AnchorRow]:
+    """The base model's greedy answers with its top-K rows (all adapters disabled) to ``questions`` (user
+    messages), or when None to ``settings.questions`` questions the base writes itself. Call under exclusive
+    ownership of the model."""
     from kiln.training.core.data import grpo_prompt_ids
     from kiln.training.core.rehearsal import build_rehearsal, user_turn_prefix, write_questions
 
     device = next(peft_model.parameters()).device
-    prefix = user_turn_prefix(lambda m: tokenizer.apply_chat_template(m, tokenize=False),
-                              lambda s: list(tokenizer.encode(s, add_special_tokens=False)))
     with torch.no_grad():
-        questions = write_questions(peft_model, prefix, settings.questions, settings.max_tokens,
+        if questions is None:
+            prefix = user_turn_prefix(lambda m: tokenizer.apply_chat_template(m, tokenize=False),
+                                      lambda s: list(tokenizer.encode(s, add_special_tokens=False)))
+            asked = write_questions(peft_model, prefix, settings.questions, settings.max_tokens,
                                     seed=settings.seed, pad_id=pad_id, end_ids=end_ids, device=device)
+        else:
+            asked = [list(tokenizer.encode(q, add_special_tokens=False)) for q in questions]
 
         def chat_prompt(q: list[int]) -> list[int]:
             text = tokenizer.decode(q, skip_special_tokens=True).strip()
             return grpo_prompt_ids(tokenizer, [{"role": "user", "content": text}])
 
-        rehearsal = build_rehearsal(peft_model, questions, chat_prompt=chat_prompt, exclude=[],
+        rehearsal = build_rehearsal(peft_model, asked, chat_prompt=chat_prompt, exclude=[],
                                     max_tokens=settings.max_tokens, top_k=settings.top_k, pad_id=pad_id,
                                     end_ids=end_ids, device=device)
-    out = []
-    for item in rehearsal.items:
-        width = max(len(d) for d in item.rows)
-        n = len(item.rows)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        logp = torch.zeros((n, width), dtype=torch.float32)
-        mask = torch.zeros((n, width), dtype=torch.bool)
-        for j, d in enumerate(item.rows):
-            ids[j, :len(d)] = torch.tensor(list(d.keys()))
-            logp[j, :len(d)] = torch.tensor(list(d.values()))
-            mask[j, :len(d)] = True
-        tail = (1.0 - torch.where(mask, logp.double().exp(), 0.0).sum(-1)).clamp(min=0.0).float()
-        seq = list(item.prompt) + list(item.answer)
-        row = Row(seq, [0] * len(item.prompt) + [1] * len(item.answer))
-        out.append(AnchorRow(tuple(item.prompt), row, ids, logp, mask, tail))
-    return out
+    return [_anchor_row(item) for item in rehearsal.items]
+
+
+def _anchor_row(item: Any) -> AnchorRow:
+    """One rehearsal item (prompt, base answer, top-K rows) as an anchor row."""
+    width = max(len(d) for d in item.rows)
+    n = len(item.rows)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    logp = torch.zeros((n, width), dtype=torch.float32)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    for j, d in enumerate(item.rows):
+        ids[j, :len(d)] = torch.tensor(list(d.keys()))
+        logp[j, :len(d)] = torch.tensor(list(d.values()))
+        mask[j, :len(d)] = True
+    tail = (1.0 - torch.where(mask, logp.double().exp(), 0.0).sum(-1)).clamp(min=0.0).float()
+    seq = list(item.prompt) + list(item.answer)
+    row = Row(seq, [0] * len(item.prompt) + [1] * len(item.answer))
+    return AnchorRow(tuple(item.prompt), row, ids, logp, mask, tail)
 
 
 _CACHE: dict[tuple[Any, ...], list[AnchorRow]] = {}
