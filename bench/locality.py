@@ -87,6 +87,7 @@ class Setting:
     plain: bool = False  # a plain PEFT loop: fixed steps, no learned check, no anchor
     world_anchor: bool = False  # world: the anchor asks the world's own fact questions (not the probes or edits)
     fresh: bool = False  # sequential: every job starts a new adapter (replay carries the earlier corrections)
+    shuffle: bool = False  # sequential: job k takes the anchor's rows in its own seeded order (not always from row 0)
 
 
 class Model:
@@ -141,6 +142,20 @@ class Model:
                                         end_ids=self.end_ids, device="cpu")
         return [[t for t in a if t not in self.end_ids] for a in out]
 
+    def margins(self, questions: list[str], answers: list[list[int]]) -> list[float]:
+        """The base's smallest log-probability gap between its first and second choice over each answer's
+        tokens (teacher-forced): how close each greedy answer is to flipping."""
+        import torch
+
+        out = []
+        with torch.no_grad(), self.pm.disable_adapter():
+            for q, a in zip(questions, answers):
+                p = self.prompt(q)
+                logits = self.pm(input_ids=torch.tensor([p + a]), use_cache=False).logits[0, len(p) - 1:len(p) + len(a) - 1]
+                top = logits.log_softmax(-1).topk(2, dim=-1).values
+                out.append(float((top[:, 0] - top[:, 1]).min()))
+        return out
+
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True).strip()
 
@@ -169,6 +184,14 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
     anchor = None
     if s.anchor and not s.plain:
         anchor = m.anchor(s, anchor_questions).without([m.prompt(q) for q in list(exclude) + [q for q, _ in pairs]])
+        if s.shuffle:
+            import random
+
+            from kiln.training.core.anchor import Anchor
+
+            order = list(anchor.rows)
+            random.Random(len(pairs)).shuffle(order)
+            anchor = Anchor(order, anchor.settings)
     if s.plain:
         plan = Plan(s.lr, s.max_steps, min(8, len(rows)), seed, max_steps=s.max_steps)
     else:
@@ -377,6 +400,13 @@ WORLD_SETTINGS = {
     "defaults, world-question anchor x16 w16": Setting("wq16", lr=2e-3, anchor=64, anchor_per_step=16,
                                                        anchor_weight=16, every=1, world_anchor=True,
                                                        targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, MLP rank 64": Setting("mlpr64", lr=2e-3, rank=64, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                     every=1, targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 1024 x16 w16, rows shuffled per job": Setting("q1024s", lr=2e-3, anchor=1024, anchor_per_step=16,
+                                                          anchor_weight=16, every=1, shuffle=True,
+                                                          targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, layer-0 MLP only": Setting("mlp-l0", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                          targets=("0.mlp.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -431,6 +461,15 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                     values = {facts[j].answer(new_values[j]).split(" is ")[-1] for j in done}
                     changed = [(b, a) for a, b in zip(spec, base_untouched) if a != b]
                     into = sum(a.split(" is ")[-1] in values for _, a in changed)
+                    qs = [facts[j].question(0) for j in untouched]
+                    gap = m.margins(qs, m.greedy(None, qs))
+                    moved = [a != b for a, b in zip(spec, base_untouched)]
+                    mean = [sum(g for g, c in zip(gap, moved) if c == flag) / max(1, sum(c == flag for c in moved))
+                            for flag in (True, False)]
+                    low = sorted(range(len(gap)), key=gap.__getitem__)[:len(changed)]
+                    print(f"   base margin (nats, smallest over the answer): changed facts {mean[0]:.2f}, "
+                          f"unchanged {mean[1]:.2f}; {sum(moved[i] for i in low)} of the {len(changed)} "
+                          f"lowest-margin facts changed", flush=True)
                     print(f"   {len(changed)} other facts changed, {into} of them into a corrected value; "
                           + "; ".join(f"{b!r} -> {a!r}" for b, a in changed[:4]), flush=True)
 
