@@ -151,7 +151,8 @@ class Model:
         with torch.no_grad(), self.pm.disable_adapter():
             for q, a in zip(questions, answers):
                 p = self.prompt(q)
-                logits = self.pm(input_ids=torch.tensor([p + a]), use_cache=False).logits[0, len(p) - 1:len(p) + len(a) - 1]
+                logits = self.pm(input_ids=torch.tensor([p + a]), use_cache=False).logits[0]
+                logits = logits[len(p) - 1:len(p) + len(a) - 1]
                 top = logits.log_softmax(-1).topk(2, dim=-1).values
                 out.append(float((top[:, 0] - top[:, 1]).min()))
         return out
@@ -405,6 +406,11 @@ WORLD_SETTINGS = {
     "anchor 1024 x16 w16, rows shuffled per job": Setting("q1024s", lr=2e-3, anchor=1024, anchor_per_step=16,
                                                           anchor_weight=16, every=1, shuffle=True,
                                                           targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 1024 x16 w16": Setting("q1024", lr=2e-3, anchor=1024, anchor_per_step=16, anchor_weight=16, every=1,
+                                   targets=("down_proj", "gate_proj", "up_proj")),
+    "anchor 256 x16 w16, rows shuffled per job": Setting("q256s", lr=2e-3, anchor=256, anchor_per_step=16,
+                                                         anchor_weight=16, every=1, shuffle=True,
+                                                         targets=("down_proj", "gate_proj", "up_proj")),
     "defaults, layer-0 MLP only": Setting("mlp-l0", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
                                           targets=("0.mlp.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
