@@ -98,6 +98,21 @@ def test_the_anchor_is_zero_at_the_base_and_pulls_a_moved_adapter_back(peft_buil
     # a job's own prompts are left out of its anchor
     own = [list(rows[0].prompt) + [1, 2, 3]]
     assert len(anchor.without(own)) == len(rows) - sum(r.prompt == rows[0].prompt for r in rows)
+
+
+def test_an_anchor_on_given_questions_answers_exactly_those(peft_builtin):
+    """``anchor_rows(questions=...)``: one row per distinct question, its prompt the question's chat prompt and
+    its answer the base's greedy answer (what bench/locality.py's world-question anchor uses)."""
+    from kiln.training.core.anchor import AnchorSettings, anchor_rows
+    from kiln.training.core.data import grpo_prompt_ids
+
+    pm, tok, end_ids = peft_builtin
+    settings = AnchorSettings(questions=8, per_step=4, weight=1.0, max_tokens=16)
+    asked = ["What is the capital of France?", "Which bird guards the old mill?", "What is the capital of France?"]
+    rows = anchor_rows(pm, tok, settings, pad_id=tok.pad_token_id, end_ids=end_ids, questions=asked)
+    prompts = [tuple(grpo_prompt_ids(tok, [{"role": "user", "content": q}])) for q in asked[:2]]
+    assert [r.prompt for r in rows] == prompts
+    assert all(r.row.loss_mask.count(1) == r.ids.shape[0] > 0 for r in rows)
     pm.delete_adapter("anchored")
 
 
