@@ -87,6 +87,7 @@ class Setting:
     plain: bool = False  # a plain PEFT loop: fixed steps, no learned check, no anchor
     world_anchor: bool = False  # world: the anchor asks the world's own fact questions (not the probes or edits)
     fresh: bool = False  # sequential: every job starts a new adapter (replay carries the earlier corrections)
+    continuing_lr: float = 0.0  # sequential: the learning rate of every job after the first (0: lr)
     shuffle: bool = False  # sequential: job k takes the anchor's rows in its own seeded order (not always from row 0)
 
 
@@ -411,6 +412,11 @@ WORLD_SETTINGS = {
     "anchor 256 x16 w16, rows shuffled per job": Setting("q256s", lr=2e-3, anchor=256, anchor_per_step=16,
                                                          anchor_weight=16, every=1, shuffle=True,
                                                          targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, lr 5e-4 for continuing jobs": Setting("cont5e-4", lr=2e-3, continuing_lr=5e-4, anchor=64,
+                                                     anchor_per_step=8, anchor_weight=8, every=1,
+                                                     targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, at most 10 steps a job": Setting("cap10", lr=2e-3, max_steps=10, anchor=64, anchor_per_step=8,
+                                                anchor_weight=8, every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "defaults, layer-0 MLP only": Setting("mlp-l0", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
                                           targets=("0.mlp.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
@@ -448,7 +454,8 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
             pair = (facts[i].question(0), facts[i].answer(new_values[i]))
             pairs = [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]] \
                 if s.replay else [pair]
-            rep = train(m, "edit", pairs, s, init=None if s.fresh else init,
+            job = replace(s, lr=s.continuing_lr) if k and s.continuing_lr else s
+            rep = train(m, "edit", pairs, job, init=None if s.fresh else init,
                         exclude=[facts[j].question(0) for j in untouched],
                         anchor_questions=rest[:s.anchor] if s.world_anchor else None)
             init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
