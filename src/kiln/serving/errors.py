@@ -11,9 +11,10 @@ the first offending field), unknown routes/methods and unexpected exceptions
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-import json
+import re
 from typing import Any, Callable, Iterable, MutableMapping
 
 from fastapi import FastAPI, Request
@@ -97,13 +98,30 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
     problems = []
     params = []
     for err in errors[:MAX_VALIDATION_PROBLEMS]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        params.append(loc)
+        loc = field_path(err.get("loc", ()))
+        wrong_type = str(err.get("type", "")).endswith(("_type", "_parsing"))
+        params.append(((not wrong_type, len(err.get("loc", ()))), loc))
         problems.append(f"{loc}: {err.get('msg', 'invalid')}")
     more = f" (+{len(errors) - MAX_VALIDATION_PROBLEMS} more)" if len(errors) > MAX_VALIDATION_PROBLEMS else ""
+    # a value no member of a union accepts fails once per member; the member whose type it has, and then
+    # the one it got furthest into, names it
+    param = max(params, key=lambda rank_loc: rank_loc[0])[1] if params else None
     return error_response(400, "invalid_request", "; ".join(problems) + more,
-                          "fix the listed fields; see GET /docs for the request schema",
-                          param=params[0] if params else None)
+                          "fix the listed fields; see GET /docs for the request schema", param=param)
+
+
+def field_path(loc: Any) -> str:
+    """A validation error's location as the caller wrote it: ``prompt[1]``, ``messages[0].content``.
+    The body marker and pydantic's union-member tags (``constrained-str``, ``list[int]``) are not fields."""
+    path = ""
+    for part in loc:
+        if part == "body" or (isinstance(part, str) and _UNION_TAG.search(part)):
+            continue
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+_UNION_TAG = re.compile(r"[\[\]-]")
 
 
 def allowed_methods(app: FastAPI, scope: MutableMapping[str, Any]) -> str:
