@@ -38,6 +38,7 @@ typedef struct {
     int32_t threads;                   /* OpenMP threads (<= 1: the calling thread only) */
     int32_t isa;  /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni, 3 vnni512 */
     float *out;                        /* [m, n] contiguous */
+    int64_t group;  /* int8: activation elements per scale (a multiple of 32; <= 0 or >= k: the whole row) */
 } kiln_qmm_args;
 
 typedef struct {  /* the activations, quantized */
@@ -51,22 +52,29 @@ typedef void (*row_fn)(const kiln_qmm_args *, const xquant *, int64_t n0, int64_
 
 /* ---- activations ---------------------------------------------------------------------- */
 
-static void quantize_x(const float *x, int64_t m, int64_t k, int8_t *q, float *d, float *s) {
-    int64_t kb = k / QB;
-    for (int64_t i = 0; i < m * kb; i++) {
-        const float *xb = x + i * QB;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < QB; j++) {
-            float a = fabsf(xb[j]);
-            amax = a > amax ? a : amax;
-            sum += xb[j];
+/* x [m, k] -> int8 q [m, k] and one scale d per group of g elements of a row ([m, ceil(k / g)]; the
+ * last group of a row may be shorter), plus each group's float sum in s where s is not NULL. */
+static void quantize_x(const float *x, int64_t m, int64_t k, int64_t g, int8_t *q, float *d, float *s) {
+    int64_t ng = (k + g - 1) / g;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t t = 0; t < ng; t++) {
+            int64_t k0 = t * g, len = k - k0 < g ? k - k0 : g;
+            const float *xb = x + i * k + k0;
+            float amax = 0.f, sum = 0.f;
+            for (int64_t j = 0; j < len; j++) {
+                float v = fabsf(xb[j]);
+                amax = v > amax ? v : amax;
+                sum += xb[j];
+            }
+            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int64_t j = 0; j < len; j++) q[i * k + k0 + j] = (int8_t)lrintf(xb[j] * inv);
+            d[i * ng + t] = amax / 127.f;
+            if (s) s[i * ng + t] = sum;
         }
-        float dd = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int j = 0; j < QB; j++) q[i * QB + j] = (int8_t)lrintf(xb[j] * inv);
-        d[i] = dd;
-        s[i] = sum;
-    }
 }
+
+/* int8's activation group: elements of a row that share one scale (their integer dots add up in int32). */
+static inline int64_t xgroup(const kiln_qmm_args *a) { return a->group > 0 && a->group < a->k ? a->group : a->k; }
 
 /* ---- portable -------------------------------------------------------------------------- */
 
@@ -101,6 +109,25 @@ static void rows_portable(const kiln_qmm_args *a, const xquant *xq, int64_t n0, 
             }
             float v = a->mode == 8 ? acc * a->scales[n] : acc + zacc;
             a->out[i * a->n + n] = v + (a->bias ? a->bias[n] : 0.f);
+        }
+    }
+}
+
+/* int8: one int32 dot per activation group, converted to float once per group. */
+static void rows8_portable(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = (const int8_t *)a->w + n * k;
+        for (int64_t i = 0; i < a->m; i++) {
+            const int8_t *x = xq->q + i * k;
+            float acc = 0.f;
+            for (int64_t t = 0; t < ng; t++) {
+                int64_t k1 = (t + 1) * g < k ? (t + 1) * g : k;
+                int32_t dot = 0;
+                for (int64_t j = t * g; j < k1; j++) dot += (int32_t)w[j] * (int32_t)x[j];
+                acc += (float)dot * xq->d[i * ng + t];
+            }
+            a->out[i * a->n + n] = acc * a->scales[n] + (a->bias ? a->bias[n] : 0.f);
         }
     }
 }
@@ -189,6 +216,72 @@ AVX2 static inline __m256i load_w(const kiln_qmm_args *a, int64_t n, int64_t b) 
 TILES(rows_avx2, AVX2, DOT_AVX2)
 TILES(rows_vnni, VNNI, DOT_VNNI)
 
+/* int8, 256 bits: the block dots of an activation group add up in int32 registers (R x NW of them)
+ * and are converted to float once per group. ``ACC`` adds a block's integer dot to an accumulator. */
+#define TILE8_BODY(ACC)                                                                           \
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;                                        \
+    __m256 acc[4][2];                                                                             \
+    const int8_t *wp[2];                                                                          \
+    for (int c = 0; c < NW; c++) wp[c] = (const int8_t *)a->w + (n + c) * k;                      \
+    for (int j = 0; j < R; j++)                                                                   \
+        for (int c = 0; c < NW; c++) acc[j][c] = _mm256_setzero_ps();                             \
+    for (int64_t t = 0; t < ng; t++) {                                                            \
+        int64_t k0 = t * g, k1 = k0 + g < k ? k0 + g : k;                                         \
+        __m256i dot[4][2];                                                                        \
+        for (int j = 0; j < R; j++)                                                               \
+            for (int c = 0; c < NW; c++) dot[j][c] = _mm256_setzero_si256();                      \
+        for (int64_t kk = k0; kk < k1; kk += QB) {                                                \
+            __m256i w[2], aw[2];                                                                  \
+            for (int c = 0; c < NW; c++) {                                                        \
+                w[c] = _mm256_loadu_si256((const __m256i *)(wp[c] + kk));                         \
+                aw[c] = _mm256_sign_epi8(w[c], w[c]);                                             \
+            }                                                                                     \
+            for (int j = 0; j < R; j++) {                                                         \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + (i0 + j) * k + kk));     \
+                for (int c = 0; c < NW; c++) dot[j][c] = ACC(dot[j][c], aw[c], _mm256_sign_epi8(x, w[c])); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int j = 0; j < R; j++) {                                                             \
+            __m256 xd = _mm256_set1_ps(xq->d[(i0 + j) * ng + t]);                                 \
+            for (int c = 0; c < NW; c++) acc[j][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][c]), xd, acc[j][c]); \
+        }                                                                                         \
+    }                                                                                             \
+    for (int j = 0; j < R; j++)                                                                   \
+        for (int c = 0; c < NW; c++)                                                              \
+            a->out[(i0 + j) * a->n + n + c] = hsum8(acc[j][c]) * a->scales[n + c]                 \
+                                              + (a->bias ? a->bias[n + c] : 0.f);
+
+#define ACC_AVX2(acc, aw, sx) _mm256_add_epi32(acc, DOT_AVX2(aw, sx))
+#define ACC_VNNI(acc, aw, sx) _mm256_dpbusd_epi32(acc, aw, sx)
+
+/* The loop over output pairs and 4-row tiles shared by every x86 path (TILE: one tile's code). */
+#define DRIVE(NAME, TARGET, TILE)                                                                 \
+    TARGET static void NAME(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {  \
+        int64_t n = n0;                                                                           \
+        for (; n + 2 <= n1; n += 2) {                                                             \
+            int64_t i0 = 0;                                                                       \
+            for (; i0 + 4 <= a->m; i0 += 4) TILE(a, xq, n, i0, 4, 2);                             \
+            switch (a->m - i0) {                                                                  \
+            case 3: TILE(a, xq, n, i0, 3, 2); break;                                              \
+            case 2: TILE(a, xq, n, i0, 2, 2); break;                                              \
+            case 1: TILE(a, xq, n, i0, 1, 2); break;                                              \
+            default: break;                                                                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (; n < n1; n++)                                                                       \
+            for (int64_t i0 = 0; i0 < a->m; i0++) TILE(a, xq, n, i0, 1, 1);                      \
+    }
+
+#define TILES8(NAME, TARGET, ACC)                                                                 \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile(                        \
+            const kiln_qmm_args *a, const xquant *xq, int64_t n, int64_t i0, const int R, const int NW) { \
+        TILE8_BODY(ACC)                                                                           \
+    }                                                                                             \
+    DRIVE(NAME, TARGET, NAME##_tile)
+
+TILES8(rows8_avx2, AVX2, ACC_AVX2)
+TILES8(rows8_vnni, VNNI, ACC_VNNI)
+
 /* AVX-512 VNNI, 512 bits: two blocks a vector. ``xq->e`` holds each block's activation scale
  * repeated 8 times, so one load gives the two blocks' scales lane by lane. An odd last block
  * goes through the 256-bit code above. */
@@ -253,6 +346,52 @@ V512 static inline __attribute__((always_inline)) void v512_tile(
         }
 }
 
+/* int8, 512 bits: the activations offset to unsigned (x + 128, one xor) so that one vpdpbusd per
+ * 64 elements takes the signed weights as they are; the offset's term 128 * sum(w) is accumulated
+ * beside (one vpdpbusd per weight vector, shared by the tile's rows) and taken off once per group. */
+V512 static inline __attribute__((always_inline)) void v512_tile8(
+        const kiln_qmm_args *a, const xquant *xq, int64_t n, int64_t i0, const int R, const int NW) {
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    __m512 acc[4][2];
+    const int8_t *wp[2];
+    for (int c = 0; c < NW; c++) wp[c] = (const int8_t *)a->w + (n + c) * k;
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ng; t++) {
+        int64_t k0 = t * g, k1 = k0 + g < k ? k0 + g : k;
+        __m512i dot[4][2], ws[2];
+        for (int c = 0; c < NW; c++) {
+            ws[c] = _mm512_setzero_si512();
+            for (int j = 0; j < R; j++) dot[j][c] = _mm512_setzero_si512();
+        }
+        for (int64_t kk = k0; kk < k1; kk += 2 * QB) {
+            __mmask64 mk = kk + 2 * QB <= k1 ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;  /* 32 left */
+            __m512i w[2];
+            for (int c = 0; c < NW; c++) {
+                w[c] = _mm512_maskz_loadu_epi8(mk, wp[c] + kk);
+                ws[c] = _mm512_dpbusd_epi32(ws[c], ones, w[c]);
+            }
+            for (int j = 0; j < R; j++) {
+                __m512i xu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, xq->q + (i0 + j) * k + kk), flip);
+                for (int c = 0; c < NW; c++) dot[j][c] = _mm512_dpbusd_epi32(dot[j][c], xu, w[c]);
+            }
+        }
+        for (int c = 0; c < NW; c++) ws[c] = _mm512_slli_epi32(ws[c], 7);
+        for (int j = 0; j < R; j++) {
+            __m512 xd = _mm512_set1_ps(xq->d[(i0 + j) * ng + t]);
+            for (int c = 0; c < NW; c++)
+                acc[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][c], ws[c])), xd, acc[j][c]);
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++)
+            a->out[(i0 + j) * a->n + n + c] = _mm512_reduce_add_ps(acc[j][c]) * a->scales[n + c]
+                                              + (a->bias ? a->bias[n + c] : 0.f);
+}
+
+DRIVE(rows8_v512, V512, v512_tile8)
+
 V512 static void rows_v512(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) {
@@ -287,44 +426,40 @@ int kiln_qmm_isa(void) {
     return 0;
 }
 
-static row_fn pick(int isa) {
+static row_fn pick(int isa, int mode) {
 #ifdef KILN_X86
-    if (isa >= 3) return rows_v512;
-    if (isa == 2) return rows_vnni;
-    if (isa == 1) return rows_avx2;
+    if (isa >= 3) return mode == 8 ? rows8_v512 : rows_v512;
+    if (isa == 2) return mode == 8 ? rows8_vnni : rows_vnni;
+    if (isa == 1) return mode == 8 ? rows8_avx2 : rows_avx2;
 #else
     (void)isa;
 #endif
-    return rows_portable;
+    return mode == 8 ? rows8_portable : rows_portable;
 }
 
 int kiln_qmm(const kiln_qmm_args *a) {
     if (!a || !a->x || !a->w || !a->scales || !a->out || a->m < 0 || a->n <= 0 || a->k <= 0 || a->k % QB
-        || (a->mode != 8 && a->mode != 4))
+        || (a->mode != 8 && a->mode != 4) || (a->mode == 8 && a->group > 0 && a->group % QB))
         return -2;
     int best = kiln_qmm_isa();
     if (a->isa > best) return -2;  /* a path this CPU cannot run */
-    row_fn rows = pick(a->isa < 0 ? best : a->isa);  /* isa below: the same choice */
+    int isa = a->isa < 0 ? best : a->isa;
+    row_fn rows = pick(isa, a->mode);
     if (a->m == 0) return 0;
-    int64_t kb = a->k / QB;
+    int64_t g = a->mode == 8 ? xgroup(a) : QB, ng = (a->k + g - 1) / g;
     int8_t *q = malloc((size_t)(a->m * a->k));
-    float *d = malloc(sizeof(float) * (size_t)(a->m * kb)), *s = malloc(sizeof(float) * (size_t)(a->m * kb));
-    if (!q || !d || !s) {
-        free(q); free(d); free(s);
+    float *d = malloc(sizeof(float) * (size_t)(a->m * ng));
+    float *s = a->mode == 4 ? malloc(sizeof(float) * (size_t)(a->m * ng)) : NULL;
+    xquant xq = {q, d, s, NULL};
+    if (isa >= 3 && a->mode == 4) xq.e = malloc(sizeof(float) * 8 * (size_t)(a->m * ng));
+    if (!q || !d || (a->mode == 4 && (!s || (isa >= 3 && !xq.e)))) {
+        free(q); free(d); free(s); free(xq.e);
         return -1;
     }
-    quantize_x(a->x, a->m, a->k, q, d, s);
-    xquant xq = {q, d, s, NULL};
-    int isa = a->isa < 0 ? best : a->isa;
-    if (isa >= 3) {
-        xq.e = malloc(sizeof(float) * 8 * (size_t)(a->m * kb));
-        if (!xq.e) {
-            free(q); free(d); free(s);
-            return -1;
-        }
-        for (int64_t i = 0; i < a->m * kb; i++)
+    quantize_x(a->x, a->m, a->k, g, q, d, s);
+    if (xq.e)
+        for (int64_t i = 0; i < a->m * ng; i++)
             for (int j = 0; j < 8; j++) xq.e[i * 8 + j] = d[i];
-    }
     /* Decode-sized calls stay on the calling thread: at c=8 on qwen3-31m (8 x 1536 x 512, ~0.1 ms of
      * work) a 2-thread region was 10-50x slower on a loaded 2-core machine (a barrier waits for a
      * descheduled thread); prompt chunks (many rows) split the output features. */
