@@ -169,6 +169,37 @@ class QuantizedLinear(torch.nn.Linear):
                f"kernel={self.kernel}"
 
 
+def join_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+    """One c-kernel layer whose outputs are ``parts``' side by side (q|k|v, gate|up: one activation
+    rounding and one call instead of one per part), or ``None`` when they cannot join (another kernel,
+    mixed modes or in-features, a bias on some parts only).
+
+    The joint buffers are new; each part's ``qweight`` and ``scales`` become views of them (rows along
+    dim 0), so the join costs no memory and the parts (PEFT's base layers, training) read the same bytes."""
+    first = parts[0]
+    if any(p.kernel != "c" or p.mode != first.mode or p.in_features != first.in_features
+           or p.scales.dtype != first.scales.dtype for p in parts):
+        return None
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    joint = QuantizedLinear.__new__(QuantizedLinear)
+    torch.nn.Module.__init__(joint)
+    joint.in_features, joint.out_features = first.in_features, sum(p.out_features for p in parts)
+    joint.mode, joint.kernel, joint.float_dtype = first.mode, "c", first.float_dtype
+    joint.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
+    joint.register_buffer("scales", torch.cat([p.scales for p in parts]))
+    joint.register_parameter("weight", None)
+    joint.bias = None if biases[0] is None else torch.nn.Parameter(
+        torch.cat([b.detach() for b in biases if b is not None]), requires_grad=False)
+    row = 0
+    for p in parts:
+        p._buffers["qweight"] = joint.qweight[row:row + p.out_features]
+        p._buffers["scales"] = joint.scales[row:row + p.out_features]
+        row += p.out_features
+    return joint
+
+
 def _int4_fits(lin: torch.nn.Linear, kernel: str) -> bool:
     """Shapes int4 takes: whole groups of in-features; out-features a multiple of 16 too except for the c kernel."""
     return lin.in_features % INT4_GROUP == 0 and (kernel == "c" or lin.out_features % INT4_N_MULTIPLE == 0)
