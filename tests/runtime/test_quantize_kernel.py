@@ -58,9 +58,9 @@ def test_every_path_equals_the_dequantized_reference(kernel, mode, rows):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_threads_split_outputs_without_changing_them(kernel, mode):
-    n, k = 1040, 4096  # 8 rows x n x k above the kernel's threshold for OpenMP (2^25)
+    n, k = 2050, 4096  # 256 rows x n x k above the kernel's threshold for OpenMP (2^31)
     q, s = _operands(mode, n, k, seed=4)
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(256, k, generator=torch.Generator().manual_seed(5))
     one = kernel.matmul(x, q, s, mode, threads=1)
     assert torch.equal(kernel.matmul(x, q, s, mode, threads=2), one)  # each output is computed whole by one thread
     assert (one - qm.reference(x, q, s, mode)).abs().max().item() < REL_TOL * one.abs().max().item()

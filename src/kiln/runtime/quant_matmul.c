@@ -29,7 +29,7 @@
 #endif
 
 #define QB 32                    /* block of K */
-#define PAR_MIN_WORK (1L << 25)  /* M * N * K below this: one thread (see kiln_qmm) */
+#define PAR_MIN_WORK (1L << 31)  /* M * N * K below this: one thread (see kiln_qmm) */
 
 typedef struct {
     const float *x; int64_t m, k;      /* x [m, k] contiguous */
@@ -460,9 +460,10 @@ int kiln_qmm(const kiln_qmm_args *a) {
     if (xq.e)
         for (int64_t i = 0; i < a->m * ng; i++)
             for (int j = 0; j < 8; j++) xq.e[i * 8 + j] = d[i];
-    /* Decode-sized calls stay on the calling thread: at c=8 on qwen3-31m (8 x 1536 x 512, ~0.1 ms of
-     * work) a 2-thread region was 10-50x slower on a loaded 2-core machine (a barrier waits for a
-     * descheduled thread); prompt chunks (many rows) split the output features. */
+    /* Only very large calls split the output features over OpenMP threads: inside a torch process
+     * an OpenMP region here cost about 8 ms more than its work (2 threads, load ~1: 8 x 8,192 x 512,
+     * the qwen3-31m head at c=8, 0.7 -> 8.0 ms; 64 x 1,536 x 512 0.5 -> 8.0 ms; 2,048 rows 27.5 ->
+     * 24 ms), so below ~1,200 rows of a 1,536 x 512 matrix one thread is faster: 2^31 keeps twice that. */
     int threads = a->threads > 1 && a->m * a->n * a->k >= PAR_MIN_WORK ? a->threads : 1;
     if (threads == 1) {
         rows(a, &xq, 0, a->n);
