@@ -29,6 +29,7 @@
 #endif
 
 #define QB 32                    /* block of K */
+#define PF_ROWS 8  /* x86 paths: prefetch the weight row this many rows ahead (the first row tile does) */
 #define PAR_MIN_WORK (1L << 31)  /* M * N * K below this: one thread (see kiln_qmm) */
 
 typedef struct {
@@ -235,6 +236,7 @@ TILES(rows_vnni, VNNI, DOT_VNNI)
             for (int c = 0; c < NW; c++) {                                                        \
                 w[c] = _mm256_loadu_si256((const __m256i *)(wp[c] + kk));                         \
                 aw[c] = _mm256_sign_epi8(w[c], w[c]);                                             \
+                if (i0 == 0) _mm_prefetch((const char *)(wp[c] + PF_ROWS * k + kk), _MM_HINT_T0);   \
             }                                                                                     \
             for (int j = 0; j < R; j++) {                                                         \
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + (i0 + j) * k + kk));     \
@@ -307,6 +309,10 @@ V512 static inline __attribute__((always_inline)) void v512_tile(
         float z0[2] = {0.f, 0.f}, z1[2] = {0.f, 0.f};
         for (int c = 0; c < NW; c++) {
             w[c] = load_w2(a, n + c, b);
+            if (i0 == 0 && a->mode == 4) {  /* the packed codes and the scales, PF_ROWS rows ahead */
+                _mm_prefetch((const char *)a->w + (n + c + PF_ROWS) * (k / 2) + b * 16, _MM_HINT_T0);
+                _mm_prefetch((const char *)(a->scales + ((n + c + PF_ROWS) * kb + b) * 2), _MM_HINT_T0);
+            }
             aw[c] = _mm512_abs_epi8(w[c]);
             neg[c] = _mm512_movepi8_mask(w[c]);
             if (a->mode == 4) {
@@ -371,6 +377,7 @@ V512 static inline __attribute__((always_inline)) void v512_tile8(
             for (int c = 0; c < NW; c++) {
                 w[c] = _mm512_maskz_loadu_epi8(mk, wp[c] + kk);
                 ws[c] = _mm512_dpbusd_epi32(ws[c], ones, w[c]);
+                if (i0 == 0) _mm_prefetch((const char *)(wp[c] + PF_ROWS * k + kk), _MM_HINT_T0);
             }
             for (int j = 0; j < R; j++) {
                 __m512i xu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, xq->q + (i0 + j) * k + kk), flip);
