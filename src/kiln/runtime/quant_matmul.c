@@ -1,16 +1,18 @@
 /* Weight-only int8 / int4 matmul for the CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
  *
  * Built and loaded by kiln/runtime/quant_matmul.py through kiln.runtime.paged_attention.build (the
- * one C builder; cached under the kernel directory). The activations are quantized per row in
- * blocks of 32 (symmetric int8, d = max|x| / 127 per block, as llama.cpp's Q8_0 does for its
- * activations), then each block's integer dot product with the weight block is scaled in float:
+ * one C builder; cached under the kernel directory). The activations are quantized per row
+ * (symmetric int8, d = max|x| / 127 per group of elements) and multiplied with the weights in integers:
  *
- *   int8 (mode 8):  W[n, k] = q[n, k] * scale[n]; w: int8 [N, K]; scales: float [N]
+ *   int8 (mode 8):  W[n, k] = q[n, k] * scale[n]; w: int8 [N, K]; scales: float [N]. One activation
+ *                   scale per group of ``group`` elements of a row (a multiple of 32; the whole row
+ *                   when <= 0): a group's dot adds up in int32 and is converted to float once.
  *   int4 (mode 4):  W[n, k] = (q - 8) * s[n, b] + z[n, b] for k in block b = k / 32; w: uint8
  *                   [N, K / 2], block b of row n at w[n * K / 2 + b * 16 ..]: byte j holds element
  *                   j in its low nibble and element j + 16 in its high nibble (codes 0..15);
- *                   scales: float [N, K / 32, 2] = (s, z). The zero's term uses the block's exact
- *                   float sum of x.
+ *                   scales: float [N, K / 32, 2] = (s, z). Activations per block of 32 (as llama.cpp's
+ *                   Q4_0 takes them); each block's dot is scaled in float. The zero's term uses the
+ *                   block's exact float sum of x.
  *
  * Paths: AVX-512 VNNI with 512-bit vectors (two blocks a vpdpbusd) and with 256-bit ones, AVX2 +
  * FMA (vpmaddubsw / vpmaddwd), and portable C

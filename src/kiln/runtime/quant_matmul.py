@@ -1,8 +1,9 @@
 """Kiln's own CPU int8/int4 weight-only matmul (``quant_matmul.c`` beside this file), one kernel
 candidate of kiln.runtime.quantize's measured choice.
 
-The C file quantizes the activations per block of 32 (as llama.cpp's Q8_0 does for its
-activations) and takes integer block dot products with the weights: AVX-512 VNNI (512- or 256-bit
+The C file quantizes the activations to int8 (int8 weights: one scale per :data:`INT8_GROUP`
+elements of a row, the group's dot accumulated in int32; int4: per block of 32, as llama.cpp's Q4_0
+takes them) and takes integer dot products with the weights: AVX-512 VNNI (512- or 256-bit
 vectors), AVX2 + FMA or portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
 for large matrices. It is built once through :func:`kiln.runtime.paged_attention.build` (the one
 C builder, cached in :func:`kiln.runtime.paged_attention.kernel_dir`) and self-checked against

@@ -9,7 +9,7 @@ holding only the quantized weight; activations stay in the model's dtype:
   per group: ``w = (q - 8) * scale + zero``).
 
 Three kernels (:data:`KERNELS`), one chosen per load by measurement: ``c``, Kiln's own
-(kiln.runtime.quant_matmul: activations rounded to int8 per block of 32, integer block dots by
+(kiln.runtime.quant_matmul: activations rounded to int8 per group, integer dots by
 AVX-512 VNNI / AVX2 / portable C; float32 on the CPU, in-features a multiple of 32); ``aten``,
 torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (int4 packed once by
 ``_convert_weight_to_int4pack_for_cpu``); ``dequantize``, ``F.linear`` over the weight dequantized on
