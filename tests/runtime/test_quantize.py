@@ -161,9 +161,12 @@ def test_lora_rows_over_the_quantized_base_match_the_dequantized_reference(quant
         hf = run(lambda c: pm(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c,
                               use_cache=True, adapter_names=list(keys)).logits)
         got = run(lambda c: lean(ids, pos, mask, c, 0, list(keys)))
-        if kernel == "c":  # activations rounded per block in every matmul: 2 layers + head measured 2.2 %
+        if kernel == "c":  # activations rounded per group in every matmul: 2 layers + head measured 2.2 %
             assert (hf - ref).abs().max().item() < 5e-2 * ref.abs().max().item(), keys
-            assert (got - hf).abs().max().item() < 1e-3, keys  # the same kernel under both forwards
+            # the lean forward joins q|k|v and gate|up into one call each and fuses its norms: a last-bit
+            # difference in a norm can flip an activation's rounding, so it gets the same bound as HF's
+            assert lean._qfused, "the c kernel's projections run joined"
+            assert (got - ref).abs().max().item() < 5e-2 * ref.abs().max().item(), keys
         else:
             assert (hf - ref).abs().max().item() < 1e-3, keys
             assert (got - ref).abs().max().item() < 1e-3, keys
@@ -277,3 +280,26 @@ def test_c_kernel_gives_the_lm_head_an_int8_inference_copy():
     aten = _config("qwen3").eval()
     assert quantize_model(aten, "int8", "float32", kernel="aten").head == "float32"
     assert quantized_head(aten.lm_head) is None
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_joined_projections_equal_the_parts_and_share_their_bytes(mode):
+    """join_quantized (q|k|v, gate|up in one c-kernel call): the same outputs side by side, no second copy."""
+    from kiln.runtime.quantize import join_quantized
+
+    if not kernel_available(mode, torch.float32, "cpu", "c"):
+        pytest.skip("the c kernel is not built here")
+    torch.manual_seed(5)
+    parts = [QuantizedLinear(torch.nn.Linear(64, n, bias=True), mode, "c") for n in (48, 16, 16)]
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        separate = torch.cat([p(x) for p in parts], dim=-1)
+        joint = join_quantized(parts)
+        assert joint is not None and joint.out_features == 80
+        assert torch.equal(joint(x), separate)  # the same rounding of x, each output computed alike
+        assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts still work
+    base = joint.qweight.data_ptr()
+    assert [p.qweight.data_ptr() - base for p in parts] == [0, 48 * parts[0].qweight.shape[1],
+                                                            64 * parts[0].qweight.shape[1]]
+    other = QuantizedLinear(torch.nn.Linear(64, 8), mode, "dequantize")
+    assert join_quantized([parts[0], other]) is None  # another kernel: not joined

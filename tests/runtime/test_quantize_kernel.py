@@ -9,7 +9,7 @@ import torch
 from kiln.runtime import quant_matmul as qm
 from kiln.runtime.paged_attention import build
 
-REL_TOL = 2e-2  # the activations' int8 rounding per block of 32
+REL_TOL = 2e-2  # the activations' int8 rounding per group (int8) or block of 32 (int4)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,9 @@ def test_every_path_equals_the_dequantized_reference(kernel, mode, rows):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_threads_split_outputs_without_changing_them(kernel, mode):
-    n, k = 1040, 4096  # 8 rows x n x k above the kernel's threshold for OpenMP (2^25)
+    n, k = 2050, 4096  # 256 rows x n x k above the kernel's threshold for OpenMP (2^31)
     q, s = _operands(mode, n, k, seed=4)
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(256, k, generator=torch.Generator().manual_seed(5))
     one = kernel.matmul(x, q, s, mode, threads=1)
     assert torch.equal(kernel.matmul(x, q, s, mode, threads=2), one)  # each output is computed whole by one thread
     assert (one - qm.reference(x, q, s, mode)).abs().max().item() < REL_TOL * one.abs().max().item()
@@ -89,3 +89,26 @@ def test_bad_arguments_are_refused(kernel):
         kernel.matmul(torch.randn(2, 64), q, s, "int4")  # an int8 matrix given as int4
     with pytest.raises(ValueError, match="float32"):
         kernel.matmul(torch.randn(2, 64, dtype=torch.bfloat16), q, s, "int8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("group", [32, 96, 0])
+def test_int8_activation_groups_on_every_path(kernel, mode, group):
+    """int8's activation scale per group (a partial last group at k = 160, the whole row at 0): every
+    path equals the reference; int4 ignores ``group`` (its scales are per block of 32)."""
+    n, k = 37, 160
+    q, s = _operands(mode, n, k, seed=8)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(9))
+    want = qm.reference(x, q, s, mode)
+    outs = {isa: kernel.matmul(x, q, s, mode, isa=isa, group=group) for isa in _paths(kernel)}
+    for isa, got in outs.items():
+        assert (got - want).abs().max().item() < REL_TOL * want.abs().max().item(), isa
+        assert torch.allclose(got, outs["portable"], rtol=1e-5, atol=1e-4), isa
+    if mode == "int4":
+        assert torch.equal(outs["portable"], kernel.matmul(x, q, s, mode, isa="portable"))
+
+
+def test_an_activation_group_not_a_multiple_of_32_is_refused(kernel):
+    q, s = _operands("int8", 8, 64)
+    with pytest.raises(ValueError, match="rejected"):
+        kernel.matmul(torch.randn(2, 64), q, s, "int8", group=48)

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from kiln.runtime.lean_lora import Groups, LoraSupport, add_fused_lora, add_lora, groups_for
 from kiln.runtime.memory import memory_total_bytes
-from kiln.runtime.quantize import QuantizedLinear, quantized_head
+from kiln.runtime.quantize import QuantizedLinear, join_quantized, quantized_head
 
 SUPPORTED = {"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"}
 PACKED_WEIGHTS_MAX_BYTES = 16 << 30  # a second copy of the Linear weights costs this much memory at most,
@@ -129,6 +129,8 @@ class LeanForward:
         self._packed: dict[int, torch.Tensor] = {}  # weight data_ptr -> oneDNN-packed copy
         # (data_ptr of each base weight) -> (packed copy of the weights concatenated along out-features, biases)
         self._fused: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (data_ptr of each quantized base's qweight) -> the joint c-kernel layer (kiln.runtime.quantize.join_quantized)
+        self._qfused: dict[tuple[int, ...], QuantizedLinear] = {}
         # (q_norm, k_norm weight data_ptr) -> [heads + kv_heads, 1, head_dim]: both norms in one pass
         self._qk_norm: dict[tuple[int, int], torch.Tensor] = {}
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin rows by position (in place)
@@ -176,7 +178,8 @@ class LeanForward:
         """Packs the Linear layers ``mods`` (same input) as ONE weight, their outputs side by side."""
         parts = [_weight(m) for m in mods]
         if any(w is None for w, _ in parts):
-            return  # quantized: each projection runs its own kernel
+            self._join_quantized(mods)
+            return
         if sum(w.numel() for w, _ in parts) < PACK_MIN_ELEMENTS:
             return
         biases = [b for _, b in parts]
@@ -189,9 +192,22 @@ class LeanForward:
         self._fused[tuple(w.data_ptr() for w, _ in parts)] = (
             torch.ops.mkldnn._reorder_linear_weight(joint, PACK_BATCH_HINT), bias)
 
+    def _join_quantized(self, mods: tuple[Any, ...]) -> None:
+        """Quantized projections with one input: one c-kernel call for all (their buffers become views)."""
+        bases = [m._modules.get("base_layer", m) for m in mods]
+        if all(isinstance(b, QuantizedLinear) for b in bases):
+            joint = join_quantized(bases)
+            if joint is not None:
+                self._qfused[tuple(b.qweight.data_ptr() for b in bases)] = joint
+
     @property
     def packed(self) -> bool:
         return bool(self._packed or self._fused)
+
+    @property
+    def fused(self) -> bool:
+        """Whether any projections run as one joint matmul (:meth:`_fused_linear`)."""
+        return bool(self._fused or self._qfused)
 
     def _linear(self, x: torch.Tensor, module: Any) -> torch.Tensor:
         w, bias = _weight(module)
@@ -207,14 +223,21 @@ class LeanForward:
     def _fused_linear(self, x: torch.Tensor, mods: tuple[Any, ...]) -> torch.Tensor | None:
         """``x`` through the fused pack of ``mods`` (outputs side by side), or ``None`` when there is none."""
         weights = [_weight(m)[0] for m in mods]
-        if weights[0] is None:
-            return None
-        entry = self._fused.get(tuple([w.data_ptr() for w in weights]))
-        if entry is None:
-            return None
-        out = torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
+        if weights[0] is None:  # quantized bases: their joint layer, if one was made
+            bases = [m._modules.get("base_layer", m) for m in mods]
+            joint = self._qfused.get(tuple([b.qweight.data_ptr() for b in bases])) if self._qfused else None
+            if joint is None:
+                return None
+            out = joint._matmul_biased(x)
+            widths = [b.out_features for b in bases]
+        else:
+            entry = self._fused.get(tuple([w.data_ptr() for w in weights]))
+            if entry is None:
+                return None
+            out = torch.ops.mkldnn._linear_pointwise(x, entry[0], entry[1], "none", [], "")
+            widths = [w.shape[0] for w in weights]
         if self._groups:
-            add_fused_lora(out, x, mods, [w.shape[0] for w in weights], self._groups)
+            add_fused_lora(out, x, mods, widths, self._groups)
         return out
 
     def runs(self, keys: Sequence[str], configs: dict[str, Any] | None) -> bool:
@@ -239,7 +262,7 @@ class LeanForward:
         inner = lm.model
         h = getattr(inner.embed_tokens, "base_layer", inner.embed_tokens)(input_ids)
         b, t = input_ids.shape
-        fast = bool(self._fused) and h.dtype == torch.float32
+        fast = self.fused and h.dtype == torch.float32
         # the cache may attend in place (its kernel library): one query token per row (decode) or one
         # packed row (b == 1); the library then also does each residual add with the RMSNorm after it
         # (one call instead of add + six ATen ops), so x is always the normalised input of the next block

@@ -141,7 +141,7 @@ class LeanHybrid(LeanForward):
         return self._linear(h, lm.lm_head)  # no LoRA on the LM head here (LoraSupport refuses it)
 
     def _mlp(self, x: torch.Tensor, mlp: dict[str, Any]) -> torch.Tensor:
-        gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if self._fused else None
+        gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if self.fused else None
         if gu is not None:
             g, u = gu.chunk(2, dim=-1)
             return self._linear(F.silu(g).mul_(u), mlp["down_proj"])
@@ -150,7 +150,7 @@ class LeanHybrid(LeanForward):
 
     def _projections(self, x: torch.Tensor, mods: tuple[Any, ...]) -> list[torch.Tensor]:
         """``x`` through each of ``mods`` (one fused matmul when they were packed together)."""
-        joint = self._fused_linear(x, mods) if self._fused else None
+        joint = self._fused_linear(x, mods) if self.fused else None
         if joint is None:
             return [self._linear(x, m) for m in mods]
         widths = [m._modules.get("base_layer", m).out_features for m in mods]

@@ -1,16 +1,18 @@
 /* Weight-only int8 / int4 matmul for the CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]).
  *
  * Built and loaded by kiln/runtime/quant_matmul.py through kiln.runtime.paged_attention.build (the
- * one C builder; cached under the kernel directory). The activations are quantized per row in
- * blocks of 32 (symmetric int8, d = max|x| / 127 per block, as llama.cpp's Q8_0 does for its
- * activations), then each block's integer dot product with the weight block is scaled in float:
+ * one C builder; cached under the kernel directory). The activations are quantized per row
+ * (symmetric int8, d = max|x| / 127 per group of elements) and multiplied with the weights in integers:
  *
- *   int8 (mode 8):  W[n, k] = q[n, k] * scale[n]; w: int8 [N, K]; scales: float [N]
+ *   int8 (mode 8):  W[n, k] = q[n, k] * scale[n]; w: int8 [N, K]; scales: float [N]. One activation
+ *                   scale per group of ``group`` elements of a row (a multiple of 32; the whole row
+ *                   when <= 0): a group's dot adds up in int32 and is converted to float once.
  *   int4 (mode 4):  W[n, k] = (q - 8) * s[n, b] + z[n, b] for k in block b = k / 32; w: uint8
  *                   [N, K / 2], block b of row n at w[n * K / 2 + b * 16 ..]: byte j holds element
  *                   j in its low nibble and element j + 16 in its high nibble (codes 0..15);
- *                   scales: float [N, K / 32, 2] = (s, z). The zero's term uses the block's exact
- *                   float sum of x.
+ *                   scales: float [N, K / 32, 2] = (s, z). Activations per block of 32 (as llama.cpp's
+ *                   Q4_0 takes them); each block's dot is scaled in float. The zero's term uses the
+ *                   block's exact float sum of x.
  *
  * Paths: AVX-512 VNNI with 512-bit vectors (two blocks a vpdpbusd) and with 256-bit ones, AVX2 +
  * FMA (vpmaddubsw / vpmaddwd), and portable C
@@ -29,7 +31,8 @@
 #endif
 
 #define QB 32                    /* block of K */
-#define PAR_MIN_WORK (1L << 25)  /* M * N * K below this: one thread (see kiln_qmm) */
+#define PF_ROWS 8  /* x86 paths: prefetch the weight row this many rows ahead (the first row tile does) */
+#define PAR_MIN_WORK (1L << 31)  /* M * N * K below this: one thread (see kiln_qmm) */
 
 typedef struct {
     const float *x; int64_t m, k;      /* x [m, k] contiguous */
@@ -38,6 +41,7 @@ typedef struct {
     int32_t threads;                   /* OpenMP threads (<= 1: the calling thread only) */
     int32_t isa;  /* -1: the best this CPU runs; else force 0 portable, 1 avx2, 2 vnni, 3 vnni512 */
     float *out;                        /* [m, n] contiguous */
+    int64_t group;  /* int8: activation elements per scale (a multiple of 32; <= 0 or >= k: the whole row) */
 } kiln_qmm_args;
 
 typedef struct {  /* the activations, quantized */
@@ -51,22 +55,29 @@ typedef void (*row_fn)(const kiln_qmm_args *, const xquant *, int64_t n0, int64_
 
 /* ---- activations ---------------------------------------------------------------------- */
 
-static void quantize_x(const float *x, int64_t m, int64_t k, int8_t *q, float *d, float *s) {
-    int64_t kb = k / QB;
-    for (int64_t i = 0; i < m * kb; i++) {
-        const float *xb = x + i * QB;
-        float amax = 0.f, sum = 0.f;
-        for (int j = 0; j < QB; j++) {
-            float a = fabsf(xb[j]);
-            amax = a > amax ? a : amax;
-            sum += xb[j];
+/* x [m, k] -> int8 q [m, k] and one scale d per group of g elements of a row ([m, ceil(k / g)]; the
+ * last group of a row may be shorter), plus each group's float sum in s where s is not NULL. */
+static void quantize_x(const float *x, int64_t m, int64_t k, int64_t g, int8_t *q, float *d, float *s) {
+    int64_t ng = (k + g - 1) / g;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t t = 0; t < ng; t++) {
+            int64_t k0 = t * g, len = k - k0 < g ? k - k0 : g;
+            const float *xb = x + i * k + k0;
+            float amax = 0.f, sum = 0.f;
+            for (int64_t j = 0; j < len; j++) {
+                float v = fabsf(xb[j]);
+                amax = v > amax ? v : amax;
+                sum += xb[j];
+            }
+            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            for (int64_t j = 0; j < len; j++) q[i * k + k0 + j] = (int8_t)lrintf(xb[j] * inv);
+            d[i * ng + t] = amax / 127.f;
+            if (s) s[i * ng + t] = sum;
         }
-        float dd = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int j = 0; j < QB; j++) q[i * QB + j] = (int8_t)lrintf(xb[j] * inv);
-        d[i] = dd;
-        s[i] = sum;
-    }
 }
+
+/* int8's activation group: elements of a row that share one scale (their integer dots add up in int32). */
+static inline int64_t xgroup(const kiln_qmm_args *a) { return a->group > 0 && a->group < a->k ? a->group : a->k; }
 
 /* ---- portable -------------------------------------------------------------------------- */
 
@@ -101,6 +112,25 @@ static void rows_portable(const kiln_qmm_args *a, const xquant *xq, int64_t n0, 
             }
             float v = a->mode == 8 ? acc * a->scales[n] : acc + zacc;
             a->out[i * a->n + n] = v + (a->bias ? a->bias[n] : 0.f);
+        }
+    }
+}
+
+/* int8: one int32 dot per activation group, converted to float once per group. */
+static void rows8_portable(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = (const int8_t *)a->w + n * k;
+        for (int64_t i = 0; i < a->m; i++) {
+            const int8_t *x = xq->q + i * k;
+            float acc = 0.f;
+            for (int64_t t = 0; t < ng; t++) {
+                int64_t k1 = (t + 1) * g < k ? (t + 1) * g : k;
+                int32_t dot = 0;
+                for (int64_t j = t * g; j < k1; j++) dot += (int32_t)w[j] * (int32_t)x[j];
+                acc += (float)dot * xq->d[i * ng + t];
+            }
+            a->out[i * a->n + n] = acc * a->scales[n] + (a->bias ? a->bias[n] : 0.f);
         }
     }
 }
@@ -189,6 +219,73 @@ AVX2 static inline __m256i load_w(const kiln_qmm_args *a, int64_t n, int64_t b) 
 TILES(rows_avx2, AVX2, DOT_AVX2)
 TILES(rows_vnni, VNNI, DOT_VNNI)
 
+/* int8, 256 bits: the block dots of an activation group add up in int32 registers (R x NW of them)
+ * and are converted to float once per group. ``ACC`` adds a block's integer dot to an accumulator. */
+#define TILE8_BODY(ACC)                                                                           \
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;                                        \
+    __m256 acc[4][2];                                                                             \
+    const int8_t *wp[2];                                                                          \
+    for (int c = 0; c < NW; c++) wp[c] = (const int8_t *)a->w + (n + c) * k;                      \
+    for (int j = 0; j < R; j++)                                                                   \
+        for (int c = 0; c < NW; c++) acc[j][c] = _mm256_setzero_ps();                             \
+    for (int64_t t = 0; t < ng; t++) {                                                            \
+        int64_t k0 = t * g, k1 = k0 + g < k ? k0 + g : k;                                         \
+        __m256i dot[4][2];                                                                        \
+        for (int j = 0; j < R; j++)                                                               \
+            for (int c = 0; c < NW; c++) dot[j][c] = _mm256_setzero_si256();                      \
+        for (int64_t kk = k0; kk < k1; kk += QB) {                                                \
+            __m256i w[2], aw[2];                                                                  \
+            for (int c = 0; c < NW; c++) {                                                        \
+                w[c] = _mm256_loadu_si256((const __m256i *)(wp[c] + kk));                         \
+                aw[c] = _mm256_sign_epi8(w[c], w[c]);                                             \
+                if (i0 == 0) _mm_prefetch((const char *)(wp[c] + PF_ROWS * k + kk), _MM_HINT_T0);   \
+            }                                                                                     \
+            for (int j = 0; j < R; j++) {                                                         \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq->q + (i0 + j) * k + kk));     \
+                for (int c = 0; c < NW; c++) dot[j][c] = ACC(dot[j][c], aw[c], _mm256_sign_epi8(x, w[c])); \
+            }                                                                                     \
+        }                                                                                         \
+        for (int j = 0; j < R; j++) {                                                             \
+            __m256 xd = _mm256_set1_ps(xq->d[(i0 + j) * ng + t]);                                 \
+            for (int c = 0; c < NW; c++) acc[j][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[j][c]), xd, acc[j][c]); \
+        }                                                                                         \
+    }                                                                                             \
+    for (int j = 0; j < R; j++)                                                                   \
+        for (int c = 0; c < NW; c++)                                                              \
+            a->out[(i0 + j) * a->n + n + c] = hsum8(acc[j][c]) * a->scales[n + c]                 \
+                                              + (a->bias ? a->bias[n + c] : 0.f);
+
+#define ACC_AVX2(acc, aw, sx) _mm256_add_epi32(acc, DOT_AVX2(aw, sx))
+#define ACC_VNNI(acc, aw, sx) _mm256_dpbusd_epi32(acc, aw, sx)
+
+/* The loop over output pairs and 4-row tiles shared by every x86 path (TILE: one tile's code). */
+#define DRIVE(NAME, TARGET, TILE)                                                                 \
+    TARGET static void NAME(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {  \
+        int64_t n = n0;                                                                           \
+        for (; n + 2 <= n1; n += 2) {                                                             \
+            int64_t i0 = 0;                                                                       \
+            for (; i0 + 4 <= a->m; i0 += 4) TILE(a, xq, n, i0, 4, 2);                             \
+            switch (a->m - i0) {                                                                  \
+            case 3: TILE(a, xq, n, i0, 3, 2); break;                                              \
+            case 2: TILE(a, xq, n, i0, 2, 2); break;                                              \
+            case 1: TILE(a, xq, n, i0, 1, 2); break;                                              \
+            default: break;                                                                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (; n < n1; n++)                                                                       \
+            for (int64_t i0 = 0; i0 < a->m; i0++) TILE(a, xq, n, i0, 1, 1);                      \
+    }
+
+#define TILES8(NAME, TARGET, ACC)                                                                 \
+    TARGET static inline __attribute__((always_inline)) void NAME##_tile(                        \
+            const kiln_qmm_args *a, const xquant *xq, int64_t n, int64_t i0, const int R, const int NW) { \
+        TILE8_BODY(ACC)                                                                           \
+    }                                                                                             \
+    DRIVE(NAME, TARGET, NAME##_tile)
+
+TILES8(rows8_avx2, AVX2, ACC_AVX2)
+TILES8(rows8_vnni, VNNI, ACC_VNNI)
+
 /* AVX-512 VNNI, 512 bits: two blocks a vector. ``xq->e`` holds each block's activation scale
  * repeated 8 times, so one load gives the two blocks' scales lane by lane. An odd last block
  * goes through the 256-bit code above. */
@@ -214,6 +311,10 @@ V512 static inline __attribute__((always_inline)) void v512_tile(
         float z0[2] = {0.f, 0.f}, z1[2] = {0.f, 0.f};
         for (int c = 0; c < NW; c++) {
             w[c] = load_w2(a, n + c, b);
+            if (i0 == 0 && a->mode == 4) {  /* the packed codes and the scales, PF_ROWS rows ahead */
+                _mm_prefetch((const char *)a->w + (n + c + PF_ROWS) * (k / 2) + b * 16, _MM_HINT_T0);
+                _mm_prefetch((const char *)(a->scales + ((n + c + PF_ROWS) * kb + b) * 2), _MM_HINT_T0);
+            }
             aw[c] = _mm512_abs_epi8(w[c]);
             neg[c] = _mm512_movepi8_mask(w[c]);
             if (a->mode == 4) {
@@ -253,6 +354,79 @@ V512 static inline __attribute__((always_inline)) void v512_tile(
         }
 }
 
+/* int8, 512 bits: the activations offset to unsigned (x + 128, one xor) so that one vpdpbusd per
+ * 64 elements takes the signed weights as they are; the offset's term 128 * sum(w) is accumulated
+ * beside (one vpdpbusd per weight vector, shared by the tile's rows) and taken off once per group. */
+V512 static inline __attribute__((always_inline)) void v512_tile8(
+        const kiln_qmm_args *a, const xquant *xq, int64_t n, int64_t i0, const int R, const int NW) {
+    int64_t k = a->k, g = xgroup(a), ng = (k + g - 1) / g;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    __m512 acc[4][2];
+    const int8_t *wp[2];
+    for (int c = 0; c < NW; c++) wp[c] = (const int8_t *)a->w + (n + c) * k;
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ng; t++) {
+        int64_t k0 = t * g, k1 = k0 + g < k ? k0 + g : k;
+        __m512i dot[4][2], ws[2];
+        for (int c = 0; c < NW; c++) {
+            ws[c] = _mm512_setzero_si512();
+            for (int j = 0; j < R; j++) dot[j][c] = _mm512_setzero_si512();
+        }
+        for (int64_t kk = k0; kk < k1; kk += 2 * QB) {
+            __mmask64 mk = kk + 2 * QB <= k1 ? ~(__mmask64)0 : (__mmask64)0xFFFFFFFFu;  /* 32 left */
+            __m512i w[2];
+            for (int c = 0; c < NW; c++) {
+                w[c] = _mm512_maskz_loadu_epi8(mk, wp[c] + kk);
+                ws[c] = _mm512_dpbusd_epi32(ws[c], ones, w[c]);
+                if (i0 == 0) _mm_prefetch((const char *)(wp[c] + PF_ROWS * k + kk), _MM_HINT_T0);
+            }
+            for (int j = 0; j < R; j++) {
+                __m512i xu = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mk, xq->q + (i0 + j) * k + kk), flip);
+                for (int c = 0; c < NW; c++) dot[j][c] = _mm512_dpbusd_epi32(dot[j][c], xu, w[c]);
+            }
+        }
+        for (int c = 0; c < NW; c++) ws[c] = _mm512_slli_epi32(ws[c], 7);
+        for (int j = 0; j < R; j++) {
+            __m512 xd = _mm512_set1_ps(xq->d[(i0 + j) * ng + t]);
+            for (int c = 0; c < NW; c++)
+                acc[j][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[j][c], ws[c])), xd, acc[j][c]);
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int c = 0; c < NW; c++)
+            a->out[(i0 + j) * a->n + n + c] = _mm512_reduce_add_ps(acc[j][c]) * a->scales[n + c]
+                                              + (a->bias ? a->bias[n + c] : 0.f);
+}
+
+DRIVE(rows8_v512, V512, v512_tile8)
+
+/* quantize_x with 16-float vectors: the same codes and scales bit for bit (max is exact in any order,
+ * the product is the same IEEE multiply, and vcvtps2dq rounds to nearest even as lrintf does); the
+ * int4 sums stay in quantize_x's order. Scalar rounding of a decode row was most of a call's fixed cost. */
+V512 static void quantize_x_v512(const float *x, int64_t m, int64_t k, int64_t g, int8_t *q, float *d, float *s) {
+    int64_t ng = (k + g - 1) / g;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t t = 0; t < ng; t++) {
+            int64_t k0 = t * g, len = k - k0 < g ? k - k0 : g;  /* a multiple of 32 */
+            const float *xb = x + i * k + k0;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int64_t j = 0; j < len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xb + j)));
+            float amax = _mm512_reduce_max_ps(vmax);
+            float inv = amax > 0.f ? 127.f / amax : 0.f;
+            __m512 vinv = _mm512_set1_ps(inv);
+            for (int64_t j = 0; j < len; j += 16)
+                _mm_storeu_si128((__m128i *)(q + i * k + k0 + j),
+                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j), vinv))));
+            d[i * ng + t] = amax / 127.f;
+            if (s) {
+                float sum = 0.f;
+                for (int64_t j = 0; j < len; j++) sum += xb[j];
+                s[i * ng + t] = sum;
+            }
+        }
+}
+
 V512 static void rows_v512(const kiln_qmm_args *a, const xquant *xq, int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) {
@@ -287,47 +461,48 @@ int kiln_qmm_isa(void) {
     return 0;
 }
 
-static row_fn pick(int isa) {
+static row_fn pick(int isa, int mode) {
 #ifdef KILN_X86
-    if (isa >= 3) return rows_v512;
-    if (isa == 2) return rows_vnni;
-    if (isa == 1) return rows_avx2;
+    if (isa >= 3) return mode == 8 ? rows8_v512 : rows_v512;
+    if (isa == 2) return mode == 8 ? rows8_vnni : rows_vnni;
+    if (isa == 1) return mode == 8 ? rows8_avx2 : rows_avx2;
 #else
     (void)isa;
 #endif
-    return rows_portable;
+    return mode == 8 ? rows8_portable : rows_portable;
 }
 
 int kiln_qmm(const kiln_qmm_args *a) {
     if (!a || !a->x || !a->w || !a->scales || !a->out || a->m < 0 || a->n <= 0 || a->k <= 0 || a->k % QB
-        || (a->mode != 8 && a->mode != 4))
+        || (a->mode != 8 && a->mode != 4) || (a->mode == 8 && a->group > 0 && a->group % QB))
         return -2;
     int best = kiln_qmm_isa();
     if (a->isa > best) return -2;  /* a path this CPU cannot run */
-    row_fn rows = pick(a->isa < 0 ? best : a->isa);  /* isa below: the same choice */
+    int isa = a->isa < 0 ? best : a->isa;
+    row_fn rows = pick(isa, a->mode);
     if (a->m == 0) return 0;
-    int64_t kb = a->k / QB;
+    int64_t g = a->mode == 8 ? xgroup(a) : QB, ng = (a->k + g - 1) / g;
     int8_t *q = malloc((size_t)(a->m * a->k));
-    float *d = malloc(sizeof(float) * (size_t)(a->m * kb)), *s = malloc(sizeof(float) * (size_t)(a->m * kb));
-    if (!q || !d || !s) {
-        free(q); free(d); free(s);
+    float *d = malloc(sizeof(float) * (size_t)(a->m * ng));
+    float *s = a->mode == 4 ? malloc(sizeof(float) * (size_t)(a->m * ng)) : NULL;
+    xquant xq = {q, d, s, NULL};
+    if (isa >= 3 && a->mode == 4) xq.e = malloc(sizeof(float) * 8 * (size_t)(a->m * ng));
+    if (!q || !d || (a->mode == 4 && (!s || (isa >= 3 && !xq.e)))) {
+        free(q); free(d); free(s); free(xq.e);
         return -1;
     }
-    quantize_x(a->x, a->m, a->k, q, d, s);
-    xquant xq = {q, d, s, NULL};
-    int isa = a->isa < 0 ? best : a->isa;
-    if (isa >= 3) {
-        xq.e = malloc(sizeof(float) * 8 * (size_t)(a->m * kb));
-        if (!xq.e) {
-            free(q); free(d); free(s);
-            return -1;
-        }
-        for (int64_t i = 0; i < a->m * kb; i++)
+#ifdef KILN_X86
+    if (isa >= 3) quantize_x_v512(a->x, a->m, a->k, g, q, d, s);
+    else
+#endif
+        quantize_x(a->x, a->m, a->k, g, q, d, s);
+    if (xq.e)
+        for (int64_t i = 0; i < a->m * ng; i++)
             for (int j = 0; j < 8; j++) xq.e[i * 8 + j] = d[i];
-    }
-    /* Decode-sized calls stay on the calling thread: at c=8 on qwen3-31m (8 x 1536 x 512, ~0.1 ms of
-     * work) a 2-thread region was 10-50x slower on a loaded 2-core machine (a barrier waits for a
-     * descheduled thread); prompt chunks (many rows) split the output features. */
+    /* Only very large calls split the output features over OpenMP threads: inside a torch process
+     * an OpenMP region here cost about 8 ms more than its work (2 threads, load ~1: 8 x 8,192 x 512,
+     * the qwen3-31m head at c=8, 0.7 -> 8.0 ms; 64 x 1,536 x 512 0.5 -> 8.0 ms; 2,048 rows 27.5 ->
+     * 24 ms), so below ~1,200 rows of a 1,536 x 512 matrix one thread is faster: 2^31 keeps twice that. */
     int threads = a->threads > 1 && a->m * a->n * a->k >= PAR_MIN_WORK ? a->threads : 1;
     if (threads == 1) {
         rows(a, &xq, 0, a->n);

@@ -1,8 +1,9 @@
 """Kiln's own CPU int8/int4 weight-only matmul (``quant_matmul.c`` beside this file), one kernel
 candidate of kiln.runtime.quantize's measured choice.
 
-The C file quantizes the activations per block of 32 (as llama.cpp's Q8_0 does for its
-activations) and takes integer block dot products with the weights: AVX-512 VNNI (512- or 256-bit
+The C file quantizes the activations to int8 (int8 weights: one scale per :data:`INT8_GROUP`
+elements of a row, the group's dot accumulated in int32; int4: per block of 32, as llama.cpp's Q4_0
+takes them) and takes integer dot products with the weights: AVX-512 VNNI (512- or 256-bit
 vectors), AVX2 + FMA or portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
 for large matrices. It is built once through :func:`kiln.runtime.paged_attention.build` (the one
 C builder, cached in :func:`kiln.runtime.paged_attention.kernel_dir`) and self-checked against
@@ -32,6 +33,7 @@ FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm", "-fopenmp")
 BLOCK = 32
 ISAS = {"portable": 0, "avx2": 1, "vnni": 2, "vnni512": 3}
+INT8_GROUP = 256  # int8: activation elements per scale (their block dots add up in int32; see the C file)
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -40,7 +42,8 @@ class QmmArgs(ctypes.Structure):
     """``kiln_qmm_args`` in ``quant_matmul.c`` (same order and types)."""
 
     _fields_ = [("x", _PTR), ("m", _I64), ("k", _I64), ("w", _PTR), ("scales", _PTR), ("bias", _PTR),
-                ("n", _I64), ("mode", _I32), ("threads", _I32), ("isa", _I32), ("out", _PTR)]
+                ("n", _I64), ("mode", _I32), ("threads", _I32), ("isa", _I32), ("out", _PTR),
+                ("group", _I64)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -71,8 +74,10 @@ class QuantMatmul:
         self.path = path
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mode: str,
-               bias: torch.Tensor | None = None, threads: int = 1, isa: str | None = None) -> torch.Tensor:
-        """``x [M, K] @ W.T (+ bias)`` -> ``[M, N]`` float32 (``isa``: force a path, tests only)."""
+               bias: torch.Tensor | None = None, threads: int = 1, isa: str | None = None,
+               group: int | None = None) -> torch.Tensor:
+        """``x [M, K] @ W.T (+ bias)`` -> ``[M, N]`` float32 (``isa``: force a path, tests only; ``group``:
+        int8's activation elements per scale, a multiple of 32, 0 = the whole row; default :data:`INT8_GROUP`)."""
         m, k = x.shape
         n = qweight.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or k % BLOCK:
@@ -86,7 +91,7 @@ class QuantMatmul:
         out = torch.empty(m, n, dtype=torch.float32)
         args = QmmArgs(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
                        None if bias is None else bias.data_ptr(), n, 8 if mode == "int8" else 4, threads,
-                       -1 if isa is None else ISAS[isa], out.data_ptr())
+                       -1 if isa is None else ISAS[isa], out.data_ptr(), INT8_GROUP if group is None else group)
         rc = self._fn(ctypes.byref(args))
         if rc != 0:
             raise MemoryError("quant matmul: out of memory") if rc == -1 else ValueError(

@@ -9,7 +9,7 @@ holding only the quantized weight; activations stay in the model's dtype:
   per group: ``w = (q - 8) * scale + zero``).
 
 Three kernels (:data:`KERNELS`), one chosen per load by measurement: ``c``, Kiln's own
-(kiln.runtime.quant_matmul: activations rounded to int8 per block of 32, integer block dots by
+(kiln.runtime.quant_matmul: activations rounded to int8 per group, integer dots by
 AVX-512 VNNI / AVX2 / portable C; float32 on the CPU, in-features a multiple of 32); ``aten``,
 torch's ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (int4 packed once by
 ``_convert_weight_to_int4pack_for_cpu``); ``dequantize``, ``F.linear`` over the weight dequantized on
@@ -167,6 +167,37 @@ class QuantizedLinear(torch.nn.Linear):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, " \
                f"kernel={self.kernel}"
+
+
+def join_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
+    """One c-kernel layer whose outputs are ``parts``' side by side (q|k|v, gate|up: one activation
+    rounding and one call instead of one per part), or ``None`` when they cannot join (another kernel,
+    mixed modes or in-features, a bias on some parts only).
+
+    The joint buffers are new; each part's ``qweight`` and ``scales`` become views of them (rows along
+    dim 0), so the join costs no memory and the parts (PEFT's base layers, training) read the same bytes."""
+    first = parts[0]
+    if any(p.kernel != "c" or p.mode != first.mode or p.in_features != first.in_features
+           or p.scales.dtype != first.scales.dtype for p in parts):
+        return None
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    joint = QuantizedLinear.__new__(QuantizedLinear)
+    torch.nn.Module.__init__(joint)
+    joint.in_features, joint.out_features = first.in_features, sum(p.out_features for p in parts)
+    joint.mode, joint.kernel, joint.float_dtype = first.mode, "c", first.float_dtype
+    joint.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
+    joint.register_buffer("scales", torch.cat([p.scales for p in parts]))
+    joint.register_parameter("weight", None)
+    joint.bias = None if biases[0] is None else torch.nn.Parameter(
+        torch.cat([b.detach() for b in biases if b is not None]), requires_grad=False)
+    row = 0
+    for p in parts:
+        p._buffers["qweight"] = joint.qweight[row:row + p.out_features]
+        p._buffers["scales"] = joint.scales[row:row + p.out_features]
+        row += p.out_features
+    return joint
 
 
 def _int4_fits(lin: torch.nn.Linear, kernel: str) -> bool:
