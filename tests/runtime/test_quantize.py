@@ -209,7 +209,8 @@ def test_correction_trained_over_the_int8_base_is_learned_and_served(int8_servic
     from kiln.training.schemas import SFTRequest
 
     svc, engine = int8_service.trainer, int8_service.engine
-    layer = int8_service.loaded.model.model.layers[0].self_attn.q_proj
+    q_proj = int8_service.loaded.model.model.layers[0].self_attn.q_proj
+    layer = getattr(q_proj, "base_layer", q_proj)  # the trainer may have wrapped the model in PEFT already
     before = layer.qweight.clone()
     assert _ask(engine) != CORRECTION
     body = {"adapter": "sky", "auto_load": True, "examples": [{"messages": [
@@ -223,7 +224,7 @@ def test_correction_trained_over_the_int8_base_is_learned_and_served(int8_servic
     assert done["result"]["report"]["learned"] is True
     assert _ask(engine, adapter="sky") == CORRECTION
     assert _ask(engine) != CORRECTION  # the base rows are untouched
-    assert torch.equal(layer.base_layer.qweight if hasattr(layer, "base_layer") else layer.qweight, before)
+    assert torch.equal(layer.qweight, before)
     assert svc.store.get("sky").manifest.config["base_representation"] == "int8"
 
 
