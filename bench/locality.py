@@ -89,6 +89,9 @@ class Setting:
     fresh: bool = False  # sequential: every job starts a new adapter (replay carries the earlier corrections)
     continuing_lr: float = 0.0  # sequential: the learning rate of every job after the first (0: lr)
     shuffle: bool = False  # sequential: job k takes the anchor's rows in its own seeded order (not always from row 0)
+    whiten: float = 0.0  # key-whitened LoRA (kiln.training.core.whiten) with this damping over the anchor's rows (0: off)
+    adam_eps: float = 0.0  # AdamW's eps (0: torch's 1e-8); larger damps the steps of coordinates with tiny gradients
+    whiten_world: bool = False  # world: measure the whitening on the world's own questions (the anchor's unchanged)
 
 
 class Model:
@@ -172,7 +175,8 @@ class Model:
 
 
 def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init: Any = None,
-          exclude: list[str] = (), seed: int = 0, anchor_questions: list[str] | None = None) -> dict[str, Any]:
+          exclude: list[str] = (), seed: int = 0, anchor_questions: list[str] | None = None,
+          world_questions: list[str] | None = None) -> dict[str, Any]:
     """Train adapter ``name`` on ``pairs`` with setting ``s`` (from ``init`` weights when given); returns the
     report's figures. ``exclude``: questions the anchor must not rehearse (the bench's probes: held out)."""
     from kiln.training.core.loop import LearnedCheck, Plan
@@ -200,7 +204,25 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
         plan = Plan(s.lr, 10_000, min(8, len(rows)), seed, max_steps=s.max_steps,
                     until_learned=LearnedCheck(every=s.every, margin=s.margin))
     t0 = time.perf_counter()
-    rep = run_sft(m.pm, name, rows, plan, pad_id=m.pad, anchor=anchor)
+    if s.whiten:
+        from kiln.training.core.whiten import bake, whiten
+
+        source = m.anchor(s, world_questions) if s.whiten_world else anchor
+        assert source is not None, "whitening measures the anchor's rows"
+        whiten(m.pm, name, [r.row for r in source.rows], pad_id=m.pad, damping=s.whiten)
+    import kiln.training.core.loop as loop_module
+
+    default_adamw = loop_module._adamw
+    if s.adam_eps:
+        import torch
+
+        loop_module._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=s.adam_eps)
+    try:
+        rep = run_sft(m.pm, name, rows, plan, pad_id=m.pad, anchor=anchor)
+    finally:
+        loop_module._adamw = default_adamw
+    if s.whiten:
+        bake(m.pm, name)
     return {"steps": rep.steps, "learned": rep.extra.get("learned"), "seconds": time.perf_counter() - t0,
             "anchor_rows": 0 if anchor is None else len(anchor)}
 
@@ -419,6 +441,29 @@ WORLD_SETTINGS = {
                                                 anchor_weight=8, every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "defaults, layer-0 MLP only": Setting("mlp-l0", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
                                           targets=("0.mlp.down_proj", "0.mlp.gate_proj", "0.mlp.up_proj")),
+    "defaults, whitened A (damping 0.1)": Setting("wh0.1", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                                  every=1, whiten=0.1, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, whitened A (damping 0.01)": Setting("wh0.01", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                                   every=1, whiten=0.01,
+                                                   targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, whitened A (damping 0.01), lr 5e-3": Setting("wh0.01lr5", lr=5e-3, anchor=64, anchor_per_step=8,
+                                                            anchor_weight=8, every=1, whiten=0.01,
+                                                            targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, whitened A (damping 0.001), lr 5e-3": Setting("wh0.001lr5", lr=5e-3, anchor=64, anchor_per_step=8,
+                                                             anchor_weight=8, every=1, whiten=0.001,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, whitened on world questions (0.01)": Setting("whw0.01", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                            anchor_weight=8, every=1, whiten=0.01, whiten_world=True,
+                                                            targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, whitened on world questions (0.001)": Setting("whw0.001", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                             anchor_weight=8, every=1, whiten=0.001, whiten_world=True,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, AdamW eps 1e-4": Setting("eps1e-4", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                        adam_eps=1e-4, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, AdamW eps 1e-3": Setting("eps1e-3", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                        adam_eps=1e-3, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, AdamW eps 1e-5": Setting("eps1e-5", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                        adam_eps=1e-5, targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -457,7 +502,7 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
             job = replace(s, lr=s.continuing_lr) if k and s.continuing_lr else s
             rep = train(m, "edit", pairs, job, init=None if s.fresh else init,
                         exclude=[facts[j].question(0) for j in untouched],
-                        anchor_questions=rest[:s.anchor] if s.world_anchor else None)
+                        anchor_questions=rest[:s.anchor] if s.world_anchor else None, world_questions=rest[:64])
             init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
             if k + 1 in counts:
                 done = edits[:k + 1]
