@@ -90,6 +90,7 @@ class Setting:
     continuing_lr: float = 0.0  # sequential: the learning rate of every job after the first (0: lr)
     shuffle: bool = False  # sequential: job k takes the anchor's rows in its own seeded order (not always from row 0)
     whiten: float = 0.0  # key-whitened LoRA (kiln.training.core.whiten) with this damping over the anchor's rows (0: off)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (pulls the adapter towards zero: the base)
     adam_eps: float = 0.0  # AdamW's eps (0: torch's 1e-8); larger damps the steps of coordinates with tiny gradients
     whiten_world: bool = False  # world: measure the whitening on the world's own questions (the anchor's unchanged)
 
@@ -202,7 +203,7 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
         plan = Plan(s.lr, s.max_steps, min(8, len(rows)), seed, max_steps=s.max_steps)
     else:
         plan = Plan(s.lr, 10_000, min(8, len(rows)), seed, max_steps=s.max_steps,
-                    until_learned=LearnedCheck(every=s.every, margin=s.margin))
+                    until_learned=LearnedCheck(every=s.every, margin=s.margin), weight_decay=s.weight_decay)
     t0 = time.perf_counter()
     if s.whiten:
         from kiln.training.core.whiten import bake, whiten
@@ -216,7 +217,8 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
     if s.adam_eps:
         import torch
 
-        loop_module._adamw = lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0, eps=s.adam_eps)
+        loop_module._adamw = lambda params, lr, weight_decay=0.0: torch.optim.AdamW(
+            params, lr=lr, weight_decay=weight_decay, eps=s.adam_eps)
     try:
         rep = run_sft(m.pm, name, rows, plan, pad_id=m.pad, anchor=anchor)
     finally:
@@ -282,6 +284,12 @@ SETTINGS = {
                                              every=1, targets=("down_proj", "gate_proj", "up_proj")),
     "a64 x4 w8, mlp, m1/1, lr 2e-3": Setting("dmlp4-lr2e-3", lr=2e-3, anchor=64, anchor_per_step=4, anchor_weight=8,
                                              every=1, targets=("down_proj", "gate_proj", "up_proj")),
+    "a64 x8 w8, mlp, m1/1, lr 2e-3, wd 1": Setting("dmlp-wd1", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                    anchor_weight=8, every=1, weight_decay=1.0,
+                                                    targets=("down_proj", "gate_proj", "up_proj")),
+    "a64 x8 w8, mlp, m1/1, lr 2e-3, wd 3": Setting("dmlp-wd3", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                    anchor_weight=8, every=1, weight_decay=3.0,
+                                                    targets=("down_proj", "gate_proj", "up_proj")),
     "anchor, mlp, m0.5/1, lr 3e-3": Setting("a-mlp", lr=3e-3, anchor=32, margin=0.5, every=1,
                                             targets=("down_proj", "gate_proj", "up_proj")),
 }
@@ -464,6 +472,23 @@ WORLD_SETTINGS = {
                                         adam_eps=1e-3, targets=("down_proj", "gate_proj", "up_proj")),
     "defaults, AdamW eps 1e-5": Setting("eps1e-5", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
                                         adam_eps=1e-5, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 0.1": Setting("wd0.1", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                          weight_decay=0.1, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 1": Setting("wd1", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                        weight_decay=1.0, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 10": Setting("wd10", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                         weight_decay=10.0, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 3": Setting("wd3", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1,
+                                        weight_decay=3.0, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 1, whitened on world questions": Setting(
+        "wd1whw", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1, weight_decay=1.0, whiten=0.01,
+        whiten_world=True, targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 1, margin 0.5": Setting("wd1m05", lr=2e-3, margin=0.5, anchor=64, anchor_per_step=8,
+                                                    anchor_weight=8, every=1, weight_decay=1.0,
+                                                    targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, weight decay 1, anchor x16 w16": Setting("wd1x16", lr=2e-3, anchor=64, anchor_per_step=16,
+                                                        anchor_weight=16, every=1, weight_decay=1.0,
+                                                        targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 

@@ -69,6 +69,9 @@ DEFAULT_SEQ_LEN = 1_024
 # greedy answers, rehearsed each step under forward KL to the base so a job changes what it targets and little
 # else. Measured on the built-in model (bench/locality.py): see the defaults' rationale in docs/training.md.
 DEFAULT_ANCHOR_WEIGHT = 8.0
+# SFT's AdamW weight decay: keeps the adapter at the smallest weights that hold its corrections, so a chain of
+# sequential corrections drifts less (docs/training.md, "Locality"); the other kinds: 0
+DEFAULT_SFT_WEIGHT_DECAY = 1.0
 DEFAULT_ANCHOR_QUESTIONS = 64
 DEFAULT_ANCHOR_PER_STEP = 8
 # Pre-scored GRPO: off by default (not measured: the groups are the user's). GRPO with rollouts (`prompts` and a
@@ -209,6 +212,10 @@ class _TrainCommon(_Wire):
         description="weight of the KL-to-base anchor: the base model's own questions and answers, rehearsed each "
                     "step so the adapter keeps what the base knew (docs/training.md, \"Locality\"); 0: off; "
                     "default: DEFAULT_ANCHOR_WEIGHT for SFT and OPD (beside its rehearsal), 0 for GRPO and KD")
+    weight_decay: float | None = Field(
+        None, ge=0, le=100, allow_inf_nan=False,
+        description="AdamW's decoupled weight decay on the adapter (towards the base model); default "
+                    "DEFAULT_SFT_WEIGHT_DECAY for SFT, 0 for the other kinds (docs/training.md, \"Locality\")")
     anchor_questions: int | None = Field(None, ge=0, le=MAX_ANCHOR_QUESTIONS,
                                          description="questions the base model writes for the anchor; default "
                                                      "DEFAULT_ANCHOR_QUESTIONS")

@@ -216,6 +216,13 @@ def anchor_fields(request: Any, *, default_weight: float = DEFAULT_ANCHOR_WEIGHT
     return {"anchor_weight": float(weight), "anchor_questions": int(questions), "anchor_per_step": int(per_step)}
 
 
+def decay_fields(request: Any, *, default: float = 0.0) -> dict[str, Any]:
+    """The effective request's AdamW ``weight_decay``: the request's, else the kind's default (SFT's
+    DEFAULT_SFT_WEIGHT_DECAY, 0 for the others; docs/training.md, "Locality")."""
+    decay = request.weight_decay if request.weight_decay is not None else default
+    return {"weight_decay": float(decay)}
+
+
 def default_target_modules(linear_names: set[str] | frozenset[str]) -> list[str]:
     """The attention projections, plus the Gated DeltaNet ones when the model has those layers."""
     targets = set(DEFAULT_TARGET_MODULES)

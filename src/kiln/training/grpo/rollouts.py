@@ -35,7 +35,7 @@ from kiln.training.core.data import Row, epoch_order
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy, sampler_name
 from kiln.training.core.errors import TrainingFailed
 from kiln.training.core.loop import Plan
-from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, decay_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.core.templates import end_of_turn_ids
 from kiln.training.grpo.rewards import RewardError, RewardFn, build_reward
@@ -105,7 +105,8 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
     eff.pop("groups", None)
     eff.update(group_size=group_size, iterations=iterations, max_tokens=max_tokens, temperature=temperature,
                top_p=top_p, epochs=epochs, max_seq_len=limit, reward_source=reward.describe,
-               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT),
+               **decay_fields(request))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     inputs_sha, plan_sha = seal_plan("grpo", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
@@ -116,7 +117,7 @@ def prepare_rollouts(ctx: PrepareContext, request: GRPORequest) -> JobPlan[Rollo
                        GRPOSettings(request.clip_epsilon, request.scale_rewards, request.kl_coef,
                                     request.kl_estimator), behaviour, gen, request.reasoning_loss)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=request.max_steps)
+                max_steps=request.max_steps, weight_decay=eff["weight_decay"])
     return JobPlan("grpo", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data,
                    parent, request.auto_load, request.resume_from_job)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.canonical import canonical_json_bytes, sha256_file, sha256_hex
 from kiln.errors import Conflict, InvalidRequest
-from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.plan import JobPlan, PrepareContext, anchor_fields, decay_fields, lora_fields, seal_plan
 from kiln.training.core.recipe import TrainingRecipe
 
 if TYPE_CHECKING:
@@ -184,14 +184,15 @@ def prepare_kd(ctx: PrepareContext, request: KDRequest) -> JobPlan[KDData]:
     total = passes * max(1, sum(s.steps_per_pass for s in shards) if request.replay else fresh_steps)
     eff = request.model_dump(mode="json")
     eff.update(epochs=passes, capture_plan_sha256=capture_sha, capture_trajectory=plan.consumption.trajectory,
-               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0))
+               **lora_fields(lora, parent), **anchor_fields(request, default_weight=0.0), **decay_fields(request))
     inputs = {"capture_plan_sha256": capture_sha, "shards": sorted(s.artifact_sha256 for s in shards)}
     inputs_sha, plan_sha = seal_plan("kd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
     data = KDData(root, plan, tuple(shards), legacy_root, passes, request.replay, request.ce_weight,
                   request.kd_weight, total)
-    loop = Plan(request.learning_rate, passes, request.batch_size, request.seed, 0, max_steps=None)
+    loop = Plan(request.learning_rate, passes, request.batch_size, request.seed, 0, max_steps=None,
+                weight_decay=eff["weight_decay"])
     return JobPlan("kd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 

@@ -24,7 +24,8 @@ import torch
 from kiln.errors import Conflict, InvalidRequest
 from kiln.runtime.chat_generation import ChatGeneration
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy
-from kiln.training.core.plan import JobPlan, LoraShape, PrepareContext, anchor_fields, lora_fields, seal_plan
+from kiln.training.core.plan import (JobPlan, LoraShape, PrepareContext, anchor_fields, decay_fields, lora_fields,
+                                     seal_plan)
 from kiln.training.core.recipe import TrainingRecipe
 from kiln.training.losses.opd import outside_top_k
 from kiln.training.opd.step import opd_loss, opd_pieces
@@ -159,13 +160,14 @@ def _job_plan(ctx: PrepareContext, request: OPDRequest, entry: dict[str, Any], l
 
     check = _learned_check(request)
     eff = request.model_dump(mode="json")
-    eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"], teacher_identity=entry["identity"],
-               **lora_fields(lora, parent), **anchor_fields(request, default_weight=DEFAULT_OPD_ANCHOR_WEIGHT), **extra)
+    eff.update(steps=data.total_steps, until_learned=check is not None, teacher_fingerprint=entry["fingerprint"],
+               teacher_identity=entry["identity"], **lora_fields(lora, parent),
+               **anchor_fields(request, default_weight=DEFAULT_OPD_ANCHOR_WEIGHT), **decay_fields(request), **extra)
     inputs_sha, plan_sha = seal_plan("opd", eff, inputs, ctx.model.base_model_sha256)
     if request.resume_from_job is not None:
         ctx.check_resumable(request.resume_from_job, plan_sha)
     loop = Plan(request.learning_rate, 1, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=data.total_steps, until_learned=check)
+                max_steps=data.total_steps, until_learned=check, weight_decay=eff["weight_decay"])
     return JobPlan("opd", request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 

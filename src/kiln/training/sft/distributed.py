@@ -277,7 +277,7 @@ def wrap_fsdp(peft_model: Any, loop: TrainLoop, world: World) -> Any:
     old_params, old_opt = loop.params, loop.opt
     loop.params = private_parameters(peft_model, loop.name)
     loop.device = torch.device(world.device)
-    loop.opt = _adamw(loop.params, loop.plan.learning_rate)
+    loop.opt = _adamw(loop.params, loop.plan.learning_rate, loop.plan.weight_decay)
     for old, new in zip(old_params, loop.params):
         state = old_opt.state.get(old)
         if state:

@@ -47,6 +47,7 @@ from kiln.training.core.plan import (
     PrepareContext,
     anchor_fields,
     correction_target_modules,
+    decay_fields,
     lora_fields,
     seal_plan,
 )
@@ -61,6 +62,7 @@ from kiln.training.schemas import (
     DEFAULT_LEARNED_MAX_STEPS,
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_STEPS,
+    DEFAULT_SFT_WEIGHT_DECAY,
     MAX_EPOCHS,
     GRPORequest,
     SFTRequest,
@@ -89,7 +91,8 @@ def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
     limit = ctx.max_seq_len_limit
     max_len = request.max_seq_len if limit is None else min(request.max_seq_len, limit)
     weight = DEFAULT_ANCHOR_WEIGHT if sft else DEFAULT_GRPO_ANCHOR_WEIGHT
-    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request, default_weight=weight)
+    return parent, lora, max_len, request.model_dump(mode="json") | anchor_fields(request, default_weight=weight) \
+        | decay_fields(request, default=DEFAULT_SFT_WEIGHT_DECAY if sft else 0.0)
 
 
 def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
@@ -152,7 +155,7 @@ def supervised_plan(kind: str, ctx: PrepareContext, request: SFTRequest | GRPORe
         assert isinstance(request, SFTRequest)
         check = LearnedCheck(every=eff["learned_check_every"], margin=request.learned_margin)
     loop = Plan(request.learning_rate, epochs, request.batch_size, request.seed, request.checkpoint_interval,
-                max_steps=max_steps, until_learned=check)
+                max_steps=max_steps, until_learned=check, weight_decay=eff["weight_decay"])
     return JobPlan(kind, request.adapter, eff, inputs_sha, plan_sha, lora, loop, data, parent,
                    request.auto_load, request.resume_from_job)
 
