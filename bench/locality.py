@@ -89,7 +89,7 @@ class Setting:
     fresh: bool = False  # sequential: every job starts a new adapter (replay carries the earlier corrections)
     continuing_lr: float = 0.0  # sequential: the learning rate of every job after the first (0: lr)
     shuffle: bool = False  # sequential: job k takes the anchor's rows in its own seeded order (not always from row 0)
-    whiten: float = 0.0  # key-whitened LoRA (kiln.training.core.whiten) with this damping over the anchor's rows (0: off)
+    whiten: float = 0.0  # key-whitened LoRA (bench/whitened_lora.py) with this damping over the anchor's rows (0: off)
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (pulls the adapter towards zero: the base)
     adam_eps: float = 0.0  # AdamW's eps (0: torch's 1e-8); larger damps the steps of coordinates with tiny gradients
     whiten_world: bool = False  # world: measure the whitening on the world's own questions (the anchor's unchanged)
@@ -206,7 +206,7 @@ def train(m: Model, name: str, pairs: list[tuple[str, str]], s: Setting, *, init
                     until_learned=LearnedCheck(every=s.every, margin=s.margin), weight_decay=s.weight_decay)
     t0 = time.perf_counter()
     if s.whiten:
-        from kiln.training.core.whiten import bake, whiten
+        from whitened_lora import bake, whiten
 
         source = m.anchor(s, world_questions) if s.whiten_world else anchor
         assert source is not None, "whitening measures the anchor's rows"

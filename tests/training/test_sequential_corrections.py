@@ -11,7 +11,7 @@ import torch
 from kiln.demo import wait_job
 from kiln.runtime.builtin import BUILTIN_NAME
 from kiln.training.sft.corrections import bounded, stored_corrections, with_corrections
-from kiln.training.schemas import SFTExample
+from kiln.training.schemas import DEFAULT_SFT_WEIGHT_DECAY, SFTExample
 from tests.zygote import kiln_server
 
 FACTS = [("Which bird guards the old mill?", "The old mill is guarded by a heron."),
@@ -116,6 +116,27 @@ def test_an_anchor_on_given_questions_answers_exactly_those(peft_builtin):
     pm.delete_adapter("anchored")
 
 
+def test_weight_decay_keeps_the_adapter_smaller_on_the_same_steps(peft_builtin):
+    """The plan's ``weight_decay`` reaches the optimizer: the same correction, the same seed and fixed steps,
+    with decay ends with a smaller adapter (every step pulls it towards zero: the base) than without."""
+    from kiln.training.core.data import tokenize_sft
+    from kiln.training.core.loop import Plan
+    from kiln.training.core.lora import adapter_state, add_private_adapter, lora_config
+    from kiln.training.sft.job import run_sft
+
+    pm, tok, end_ids = peft_builtin
+    rows = tokenize_sft(tok, [_example(*FACTS[0])], max_seq_len=128, end_ids=end_ids)
+    norms = {}
+    for decay in (0.0, 5.0):
+        add_private_adapter(pm, "decayed", lora_config(4, 8, ["gate_proj", "up_proj", "down_proj"]), seed=0)
+        report = run_sft(pm, "decayed", rows, Plan(5e-3, 12, 1, 0, max_steps=12, weight_decay=decay),
+                         pad_id=tok.pad_token_id)
+        assert report.steps == 12
+        norms[decay] = sum(float(v.norm() ** 2) for v in adapter_state(pm, "decayed").values()) ** 0.5
+        pm.delete_adapter("decayed")
+    assert norms[5.0] < 0.97 * norms[0.0], norms
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 
@@ -156,3 +177,4 @@ def test_sequential_corrections_onto_one_adapter_keep_the_earlier_ones(home):
         stored = adapter["manifest"]["config"]["corrections"]
         assert [e["messages"][-1]["content"] for e in stored] == [a for _, a in FACTS[:2]]
         assert adapter["manifest"]["config"]["replayed_corrections"] == 1
+        assert adapter["manifest"]["config"]["weight_decay"] == DEFAULT_SFT_WEIGHT_DECAY > 0
