@@ -572,6 +572,13 @@ GRPO_RUNS = {  # label -> request fields beside prompts and reward
     "lr 3e-3, 40 iterations, anchor w4": {"learning_rate": 3e-3, "iterations": 40, "anchor_weight": 4},
     "lr 0.01, 20 iterations, anchor w4, kl 0.1": {"learning_rate": 0.01, "iterations": 20, "anchor_weight": 4,
                                                    "kl_coef": 0.1},
+    "lr 5e-3, 60 iterations, anchor w8": {"learning_rate": 5e-3, "iterations": 60, "anchor_weight": 8},
+    "lr 1e-2, 30 iterations, anchor w8": {"learning_rate": 1e-2, "iterations": 30, "anchor_weight": 8},
+    "lr 1e-2, 30 iterations, anchor w16": {"learning_rate": 1e-2, "iterations": 30, "anchor_weight": 16},
+    "lr 7e-3, 40 iterations, anchor w8": {"learning_rate": 7e-3, "iterations": 40, "anchor_weight": 8},
+    "lr 1e-2, 60 iterations, anchor w8": {"learning_rate": 1e-2, "iterations": 60, "anchor_weight": 8},
+    "lr 2e-2, 30 iterations, anchor w8": {"learning_rate": 2e-2, "iterations": 30, "anchor_weight": 8},
+    "lr 1e-2, 40 iterations, anchor w4": {"learning_rate": 1e-2, "iterations": 40, "anchor_weight": 4},
 }
 
 

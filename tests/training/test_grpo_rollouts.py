@@ -276,7 +276,7 @@ def test_group_size_above_the_engine_queue_is_refused():
     assert err.value.code == "samples_exceed_queue" and err.value.param == "group_size"
 
 
-@pytest.mark.slow  # 30 iterations of 4 prompts x 8 samples (~40-60 s on the loaded 2-core machine)
+@pytest.mark.slow  # 60 iterations of 4 prompts x 8 samples (~7 s at load 2, minutes on a loaded 2-core machine)
 def test_the_defaults_learn_a_rewarded_word_and_keep_the_base_answers(srv):
     """Issue 48: GRPO with rollouts and nothing but prompts and a reward (the word "wheels", which the base never
     writes on these prompts) raises the reward and is served past the locality guard: the defaults' lr, iterations

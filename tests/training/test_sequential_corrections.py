@@ -178,3 +178,28 @@ def test_sequential_corrections_onto_one_adapter_keep_the_earlier_ones(home):
         assert [e["messages"][-1]["content"] for e in stored] == [a for _, a in FACTS[:2]]
         assert adapter["manifest"]["config"]["replayed_corrections"] == 1
         assert adapter["manifest"]["config"]["weight_decay"] == DEFAULT_SFT_WEIGHT_DECAY > 0
+
+
+def test_anchor_prompts_are_rehearsed_beside_the_base_questions(home):
+    """``anchor_prompts``: the caller's own questions join the anchor (answered by the base model), so the job
+    rehearses them beside the base's own questions; recorded in the effective request; a job with
+    ``anchor_questions`` 0 and prompts anchors on the prompts alone."""
+    mine = ["What is the capital of France?", "Where is the library?"]
+    with kiln_server(home) as server:
+        c = server.client
+        rows = {}
+        for name, extra in (("plain", {}), ("mine", {"anchor_prompts": mine}),
+                            ("only", {"anchor_prompts": mine, "anchor_questions": 0})):
+            body = {"adapter": f"anchored-{name}", "examples": [{"messages": [
+                {"role": "user", "content": FACTS[2][0]}, {"role": "assistant", "content": FACTS[2][1]}]}], **extra}
+            r = c.post("/v1/train/sft", json=body)
+            assert r.status_code == 202, r.text
+            job = wait_job(c, r.json()["id"])
+            assert job["state"] == "succeeded", job["error"]
+            rows[name] = job["result"]["report"]["anchor_rows"]
+        assert rows["mine"] == rows["plain"] + len(mine) and rows["only"] == len(mine), rows
+        config = c.get("/v1/adapters/anchored-mine").json()["manifest"]["config"]
+        assert config["anchor_prompts"] == mine and config["anchor_weight"] > 0
+        r = c.post("/v1/train/sft", json={"adapter": "x", "anchor_prompts": [""], "examples": [{"messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "anchor_prompts[0]"

@@ -79,13 +79,15 @@ DEFAULT_ANCHOR_PER_STEP = 8
 # when the request does not set them. Issue 48, the built-in model rewarded for one word ("wheels", never said
 # by the base on those prompts): the previous defaults (1 iteration, lr 1e-3, no anchor) failed (every group
 # zero-variance); lr 0.02 x 12 without the anchor reached 1.0 and left 0/10 base answers; lr 5e-3 x 30 with the
-# anchor at weight 8 reached 0.72 with 10/10 kept and none degenerate (bench/locality.py --grpo).
+# anchor at weight 8 reached 0.72 with 10/10 kept and none degenerate; lr 1e-2 x 60 with it 0.97, 10/10 kept
+# (bench/locality.py --grpo; docs/training.md "GRPO").
 DEFAULT_GRPO_ANCHOR_WEIGHT = 0.0
 DEFAULT_GRPO_ROLLOUT_ANCHOR_WEIGHT = DEFAULT_ANCHOR_WEIGHT
-DEFAULT_GRPO_ROLLOUT_LEARNING_RATE = 5e-3
-DEFAULT_GRPO_ROLLOUT_ITERATIONS = 30
+DEFAULT_GRPO_ROLLOUT_LEARNING_RATE = 1e-2
+DEFAULT_GRPO_ROLLOUT_ITERATIONS = 60
 DEFAULT_GRPO_LEARNING_RATE = 1e-3  # pre-scored groups
 MAX_ANCHOR_QUESTIONS = 1_024
+MAX_ANCHOR_PROMPTS = 64  # the caller's own anchor questions (beside the ones the base model writes)
 MAX_ANCHOR_PER_STEP = 256
 # Sequential corrections: an SFT job continuing `base_adapter` replays the corrections stored with its revision
 # (the manifest config's `corrections`), at most this many bytes of canonical JSON (the oldest are dropped first).
@@ -219,6 +221,10 @@ class _TrainCommon(_Wire):
     anchor_questions: int | None = Field(None, ge=0, le=MAX_ANCHOR_QUESTIONS,
                                          description="questions the base model writes for the anchor; default "
                                                      "DEFAULT_ANCHOR_QUESTIONS")
+    anchor_prompts: list[Annotated[str, Field(min_length=1, max_length=MAX_LOCALITY_PROMPT_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_ANCHOR_PROMPTS,
+        description="your own questions (user messages) for the anchor: the base model answers each greedily and "
+                    "every step rehearses them in turn with its own questions; what a correction must not change")
     anchor_per_step: int | None = Field(None, ge=1, le=MAX_ANCHOR_PER_STEP,
                                         description="anchor rows per optimizer step; default DEFAULT_ANCHOR_PER_STEP")
 

@@ -46,9 +46,11 @@ class AnchorSettings:
     max_tokens: int = ANCHOR_MAX_TOKENS
     seed: int = ANCHOR_SEED
 
+    prompts: tuple[str, ...] = ()  # the caller's own questions, beside the ``questions`` the base writes
+
     @property
     def on(self) -> bool:
-        return self.questions > 0 and self.per_step > 0 and self.weight > 0
+        return (self.questions > 0 or bool(self.prompts)) and self.per_step > 0 and self.weight > 0
 
     def build_key(self) -> tuple[int, int, int, int]:
         return (self.questions, self.top_k, self.max_tokens, self.seed)
@@ -121,7 +123,8 @@ def anchor_settings(request: dict[str, Any]) -> AnchorSettings:
     :func:`kiln.training.core.plan.anchor_fields`); a request stored before they existed has none."""
     return AnchorSettings(questions=int(request.get("anchor_questions") or 0),
                           per_step=int(request.get("anchor_per_step") or DEFAULT_ANCHOR_PER_STEP),
-                          weight=float(request.get("anchor_weight") or 0.0))
+                          weight=float(request.get("anchor_weight") or 0.0),
+                          prompts=tuple(request.get("anchor_prompts") or ()))
 
 
 def anchor_rows(peft_model: Any, tokenizer: Any, settings: AnchorSettings, *, pad_id: int,
@@ -199,8 +202,24 @@ def model_anchor(peft_model: Any, loaded: Any, settings: AnchorSettings) -> Anch
     tok = loaded.tokenizer
     end_ids = sorted(end_of_turn_ids(tok, getattr(loaded.model, "generation_config", None)))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else end_ids[0]
-    return base_anchor(loaded.base_model_sha256, lambda: anchor_rows(
+    own: list[AnchorRow] = []
+    if settings.prompts:  # the caller's questions first, so a short job rehearses them all
+        own = base_anchor(f"{loaded.base_model_sha256}:{prompts_key(settings.prompts)}", lambda: anchor_rows(
+            peft_model, tok, settings, pad_id=pad_id, end_ids=end_ids, questions=list(settings.prompts)),
+            settings).rows
+    if not settings.questions:
+        return Anchor(own, settings)
+    written = base_anchor(loaded.base_model_sha256, lambda: anchor_rows(
         peft_model, tok, settings, pad_id=pad_id, end_ids=end_ids), settings)
+    return Anchor(own + written.rows, settings)
+
+
+def prompts_key(prompts: Sequence[str]) -> str:
+    """A cache key for a list of anchor questions."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
 
 
 def anchor_term(anchor: Any, peft_model: Any, split: Any, loop: Any, pad_id: int) -> Any:

@@ -211,7 +211,7 @@ def anchor_fields(request: Any, *, default_weight: float = DEFAULT_ANCHOR_WEIGHT
     weight = request.anchor_weight if request.anchor_weight is not None else default_weight
     questions = request.anchor_questions if request.anchor_questions is not None else DEFAULT_ANCHOR_QUESTIONS
     per_step = request.anchor_per_step if request.anchor_per_step is not None else DEFAULT_ANCHOR_PER_STEP
-    if not weight or not questions:
+    if not weight or not (questions or getattr(request, "anchor_prompts", None)):
         weight, questions = 0.0, 0
     return {"anchor_weight": float(weight), "anchor_questions": int(questions), "anchor_per_step": int(per_step)}
 
