@@ -615,6 +615,41 @@ def server_grpo(only: list[str] | None = None) -> None:
                   f"{job['result']['timings_s'].get('train', 0):>8.1f}   load {os.getloadavg()[0]:.1f}")
 
 
+def server_opd() -> None:
+    """OPD with the defaults, its teacher an adapter trained with the SFT defaults on the mill correction: does the
+    student answer as the teacher, and are the probes' base answers kept (through the HTTP API)?"""
+    from kiln.demo import _ask, kiln_server, wait_job
+
+    with tempfile.TemporaryDirectory() as home, kiln_server(Path(home), extra_env={"KILN_TRAINING_ENABLED": "1"}) as srv:
+        c = srv.client
+        base_id = c.get("/v1/models").json()["data"][0]["id"]
+        base = [_ask(c, base_id, q)[0] for q in PROBES]
+        msgs = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
+        job = wait_job(c, c.post("/v1/train/sft", json={"adapter": "mill", "auto_load": True,
+                                                              "examples": [{"messages": msgs}]}).json()["id"])
+        assert job["state"] == "succeeded", job.get("error")
+        c.post("/v1/teachers", json={"alias": "mill", "kind": "local", "adapter": "mill"}).raise_for_status()
+        t0 = time.perf_counter()
+        r = c.post("/v1/train/opd", json={"adapter": "student", "teacher": "mill", "auto_load": True,
+                                          "prompts": [{"messages": msgs[:1]}]})
+        r.raise_for_status()
+        job = wait_job(c, r.json()["id"], timeout=1800)
+        served = time.perf_counter() - t0
+        if job["state"] != "succeeded":
+            raise SystemExit(f"opd {job['state']}: {job.get('error')}")
+        rep, loc = job["result"]["report"], job["result"]["locality"]
+        teacher = _ask(c, "mill", QUESTION)[0].strip()
+        student = _ask(c, "student", QUESTION)[0].strip()
+        after = [_ask(c, "student", q)[0] for q in PROBES]
+        same = sum(x == y for x, y in zip(after, base))
+        bad = sum(degenerate(x, y) for x, y in zip(after, base))
+        print(f"opd defaults: {rep['steps']} steps, learned {rep.get('learned')}, submit->served {served:.2f} s, "
+              f"activated {job['result'].get('activated')}; student answers as the teacher: {student == teacher} "
+              f"({student!r}); probes unchanged {same}/10, degenerate {bad}; the job's locality: "
+              f"{loc.get('unchanged')}/{loc.get('probes')} unchanged, kl_mean {loc.get('kl_mean')}   "
+              f"load {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("world", choices=["builtin", "world"])
@@ -625,6 +660,7 @@ def main() -> None:
     ap.add_argument("--corrections", default="1,10", help="world: report after these many corrections")
     ap.add_argument("--spec-sample", type=int, default=100, help="world: untouched facts checked for specificity")
     ap.add_argument("--grpo", action="store_true", help="GRPO with rollouts on kiln serve, one rewarded word")
+    ap.add_argument("--opd", action="store_true", help="OPD with the defaults from an SFT-defaults teacher adapter")
     ap.add_argument("--previous", action="store_true", help="--server: with the previous defaults' fields")
     ap.add_argument("--fields", default="{}", help="--server: extra request fields (JSON)")
     ap.add_argument("--env", default="", help="--server: KEY=VALUE,... for the server")
@@ -635,6 +671,9 @@ def main() -> None:
     print(f"load: {os.getloadavg()}")
     if args.grpo:
         server_grpo([x for x in args.only.split(";") if x] or None)
+        return
+    if args.opd:
+        server_opd()
         return
     if args.server:
         import json
