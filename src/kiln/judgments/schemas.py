@@ -9,7 +9,7 @@ judgments to train on).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,7 +33,7 @@ class _Wire(BaseModel):
 
 
 # _not_blank as a JSON Schema pattern (an unanchored search): one character that str.isspace() calls no space
-NOT_BLANK_SCHEMA = {"pattern": r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"}
+NOT_BLANK_SCHEMA: dict[str, Any] = {"pattern": r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"}
 
 
 def _not_blank(v: str) -> str:
