@@ -37,6 +37,7 @@ SCHEMA_CANNOT_STATE: list[tuple[str, str, str, str]] = [
                                                                  "adapter's two files)"),
     (EVAL_SUITES, "invalid_regex", r"under RE2", "a regex's syntax (RE2)"),
     (EVAL_SUITES, "invalid_jsonl", r"is not JSON", "JSONL text"),
+    (EVAL_SUITES, "dataset_outside_eval_dir", r"not valid UTF-8", "a lone surrogate in a file name"),
     (EVAL_SUITES, "invalid_suite", r"at least 1 item", "JSONL text (no rows)"),
     # rules relating values that JSON Schema cannot compare, or an array's last item
     (EVAL_SUITES, "invalid_reference", r"is not one of [A-Z]+", "a reference against its scorer's choices"),

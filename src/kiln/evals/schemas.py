@@ -320,8 +320,10 @@ class GateRequest(_Wire):
 
 
 # the dataset_path the service can open, as a JSON Schema pattern (a little stricter than the service, which
-# also takes "./a" and "a//b"): parts that are not empty, "." or "..", no NUL and no lone surrogate
-_PART = r"(?:[^/.\x00\ud800-\udfff][^/\x00\ud800-\udfff]*|\.[^/.\x00\ud800-\udfff][^/\x00\ud800-\udfff]*|\.\.[^/\x00\ud800-\udfff]+)"
+# also takes "./a" and "a//b"): parts that are not empty, "." or "..", and no NUL. A lone surrogate (which JSON
+# text can hold and no file name can) is left out: ECMA-262 patterns, which JSON Schema's are, cannot name one
+# the same way in every validator, and schemathesis drops a pattern that tries
+_PART = r"(?:[^/.\x00][^/\x00]*|\.[^/.\x00][^/\x00]*|\.\.[^/\x00]+)"
 DATASET_PATH_PATTERN = rf"^{_PART}(?:/{_PART})*$"
 
 
