@@ -2,7 +2,7 @@
 
 The intended order, lowest first (docs/architecture.md, "Layers"):
 
-    contracts   kiln (the package), kiln.errors, kiln.canonical, kiln.adapter_names, kiln.wire_rules
+    contracts   kiln (the package), kiln.errors, kiln.canonical, kiln.adapter_names, kiln.wire_rules, kiln.wire_numbers
     system      kiln.system: processes, snapshots, private directories, file provenance, ranks, secrets
     settings    kiln.config (validates [vllm] options and teacher credentials with the system's tools)
     runtime     kiln.runtime: the engines, the ServingEngine seam, tokenization, sampling
@@ -27,7 +27,7 @@ import kiln
 PACKAGE_ROOT = Path(kiln.__file__).parent
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("contracts", frozenset({"kiln", "kiln.__version__", "kiln.errors", "kiln.canonical", "kiln.adapter_names",
-                                "kiln.wire_rules"})),
+                                "kiln.wire_rules", "kiln.wire_numbers"})),
     ("system", frozenset({"kiln.system"})),
     ("settings", frozenset({"kiln.config"})),
     ("runtime", frozenset({"kiln.runtime"})),

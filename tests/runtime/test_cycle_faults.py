@@ -22,7 +22,7 @@ from kiln.runtime.cycle_faults import (
     classify,
     contain,
 )
-from kiln.runtime.cycle_plan import CyclePlan
+from kiln.runtime.cycle_plan import MIN_OOM_BUDGET, CyclePlan, CyclePlanner
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.loader import load_model
 from kiln.runtime.sampling import SamplingParams
@@ -184,6 +184,17 @@ def test_a_failure_in_the_update_of_a_rerun_escapes_uncontained():
         contain(_plan(2, 0), RuntimeError("boom"), rec.how)
 
 
+def test_out_of_memory_lowers_the_budget_for_a_while_and_halves_it_again():
+    planner = CyclePlanner(SimpleNamespace(token_budget=512), None, None, None, None)  # type: ignore[arg-type]
+    assert planner.token_budget() == 512
+    assert planner.lower_after_oom(_plan(40, 20)) == 70  # (40 + 20 * 5) // 2
+    assert planner.token_budget() == 70  # lasting: not only the failed cycle
+    assert planner.lower_after_oom(_plan(40, 20)) == 35  # another out-of-memory cycle: halved again
+    assert planner.lower_after_oom(_plan(10, 0)) == MIN_OOM_BUDGET  # never under the floor
+    planner.oom_budget_until = 0.0  # the hold is over
+    assert planner.token_budget() == 512 and planner.oom_budget is None
+
+
 # -- a real engine with the hook ------------------------------------------------------------------------
 
 
@@ -308,3 +319,29 @@ def test_scoring_future_of_an_unrelated_engine_error_stays_generic():
     with pytest.raises(EngineError) as info:
         fut.result(0)
     assert not isinstance(info.value, EngineRowFailed)
+
+
+def test_an_out_of_memory_cycle_leaves_a_lower_budget_that_still_serves(loaded, monkeypatch):
+    """After forward_oom the engine plans under a lowered token budget (engine stats' token_budget) instead
+    of the same size, and a prompt longer than that budget still runs, chunked, to the clean run's tokens."""
+    long_prompt = "Repeat after me: " + " ".join(f"word{i}" for i in range(35))
+    clean = make_engine(loaded, monkeypatch, None)
+    try:
+        [(_, want, _)] = run_together(clean, [long_prompt])
+        configured = clean.stats()["token_budget"]
+    finally:
+        clean.stop()
+    engine = make_engine(loaded, monkeypatch, f"forward_oom:{MARK}")
+    try:
+        assert engine.stats()["token_budget"] == configured
+        got = run_together(engine, QUESTIONS + [f"Say {MARK}."])
+        assert got[-1][0] == "error" and got[-1][2].fault_class == OUT_OF_MEMORY
+        stats = settled(engine)
+        lowered = stats["token_budget"]
+        assert MIN_OOM_BUDGET <= lowered < configured, stats
+        assert len(engine.encode_chat([{"role": "user", "content": long_prompt}])) > lowered
+        [(reason, tokens, _)] = run_together(engine, [long_prompt])
+        assert reason == "length" and tokens == want
+        assert engine.stats()["token_budget"] <= lowered and engine.health() == (True, None)
+    finally:
+        engine.stop()

@@ -29,6 +29,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.security.fuzz_refusals import cannot_state, recorded_failures
+from tests.security.openapi_check import fetch_checker
+
 ST = Path(sys.executable).with_name("st")
 MAX_EXAMPLES = 10
 RUN_TIMEOUT_S = 240
@@ -36,7 +39,7 @@ EXCLUDE = r"^/v1/(train/(sft|grpo|opd|kd)$|openenv/runs$)"
 # 5xx are judged below from the recorded exchanges instead of by schemathesis' not_a_server_error: two
 # operations contact an upstream the request names (a teacher URL, an environment URL, both on loopback),
 # and a fuzzed loopback port with nothing listening is rightly a documented 503 "unreachable", not a fault.
-CHECKS = "status_code_conformance,content_type_conformance,response_schema_conformance"
+CHECKS = "status_code_conformance,content_type_conformance,response_schema_conformance,positive_data_acceptance"
 UPSTREAM_UNAVAILABLE = {
     ("POST", "/v1/teachers"): {"teacher_unreachable"},
     ("POST", "/v1/openenv/preflight"): {"environment_unavailable"},
@@ -57,12 +60,12 @@ def fuzz_server(builtin_model_dir, tmp_path_factory):
 def test_schemathesis_finds_no_5xx_and_no_undocumented_status(fuzz_server, tmp_path):
     if not ST.exists():
         pytest.fail(f"schemathesis is not installed ({ST}); pip install -e '.[dev]'")
-    har = tmp_path / "run.har"
+    har, events = tmp_path / "run.har", tmp_path / "events.ndjson"
     cmd = [str(ST), "run", f"{fuzz_server.base_url}/openapi.json", "--max-examples", str(MAX_EXAMPLES),
            "--seed", "1", "--no-shrink", "--generation-database", "none", "--workers", "1",
            "--request-timeout", "30", "--checks", CHECKS, "--exclude-path-regex", EXCLUDE,
-           "--phases", "examples,coverage,fuzzing,stateful", "--no-color",
-           "--report", "har", "--report-har-path", str(har)]
+           "--phases", "examples,coverage,fuzzing,stateful", "--no-color", "--continue-on-failure",
+           "--report", "har,ndjson", "--report-har-path", str(har), "--report-ndjson-path", str(events)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=tmp_path)
     entries = json.loads(har.read_text())["log"]["entries"]
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -75,13 +78,35 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(fuzz_server, tmp_p
           f"(+{probes} other-method probes, all 405)")
     for op, counts in summary.items():
         print(f"  {op}: {counts}")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    failures = recorded_failures(events)
+    refused = [f for f in failures if f.check == "positive_data_acceptance"]
+    assert not [f for f in failures if f not in refused], proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert proc.returncode in (0, 1), proc.stdout[-6000:] + proc.stderr[-2000:]  # 1: failures, judged here
+    unexplained = judge_refusals(refused, fuzz_server.base_url)
+    assert not unexplained, unexplained[:5]
     faults = [e for e in entries if e["response"]["status"] >= 500 and not _upstream_unavailable(e)]
     assert not faults, [(e["request"]["method"], e["request"]["url"], e["response"]["status"],
                          e["response"]["content"].get("text", "")[:300]) for e in faults[:5]]
     assert len(summary) >= 15, summary
     generation = statuses["POST /v1/chat/completions"] + statuses["POST /v1/completions"]
     assert generation[200] >= 2, generation  # the fuzzer reached the engine, not only the validators
+
+
+def judge_refusals(refused: list, base_url: str) -> list:
+    """The schema-valid inputs refused that no entry of ``SCHEMA_CANNOT_STATE`` explains (printed by reason)."""
+    checker = fetch_checker(base_url)
+    reasons: collections.Counter = collections.Counter()
+    unexplained = []
+    for f in refused:
+        reason = "not schema-valid after all" if not f.schema_valid(checker) else cannot_state(f)
+        reasons[reason or "UNEXPLAINED"] += 1
+        if reason is None:
+            unexplained.append((f.operation, f.status, f.code, f.message[:300]))
+    print(f"positive_data_acceptance: {len(refused)} refusals of generated positive cases, "
+          f"{len(unexplained)} unexplained")
+    for reason, n in reasons.most_common():
+        print(f"  {n:4d} {reason}")
+    return unexplained
 
 
 def _upstream_unavailable(entry: dict) -> bool:

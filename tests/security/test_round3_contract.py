@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.parametrize("value", ["5", 5.0, True])
+# 5.0 was refused here too until issue 45 item 10: JSON Schema calls it an integer, so the server now takes it
+# as 5 (tests/security/test_wire_rules.py::test_a_whole_float_is_an_integer_as_json_schema_says)
+@pytest.mark.parametrize("value", ["5", 5.5, True])
 def test_integer_fields_are_strict(client, secure_server, value):
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"})):

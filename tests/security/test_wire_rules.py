@@ -67,6 +67,24 @@ PAIRS = [
     ("only an assistant turn with tool_calls may omit content", "/v1/chat/completions",
      {"messages": [{"role": "user"}], "max_tokens": 1},
      {"messages": TOOL_TURNS, "max_tokens": 1}),
+    ("an import names exactly one of jsonl and dataset_path", "/v1/evals/suites/import",
+     {"name": "imp", "scorers": [{"type": "exact"}], "jsonl": "{}", "dataset_path": "a.jsonl"},
+     {"name": "imp", "scorers": [{"type": "exact"}], "dataset_path": "a.jsonl"}),
+    ("an import's dataset_path is relative, without '..'", "/v1/evals/suites/import",
+     {"name": "imp", "scorers": [{"type": "exact"}], "dataset_path": "../a.jsonl"},
+     {"name": "imp", "scorers": [{"type": "exact"}], "dataset_path": "sub/a.jsonl"}),
+    ("a judgment's texts are not blank", "/v1/judgments",
+     {"prompt": " \u3000\x1c", "response_a": "a", "response_b": "b", "preferred": "a"},
+     {"prompt": " q ", "response_a": "a", "response_b": "b", "preferred": "a"}),
+    ("the batch route does not stream", "/v1/completions/batch",
+     {"prompts": ["a"], "max_tokens": 1, "stream": True},
+     {"prompts": ["a"], "max_tokens": 1, "stream": False}),
+    ("post_eval owns activation: no auto_load beside it", "/v1/openenv/preflight",
+     {"env_url": "http://127.0.0.1:9", "training": {"adapter": "a1", "auto_load": True, "post_eval": {"suite": "s"}}},
+     {"env_url": "http://127.0.0.1:9", "training": {"adapter": "a1", "post_eval": {"suite": "s"}}}),
+    ("an OpenEnv run's training takes GRPO's fields with their types", "/v1/openenv/preflight",
+     {"env_url": "http://127.0.0.1:9", "training": {"adapter": "a1", "epochs": "two"}},
+     {"env_url": "http://127.0.0.1:9", "training": {"adapter": "a1", "epochs": 2}}),
 ]
 
 
@@ -82,7 +100,7 @@ def _schema_valid(checker, schema: dict, body: dict) -> bool:
 
 @pytest.mark.parametrize("rule,path,refused,accepted", PAIRS, ids=[p[0] for p in PAIRS])
 def test_schema_and_server_agree_on_the_rule(client, checker, rule, path, refused, accepted):
-    if path in ("/v1/chat/completions", "/v1/completions"):
+    if path in ("/v1/chat/completions", "/v1/completions", "/v1/completions/batch"):
         model = client.get("/v1/models").json()["data"][0]["id"]
         refused, accepted = {**refused, "model": model}, {**accepted, "model": model}
     schema = _request_schema(checker, path)
@@ -102,3 +120,26 @@ def test_the_rule_builders_compose_into_draft_2020_12():
     v = jsonschema.Draft202012Validator(schema)
     assert v.is_valid({"a": True, "b": True}) and not v.is_valid({"a": True})
     assert v.is_valid({"x": 1}) and not v.is_valid({"x": 1, "y": 2})
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "top_k": 5.0,
+                              "stop_token_ids": [3.0]}, "top_k"),
+    ("/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 2, "n": 1.0}, "n"),
+    ("/v1/completions/batch", {"prompts": ["a", [1.0, 2]], "max_tokens": 2.0}, "max_tokens"),
+    ("/detokenize", {"tokens": [1.0, 2.0]}, "tokens"),
+])
+def test_a_whole_float_is_an_integer_as_json_schema_says(client, checker, path, body, field):
+    """JSON Schema's integer includes 5.0: the server accepts it; 5.5, "5" and true stay refused."""
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {**body, "model": model}
+    assert _schema_valid(checker, _request_schema(checker, path), body)
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    value = body[field]
+    for bad in ([1.5] if isinstance(value, list) else [2.5, "2", True]):
+        refused = {**body, field: bad}
+        assert not _schema_valid(checker, _request_schema(checker, path), refused)
+        r = client.post(path, json=refused)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text

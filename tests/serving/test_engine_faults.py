@@ -4,6 +4,7 @@ request whose prompt holds the marker gets a typed error while 8 streams beside 
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -84,3 +85,21 @@ def test_a_forward_failing_for_one_request_fails_it_alone(faulty):
     ok = client.chat.completions.create(model=faulty.model_id, max_tokens=4,
                                         messages=[{"role": "user", "content": "Hi"}])
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def _faults_total(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^kiln_engine_faults_total\{class="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
+def test_contained_faults_are_counted_by_class_in_metrics(faulty):
+    before = _faults_total(faulty.base_url)
+    assert set(before) == {"forward_error", "out_of_memory", "unknown_state"}
+    client = openai.OpenAI(base_url=f"{faulty.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model=faulty.model_id, max_tokens=4,
+                                       messages=[{"role": "user", "content": f"{MARK} again"}])
+    after = _faults_total(faulty.base_url)
+    assert after["forward_error"] >= before["forward_error"] + 1
+    assert after["out_of_memory"] == before["out_of_memory"] and after["unknown_state"] == 0

@@ -319,14 +319,28 @@ class GateRequest(_Wire):
     post_eval: PostEval
 
 
+# the dataset_path the service can open, as a JSON Schema pattern (a little stricter than the service, which
+# also takes "./a" and "a//b"): parts that are not empty, "." or "..", and no NUL. A lone surrogate (which JSON
+# text can hold and no file name can) is left out: ECMA-262 patterns, which JSON Schema's are, cannot name one
+# the same way in every validator, and schemathesis drops a pattern that tries
+_PART = r"(?:[^/.\x00][^/\x00]*|\.[^/.\x00][^/\x00]*|\.\.[^/\x00]+)"
+DATASET_PATH_PATTERN = rf"^{_PART}(?:/{_PART})*$"
+
+
 class ImportRequest(_Wire):
     """``POST /v1/evals/suites/import``: JSONL rows (``{"id"?, "messages", "reference"}``) plus the suite's
-    scorers and settings. ``jsonl`` is the text itself; ``dataset_path`` names a file in ``eval_dir/datasets``."""
+    scorers and settings. ``jsonl`` is the text itself; ``dataset_path`` names a file in ``eval_dir/datasets``.
+    Exactly one of the two (checked in ``EvalService.import_jsonl``, stated here for the schema)."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        {"oneOf": [field_is("jsonl", NOT_NULL), field_is("dataset_path", NOT_NULL)]}))
 
     name: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     description: str = Field("", max_length=4_096)
     jsonl: str | None = None
-    dataset_path: str | None = Field(None, max_length=1_024)
+    dataset_path: Annotated[str, Field(max_length=1_024, json_schema_extra={"pattern": DATASET_PATH_PATTERN})] | None = \
+        Field(None, description="relative, inside eval_dir/datasets: '/'-separated parts, none empty, '.' or "
+                                 "'..'")
     scorers: list[Scorer] = Field(min_length=1, max_length=MAX_SCORERS)
     generation: GenerationSettings = GenerationSettings()
     aggregation: Literal["mean", "pass@k", "majority@k"] = "mean"

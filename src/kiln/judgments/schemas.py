@@ -9,7 +9,7 @@ judgments to train on).
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,6 +32,10 @@ class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# _not_blank as a JSON Schema pattern (an unanchored search): one character that str.isspace() calls no space
+NOT_BLANK_SCHEMA: dict[str, Any] = {"pattern": r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"}
+
+
 def _not_blank(v: str) -> str:
     if not v.strip():
         raise ValueError("must contain a non-whitespace character")
@@ -41,9 +45,10 @@ def _not_blank(v: str) -> str:
 class JudgmentCreate(_Wire):
     """One A/B preference as a client records it."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="what both responses answer")
-    response_a: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS)
-    response_b: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="what both responses answer",
+                        json_schema_extra=NOT_BLANK_SCHEMA)
+    response_a: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS, json_schema_extra=NOT_BLANK_SCHEMA)
+    response_b: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS, json_schema_extra=NOT_BLANK_SCHEMA)
     preferred: Literal["a", "b", "tie"] = Field(description="the better response, or tie")
     rationale: str | None = Field(None, max_length=MAX_RATIONALE_CHARS, description="why (kept, not trained on)")
     author: str | None = Field(None, description="who judged: letters, digits, space and @._:+-, at most 128",

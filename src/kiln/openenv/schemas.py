@@ -30,6 +30,31 @@ ARTIFACT_SHA256_HEADER = "x-kiln-artifact-sha256"
 _PORT = r"([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 _LOOPBACK_URL = rf"^http://(127\.0\.0\.1|localhost|\[::1\])(:{_PORT})?/?$"
 
+def _training_schema() -> dict[str, Any]:
+    """``training`` as ``OpenEnvService.preflight`` validates it: GRPORequest's fields, less the groups the run
+    collects and the fields only a prompts-and-reward job takes, each with GRPORequest's own schema, inlined
+    (a ``$ref`` here would name a definition of another model's document)."""
+    from kiln.training.schemas import ROLLOUT_FIELDS, GRPORequest
+
+    grpo = GRPORequest.model_json_schema()
+    names = sorted(set(GRPORequest.model_fields) - set(ROLLOUT_OWNED) - set(ROLLOUT_FIELDS))
+    return {"required": ["adapter"], "additionalProperties": False, "allOf": grpo.get("allOf", []),
+            "properties": {k: _inline(grpo["properties"][k], grpo.get("$defs", {})) for k in names}}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """``node`` with every ``{"$ref": "#/$defs/X"}`` replaced by ``X`` itself (the models are not recursive)."""
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _inline(v, defs) for k, v in node.items() if k != "$ref"}
+    if "$ref" not in node:
+        return out
+    target = _inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+    return {"allOf": [target], **out} if out else target
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -52,9 +77,7 @@ class OpenEnvRunRequest(_Wire, ChatGenerationFields):
     policy_adapter: str | None = Field(None, max_length=64, json_schema_extra=NAME_SCHEMA,
                                        description="a loaded adapter that generates the actions (default: the base model)")
     training: dict[str, Any] = Field(description="the GRPO job's fields (POST /v1/train/grpo without `groups`)",
-                                     json_schema_extra={"required": ["adapter"], "properties": {
-                                         "adapter": {"type": "string", **NAME_SCHEMA}}, "not": {"anyOf": [
-                                         {"required": [k]} for k in ROLLOUT_OWNED]}})
+                                     json_schema_extra=lambda s: s.update(_training_schema()))
     idempotency_key: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
                                         description="a retry with the same key and request returns the original run; "
                                         "the same key with any other field changed is a 409")

@@ -14,7 +14,9 @@ rows of that cycle. The classes:
     shrunk: its rows run in halves, recursively, and a lone prompt chunk is cut in half (its rest runs
     in later cycles), with the pool's workspace and the CUDA cache freed between tries; a row that
     runs out of memory alone on one token ends with :class:`~kiln.runtime.submission.EngineOutOfMemory`
-    (503, retry later). The shrinking is per failed cycle: later cycles plan their usual size.
+    (503, retry later). The cap lasts: the scheduler then lowers the per-cycle token budget to half the
+    failed cycle's tokens for a while (``CyclePlanner.lower_after_oom``), so the next cycles are not planned
+    at the size that just ran out of memory.
 ``unknown_state``
     Anything after which the engine cannot tell which writes completed: a failure in the update step
     (rows half advanced), a device error that poisons the context (``CUDA error``, a device-side
@@ -27,6 +29,9 @@ rows of that cycle. The classes:
 failure: ``forward_raises:<marker>`` (the forward raises when a row's prompt text contains
 ``<marker>``), ``forward_oom:<marker>`` (an out-of-memory error instead), ``update_raises:<marker>``
 (the update step raises, which latches).
+
+Contained failures are counted by class in the engine's stats (``cycle_faults``; ``/health``'s
+``engine_faults``) and on ``/metrics`` as ``kiln_engine_faults_total{class}``.
 """
 
 from __future__ import annotations

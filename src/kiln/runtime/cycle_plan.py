@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from kiln.runtime.step_cost import StepCost
 
 QUEUE_DETAIL_MAX = 32  # waiting rows listed one by one in stats()["queue"] (the count covers all)
+OOM_BUDGET_HOLD_S = 60.0  # how long a token budget lowered after an out-of-memory cycle stays lowered
+MIN_OOM_BUDGET = 8  # the lowest an out-of-memory cycle lowers the token budget to
 MIN_MIXED_PROMPT_TOKENS = 4  # prompt tokens a cycle beside decoding rows always may take (so prompts progress)
 # the mixed_step_factor allowance grows by one more of itself for every this many decode cycles the oldest
 # held-back prompt has waited (so a backlog is served in about sqrt(2 x cycles x backlog / allowance) cycles)
@@ -93,6 +95,8 @@ class CyclePlanner:
     def __init__(self, config: EngineConfig, queues: RowQueues, ledger: BlockLedger, step_cost: StepCost,
                  wide_min_tokens: int | None):
         self.config = config
+        self.oom_budget: int | None = None  # the token budget in force after an out-of-memory cycle (lower_after_oom)
+        self.oom_budget_until = 0.0  # time.monotonic() at which it lifts
         self.queues = queues
         self.ledger = ledger
         self.step_cost = step_cost
@@ -117,8 +121,9 @@ class CyclePlanner:
         only while the pool can hold its prompt."""
         q = self.queues
         self._grow_decoding()
-        total = self.config.token_budget - len(q.decoding)
-        reserve = self.config.token_budget // 4
+        budget = self.token_budget()
+        total = budget - len(q.decoding)
+        reserve = budget // 4
         mixed = self._mixed_allowance()
         if mixed is not None and mixed < total:
             total, reserve = mixed, max(1, mixed // 4)
@@ -141,6 +146,22 @@ class CyclePlanner:
         prompts = tuple((r, c) for r, c in chunks.taken if isinstance(r, Row))
         return CyclePlan(decoding, prompts, tuple((r, c) for r, c in chunks.taken if isinstance(r, ScoreRow)),
                          self._cycle_threads(decoding, chunks.taken))
+
+    def token_budget(self) -> int:
+        """``batching.token_budget``, or the lower budget in force for a while after an out-of-memory cycle."""
+        if self.oom_budget is not None and time.monotonic() >= self.oom_budget_until:
+            self.oom_budget = None  # the hold is over: plan the configured size again (a new OOM lowers it again)
+        return self.config.token_budget if self.oom_budget is None else min(self.oom_budget, self.config.token_budget)
+
+    def lower_after_oom(self, plan: CyclePlan) -> int:
+        """After ``plan`` ran out of memory: plan at most half its tokens (never under ``MIN_OOM_BUDGET``) for the
+        next ``OOM_BUDGET_HOLD_S`` seconds, instead of planning the same size and failing again; another
+        out-of-memory cycle in that time halves it again and restarts the hold. Returns the budget in force."""
+        tokens = min(sum(c for _, c in plan.items()), self.token_budget())
+        lowered = max(MIN_OOM_BUDGET, tokens // 2)
+        self.oom_budget = lowered if self.oom_budget is None else min(lowered, self.oom_budget)
+        self.oom_budget_until = time.monotonic() + OOM_BUDGET_HOLD_S
+        return self.token_budget()
 
     def _grow_decoding(self) -> None:
         """The block each decoding row's next token needs, oldest row first; when the pool is out the

@@ -68,6 +68,7 @@ from kiln.runtime.adapter_slots import BASE_KEY, AdapterSlots
 from kiln.runtime.batches import Batches
 from kiln.runtime.cycle_execute import CycleExecutor, ForwardOutput
 from kiln.runtime.cycle_faults import (
+    OUT_OF_MEMORY,
     UNKNOWN_STATE,
     Containment,
     CycleLatched,
@@ -76,7 +77,7 @@ from kiln.runtime.cycle_faults import (
     contain,
     describe,
 )
-from kiln.runtime.cycle_plan import QUEUE_DETAIL_MAX, CyclePlan, CyclePlanner
+from kiln.runtime.cycle_plan import OOM_BUDGET_HOLD_S, QUEUE_DETAIL_MAX, CyclePlan, CyclePlanner
 from kiln.runtime.cycle_update import CycleUpdate
 from kiln.runtime.engine_config import EngineConfig
 from kiln.runtime.kv_ledger import BlockLedger
@@ -228,6 +229,7 @@ class Scheduler:
                 "failed": self._failed,
                 "restart_required": self.restart_required,
                 "cycle_faults": dict(self.faults),
+                "token_budget": self.planner.token_budget(),  # lower than batching.token_budget after an OOM
                 "busy_s": None if busy is None else round(busy, 3),
                 "step_cost": self.step_cost.snapshot(),
                 "admitting": self._admitting,
@@ -429,6 +431,10 @@ class Scheduler:
             with self._cv:  # stats() copies the counts under it
                 for cls, n in seen.items():
                     self.faults[cls] = self.faults.get(cls, 0) + n
+            if OUT_OF_MEMORY in seen:  # a lasting cap: the next cycles plan a smaller size (cycle_plan)
+                budget = self.planner.lower_after_oom(plan)
+                log.warning("out of memory: the per-cycle token budget is %d (of %d) for the next %.0f s", budget,
+                            self.config.token_budget, OOM_BUDGET_HOLD_S)
         else:
             self._apply(plan, out, observe=True)
         q = self.queues

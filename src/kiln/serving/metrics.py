@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.runtime.request_trace import PHASES, Observer
 
@@ -22,6 +22,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")  # training jobs and eval runs
 ADAPTER_ACTIONS = ("load", "unload")
+# kiln.runtime.cycle_faults' classes (fixed label set; not imported: that module loads torch)
+FAULT_CLASSES = ("forward_error", "out_of_memory", "unknown_state")
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -66,6 +68,7 @@ class Metrics(Observer):
         self._locality = _locality_metrics(r)
         self._counts: dict[str, Callable[[], dict[str, int]]] = {}
         r.register(_CountsCollector(self._counts))
+        r.register(_FaultsCollector(row_stats))
         active = Gauge("kiln_active_rows", "Rows admitted to the engine and not yet cleaned up", registry=r)
         queued = Gauge("kiln_queued_rows", "Rows waiting for an engine slot", registry=r)
         active.set_function(lambda: row_stats()["active_rows"])
@@ -76,6 +79,8 @@ class Metrics(Observer):
             "kv_blocks_used": ("kiln_kv_blocks_used", "KV blocks referenced by running rows"),
             "kv_blocks_cached": ("kiln_kv_blocks_cached", "KV blocks published in the prefix cache"),
             "preemptions": ("kiln_preemptions", "Running rows preempted for memory (recomputed later)"),
+            "token_budget": ("kiln_engine_token_budget", "Tokens a cycle may plan: batching.token_budget, lower for a "
+                             "while after an out-of-memory cycle"),
         }
         for key, (name, doc) in engine_gauges.items():
             Gauge(name, doc, registry=r).set_function(partial(lambda k: row_stats().get(k, 0), key))
@@ -248,3 +253,28 @@ class _CountsCollector:
             for state in JOB_STATES:
                 family.add_metric([state], counts.get(state, 0))
             yield family
+
+
+class _FaultsCollector:
+    """``kiln_engine_faults_total{class}``: engine cycle failures by class (kiln.runtime.cycle_faults):
+    ``forward_error`` and ``out_of_memory`` counted each time one was contained to its rows, ``unknown_state``
+    1 once the engine latched (``/health``'s ``restart_required``). Read from the engine's stats at each scrape."""
+
+    NAME, DOC = "kiln_engine_faults", "Engine cycle failures by class: contained (forward_error, out_of_memory) " \
+        "or latched (unknown_state, then restart_required)"
+
+    def __init__(self, row_stats: Callable[[], dict]):
+        self._row_stats = row_stats
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.NAME, self.DOC, labels=["class"])]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._row_stats()
+        counts = dict(stats.get("cycle_faults") or {})
+        if stats.get("restart_required"):
+            counts["unknown_state"] = counts.get("unknown_state", 0) + 1
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=["class"])
+        for cls in FAULT_CLASSES:
+            family.add_metric([cls], counts.get(cls, 0))
+        yield family

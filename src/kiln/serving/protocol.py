@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from kiln.runtime.chat_generation import MAX_TEMPLATE_KWARGS, ChatTemplateKwargs, check_template_kwargs
+from kiln.wire_numbers import WireInt, integral_lists
 from kiln.wire_rules import NOT_NULL, field_is, never_both, rules, when
 
 MAX_MODEL_NAME_CHARS = 256
@@ -199,17 +200,19 @@ _CONSTRAINTS = (_given("guided_json"), _given("guided_regex"), _given("guided_ch
                 field_is("response_format", {"allOf": [NOT_NULL, {"properties": {"type": {"not": {"const": "text"}}}}]}))
 
 
+_SAMPLING_RULES = rules(*(never_both(a, b) for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:]))
+
+
 class _Sampling(_Request):
     # one structured-output constraint at most (request_params._grammar), as JSON Schema
-    model_config = ConfigDict(json_schema_extra=rules(*(
-        never_both(a, b) for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:])))
+    model_config = ConfigDict(json_schema_extra=_SAMPLING_RULES)
 
     model: ModelName
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=1_000_000)  # 0 or -1: off (vLLM accepts -1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    n: int = Field(1, ge=1, le=MAX_N)
+    top_k: WireInt = Field(0, ge=-1, le=1_000_000)  # 0 or -1: off (vLLM accepts -1)
+    seed: Annotated[int | None, Field(ge=0, le=MAX_SEED), integral_lists] = None
+    n: WireInt = Field(1, ge=1, le=MAX_N)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -225,9 +228,10 @@ class _Sampling(_Request):
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, in [-100, 100]")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM: keep tokens with p >= min_p * p(best)")
-    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="vLLM: no end-of-sequence or stop token before "
+    min_tokens: WireInt = Field(0, ge=0, le=MAX_TOKENS, description="vLLM: no end-of-sequence or stop token before "
                             "this many tokens")
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_SEQUENCES),
+                              integral_lists] | None = Field(
         None, description="vLLM: generating one of these ends the choice (finish_reason stop)")
     bad_words: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
         None, description="vLLM: words the output never contains (as tokenized, with and without a leading space)")
@@ -275,10 +279,10 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: Annotated[int | None, Field(ge=1, le=MAX_TOKENS), integral_lists] = None
+    max_completion_tokens: Annotated[int | None, Field(ge=1, le=MAX_TOKENS), integral_lists] = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS), integral_lists] = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="functions the model may call, shown to it through the model's chat template")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -290,8 +294,8 @@ class ChatCompletionRequest(_Sampling):
         None, description="vLLM: extra variables for the chat template (e.g. Qwen3's enable_thinking: false); "
                           f"at most {MAX_TEMPLATE_KWARGS} keys, scalar values, names the server passes itself refused")
 
-    thinking_token_budget: int | None = Field(
-        None, ge=0, le=MAX_TOKENS, description="reasoning tokens the answer may spend before the server closes "
+    thinking_token_budget: Annotated[int | None, Field(ge=0, le=MAX_TOKENS), integral_lists] = Field(
+        None, description="reasoning tokens the answer may spend before the server closes "
         "the reasoning span and the answer follows; omitted: serving.thinking_token_budget; null: unlimited. Needs "
         "a reasoning parser")
 
@@ -309,7 +313,8 @@ class ChatCompletionRequest(_Sampling):
 PromptText = Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)]
 # a prompt to continue: at least one character (an empty one has no token to continue from)
 GenerationPrompt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CONTENT_CHARS)]
-PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
+PromptTokens = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS),
+                         integral_lists]
 
 
 class CompletionRequest(_Sampling):
@@ -318,9 +323,9 @@ class CompletionRequest(_Sampling):
         Annotated[list[PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
             description="a string, a token-ID list, or a list of either: each prompt gets n choices, choice i of "
                         "prompt p at index p * n + i")
-    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: WireInt = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS), integral_lists] = None
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS), integral_lists] = None
     echo: bool = Field(False, description="put the prompt (and with logprobs its tokens' logprobs) before the text")
     suffix: Annotated[str, StringConstraints(max_length=MAX_CONTENT_CHARS)] | None = Field(
         None, description="refused unless empty: Kiln's templates have no fill-in-the-middle (infill) tokens")
@@ -338,10 +343,14 @@ class BatchCompletionRequest(_Sampling):
     """``POST /v1/completions/batch``: a bounded set of prompts (strings or token-ID lists, mixed), each with ``n``
     choices, answered in one response once every row has finished."""
 
+    # _Sampling's rules and: no stream (routes_batch answers once, every row finished)
+    model_config = ConfigDict(json_schema_extra={"allOf": [*_SAMPLING_RULES["allOf"], {"not": field_is(
+        "stream", {"const": True})}]})
+
     prompts: Annotated[list[GenerationPrompt | PromptTokens], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
         description=f"at most limits.max_batch_prompts (default 64, never more than {MAX_PROMPTS})")
-    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: WireInt = Field(16, ge=0, le=MAX_TOKENS)
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS), integral_lists] = None
 
 
 class TokenizeCompletionRequest(_Request):
@@ -369,7 +378,7 @@ class TokenizeChatRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: ModelName | None = None
-    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKEN_IDS), integral_lists]
 
 
 # -- responses (the OpenAI-compatible ones are in kiln.serving.openai_responses) ------------

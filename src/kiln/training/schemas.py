@@ -21,8 +21,9 @@ from pydantic import (
 from kiln.adapters.manifest import MAX_LORA_RANK  # the one rank limit
 from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
 from kiln.adapter_names import NAME_SCHEMA
-from kiln.evals.schemas import PostEval, Scorer, _check_suite_name
+from kiln.evals.schemas import SUITE_NAME_SCHEMA, PostEval, Scorer, _check_suite_name
 from kiln.runtime.chat_generation import ChatGenerationFields, ReasoningLossField
+from kiln.wire_rules import NOT_NULL, field_is, never_both, rules
 
 MAX_MESSAGE_CHARS = 32_768
 MAX_MESSAGES_PER_EXAMPLE = 64
@@ -179,8 +180,8 @@ class LocalityRequest(_Wire):
         None, min_length=1, max_length=MAX_LOCALITY_PROMPTS,
         description="your own probe questions (user messages), answered by the base model and the adapter beside "
                     "the ones the base model writes itself")
-    eval_suite: str | None = Field(None, description="an eval suite whose examples' prompts (the first 64) are probes "
-                                                    "too")
+    eval_suite: Annotated[str, Field(json_schema_extra=SUITE_NAME_SCHEMA)] | None = Field(
+        None, description="an eval suite whose examples' prompts (the first 64) are probes too")
     override: bool = Field(False, description="activate (auto_load, post_eval activate_on_pass / "
                                               "set_default_on_pass) even when the locality guard would hold the "
                                               "adapter back")
@@ -189,6 +190,10 @@ class LocalityRequest(_Wire):
 
 
 class _TrainCommon(_Wire):
+    # _post_eval_owns_activation, as JSON Schema
+    model_config = ConfigDict(json_schema_extra=rules(never_both(field_is("post_eval", NOT_NULL),
+                                                                 field_is("auto_load", {"const": True}))))
+
     adapter: str = Field(description="name the trained adapter is published under", json_schema_extra=NAME_SCHEMA)
     base_adapter: str | None = Field(None, description="continue training from this published adapter",
                                      json_schema_extra=NAME_SCHEMA)
@@ -196,14 +201,17 @@ class _TrainCommon(_Wire):
     learning_rate: float = Field(DEFAULT_LEARNING_RATE, gt=0, le=1.0)
     lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)
     lora_alpha: float | None = Field(None, gt=0, le=4096)
-    lora_target_modules: list[str] | None = Field(None, min_length=1, max_length=MAX_TARGET_MODULES)
+    lora_target_modules: Annotated[list[Annotated[str, Field(json_schema_extra={"pattern": "^[A-Za-z0-9_.]{1,64}$"})]],
+                                   Field(min_length=1, max_length=MAX_TARGET_MODULES,
+                                         json_schema_extra={"uniqueItems": True})] | None = None
     seed: int = Field(0, ge=0, le=2**31 - 1)
     batch_size: int = Field(8, ge=1, le=MAX_BATCH_SIZE)
     max_seq_len: int = Field(DEFAULT_SEQ_LEN, ge=8, le=MAX_SEQ_LEN)
     checkpoint_interval: int = Field(0, ge=0, le=1_000_000, description="steps between checkpoints; 0: none")
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="cap on optimizer steps")
     auto_load: bool = False
-    resume_from_job: str | None = Field(None, description="continue an interrupted job from its last checkpoint")
+    resume_from_job: Annotated[str, Field(json_schema_extra={"pattern": JOB_ID_RE.pattern})] | None = Field(
+        None, description="continue an interrupted job from its last checkpoint")
     post_eval: PostEval | None = Field(None, description="evaluate the published adapter against a baseline and "
                                        "activate it only on a `promoted` verdict with activate_on_pass (docs/evals.md)")
     locality: LocalityRequest | None = Field(None, description="the locality measure's probe prompts, turning it "
