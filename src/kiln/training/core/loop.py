@@ -41,6 +41,7 @@ from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
 from kiln.training.core.data import Row, collate, collate_packed, epoch_order
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.lora import adapter_state, make_trainable, private_parameters, release_private
+from kiln.training.core.segments import LayerHolds, cuttable_layers
 from kiln.training.losses.chunked import chunk_rows, split_causal_lm
 
 PROGRESS_EVERY_S = 0.25
@@ -95,6 +96,8 @@ class Hooks:
     plan_sha256: str = ""
     # seconds one exclusive hold may take now (serving is waiting), None: no bound (kiln.runtime.ownership.HoldPacer)
     hold_budget: Callable[[], float | None] = lambda: None
+    # while a hold is bounded, cut a piece between decoder layers too (kiln.training.core.segments; training.layer_holds)
+    layer_holds: bool = True
 
 
 @dataclass
@@ -236,6 +239,9 @@ class TrainLoop:
         self.last_step_s = 0.0  # the last update's seconds under exclusive ownership (train)
         self.s_per_token = 0.0  # forward+backward seconds per token, measured (sizes pieces to the hold budget)
         self._last_progress = 0.0
+        # a compiled trunk runs its layers inside one graph: no hooks between them, pieces stay whole
+        layers = cuttable_layers(peft_model) if hooks.layer_holds and not plan.compile else []
+        self.layer_holds = LayerHolds(layers, nullcontext, hooks.hold_budget) if layers else None
         if resume is not None:
             self._restore(resume)
 
@@ -355,15 +361,8 @@ class TrainLoop:
             return
         total, held = 0.0, 0.0
         for piece in pieces:
-            with self.step_ownership(), around():
-                t0 = time.perf_counter()
-                loss = piece.loss() * piece.weight
-                if not torch.isfinite(loss):
-                    self.opt.zero_grad(set_to_none=True)
-                    raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
-                loss.backward()
-                total += float(loss.detach())
-                dt = time.perf_counter() - t0
+            value, dt = self.run_piece(piece, around)
+            total += value
             held += dt
             self._measured(dt, piece.tokens)
         with self.step_ownership():
@@ -377,6 +376,30 @@ class TrainLoop:
         self.train_s += held
         self.last_step_s = held
         self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
+
+    def run_piece(self, piece: Piece, around: Callable[[], AbstractContextManager[Any]] = nullcontext
+                  ) -> tuple[float, float]:
+        """``(piece.weight * piece.loss()).backward()``: one hold, or, with :class:`LayerHolds`, as many as its
+        decoder layers need to keep each within the hold budget. Returns (the weighted loss, seconds held)."""
+        def finite(loss: torch.Tensor) -> None:
+            if not torch.isfinite(loss):
+                self.opt.zero_grad(set_to_none=True)
+                raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+
+        if self.layer_holds is not None:
+            self.layer_holds.open_hold = partial(self._piece_hold, around)
+            return self.layer_holds.run(piece.loss, piece.weight, finite)
+        with self.step_ownership(), around():
+            t0 = time.perf_counter()
+            loss = piece.loss() * piece.weight
+            finite(loss)
+            loss.backward()
+            return float(loss.detach()), time.perf_counter() - t0
+
+    @contextmanager
+    def _piece_hold(self, around: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+        with self.step_ownership(), around():
+            yield
 
     def _measured(self, seconds: float, tokens: int) -> None:
         """Fold one hold's seconds per token into the running estimate (a quarter weight for the newest)."""

@@ -1,0 +1,164 @@
+"""One piece of a training step across several short exclusive holds: cuts inside a row (issue 47).
+
+A step's pieces (:class:`kiln.training.core.loop.Piece`) never cut a row, and one ~200-token row's
+forward and backward on a 31M model held the device ~0.33 s, far over ``training.max_hold_ms``.
+:class:`LayerHolds` runs one piece's forward and backward decoder layer by decoder layer, and lets
+serving run between them whenever the hold has used its budget:
+
+* **Forward.** A pre-hook on every decoder layer (the trainer's thread only; serving's forwards between
+  holds pass through it untouched) replaces the layer's input hidden states ``x`` with a leaf
+  ``x.detach().requires_grad_()``, remembers ``(x, leaf)``, and, when the layer would not fit in what is
+  left of the hold's budget, releases ownership and takes it again (the pacer leaves serving its share
+  in between). The activations stay alive across holds exactly as in one hold.
+* **Backward.** ``loss.backward()`` runs the head, the final norm and the last layer down to its leaf;
+  then each boundary, last to first, ``x.backward(leaf.grad)``, a hold ending between two of them when
+  the next would not fit. Every consumer of ``leaf`` (only its own layer: decoder layers pass nothing
+  but the hidden states) is behind it by then, so ``leaf.grad`` is the whole ``dL/dx`` and the
+  parameters' gradients are those of one ``loss.backward()`` (up to float summation order:
+  ``tests/training/test_sliced_steps.py``).
+
+Hooks and the kind's ``around()`` (its checkpointed layer forwards) are installed only while a hold is
+held, so serving's forwards (a compiled decode step included) never see them. Layers of other classes
+(a decoder layer that hands a layer after it anything besides the hidden states) are not cut: the
+piece is one hold, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+# Decoder layers whose only input from the layer before is the hidden states (position embeddings and
+# masks carry no gradient), so cutting the graph between two of them is exact.
+CUTTABLE_LAYERS = frozenset({
+    "Qwen3DecoderLayer", "Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer",
+    "Qwen3_5DecoderLayer", "Qwen3NextDecoderLayer",
+})
+EMA = 0.25  # weight of the newest measurement in the per-layer time estimates
+
+
+def cuttable_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers when a piece can be cut between them; empty when it cannot."""
+    from kiln.training.core.step import decoder_layers
+
+    try:
+        layers = list(decoder_layers(model))
+    except ValueError:
+        return []
+    return layers if all(type(layer).__name__ in CUTTABLE_LAYERS for layer in layers) else []
+
+
+class LayerHolds:
+    """Runs pieces (``weight * loss()``, forward and backward) as a sequence of holds of at most ``budget()``
+    seconds each where a decoder layer fits in it (one layer is never cut).
+
+    ``open_hold()`` takes one exclusive hold (ownership, the private adapter trainable, the kind's trunk
+    options); ``budget()`` is the seconds one hold may take now (None: serving is idle, no cut)."""
+
+    def __init__(self, layers: Sequence[nn.Module], open_hold: Callable[[], AbstractContextManager[Any]],
+                 budget: Callable[[], float | None], clock: Callable[[], float] = time.perf_counter):
+        self.layers, self.open_hold, self.budget, self.clock = list(layers), open_hold, budget, clock
+        self.forward_s = 0.0  # one layer's forward, measured (a running estimate)
+        self.backward_s = 0.0  # one boundary's backward (one layer), measured
+        self.holds = 0  # holds taken by run(): one per piece when nothing was cut
+        self._owner = 0
+        self._stack: ExitStack | None = None
+        self._handles: list[Any] = []
+        self._boundaries: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._started = 0.0
+        self._held = 0.0
+        self._last_layer = 0.0  # when the previous layer's pre-hook ran (0: not in this hold)
+        self._fresh = True  # nothing has run in this hold yet (it never ends empty)
+
+    # ------------------------------------------------------------------ holds
+
+    def _enter(self) -> None:
+        stack = ExitStack()
+        stack.enter_context(self.open_hold())
+        self._stack = stack
+        self._handles = [layer.register_forward_pre_hook(self._pre_hook, with_kwargs=True) for layer in self.layers]
+        self.holds += 1
+        self._fresh = True
+        self._started = self._last_layer = self.clock()
+
+    def _leave(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._held += self.clock() - self._started
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _fits(self, estimate: float) -> bool:
+        """Whether work of ``estimate`` seconds fits in what is left of this hold (always, while serving idles)."""
+        if self._fresh:
+            return True
+        budget = self.budget()
+        return budget is None or self.clock() - self._started + estimate <= budget
+
+    def _yield_unless_fits(self, estimate: float) -> None:
+        if not self._fits(estimate):
+            self._leave()
+            self._enter()
+
+    # ------------------------------------------------------------------ forward
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._owner:
+            return None  # serving's forward (never while a hold is held: belt and braces)
+        now = self.clock()
+        if self._last_layer:  # the layer before ran in this hold: its time is one forward estimate
+            took = now - self._last_layer
+            self.forward_s = took if self.forward_s <= 0 else (1 - EMA) * self.forward_s + EMA * took
+        self._yield_unless_fits(self.forward_s)
+        self._fresh = False
+        self._last_layer = self.clock()
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or not x.requires_grad or not torch.is_grad_enabled():
+            return None
+        leaf = x.detach().requires_grad_()
+        self._boundaries.append((x, leaf))
+        if args:
+            return (leaf, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": leaf}
+
+    # ------------------------------------------------------------------ one piece
+
+    def run(self, loss_of: Callable[[], torch.Tensor], weight: float,
+            check: Callable[[torch.Tensor], None] = lambda loss: None) -> tuple[float, float]:
+        """``(weight * loss_of()).backward()`` across holds; returns (the weighted loss, seconds held).
+        ``check(loss)`` runs before the backward (it raises on a loss that must not be applied)."""
+        self._owner, self._held, self._boundaries = threading.get_ident(), 0.0, []
+        self._enter()
+        self._last_layer = 0.0  # the embeddings before the first layer are no layer's forward
+        try:
+            loss = loss_of() * weight
+            self._last_layer = 0.0
+            check(loss)
+            self._yield_unless_fits(self.backward_s)
+            self._timed_backward(loss, None)
+            boundaries, self._boundaries = self._boundaries, []
+            for x, leaf in reversed(boundaries):
+                grad, leaf.grad = leaf.grad, None
+                if grad is None:
+                    continue  # nothing after this layer reached the loss
+                self._yield_unless_fits(self.backward_s)
+                self._timed_backward(x, grad)
+            value = float(loss.detach())
+        finally:
+            self._boundaries = []
+            self._leave()
+        return value, self._held
+
+    def _timed_backward(self, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+        t0 = self.clock()
+        torch.autograd.backward(tensor, grad)
+        self._fresh = False
+        took = self.clock() - t0
+        self.backward_s = took if self.backward_s <= 0 else (1 - EMA) * self.backward_s + EMA * took
