@@ -81,8 +81,10 @@ def loadavg() -> float:
 
 
 def trained_tokens(client: Any, job_id: str) -> int:
-    """Tokens the job has trained on so far (its progress; a step counts when it ends)."""
-    return int((client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}).get("tokens") or 0)
+    """Tokens the job has trained on so far (its progress: finished steps, and the finished pieces of a sliced
+    step that is still running, so a step longer than a measurement window does not read as no progress)."""
+    progress = client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}
+    return int(progress.get("tokens") or 0) + int(progress.get("tokens_in_step") or 0)
 
 
 def job_rate(client: Any, job_id: str, seconds: float) -> float:

@@ -355,3 +355,21 @@ def test_a_hybrid_row_cut_between_layers_has_the_whole_steps_gradients(builtin_m
         torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-9)  # the cut between layers: the same sums
         # rows vs the padded batch: DeltaNet's chunked scan sums in another order over another length
         torch.testing.assert_close(c, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_forward_without_gradients_cut_between_layers_computes_the_same(model_and_rows):
+    """The learned check's forward (and GRPO's behaviour log-probs) run through ``forward_holds``: holds that end
+    between layers, the same margin."""
+    from kiln.training.core.loop import TrainLoop, greedy_margin
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "f", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    holds = CountingHolds(1e-9)
+    loop = TrainLoop(peft_model, "f", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
+    with loop.step_ownership():
+        whole = greedy_margin(peft_model, rows, pad_id=pad, batch_size=3)
+    holds.holds = 0
+    cut = loop.forward_holds(lambda: greedy_margin(peft_model, rows, pad_id=pad, batch_size=3))
+    assert cut == pytest.approx(whole, rel=1e-6, abs=1e-6)
+    assert holds.holds >= 2 * len(loop.layer_holds.layers)  # two batches, a hold per layer
+    assert loop.layer_holds.snapshot()["forward_ms"] > 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -39,7 +39,10 @@ CUTTABLE_LAYERS = frozenset({
     "Qwen3DecoderLayer", "Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer",
     "Qwen3_5DecoderLayer", "Qwen3NextDecoderLayer",
 })
-EMA = 0.25  # weight of the newest measurement in the per-layer time estimates
+EMA = 0.25  # weight of the newest measurement in the per-unit time estimates
+UNITS = ("forward", "head", "first_backward", "backward")  # a layer's forward, the head and loss after the last
+# layer, the backward from the loss down to the last layer's input, one more layer's backward
+T = TypeVar("T")
 
 
 def cuttable_layers(model: nn.Module) -> list[nn.Module]:
@@ -58,21 +61,22 @@ class LayerHolds:
     seconds each where a decoder layer fits in it (one layer is never cut).
 
     ``open_hold()`` takes one exclusive hold (ownership, the private adapter trainable, the kind's trunk
-    options); ``budget()`` is the seconds one hold may take now (None: serving is idle, no cut)."""
+    options); ``budget()`` is the seconds one hold may take now (None: serving is idle, no cut). The work
+    between two yield points is timed (a running estimate per kind of unit: a layer's forward, the head
+    after the last layer, the first backward from the loss, a layer's backward); a hold ends before a unit
+    that would not fit in what is left of the budget, never before its first unit."""
 
     def __init__(self, layers: Sequence[nn.Module], open_hold: Callable[[], AbstractContextManager[Any]],
                  budget: Callable[[], float | None], clock: Callable[[], float] = time.perf_counter):
         self.layers, self.open_hold, self.budget, self.clock = list(layers), open_hold, budget, clock
-        self.forward_s = 0.0  # one layer's forward, measured (a running estimate)
-        self.backward_s = 0.0  # one boundary's backward (one layer), measured
-        self.holds = 0  # holds taken by run(): one per piece when nothing was cut
+        self.estimate_s = dict.fromkeys(UNITS, 0.0)  # seconds per unit, measured
+        self.holds = 0  # holds taken by run() and forward(): one per call when nothing was cut
         self._owner = 0
         self._stack: ExitStack | None = None
         self._handles: list[Any] = []
         self._boundaries: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._started = 0.0
-        self._held = 0.0
-        self._last_layer = 0.0  # when the previous layer's pre-hook ran (0: not in this hold)
+        self._started = self._held = 0.0
+        self._unit: tuple[str, float] | None = None  # the forward unit running now and when it started
         self._fresh = True  # nothing has run in this hold yet (it never ends empty)
 
     # ------------------------------------------------------------------ holds
@@ -82,9 +86,10 @@ class LayerHolds:
         stack.enter_context(self.open_hold())
         self._stack = stack
         self._handles = [layer.register_forward_pre_hook(self._pre_hook, with_kwargs=True) for layer in self.layers]
+        self._handles.append(self.layers[-1].register_forward_hook(self._last_layer_done))
         self.holds += 1
         self._fresh = True
-        self._started = self._last_layer = self.clock()
+        self._started = self.clock()
 
     def _leave(self) -> None:
         for handle in self._handles:
@@ -95,30 +100,36 @@ class LayerHolds:
         if stack is not None:
             stack.close()
 
-    def _fits(self, estimate: float) -> bool:
-        """Whether work of ``estimate`` seconds fits in what is left of this hold (always, while serving idles)."""
-        if self._fresh:
-            return True
-        budget = self.budget()
-        return budget is None or self.clock() - self._started + estimate <= budget
+    def _start(self, unit: str) -> None:
+        """Before a unit of work: end this hold and take the next one unless the unit fits in what is left."""
+        if not self._fresh:
+            budget = self.budget()
+            if budget is not None and self.clock() - self._started + self.estimate_s[unit] > budget:
+                self._leave()
+                self._enter()
+        self._fresh = False
 
-    def _yield_unless_fits(self, estimate: float) -> None:
-        if not self._fits(estimate):
-            self._leave()
-            self._enter()
+    def _measure(self, unit: str, took: float) -> None:
+        old = self.estimate_s[unit]
+        self.estimate_s[unit] = took if old <= 0 else (1 - EMA) * old + EMA * took
 
-    # ------------------------------------------------------------------ forward
+    def _forward_unit(self, unit: str | None) -> None:
+        """One forward unit ends (the one before, timed) and ``unit`` starts (None: the forward is over)."""
+        now = self.clock()
+        if self._unit is not None:
+            self._measure(self._unit[0], now - self._unit[1])
+        if unit is None:
+            self._unit = None
+            return
+        self._start(unit)
+        self._unit = (unit, self.clock())
+
+    # ------------------------------------------------------------------ forward hooks (the trainer's thread only)
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if threading.get_ident() != self._owner:
             return None  # serving's forward (never while a hold is held: belt and braces)
-        now = self.clock()
-        if self._last_layer:  # the layer before ran in this hold: its time is one forward estimate
-            took = now - self._last_layer
-            self.forward_s = took if self.forward_s <= 0 else (1 - EMA) * self.forward_s + EMA * took
-        self._yield_unless_fits(self.forward_s)
-        self._fresh = False
-        self._last_layer = self.clock()
+        self._forward_unit("forward")
         x = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(x, torch.Tensor) or not x.requires_grad or not torch.is_grad_enabled():
             return None
@@ -128,37 +139,50 @@ class LayerHolds:
             return (leaf, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": leaf}
 
-    # ------------------------------------------------------------------ one piece
+    def _last_layer_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() == self._owner:
+            self._forward_unit("head")  # the final norm, the head and the loss, until the caller's code returns
+
+    # ------------------------------------------------------------------ calls
+
+    def forward(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (forwards without gradients: log-probs, a learned check) with holds ending between layers."""
+        self._owner, self._held, self._unit = threading.get_ident(), 0.0, None
+        self._enter()
+        try:
+            return fn()
+        finally:
+            self._unit = None
+            self._leave()
 
     def run(self, loss_of: Callable[[], torch.Tensor], weight: float,
             check: Callable[[torch.Tensor], None] = lambda loss: None) -> tuple[float, float]:
         """``(weight * loss_of()).backward()`` across holds; returns (the weighted loss, seconds held).
         ``check(loss)`` runs before the backward (it raises on a loss that must not be applied)."""
-        self._owner, self._held, self._boundaries = threading.get_ident(), 0.0, []
+        self._owner, self._held, self._boundaries, self._unit = threading.get_ident(), 0.0, [], None
         self._enter()
-        self._last_layer = 0.0  # the embeddings before the first layer are no layer's forward
         try:
             loss = loss_of() * weight
-            self._last_layer = 0.0
+            self._forward_unit(None)
             check(loss)
-            self._yield_unless_fits(self.backward_s)
-            self._timed_backward(loss, None)
+            self._timed_backward("first_backward", loss, None)
             boundaries, self._boundaries = self._boundaries, []
             for x, leaf in reversed(boundaries):
                 grad, leaf.grad = leaf.grad, None
-                if grad is None:
-                    continue  # nothing after this layer reached the loss
-                self._yield_unless_fits(self.backward_s)
-                self._timed_backward(x, grad)
+                if grad is not None:  # None: nothing after this layer reached the loss
+                    self._timed_backward("backward", x, grad)
             value = float(loss.detach())
         finally:
-            self._boundaries = []
+            self._boundaries, self._unit = [], None
             self._leave()
         return value, self._held
 
-    def _timed_backward(self, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _timed_backward(self, unit: str, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+        self._start(unit)
         t0 = self.clock()
         torch.autograd.backward(tensor, grad)
-        self._fresh = False
-        took = self.clock() - t0
-        self.backward_s = took if self.backward_s <= 0 else (1 - EMA) * self.backward_s + EMA * took
+        self._measure(unit, self.clock() - t0)
+
+    def snapshot(self) -> dict[str, float | int]:
+        """The holds taken and each unit's estimated milliseconds (a job's progress: ``layer_holds``)."""
+        return {"holds": self.holds, **{f"{k}_ms": round(1000 * v, 2) for k, v in self.estimate_s.items()}}
