@@ -184,7 +184,7 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
                     pacer = client.get("/v1/train/status").json().get("pacer") or {}
                     rows[-1].update(job_tok_s_solo=solo, job_tok_s_during=during,
                                     job_ratio=during / solo if solo else float("nan"),
-                                    sliced_steps=prog.get("sliced_steps", 0),
+                                    sliced_steps=prog.get("sliced_steps", 0), layer_holds=prog.get("layer_holds"),
                                     hold_p50_ms=1000 * pacer.get("recent_busy_hold_p50_s", 0.0),
                                     hold_p99_ms=1000 * pacer.get("recent_busy_hold_p99_s", 0.0))
             finally:

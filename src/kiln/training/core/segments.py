@@ -76,6 +76,7 @@ class LayerHolds:
         self._handles: list[Any] = []
         self._boundaries: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._started = self._held = 0.0
+        self._budget: float | None = None  # this hold's budget
         self._unit: tuple[str, float] | None = None  # the forward unit running now and when it started
         self._fresh = True  # nothing has run in this hold yet (it never ends empty)
 
@@ -89,6 +90,7 @@ class LayerHolds:
         self._handles.append(self.layers[-1].register_forward_hook(self._last_layer_done))
         self.holds += 1
         self._fresh = True
+        self._budget = self.budget()  # read once per hold (the pacer asks the engine whether serving is busy)
         self._started = self.clock()
 
     def _leave(self) -> None:
@@ -103,7 +105,7 @@ class LayerHolds:
     def _start(self, unit: str) -> None:
         """Before a unit of work: end this hold and take the next one unless the unit fits in what is left."""
         if not self._fresh:
-            budget = self.budget()
+            budget = self._budget
             if budget is not None and self.clock() - self._started + self.estimate_s[unit] > budget:
                 self._leave()
                 self._enter()
