@@ -96,8 +96,9 @@ def test_sliced_sft_follows_the_whole_step_trajectory(model_and_rows, packing):
     sliced = _sft(peft_model, rows, pad, "sliced", plan, sliced_holds, anchor)
     assert whole.steps == sliced.steps == 2
     assert "sliced_steps" not in whole.extra and sliced.extra["sliced_steps"] == 2
-    # whole: one hold per step (+1 to release); sliced: one per row (or packed sequence) + anchor + optimizer step
-    assert whole_holds.holds == 3 and sliced_holds.holds >= 2 * (2 + 2) + 1
+    # whole: per step one hold for forward and backward (never cut: serving idles) and one for the optimizer step
+    # (+1 to release); sliced: per row (or packed sequence), the anchor and the optimizer step, more between layers
+    assert whole_holds.holds == 5 and sliced_holds.holds >= 2 * (2 + 2) + 1
     assert sliced.final_loss == pytest.approx(whole.final_loss, rel=1e-5)
     assert sliced.extra["anchor_kl"] == pytest.approx(whole.extra["anchor_kl"], rel=1e-5)
     _close(peft_model, "whole", "sliced")
@@ -373,3 +374,21 @@ def test_a_forward_without_gradients_cut_between_layers_computes_the_same(model_
     assert cut == pytest.approx(whole, rel=1e-6, abs=1e-6)
     assert holds.holds >= 2 * len(loop.layer_holds.layers)  # two batches, a hold per layer
     assert loop.layer_holds.snapshot()["forward_ms"] > 0
+
+
+def test_a_whole_step_begun_idle_is_cut_when_a_chat_arrives(model_and_rows):
+    """Serving idle when the step begins (no slicing), busy from its first layer on: the step's one piece is cut
+    between layers at once instead of making the chat wait for the whole step."""
+    peft_model, rows, pad = model_and_rows
+    calls = {"n": 0}
+
+    def budget():  # the step's pieces() and its first hold see an idle server, every later check a busy one
+        calls["n"] += 1
+        return None if calls["n"] <= 2 else 1e-9
+
+    holds = CountingHolds(None)
+    hooks = Hooks(exclusive=holds.hooks().exclusive, hold_budget=budget)
+    add_private_adapter(peft_model, "w", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    report = run_sft(peft_model, "w", rows, Plan(5e-3, 1, 6, 0, max_steps=1), pad_id=pad, hooks=hooks)
+    assert report.steps == 1 and "sliced_steps" not in report.extra
+    assert holds.holds > 2 * report.extra["layer_holds"]["holds"] // 2 > 4  # cut between layers, not one hold

@@ -353,8 +353,12 @@ class TrainLoop:
                around: Callable[[], AbstractContextManager[Any]] = nullcontext, slicer: Slicer | None = None) -> None:
         """One optimizer step on ``s``: one hold for forward, backward and step; or, when the hold budget asks for
         it and the kind slices, one hold per piece (forward and backward, gradients accumulating) and one
-        for the optimizer step."""
+        for the optimizer step. With :class:`LayerHolds` a step begun while serving idles is one piece, cut
+        between layers should a chat arrive while it runs (a chat would otherwise wait for the whole step)."""
         pieces = self.pieces(s.batch, slicer)
+        sliced = bool(pieces)
+        if not pieces and self.layer_holds is not None:
+            pieces = [Piece(partial(loss_step, s.batch), 1.0, s.tokens)]
         if not pieces:
             with self.step_ownership(), around():
                 started = time.perf_counter()
@@ -382,7 +386,8 @@ class TrainLoop:
         self.tokens += s.tokens
         self.train_s += held
         self.last_step_s = held
-        self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
+        if sliced:
+            self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
         if self.layer_holds is not None:
             self.stats["layer_holds"] = self.layer_holds.snapshot()
 

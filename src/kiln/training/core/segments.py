@@ -105,6 +105,8 @@ class LayerHolds:
     def _start(self, unit: str) -> None:
         """Before a unit of work: end this hold and take the next one unless the unit fits in what is left."""
         if not self._fresh:
+            if self._budget is None:  # serving was idle when the hold began: a chat may have arrived since
+                self._budget = self.budget()
             budget = self._budget
             if budget is not None and self.clock() - self._started + self.estimate_s[unit] > budget:
                 self._leave()
