@@ -357,7 +357,7 @@ class TrainLoop:
         between layers should a chat arrive while it runs (a chat would otherwise wait for the whole step)."""
         pieces = self.pieces(s.batch, slicer)
         sliced = bool(pieces)
-        if not pieces and self.layer_holds is not None:
+        if not pieces and self.layer_holds is not None and slicer is not None:  # a kind that slices: a tensor loss
             pieces = [Piece(partial(loss_step, s.batch), 1.0, s.tokens)]
         if not pieces:
             with self.step_ownership(), around():
