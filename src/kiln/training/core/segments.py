@@ -20,7 +20,9 @@ serving run between them whenever the hold has used its budget:
 Hooks and the kind's ``around()`` (its checkpointed layer forwards) are installed only while a hold is
 held, so serving's forwards (a compiled decode step included) never see them. Layers of other classes
 (a decoder layer that hands a layer after it anything besides the hidden states) are not cut: the
-piece is one hold, as before.
+piece is one hold, as before. What serving does between two holds never writes the tensors the
+graph kept (the base weights, the private adapter); if anything did, autograd's version check would
+refuse the backward rather than compute a wrong gradient.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 # masks carry no gradient), so cutting the graph between two of them is exact.
 CUTTABLE_LAYERS = frozenset({
     "Qwen3DecoderLayer", "Qwen2DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer",
-    "Qwen3_5DecoderLayer", "Qwen3NextDecoderLayer",
+    "Qwen3_5DecoderLayer",
 })
 EMA = 0.25  # weight of the newest measurement in the per-unit time estimates
 UNITS = ("forward", "head", "first_backward", "backward")  # a layer's forward, the head and loss after the last
