@@ -81,8 +81,10 @@ def loadavg() -> float:
 
 
 def trained_tokens(client: Any, job_id: str) -> int:
-    """Tokens the job has trained on so far (its progress; a step counts when it ends)."""
-    return int((client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}).get("tokens") or 0)
+    """Tokens the job has trained on so far (its progress: finished steps, and the finished pieces of a sliced
+    step that is still running, so a step longer than a measurement window does not read as no progress)."""
+    progress = client.get(f"/v1/train/jobs/{job_id}").json().get("progress") or {}
+    return int(progress.get("tokens") or 0) + int(progress.get("tokens_in_step") or 0)
 
 
 def job_rate(client: Any, job_id: str, seconds: float) -> float:
@@ -182,7 +184,7 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
                     pacer = client.get("/v1/train/status").json().get("pacer") or {}
                     rows[-1].update(job_tok_s_solo=solo, job_tok_s_during=during,
                                     job_ratio=during / solo if solo else float("nan"),
-                                    sliced_steps=prog.get("sliced_steps", 0),
+                                    sliced_steps=prog.get("sliced_steps", 0), layer_holds=prog.get("layer_holds"),
                                     hold_p50_ms=1000 * pacer.get("recent_busy_hold_p50_s", 0.0),
                                     hold_p99_ms=1000 * pacer.get("recent_busy_hold_p99_s", 0.0))
             finally:

@@ -1,5 +1,7 @@
 """A step cut into pieces (row micro-batches, the anchor rows, the optimizer step: one exclusive hold each) computes
-what the whole step computes: the same losses, gradients and trajectory, for SFT (padded and packed) and GRPO."""
+what the whole step computes: the same losses, gradients and trajectory, for SFT (padded and packed), GRPO, OPD and
+KD. With a bounded hold each piece is also cut between its decoder layers (several holds per row,
+:class:`kiln.training.core.segments.LayerHolds`); the gradients and trajectories stay those of the whole step."""
 
 from __future__ import annotations
 
@@ -94,8 +96,9 @@ def test_sliced_sft_follows_the_whole_step_trajectory(model_and_rows, packing):
     sliced = _sft(peft_model, rows, pad, "sliced", plan, sliced_holds, anchor)
     assert whole.steps == sliced.steps == 2
     assert "sliced_steps" not in whole.extra and sliced.extra["sliced_steps"] == 2
-    # whole: one hold per step (+1 to release); sliced: one per row (or packed sequence) + anchor + optimizer step
-    assert whole_holds.holds == 3 and sliced_holds.holds >= 2 * (2 + 2) + 1
+    # whole: per step one hold for forward and backward (never cut: serving idles) and one for the optimizer step
+    # (+1 to release); sliced: per row (or packed sequence), the anchor and the optimizer step, more between layers
+    assert whole_holds.holds == 5 and sliced_holds.holds >= 2 * (2 + 2) + 1
     assert sliced.final_loss == pytest.approx(whole.final_loss, rel=1e-5)
     assert sliced.extra["anchor_kl"] == pytest.approx(whole.extra["anchor_kl"], rel=1e-5)
     _close(peft_model, "whole", "sliced")
@@ -174,7 +177,8 @@ def test_opd_pieces_have_the_whole_steps_gradients(model_and_rows, loss):
 
     peft_model, rows, pad = model_and_rows
     add_private_adapter(peft_model, "o", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
-    loop = TrainLoop(peft_model, "o", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    holds = CountingHolds(1e-9)  # each piece also cut between its decoder layers
+    loop = TrainLoop(peft_model, "o", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
     pairs = [(r.input_ids[:r.loss_mask.index(1)], r.input_ids[r.loss_mask.index(1):]) for r in rows]
     sampled = [t for _, c in pairs for t in c]
     g = torch.Generator().manual_seed(2)
@@ -186,14 +190,16 @@ def test_opd_pieces_have_the_whole_steps_gradients(model_and_rows, loss):
     grads = []
     for sliced in (False, True):
         loop.opt.zero_grad(set_to_none=True)
-        with loop.step_ownership():
-            if sliced:
-                pieces = opd_pieces(peft_model, split, data, (pairs, teacher, sampled, gold), 30, pad_id=pad,
-                                    device=loop.device)
-                assert len(pieces) >= 4
-                for piece in pieces:
-                    (piece.loss() * piece.weight).backward()
-            else:
+        if sliced:
+            pieces = opd_pieces(peft_model, split, data, (pairs, teacher, sampled, gold), 30, pad_id=pad,
+                                device=loop.device)
+            assert len(pieces) >= 4
+            holds.holds = 0
+            for piece in pieces:
+                loop.run_piece(piece)
+            assert holds.holds > 2 * len(pieces)
+        else:
+            with loop.step_ownership():
                 opd_loss(peft_model, split, data, pairs, teacher, sampled, gold, pad_id=pad, device=loop.device).backward()
         grads.append([p.grad.clone() for p in loop.params])
     scale = max(float(a.abs().max()) for a in grads[0])
@@ -216,7 +222,8 @@ def test_kd_pieces_have_the_whole_steps_gradients(model_and_rows):
 
     peft_model, rows, pad = model_and_rows
     add_private_adapter(peft_model, "k", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
-    loop = TrainLoop(peft_model, "k", Plan(1e-3, 1, 6, 0), Hooks(), 1, None)
+    holds = CountingHolds(1e-9)  # each piece also cut between its decoder layers
+    loop = TrainLoop(peft_model, "k", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
     k, rng = 4, np.random.default_rng(3)
     examples, windows = [], []
     for n, r in enumerate(rows):
@@ -234,14 +241,154 @@ def test_kd_pieces_have_the_whole_steps_gradients(model_and_rows):
     grads = []
     for sliced in (False, True):
         loop.opt.zero_grad(set_to_none=True)
-        with loop.step_ownership():
-            if sliced:
-                pieces = step.pieces(windows, 40)
-                assert len(pieces) >= 3 and sum(p.weight for p in pieces) == pytest.approx(1.0)
-                for piece in pieces:
-                    (piece.loss() * piece.weight).backward()
-            else:
+        if sliced:
+            pieces = step.pieces(windows, 40)
+            assert len(pieces) >= 3 and sum(p.weight for p in pieces) == pytest.approx(1.0)
+            holds.holds = 0
+            for piece in pieces:
+                loop.run_piece(piece)
+            assert holds.holds > 2 * len(pieces)
+        else:
+            with loop.step_ownership():
                 step.loss(windows).backward()
         grads.append([p.grad.clone() for p in loop.params])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def _rows_loss(split):
+    from kiln.training.losses.chunked import sft_loss_from_hidden
+
+    def loss_of(b):
+        return sft_loss_from_hidden(split.hidden(b["input_ids"]), split.head.weight, b["input_ids"], b["loss_mask"])
+    return loss_of
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_row_cut_between_layers_has_the_whole_steps_gradients(model_and_rows, checkpointing):
+    """A tiny budget: every row's forward and backward cut between its decoder layers (holds of one layer each,
+    activations kept across them), with and without checkpointed layers; the gradients are the whole step's."""
+    from kiln.training.core.loop import TrainLoop, token_mean_pieces
+    from kiln.training.core.step import TrunkRunner
+    from kiln.training.losses.chunked import split_causal_lm
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "r", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    holds = CountingHolds(1e-9)
+    loop = TrainLoop(peft_model, "r", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
+    assert loop.layer_holds is not None
+    layers = len(loop.layer_holds.layers)
+    split = split_causal_lm(peft_model)
+    runner = TrunkRunner(peft_model, split, gradient_checkpointing=checkpointing, compile=False)
+    batch = collate(rows, pad, loop.device)
+    loss_of = _rows_loss(split)
+    with loop.step_ownership(), runner.training():
+        whole_loss = loss_of(batch)
+        whole_loss.backward()
+    whole = [p.grad.clone() for p in loop.params]
+    loop.opt.zero_grad(set_to_none=True)
+    pieces = token_mean_pieces(batch, 1, loss_of)  # one row each
+    holds.holds = 0
+    total = sum(loop.run_piece(piece, runner.training)[0] for piece in pieces)
+    # each row: a hold per layer's forward, the head and last layer's backward, a hold per other layer's backward
+    assert holds.holds >= len(pieces) * 2 * layers
+    assert layers >= 2 and total == pytest.approx(float(whole_loss.detach()), rel=1e-5)
+    for g, p in zip(whole, loop.params):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    assert all(not layer._forward_pre_hooks for layer in loop.layer_holds.layers)  # nothing left installed
+
+
+def test_layer_holds_off_or_idle_keeps_a_piece_one_hold(model_and_rows):
+    from kiln.training.core.loop import TrainLoop, token_mean_pieces
+    from kiln.training.losses.chunked import split_causal_lm
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "n", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    split = split_causal_lm(peft_model)
+    batch = collate(rows, pad, torch.device("cpu"))
+    for budget, layer_holds in ((1e-9, False), (None, True)):
+        holds = CountingHolds(budget)
+        loop = TrainLoop(peft_model, "n", Plan(1e-3, 1, 6, 0), Hooks(exclusive=holds.hooks().exclusive,
+                         hold_budget=lambda: budget, layer_holds=layer_holds), 1, None)
+        assert (loop.layer_holds is None) == (not layer_holds)
+        pieces = token_mean_pieces(batch, 1, _rows_loss(split))
+        for piece in pieces:
+            loop.run_piece(piece)
+        assert holds.holds == len(pieces)
+        loop.opt.zero_grad(set_to_none=True)
+
+
+def test_a_hybrid_row_cut_between_layers_has_the_whole_steps_gradients(builtin_model_dir, tmp_path):
+    """Qwen3.5's Gated DeltaNet and full-attention layers (no split head: the model's own logits) cut between
+    layers: the whole step's gradients."""
+    from peft import get_peft_model
+
+    from kiln.runtime.loader import load_model
+    from kiln.training.core.loop import TrainLoop, token_mean_pieces
+    from kiln.training.losses.sft import sft_loss
+    from tests.hybrid_models import build_tiny_hybrid
+
+    lm = load_model(build_tiny_hybrid(tmp_path / "hybrid", builtin_model_dir), device="cpu")
+    targets = ["q_proj", "v_proj", "down_proj"]  # down_proj: a LoRA in every layer, linear-attention ones too
+    peft_model = get_peft_model(lm.model, lora_config(4, 8, targets), adapter_name="idle")
+    add_private_adapter(peft_model, "h", lora_config(4, 8, targets), seed=0)
+    holds = CountingHolds(1e-9)
+    loop = TrainLoop(peft_model, "h", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
+    assert loop.layer_holds is not None
+    batch = collate(tokenize_sft(lm.tokenizer, EXAMPLES, max_seq_len=512), lm.tokenizer.pad_token_id, loop.device)
+
+    def loss_of(b):
+        return sft_loss(peft_model(input_ids=b["input_ids"], use_cache=False).logits, b["input_ids"], b["loss_mask"])
+
+    with loop.step_ownership():
+        loss_of(batch).backward()
+    grads = {"whole": [p.grad.clone() for p in loop.params]}
+    cut_holds = loop.layer_holds
+    for label, layer_holds in (("rows", None), ("layers", cut_holds)):
+        loop.opt.zero_grad(set_to_none=True)
+        loop.layer_holds, holds.holds = layer_holds, 0
+        for piece in token_mean_pieces(batch, 1, loss_of):
+            loop.run_piece(piece)
+        grads[label] = [p.grad.clone() for p in loop.params]
+    assert holds.holds >= 6 * 2 * len(cut_holds.layers)
+    scale = max(float(g.abs().max()) for g in grads["whole"])
+    for w, r, c in zip(grads["whole"], grads["rows"], grads["layers"]):
+        torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-9)  # the cut between layers: the same sums
+        # rows vs the padded batch: DeltaNet's chunked scan sums in another order over another length
+        torch.testing.assert_close(c, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_a_forward_without_gradients_cut_between_layers_computes_the_same(model_and_rows):
+    """The learned check's forward (and GRPO's behaviour log-probs) run through ``forward_holds``: holds that end
+    between layers, the same margin."""
+    from kiln.training.core.loop import TrainLoop, greedy_margin
+
+    peft_model, rows, pad = model_and_rows
+    add_private_adapter(peft_model, "f", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    holds = CountingHolds(1e-9)
+    loop = TrainLoop(peft_model, "f", Plan(1e-3, 1, 6, 0), holds.hooks(), 1, None)
+    with loop.step_ownership():
+        whole = greedy_margin(peft_model, rows, pad_id=pad, batch_size=3)
+    holds.holds = 0
+    cut = loop.forward_holds(lambda: greedy_margin(peft_model, rows, pad_id=pad, batch_size=3))
+    assert cut == pytest.approx(whole, rel=1e-6, abs=1e-6)
+    assert holds.holds >= 2 * len(loop.layer_holds.layers)  # two batches, a hold per layer
+    assert loop.layer_holds.snapshot()["forward_ms"] > 0
+
+
+def test_a_whole_step_begun_idle_is_cut_when_a_chat_arrives(model_and_rows):
+    """Serving idle when the step begins (no slicing), busy from its first layer on: the step's one piece is cut
+    between layers at once instead of making the chat wait for the whole step."""
+    peft_model, rows, pad = model_and_rows
+    calls = {"n": 0}
+
+    def budget():  # the step's pieces() and its first hold see an idle server, every later check a busy one
+        calls["n"] += 1
+        return None if calls["n"] <= 2 else 1e-9
+
+    holds = CountingHolds(None)
+    hooks = Hooks(exclusive=holds.hooks().exclusive, hold_budget=budget)
+    add_private_adapter(peft_model, "w", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    report = run_sft(peft_model, "w", rows, Plan(5e-3, 1, 6, 0, max_steps=1), pad_id=pad, hooks=hooks)
+    assert report.steps == 1 and "sliced_steps" not in report.extra
+    assert holds.holds > 2 * report.extra["layer_holds"]["holds"] // 2 > 4  # cut between layers, not one hold

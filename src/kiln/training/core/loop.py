@@ -22,7 +22,8 @@ hold may take, and a kind that passes a slicer to :meth:`TrainLoop.train` has it
 Each piece's forward and backward is one hold (gradients accumulate in the adapter's ``.grad``),
 the optimizer step another; serving runs between them. The gradients are those of the whole step
 (up to float summation order): every loss here is a token mean, and a piece of ``n`` of the step's
-``N`` loss tokens weighs ``n / N``.
+``N`` loss tokens weighs ``n / N``. A piece is cut further, between its decoder layers (forward and
+backward, :class:`kiln.training.core.segments.LayerHolds`), so one long row is several holds too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -41,9 +42,11 @@ from kiln.training.core.checkpoints import Checkpoint, save_checkpoint
 from kiln.training.core.data import Row, collate, collate_packed, epoch_order
 from kiln.training.core.errors import JobCancelled, TrainingFailed
 from kiln.training.core.lora import adapter_state, make_trainable, private_parameters, release_private
+from kiln.training.core.segments import LayerHolds, cuttable_layers
 from kiln.training.losses.chunked import chunk_rows, split_causal_lm
 
 PROGRESS_EVERY_S = 0.25
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class Hooks:
     plan_sha256: str = ""
     # seconds one exclusive hold may take now (serving is waiting), None: no bound (kiln.runtime.ownership.HoldPacer)
     hold_budget: Callable[[], float | None] = lambda: None
+    # while a hold is bounded, cut a piece between decoder layers too (kiln.training.core.segments; training.layer_holds)
+    layer_holds: bool = True
 
 
 @dataclass
@@ -236,7 +241,11 @@ class TrainLoop:
         self.stats: dict[str, Any] = {}
         self.last_step_s = 0.0  # the last update's seconds under exclusive ownership (train)
         self.s_per_token = 0.0  # forward+backward seconds per token, measured (sizes pieces to the hold budget)
+        self.tokens_in_step = 0  # a sliced step's tokens whose pieces are done (progress while the step runs)
         self._last_progress = 0.0
+        # a compiled trunk runs its layers inside one graph: no hooks between them, pieces stay whole
+        layers = cuttable_layers(peft_model) if hooks.layer_holds and not plan.compile else []
+        self.layer_holds = LayerHolds(layers, nullcontext, hooks.hold_budget) if layers else None
         if resume is not None:
             self._restore(resume)
 
@@ -345,8 +354,12 @@ class TrainLoop:
                around: Callable[[], AbstractContextManager[Any]] = nullcontext, slicer: Slicer | None = None) -> None:
         """One optimizer step on ``s``: one hold for forward, backward and step; or, when the hold budget asks for
         it and the kind slices, one hold per piece (forward and backward, gradients accumulating) and one
-        for the optimizer step."""
+        for the optimizer step. With :class:`LayerHolds` a step begun while serving idles is one piece, cut
+        between layers should a chat arrive while it runs (a chat would otherwise wait for the whole step)."""
         pieces = self.pieces(s.batch, slicer)
+        sliced = bool(pieces)
+        if not pieces and self.layer_holds is not None and slicer is not None:  # a kind that slices: a tensor loss
+            pieces = [Piece(partial(loss_step, s.batch), 1.0, s.tokens)]
         if not pieces:
             with self.step_ownership(), around():
                 started = time.perf_counter()
@@ -354,19 +367,16 @@ class TrainLoop:
                 self.last_step_s = time.perf_counter() - started
             self._measured(self.last_step_s, s.tokens)
             return
-        total, held = 0.0, 0.0
+        total, held, done, planned = 0.0, 0.0, 0, sum(p.tokens for p in pieces) or 1
         for piece in pieces:
-            with self.step_ownership(), around():
-                t0 = time.perf_counter()
-                loss = piece.loss() * piece.weight
-                if not torch.isfinite(loss):
-                    self.opt.zero_grad(set_to_none=True)
-                    raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
-                loss.backward()
-                total += float(loss.detach())
-                dt = time.perf_counter() - t0
+            value, dt = self.run_piece(piece, around)
+            total += value
             held += dt
             self._measured(dt, piece.tokens)
+            done += piece.tokens
+            self.tokens_in_step = s.tokens * done // planned
+            self._progress_due()
+        self.tokens_in_step = 0
         with self.step_ownership():
             t0 = time.perf_counter()
             self.opt.step()
@@ -377,7 +387,43 @@ class TrainLoop:
         self.tokens += s.tokens
         self.train_s += held
         self.last_step_s = held
-        self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
+        if sliced:
+            self.stats["sliced_steps"] = int(self.stats.get("sliced_steps", 0)) + 1
+        if self.layer_holds is not None:
+            self.stats["layer_holds"] = self.layer_holds.snapshot()
+
+    def run_piece(self, piece: Piece, around: Callable[[], AbstractContextManager[Any]] = nullcontext
+                  ) -> tuple[float, float]:
+        """``(piece.weight * piece.loss()).backward()``: one hold, or, with :class:`LayerHolds`, as many as its
+        decoder layers need to keep each within the hold budget. Returns (the weighted loss, seconds held)."""
+        def finite(loss: torch.Tensor) -> None:
+            if not torch.isfinite(loss):
+                self.opt.zero_grad(set_to_none=True)
+                raise TrainingFailed(f"loss became {loss.item()} at step {self.step + 1}; lower the learning rate")
+
+        if self.layer_holds is not None:
+            self.layer_holds.open_hold = partial(self._piece_hold, around)
+            return self.layer_holds.run(piece.loss, piece.weight, finite)
+        with self.step_ownership(), around():
+            t0 = time.perf_counter()
+            loss = piece.loss() * piece.weight
+            finite(loss)
+            loss.backward()
+            return float(loss.detach()), time.perf_counter() - t0
+
+    def forward_holds(self, fn: Callable[[], T]) -> T:
+        """``fn()``, work without gradients that runs the model (log-probs, a learned check): one hold, or while
+        a hold is bounded, holds that end between decoder layers (:meth:`LayerHolds.forward`)."""
+        if self.layer_holds is None:
+            with self.step_ownership():
+                return fn()
+        self.layer_holds.open_hold = self.step_ownership
+        return self.layer_holds.forward(fn)
+
+    @contextmanager
+    def _piece_hold(self, around: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+        with self.step_ownership(), around():
+            yield
 
     def _measured(self, seconds: float, tokens: int) -> None:
         """Fold one hold's seconds per token into the running estimate (a quarter weight for the newest)."""
@@ -415,8 +461,12 @@ class TrainLoop:
         if self.checkpoint_due():
             self.save(next_epoch, next_batch, tensors)
             self.checkpoint_step = self.step
+        self._progress_due(self.step == self.total_steps)
+
+    def _progress_due(self, force: bool = False) -> None:
+        """Report progress when ``PROGRESS_EVERY_S`` has passed since the last report (or ``force``)."""
         now = time.perf_counter()
-        if now - self._last_progress >= PROGRESS_EVERY_S or self.step == self.total_steps:
+        if now - self._last_progress >= PROGRESS_EVERY_S or force:
             self._last_progress = now
             self.hooks.on_progress(self.progress())
 
@@ -429,6 +479,7 @@ class TrainLoop:
             "loss": None if math.isnan(self.loss) else round(self.loss, 6),
             "tokens_per_s": round(self.tokens / self.train_s, 1) if self.train_s > 0 else None,
             "tokens": self.tokens,  # trained so far: tokens per wall second from two reads (bench/serve_while_training.py)
+            "tokens_in_step": self.tokens_in_step,  # of the step running now (sliced), its pieces' done so far
             "eta_s": round(per_step * (self.total_steps - self.step), 2) if per_step is not None else None,
             "checkpoint_step": self.checkpoint_step,
             **self.stats,

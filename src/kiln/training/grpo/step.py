@@ -84,9 +84,9 @@ def policy_logprobs(peft_model: Any, items: Sequence[GRPOItem], pad_id: int, loo
     """Per row of every item, the current policy's token log-probs (``[len - 1]``), without gradients:
     the ratio's denominator for the GRPO updates that follow. Each group is its own exclusive hold."""
     old: list[torch.Tensor] = []
-    for item in items:  # one hold per group: serving runs between them
-        with torch.no_grad(), loop.step_ownership():
-            lp = _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split)
+    for item in items:  # one hold per group (cut between layers while serving waits): serving runs between them
+        with torch.no_grad():
+            lp = loop.forward_holds(lambda: _sequence_logprobs(peft_model, collate(item.rows, pad_id, loop.device), split))
         old.extend(lp[j, : len(r.input_ids) - 1].clone() for j, r in enumerate(item.rows))
     return old
 

@@ -368,8 +368,8 @@ class _OPDSteps:
             return False
         rows = [Row(list(it.student_ids) + paths.prefix(i), [0] * len(it.student_ids) + [1] * len(paths.paths[i]))
                 for i, it in enumerate(data.items)]
-        with self.loop.step_ownership():
-            margin = greedy_margin(self.peft_model, rows, pad_id=self.pad_id, batch_size=self.plan.batch_size)
+        margin = self.loop.forward_holds(lambda: greedy_margin(self.peft_model, rows, pad_id=self.pad_id,
+                                                               batch_size=self.plan.batch_size))
         self.loop.stats["greedy_margin"] = round(margin, 4)
         return margin >= check.margin
 

@@ -312,6 +312,7 @@ class TrainingService:
         hooks = Hooks(
             exclusive=self._step_ownership,
             hold_budget=self.pacer.budget_s,
+            layer_holds=self.settings.training.layer_holds,
             should_cancel=self._should_cancel,
             on_progress=lambda p: self._progress(job.id, p),
             checkpoint_root=self._checkpoint_root(job.id),

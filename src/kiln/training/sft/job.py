@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -209,8 +210,8 @@ def run_sft(peft_model: Any, name: str, rows: Sequence[Row], plan: Plan, *, pad_
         return pieces
 
     def learned() -> bool:
-        with loop.step_ownership():
-            margin = greedy_margin(peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size, packing=packing)
+        margin = loop.forward_holds(partial(greedy_margin, peft_model, rows, pad_id=pad_id, batch_size=plan.batch_size,
+                                            packing=packing))
         return learned_by(loop, margin, plan)
 
     loop.train(steps(), loss_step, learned=sft_learned(plan, learned), around=runner.training, slicer=slicer)
