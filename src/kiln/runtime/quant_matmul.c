@@ -279,6 +279,10 @@ TILES8(rows8_vnni, VNNI, ACC_VNNI)
         __m256i dot[4][2];                                                                        \
         for (int j = 0; j < R; j++)                                                               \
             for (int c = 0; c < NW; c++) dot[j][c] = _mm256_setzero_si256();                      \
+        for (int c = 0; c < NW && i0 == 0; c++) { /* scales and sub-scales, PF_ROWS rows ahead */ \
+            _mm_prefetch((const char *)(a->scales + ((n + c + PF_ROWS) * kb + t * g / QB) * 2), _MM_HINT_T0); \
+            _mm_prefetch((const char *)(lp[c] + PF_ROWS * kb + t * g / QB), _MM_HINT_T0);         \
+        }                                                                                         \
         for (int64_t b = t * g / QB; b < b1; b++) {                                               \
             __m256i w[2], ls[2];                                                                  \
             for (int c = 0; c < NW; c++) {                                                        \
@@ -412,6 +416,11 @@ V512 static inline __attribute__((always_inline)) void v512_tile4(
         __m512i dot[4][2];
         for (int j = 0; j < R; j++)
             for (int c = 0; c < NW; c++) dot[j][c] = _mm512_setzero_si512();
+        if (i0 == 0)  /* the group's (scale, zero) pairs and sub-scales, PF_ROWS rows ahead */
+            for (int c = 0; c < NW; c++) {
+                _mm_prefetch((const char *)(a->scales + (n + c + PF_ROWS) * kb * 2 + f0), _MM_HINT_T0);
+                _mm_prefetch((const char *)(lp[c] + PF_ROWS * kb + b), _MM_HINT_T0);
+            }
         for (; b + 2 <= b1; b += 2) {
             __m512i w[2], ls[2];
             for (int c = 0; c < NW; c++) {
