@@ -125,10 +125,11 @@ def test_int4_subscales_recover_snapped_scales():
     assert torch.allclose(sub.float() * row[:, None], snapped, rtol=1e-5)
 
 
-@pytest.mark.parametrize("k", [32, 64, 1024])
+@pytest.mark.parametrize("k", [32, 64, 1024, 8192])
 def test_int4_large_codes_do_not_overflow(kernel, k):
     """Every code 15 or 0, activations at +-max and sub-scales 255: the int16 pair sums and int32 group
-    sums stay exact on every path (whole-row group)."""
+    sums stay exact on every path (whole-row group; at k = 8,192 the kernel caps int4 groups at 2,048,
+    where a whole row's unsigned sums would pass 2^31)."""
     n = 6
     codes = torch.tensor([15, 0, 15, 15, 0, 0])[:, None].expand(n, k).contiguous()
     s = torch.full((n, k // 32), 0.01)

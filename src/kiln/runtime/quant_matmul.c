@@ -14,7 +14,8 @@
  *                   the block scales so). The integer part, sum_b sub[b] * dot(q_b, xq_b) over a group
  *                   (codes taken unsigned, 0..15), adds up in int32; the rest is activation-side
  *                   per block: -8 * d * sum(xq_b) (the codes' offset) and the float sum of x_b (the
- *                   zero), so it is one float dot of (s, z) with those pairs per output.
+ *                   zero), so it is one float dot of (s, z) with those pairs per output. A group is
+ *                   at most INT4_MAX_GROUP elements (64 blocks x 255 x 15 x 127 x 32 < 2^31).
  *
  * Paths: AVX-512 VNNI with 512-bit vectors, the same with 256-bit ones, AVX2 + FMA, and portable C
  * (the only one compiled with -DKILN_BASELINE_ONLY), chosen once from the running CPU
@@ -34,6 +35,7 @@
 #define QB 32                    /* block of K */
 #define PF_ROWS 8  /* x86 paths: prefetch the weight row this many rows ahead (the first row tile does) */
 #define PAR_MIN_WORK (1L << 31)  /* M * N * K below this: one thread (see kiln_qmm) */
+#define INT4_MAX_GROUP 2048  /* int4: the int32 group sums' bound (see the top) */
 
 typedef struct {
     const float *x; int64_t m, k;      /* x [m, k] contiguous */
@@ -77,7 +79,10 @@ static void quantize_x(const float *x, int64_t m, int64_t k, int64_t g, int8_t *
 }
 
 /* The activation group: elements of a row that share one scale (their integer dots add up in int32). */
-static inline int64_t xgroup(const kiln_qmm_args *a) { return a->group > 0 && a->group < a->k ? a->group : a->k; }
+static inline int64_t xgroup(const kiln_qmm_args *a) {
+    int64_t g = a->group > 0 && a->group < a->k ? a->group : a->k;
+    return a->mode == 4 && g > INT4_MAX_GROUP ? INT4_MAX_GROUP : g;
+}
 
 /* int4's activation-side pairs per block (see the top): ab[i, b] = (-8 * d * sum(q_b), sum(x_b)). */
 static void int4_terms(const float *x, int64_t m, int64_t k, int64_t g, const int8_t *q, const float *d, float *ab) {
