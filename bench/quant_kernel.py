@@ -41,21 +41,22 @@ def _row(kern: qm.QuantMatmul, n: int, k: int, rows: int, calls: int, group: int
     q8, s8 = _quant_int8(w)
     codes, sz = _quant_int4(w, 32)
     q4, s4 = qm.pack_int4(codes), sz.transpose(0, 1).contiguous()
+    sub = qm.int4_subscales(s4)
     return {"f32": _time(lambda: F.linear(x, w), calls),
             "int8": _time(lambda: kern.matmul(x, q8, s8, "int8", group=group), calls),
-            "int4": _time(lambda: kern.matmul(x, q4, s4, "int4"), calls)}
+            "int4": _time(lambda: kern.matmul(x, q4, s4, "int4", group=group, sub=sub), calls)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--group", type=int, default=None, help="int8 activation elements per scale (0: the row)")
+    ap.add_argument("--group", type=int, default=None, help="activation elements per scale, int8 and int4 (0: the row)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     kern = qm.load()
     assert kern is not None, "the C kernel did not load"
-    print(f"isa {kern.isa}, int8 group {args.group or qm.INT8_GROUP if args.group is None else args.group}, rows {args.rows}, 1 thread (ms per call; G MAC/s)")
+    print(f"isa {kern.isa}, activation group {args.group or qm.INT8_GROUP if args.group is None else args.group}, rows {args.rows}, 1 thread (ms per call; G MAC/s)")
     step = {"f32": 0.0, "int8": 0.0, "int4": 0.0}
     for table in (SHAPES, FUSED):
         for name, (n, k, per_layer) in table.items():

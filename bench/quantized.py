@@ -8,12 +8,20 @@ round) at ``--concurrency`` (default 8) and prints tokens/s, CPU per token and t
 
 llama.cpp's server runs beside them as the peer (bench/peers/llamacpp.py: built from the
 ``llama-cpp-python`` sdist's source, the same model converted by its own converter and quantized
-to Q8_0 / Q4_0; ``--peer-f32`` adds its f32 GGUF), with ``--threads`` threads (default: the
-CPUs), 8 slots of the model's context: the ratios int8 / Q8_0 and int4 / Q4_0 are printed. Where
+to Q8_0 / Q4_0; ``--peer-f32`` adds its f32 GGUF), 8 slots of the model's context, with
+``--peer-threads`` threads (default 1): the ratios int8 / Q8_0 and int4 / Q4_0 are printed. Where
 it cannot be built the run says why and goes on without it (``--no-llamacpp`` skips it).
 
+Why one peer thread by default: llama.cpp's threads meet at a barrier after every op of the graph
+(spinning while they wait), so on a CPU shared with other work one descheduled thread stalls the
+whole step. On the 2-core shared machine with ``-t 2`` (load 8-10) its Q8_0 and Q4_0 servers both
+fell to 20-22 tok/s, while ``-t 1`` in the same minutes gave Q8_0 501-523 and Q4_0 1,397-1,549
+tok/s: the "Q8_0 49 tok/s" of earlier runs was this collapse, not the type. Kiln's decode matmuls
+run on one thread (quant_matmul's OpenMP threshold), so ``--threads 1 --peer-threads 1`` gives
+both one core; ``--peer-threads 2`` reproduces the earlier setting.
+
     .venv/bin/python bench/quantized.py                       # qwen3-31m, c=8, 1 round
-    .venv/bin/python bench/quantized.py --rounds 3 --threads 2
+    .venv/bin/python bench/quantized.py --rounds 2 --threads 1 --concurrency 1 8
     .venv/bin/python bench/quantized.py --no-llamacpp        # kiln only
 """
 
@@ -55,7 +63,7 @@ def peer_arms(model_dir: Path, threads: int, with_f32: bool) -> list[tuple[str, 
         return []
     env = server_env()
     types = (["F32"] if with_f32 else []) + list(PEERS.values())
-    return [(f"llamacpp-{t.lower()}", server_command(files[t], threads or os.cpu_count() or 1, 8,
+    return [(f"llamacpp-{t.lower()}", server_command(files[t], threads or 1, 8,
                                                      model_max_len(model_dir), model_dir.name), env) for t in types]
 
 
@@ -72,11 +80,13 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="kiln serve --threads (0: its default)")
+    ap.add_argument("--peer-threads", type=int, default=1, help="llama-server -t/-tb (see the docstring)")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
     ap.add_argument("--peer-f32", action="store_true", help="also llama.cpp over the f32 GGUF")
     args = ap.parse_args()
 
     model_dir = build_shape_model(args.shape, kiln_home())
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     for mode, rep in probe(model_dir).items():
         print(f"{mode}: probe KL {rep['probe_kl']:.2e} nats/token over {rep['probe_tokens']} tokens, weights "
               f"{rep['weight_bytes_before'] / 2**20:.1f} -> {rep['weight_bytes_after'] / 2**20:.1f} MiB, "
@@ -84,7 +94,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-quant-"))
     env, cmd = kiln_env(workdir), kiln_command(model_dir, args.threads)
     arms = [("f32", cmd, env)] + [(m, cmd + ["--quantize", m], env) for m in MODES]
-    arms += [] if args.no_llamacpp else peer_arms(model_dir, args.threads, args.peer_f32)
+    arms += [] if args.no_llamacpp else peer_arms(model_dir, args.peer_threads, args.peer_f32)
     texts_by_c = {c: prompts_for(max(8, args.waves * c)) for c in args.concurrency}
     runs = ab_runs(model_dir, workdir, arms, texts_by_c, args.max_tokens, args.rounds)
     print(f"{'base':<16}{'round':>6}{'c':>4}{'tok/s':>8}{'CPU ms/tok':>11}{'ITL p50':>9}  (ms)")
@@ -102,6 +112,8 @@ def main() -> None:
         if peers:
             print(f"c={c}: vs llama.cpp: " + ", ".join(
                 f"{m} / {p[9:]} {best[m] / best[p]:.2f}x tok/s, {cpu[p] / cpu[m]:.2f}x CPU/tok" for m, p in peers))
+
+    print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -302,5 +302,9 @@ def test_joined_projections_equal_the_parts_and_share_their_bytes(mode):
     base = joint.qweight.data_ptr()
     assert [p.qweight.data_ptr() - base for p in parts] == [0, 48 * parts[0].qweight.shape[1],
                                                             64 * parts[0].qweight.shape[1]]
+    if mode == "int4":  # the kernel's integer sub-scales and row scales are joined and viewed alike
+        for name in ("sub", "rowscale"):
+            t = getattr(joint, name)
+            assert getattr(parts[1], name).data_ptr() == t.data_ptr() + 48 * t.stride(0) * t.element_size()
     other = QuantizedLinear(torch.nn.Linear(64, 8), mode, "dequantize")
     assert join_quantized([parts[0], other]) is None  # another kernel: not joined

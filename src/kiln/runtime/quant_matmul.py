@@ -1,10 +1,10 @@
 """Kiln's own CPU int8/int4 weight-only matmul (``quant_matmul.c`` beside this file), one kernel
 candidate of kiln.runtime.quantize's measured choice.
 
-The C file quantizes the activations to int8 (int8 weights: one scale per :data:`INT8_GROUP`
-elements of a row, the group's dot accumulated in int32; int4: per block of 32, as llama.cpp's Q4_0
-takes them) and takes integer dot products with the weights: AVX-512 VNNI (512- or 256-bit
-vectors), AVX2 + FMA or portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
+The C file quantizes the activations to int8 (one scale per :data:`INT8_GROUP` elements of a
+row) and takes integer dot products with the weights, a group's accumulated in int32 (int4: each
+block of 32 weighted by its integer sub-scale, :func:`int4_subscales`): AVX-512 VNNI (512- or
+256-bit vectors), AVX2 + FMA or portable C, chosen from the running CPU; OpenMP splits the output features across ``threads``
 for large matrices. It is built once through :func:`kiln.runtime.paged_attention.build` (the one
 C builder, cached in :func:`kiln.runtime.paged_attention.kernel_dir`) and self-checked against
 the dequantized reference before use: no compiler, a failed build or a failed check and
@@ -12,7 +12,9 @@ the dequantized reference before use: no compiler, a failed build or a failed ch
 
 Weight layouts (see the C file): int8 ``qweight`` int8 ``[N, K]`` with ``scales`` float32 ``[N]``;
 int4 ``qweight`` uint8 ``[N, K / 2]`` (:func:`pack_int4`) with ``scales`` float32
-``[N, K / 32, 2]`` = (scale, zero), ``w = (q - 8) * scale + zero``. Float32 only; K a multiple of 32.
+``[N, K / 32, 2]`` = (scale, zero), ``w = (q - 8) * scale + zero``, where each row's block scales are
+integer multiples (1..255) of one row scale (:func:`snap_int4_scales`; the kernel takes the integers
+and the row scale, :func:`int4_subscales`). Float32 only; K a multiple of 32.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
 LIBS = ("-lm", "-fopenmp")
 BLOCK = 32
 ISAS = {"portable": 0, "avx2": 1, "vnni": 2, "vnni512": 3}
-INT8_GROUP = 256  # int8: activation elements per scale (their block dots add up in int32; see the C file)
+INT8_GROUP = 256  # activation elements per scale, int8 and int4 (their block dots add up in int32; see the C file)
+SUB_MAX = 255  # int4: a block scale is rowscale * (1..SUB_MAX)
 
 _I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -43,7 +46,7 @@ class QmmArgs(ctypes.Structure):
 
     _fields_ = [("x", _PTR), ("m", _I64), ("k", _I64), ("w", _PTR), ("scales", _PTR), ("bias", _PTR),
                 ("n", _I64), ("mode", _I32), ("threads", _I32), ("isa", _I32), ("out", _PTR),
-                ("group", _I64)]
+                ("group", _I64), ("sub", _PTR), ("rowscale", _PTR)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -58,6 +61,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
     p = packed.reshape(n, half * 2 // BLOCK, BLOCK // 2)
     return torch.stack([p & 15, p >> 4], dim=2).reshape(n, half * 2)
+
+
+def snap_int4_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales ``[N, B]`` (> 0) rounded up to integer multiples of ``max / SUB_MAX`` per row: the
+    form the kernel's int32 accumulation takes (a block's step grows by at most the row's max / 255)."""
+    row = (scale.amax(dim=-1, keepdim=True) / SUB_MAX).clamp(min=1e-30)
+    return row * torch.ceil(scale / row * (1 - 1e-6)).clamp(1, SUB_MAX)
+
+
+def int4_subscales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sub int16 [N, K / 32], rowscale float32 [N])`` of int4 ``scales [N, K / 32, 2]`` snapped by
+    :func:`snap_int4_scales`: ``scale = rowscale * sub``."""
+    s = scales[..., 0].float()
+    row = (s.amax(dim=-1) / SUB_MAX).clamp(min=1e-30)
+    sub = torch.round(s / row[:, None]).clamp(1, SUB_MAX).to(torch.int16).contiguous()
+    return sub, row.contiguous()
 
 
 class QuantMatmul:
@@ -75,9 +94,10 @@ class QuantMatmul:
 
     def matmul(self, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mode: str,
                bias: torch.Tensor | None = None, threads: int = 1, isa: str | None = None,
-               group: int | None = None) -> torch.Tensor:
+               group: int | None = None, sub: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``x [M, K] @ W.T (+ bias)`` -> ``[M, N]`` float32 (``isa``: force a path, tests only; ``group``:
-        int8's activation elements per scale, a multiple of 32, 0 = the whole row; default :data:`INT8_GROUP`)."""
+        activation elements per scale, a multiple of 32, 0 = the whole row; default :data:`INT8_GROUP`;
+        ``sub``: int4's :func:`int4_subscales` of ``scales``, computed here when not given)."""
         m, k = x.shape
         n = qweight.shape[0]
         if x.dtype != torch.float32 or not x.is_contiguous() or k % BLOCK:
@@ -88,10 +108,16 @@ class QuantMatmul:
             raise ValueError(f"quant matmul: {mode} weight must be {want}, contiguous, with float32 scales")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
             raise ValueError("quant matmul: bias must be contiguous float32 [N]")
+        if mode == "int4":
+            sub = int4_subscales(scales) if sub is None else sub
+            if sub[0].shape != (n, k // BLOCK) or sub[0].dtype != torch.int16 or sub[1].shape != (n,) \
+                    or not (sub[0].is_contiguous() and sub[1].is_contiguous()):
+                raise ValueError(f"quant matmul: int4 sub-scales must be contiguous int16 [{n}, {k // BLOCK}] and [{n}]")
         out = torch.empty(m, n, dtype=torch.float32)
         args = QmmArgs(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
                        None if bias is None else bias.data_ptr(), n, 8 if mode == "int8" else 4, threads,
-                       -1 if isa is None else ISAS[isa], out.data_ptr(), INT8_GROUP if group is None else group)
+                       -1 if isa is None else ISAS[isa], out.data_ptr(), INT8_GROUP if group is None else group,
+                       None if sub is None else sub[0].data_ptr(), None if sub is None else sub[1].data_ptr())
         rc = self._fn(ctypes.byref(args))
         if rc != 0:
             raise MemoryError("quant matmul: out of memory") if rc == -1 else ValueError(
@@ -117,7 +143,8 @@ def self_check(kernel: QuantMatmul, isa: str | None = None) -> None:
     q8 = torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8)
     s8 = torch.rand(24, generator=g) * 0.01 + 1e-3
     q4 = pack_int4(torch.randint(0, 16, (24, 96), generator=g))
-    s4 = torch.stack([torch.rand(24, 3, generator=g) * 0.05 + 1e-3, torch.randn(24, 3, generator=g) * 0.01], -1)
+    s4 = torch.stack([snap_int4_scales(torch.rand(24, 3, generator=g) * 0.05 + 1e-3),
+                      torch.randn(24, 3, generator=g) * 0.01], -1)
     for mode, q, s in (("int8", q8, s8), ("int4", q4, s4.contiguous())):
         want = reference(x, q, s, mode)
         got = kernel.matmul(x, q, s, mode, threads=2, isa=isa)

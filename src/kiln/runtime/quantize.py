@@ -67,7 +67,7 @@ def _quant_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     n, k = w.shape
     wg = w.detach().float().reshape(n, k // group, group)
     lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    scale = quant_matmul.snap_int4_scales(((hi - lo) / 15.0).clamp(min=1e-12))  # the c kernel's integer sub-scales
     codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
     zero = lo + scale * 8.0  # the kernel's dequantization: (q - 8) * scale + zero
     return codes, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
@@ -109,8 +109,11 @@ class QuantizedLinear(torch.nn.Linear):
             codes, sz = _quant_int4(w, INT4_GROUP)
             if kernel == "aten":  # aten's packed layout
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.cpu(), INT4_INNER_K_TILES)
-            elif kernel == "c":  # two codes a byte, scales [N, K / 32, 2] (kiln.runtime.quant_matmul)
+            elif kernel == "c":  # two codes a byte, scales [N, K / 32, 2], sub-scales (kiln.runtime.quant_matmul)
                 packed, sz = quant_matmul.pack_int4(codes), sz.transpose(0, 1).contiguous()
+                sub, rowscale = quant_matmul.int4_subscales(sz)
+                self.register_buffer("sub", sub.to(w.device))
+                self.register_buffer("rowscale", rowscale.to(w.device))
             else:  # dequantize: the codes themselves, one a byte
                 packed = codes.to(torch.uint8)
             self.register_buffer("qweight", packed.to(w.device))
@@ -144,7 +147,8 @@ class QuantizedLinear(torch.nn.Linear):
         if self.kernel == "c":
             kern = quant_matmul.load()
             assert kern is not None, "the c kernel is chosen only where it loaded"
-            out = kern.matmul(x2, self.qweight, self.scales, self.mode, threads=torch.get_num_threads())
+            sub = (self.sub, self.rowscale) if self.mode == "int4" else None
+            out = kern.matmul(x2, self.qweight, self.scales, self.mode, threads=torch.get_num_threads(), sub=sub)
         elif self.kernel == "dequantize":
             out = F.linear(x2, self.dequantized())
         elif self.mode == "int8":
@@ -189,6 +193,9 @@ def join_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     joint.mode, joint.kernel, joint.float_dtype = first.mode, "c", first.float_dtype
     joint.register_buffer("qweight", torch.cat([p.qweight for p in parts]))
     joint.register_buffer("scales", torch.cat([p.scales for p in parts]))
+    extra = ("sub", "rowscale") if first.mode == "int4" else ()
+    for name in extra:
+        joint.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
     joint.register_parameter("weight", None)
     joint.bias = None if biases[0] is None else torch.nn.Parameter(
         torch.cat([b.detach() for b in biases if b is not None]), requires_grad=False)
@@ -196,6 +203,8 @@ def join_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear | None:
     for p in parts:
         p._buffers["qweight"] = joint.qweight[row:row + p.out_features]
         p._buffers["scales"] = joint.scales[row:row + p.out_features]
+        for name in extra:
+            p._buffers[name] = getattr(joint, name)[row:row + p.out_features]
         row += p.out_features
     return joint
 
