@@ -365,6 +365,17 @@ class LoadedSettings:
         return dict(sorted(out.items()))
 
 
+def check_quantize_engine(settings: "Settings", sources: dict[str, str] | None = None) -> None:
+    """``model.quantize`` with ``serving.engine = "vllm"``: ConfigError before anything loads (vLLM loads
+    its own float weights; the quantized copy would only cost a load)."""
+    if settings.model.quantize != "none" and settings.serving.engine == "vllm":
+        where = sources or {}
+        raise ConfigError(
+            f"model.quantize = {settings.model.quantize} (from {where.get('model.quantize', 'default')}) applies to "
+            f"the built-in engine only, but serving.engine = vllm (from {where.get('serving.engine', 'default')}); "
+            "vLLM loads its own weights: use vLLM's quantized checkpoints through [vllm].extra_args")
+
+
 def _check_key(section: str, key: str | None, origin: str) -> None:
     if section in TOP_LEVEL and key is None:
         return
@@ -482,6 +493,7 @@ def load_settings(
                               f"{sources['training.enabled']}); drop one of them")
         settings = settings.model_copy(update={"training": settings.training.model_copy(update={"enabled": False})})
         sources["training.enabled"] = "serving.profile"
+    check_quantize_engine(settings, sources)
     if settings.teachers.credentials:  # the secrets' variables must be usable now (read again per request)
         from kiln.system.credentials import validate_credentials
 

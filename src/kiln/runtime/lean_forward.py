@@ -151,7 +151,8 @@ class LeanForward:
         """A packed copy of each Linear weight under ``root`` not packed yet (fused ones included)."""
         fused = {p for key in self._fused for p in key}  # their separate packs would be a third copy
         for mod in root.modules():
-            if type(mod) is torch.nn.Linear and mod.weight.numel() >= PACK_MIN_ELEMENTS:
+            # an LM head with an int8 inference copy infers through it: a packed float copy would be a third
+            if type(mod) is torch.nn.Linear and mod.weight.numel() >= PACK_MIN_ELEMENTS and quantized_head(mod) is None:
                 w = mod.weight
                 if w.data_ptr() not in fused and w.data_ptr() not in self._packed and self._afford(w):
                     self._packed[w.data_ptr()] = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
@@ -318,8 +319,12 @@ class LeanForward:
                 h = h + delta
         h = x if kern is not None else _norm(h, inner.norm, fast)
         h = slice_logits_to_keep(h, logits_to_keep)
-        head = quantized_head(lm.lm_head)  # an int8 inference copy (kiln.runtime.quantize.quantize_head)
-        return self._linear(h, lm.lm_head) if head is None else head._matmul_biased(h)
+        return self._head(h, lm.lm_head)
+
+    def _head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
+        """The LM head's logits: its int8 inference copy where it has one (kiln.runtime.quantize.quantize_head)."""
+        head = quantized_head(lm_head)
+        return self._linear(h, lm_head) if head is None else head._matmul_biased(h)
 
     def _rope_rows(self, inner: Any, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin rows ``[tokens, head_dim]`` for ``positions``, looked up in a table the model's

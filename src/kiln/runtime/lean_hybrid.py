@@ -138,7 +138,7 @@ class LeanHybrid(LeanForward):
             x = _shifted_norm(h, sub["post_attention_layernorm"], self._ones)
             h = h + self._mlp(x, sub["mlp"]._modules)
         h = _shifted_norm(h.index_select(0, batch.keep), inner.norm, self._ones)
-        return self._linear(h, lm.lm_head)  # no LoRA on the LM head here (LoraSupport refuses it)
+        return self._head(h, lm.lm_head)  # no LoRA on the LM head here (LoraSupport refuses it)
 
     def _mlp(self, x: torch.Tensor, mlp: dict[str, Any]) -> torch.Tensor:
         gu = self._fused_linear(x, (mlp["gate_proj"], mlp["up_proj"])) if self.fused else None

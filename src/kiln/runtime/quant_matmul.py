@@ -114,6 +114,8 @@ class QuantMatmul:
                     or not (sub[0].is_contiguous() and sub[1].is_contiguous()):
                 raise ValueError(f"quant matmul: int4 sub-scales must be contiguous int16 [{n}, {k // BLOCK}] and [{n}]")
         out = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:  # no rows (a step whose rows keep no logits): an empty x has no data pointer to pass
+            return out
         args = QmmArgs(x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(),
                        None if bias is None else bias.data_ptr(), n, 8 if mode == "int8" else 4, threads,
                        -1 if isa is None else ISAS[isa], out.data_ptr(), INT8_GROUP if group is None else group,

@@ -54,11 +54,19 @@ PROBE_TEXTS = (  # fixed, so the KL of two loads of one model compares
 PROBE_MAX_TOKENS = 48
 
 
+INT8_CHUNK_ROWS = 4096  # rows quantized at a time: a 248,320-row LM head needs no full-size float temporaries
+
+
 def _quant_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int8 [N, K], scales [N])``: symmetric per output channel."""
-    w = w.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    """``(int8 [N, K], scales [N])``: symmetric per output channel (in row chunks: each row is independent)."""
+    w = w.detach()
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for r in range(0, w.shape[0], INT8_CHUNK_ROWS):
+        part = w[r:r + INT8_CHUNK_ROWS].float()
+        s = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[r:r + INT8_CHUNK_ROWS] = torch.round(part / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[r:r + INT8_CHUNK_ROWS] = s
     return q, scales
 
 
@@ -391,7 +399,7 @@ def _probe_ids(tokenizer: Any) -> list[list[int]]:
 
 
 def probe_logprobs(model: Any, tokenizer: Any) -> list[torch.Tensor]:
-    """Next-token log-probabilities ``[tokens, vocab]`` of each probe text (float32)."""
+    """Next-token log-probabilities ``[tokens, vocab]`` of each probe text (float64)."""
     device = next(model.parameters()).device
     out = []
     with torch.no_grad():
@@ -399,14 +407,18 @@ def probe_logprobs(model: Any, tokenizer: Any) -> list[torch.Tensor]:
             if not ids:
                 continue
             logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]
-            out.append(torch.log_softmax(logits.float(), dim=-1))
+            out.append(torch.log_softmax(logits.double(), dim=-1))
     return out
 
 
 def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> tuple[float, int]:
-    """Mean per-token KL(reference || other) in nats over the probe tokens, and the token count."""
+    """Mean per-token KL(reference || other) in nats over the probe tokens, and the token count.
+
+    In float64 (log-probabilities taken from the logits in float64 too): in float32 the sum over a
+    248,320-token vocabulary of terms near 1e-9 is rounding noise, and came out negative."""
     total, tokens = 0.0, 0
     for p, q in zip(reference, other):
+        p, q = p.double(), q.double()
         total += float((p.exp() * (p - q)).sum())
         tokens += p.shape[0]
     return (total / tokens if tokens else 0.0), tokens
@@ -430,8 +442,12 @@ def quantize_loaded(loaded: Any, mode: str, max_kl: float | None) -> Quantizatio
     report = quantize_with_probe(loaded.model, loaded.tokenizer, mode, loaded.dtype)
     loaded.quantization = report
     if max_kl is not None and report.probe_kl is not None and report.probe_kl > max_kl:
-        raise QuantizationRefused(
-            f"--quantize {mode}: the probe set's mean per-token KL(float || {mode}) is {report.probe_kl:.4g} nats "
+        raise QuantizationRefused(refusal(mode, report, max_kl))
+    return report
+
+
+def refusal(mode: str, report: QuantizationReport, max_kl: float) -> str:
+    """Why a load whose probe KL exceeds ``model.quantize_max_kl`` is refused (QuantizationRefused's message)."""
+    return (f"--quantize {mode}: the probe set's mean per-token KL(float || {mode}) is {report.probe_kl:.4g} nats "
             f"over {report.probe_tokens} tokens, above model.quantize_max_kl = {max_kl}; serve a wider "
             f"representation (int8, none) or raise the ceiling")
-    return report

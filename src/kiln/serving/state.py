@@ -114,6 +114,9 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
 
     check_tool_parser_setting(settings.serving.tool_call_parser)  # a bad name fails before the model loads
     check_reasoning_parser_setting(settings.serving.reasoning_parser)
+    from kiln.config import check_quantize_engine
+
+    check_quantize_engine(settings, loaded_settings.sources)  # before the model loads
     secure_state_dirs(settings)
     model = loaded_model if loaded_model is not None else load_configured_model(settings)
     quantize_configured(settings, model)
@@ -253,7 +256,7 @@ def build_openenv(settings: Settings, engine: ServingEngine, trainer: TrainingSe
 def load_configured_model(settings: Settings) -> LoadedModel:
     """Resolve ``model.path`` (built-in model when unset), device and dtype, and load."""
     from kiln.runtime.builtin import ensure_builtin_model
-    from kiln.runtime.loader import load_model
+    from kiln.runtime.loader import load_model, resolve_device
 
     import torch
 
@@ -261,6 +264,12 @@ def load_configured_model(settings: Settings) -> LoadedModel:
 
     torch.set_num_threads(settings.model.threads or default_threads())
     path = settings.model.path or ensure_builtin_model(settings.home_path)
+    mode = settings.model.quantize
+    if mode != "none" and resolve_device(settings.model.device) == "cpu":  # never the whole float model
+        from kiln.runtime.quantize_load import load_quantized
+
+        return load_quantized(path, mode, dtype=settings.model.dtype, model_id=settings.model.served_model_id,
+                              max_kl=settings.model.quantize_max_kl)
     return load_model(path, device=settings.model.device, dtype=settings.model.dtype,
                       model_id=settings.model.served_model_id)
 
@@ -269,13 +278,8 @@ def quantize_configured(settings: Settings, model: LoadedModel) -> None:
     """``model.quantize``: the base's linear layers quantized in place (once), the probe KL checked
     against ``model.quantize_max_kl`` (kiln.runtime.quantize; QuantizationRefused above it)."""
     mode = settings.model.quantize
-    if model.quantization is not None or mode == "none":
+    if model.quantization is not None or mode == "none":  # load_quantized quantized it while loading
         return
-    if settings.serving.engine == "vllm":
-        from kiln.config import ConfigError
-
-        raise ConfigError("model.quantize applies to the built-in engine only; vLLM loads its own weights "
-                          "(use vLLM's own quantized checkpoints through [vllm].extra_args)")
     from kiln.runtime.quantize import quantize_loaded
 
     quantize_loaded(model, mode, settings.model.quantize_max_kl)
