@@ -122,12 +122,12 @@ def write_model(shape: str, out: Path, home: Path, seed: int = 0) -> Path:
 
 
 def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of ``pid`` in bytes."""
+    """VmRSS, VmHWM (the peak of VmRSS), RssAnon and RssFile of ``pid`` in bytes."""
     out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(rest.split()[0]) * 1024
     return out
 
@@ -197,7 +197,8 @@ def serve_and_measure(model_dir: Path, mode: str, work: Path, threads: int, max_
         row["tok_s_c1"] = round(chat_rate(base, model, 1, 2, max_tokens), 2)
         row["tok_s_c4"] = round(chat_rate(base, model, 4, 4, max_tokens), 2)
         row["sft"] = sft_job(base, sft_steps, 3600)
-        row["peak_rss"] = proc_status(proc.pid)["VmHWM"]
+        end = proc_status(proc.pid)
+        row.update(peak_rss=end["VmHWM"], rss_end=end["VmRSS"], rss_file_end=end["RssFile"])
         row["load"] = os.getloadavg()
     return row
 

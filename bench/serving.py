@@ -77,6 +77,10 @@ TEMPLATES = ["What is the capital of {}?", "Tell me about {}.", "Write a short n
 SHAPES = {  # --shape: Qwen3 shapes built offline with random weights (speed does not depend on the weights)
     "qwen3-31m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=8, head_dim=64, vocab_size=8192, max_position_embeddings=1024),
+    # issue 42's real-vocabulary shape: 4 layers of hidden 256 with the Qwen3 vocabulary size (151,936; the built-in
+    # tokenizer's tokens, the other embedding rows zero): 42M parameters, 39M of them the tied embedding
+    "qwen3-42m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=64, vocab_size=151936, max_position_embeddings=1024),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096),
     # Qwen3.5 hybrids (Qwen3_5TextConfig): 3 Gated DeltaNet layers to 1 full-attention layer

@@ -2,7 +2,7 @@
 
 :func:`load_quantized` builds the model's skeleton with its parameters on the meta device (buffers
 such as RoPE's ``inv_freq`` are computed as usual), then reads the checkpoint one tensor at a time
-(``safetensors.safe_open``): each linear layer :func:`kiln.runtime.quantize.quantize_model` would
+(:class:`_Checkpoint`, plain reads of each tensor's bytes): each linear layer :func:`kiln.runtime.quantize.quantize_model` would
 replace is read, quantized and installed as a :class:`~kiln.runtime.quantize.QuantizedLinear`, its
 float weight dropped before the next is read; every other tensor (embedding, norms, a hybrid's
 conv1d, ``A_log``, ``dt_bias``) is installed in the model's dtype. So the peak is the quantized
@@ -37,22 +37,48 @@ from kiln.runtime import quantize as q
 log = logging.getLogger(__name__)
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is refused
+
+
 class _Checkpoint:
-    """The checkpoint's tensors by name over its safetensors shards, read one at a time."""
+    """The checkpoint's tensors by name over its safetensors shards, read one at a time into memory of
+    their own (plain reads, not a memory map: a mapped shard stays resident in the process while any
+    tensor from it lives, so the float projections read and quantized would be counted, and kept, with
+    the norms beside them; the 4B shape's server held 12 GB of file pages that way)."""
 
     def __init__(self, model_dir: Path):
-        from safetensors import safe_open
+        import json
 
-        self._files: dict[str, Any] = {}
-        self.where: dict[str, str] = {}
+        self.where: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
         for shard in sorted(model_dir.glob("*.safetensors")):
-            handle = safe_open(str(shard), framework="pt", device="cpu")
-            self._files[shard.name] = handle
-            for key in handle.keys():
-                self.where[key] = shard.name
+            with open(shard, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if size > MAX_HEADER_BYTES:
+                    raise ValueError(f"{shard}: a {size}-byte safetensors header")
+                header = json.loads(f.read(size))
+            for key, meta in header.items():
+                if key != "__metadata__":
+                    begin, end = meta["data_offsets"]
+                    self.where[key] = (shard, meta["dtype"], tuple(meta["shape"]), 8 + size + begin, 8 + size + end)
 
     def get(self, key: str) -> torch.Tensor:
-        return self._files[self.where[key]].get_tensor(key)
+        path, dtype, shape, begin, end = self.where[key]
+        if dtype not in _DTYPES:
+            raise ValueError(f"{path.name}: {key} has dtype {dtype}, which this reader does not take")
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view = memoryview(buf.numpy())
+        with open(path, "rb", buffering=0) as f:
+            f.seek(begin)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{path.name} ends inside {key}")
+                done += n
+        return buf.view(_DTYPES[dtype]).reshape(shape)
 
 
 @contextlib.contextmanager
