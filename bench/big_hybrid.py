@@ -182,7 +182,9 @@ def serve_and_measure(model_dir: Path, mode: str, work: Path, threads: int, max_
 
     cmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
            "--quantize", mode, "--threads", str(threads), "--log-level", "warning"]
-    env = kiln_env(work / mode)
+    # no training warm-up: it has the base model write and answer the anchor's questions (minutes of 4B decoding
+    # holding the model) for jobs with the defaults; the SFT job here runs without the anchor and locality probes
+    env = kiln_env(work / mode) | {"KILN_TRAINING_WARM_UP": "0"}
     (work / mode).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with running_server(f"kiln-{mode}", cmd, env, work / mode, startup_s) as (base, proc):
