@@ -96,8 +96,9 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA that supports it, float32 on CPU
     threads: int = Field(0, ge=0, le=1024)  # 0: every core but one (kiln.runtime.threads)
     prefill_threads: int = Field(0, ge=0, le=1024)  # prompt-only engine cycles; 0: every core when threads = 0
-    # weight-only quantization of the decoder's linear layers at load (embedding and LM head stay float;
-    # CPU kernels: torch's int8 / int4 packed matmuls; docs/serving.md "Quantization")
+    # weight-only quantization of the decoder's linear layers at load (embedding and LM head stay float, the head
+    # gets an int8 inference copy; on the CPU loaded tensor by tensor, never the whole float model; Kiln's C kernel
+    # or torch's packed matmuls, chosen by measurement; not with serving.engine = vllm; docs/serving.md "Quantization")
     quantize: Literal["none", "int8", "int4"] = "none"
     # refuse to start when the probe set's mean per-token KL(float || quantized) in nats exceeds this
     quantize_max_kl: float | None = Field(None, ge=0)
