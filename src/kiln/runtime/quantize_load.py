@@ -2,13 +2,13 @@
 
 :func:`load_quantized` builds the model's skeleton with its parameters on the meta device (buffers
 such as RoPE's ``inv_freq`` are computed as usual), then reads the checkpoint one tensor at a time
-(:class:`_Checkpoint`, plain reads of each tensor's bytes): each linear layer :func:`kiln.runtime.quantize.quantize_model` would
-replace is read, quantized and installed as a :class:`~kiln.runtime.quantize.QuantizedLinear`, its
+(:class:`_Checkpoint`, plain reads of each tensor's bytes): each linear layer
+:func:`kiln.runtime.quantize.quantize_model` would replace is read, quantized and installed as a :class:`~kiln.runtime.quantize.QuantizedLinear`, its
 float weight dropped before the next is read; every other tensor (embedding, norms, a hybrid's
 conv1d, ``A_log``, ``dt_bias``) is installed in the model's dtype. So the peak is the quantized
 model, the float non-linear tensors and one float weight at a time (plus the int8 copy of the LM
-head), not the f32 model: a Qwen3.5 of the 4B shape is 16.8 GB in f32 and loads in about 7 GB
-(docs/serving.md "Quantization").
+head), not the f32 model: a Qwen3.5 of the 4B shape is 15.67 GiB in f32; its int8 server was
+ready at 8.48 GiB resident, 9.97 GiB at its peak after an SFT job (docs/serving.md "Quantization").
 
 The probe KL (:func:`kiln.runtime.quantize.mean_kl`) needs the float model's logits: they come from
 one forward in which each quantized layer is swapped for one that reads its float weight from the
