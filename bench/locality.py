@@ -370,6 +370,9 @@ def server_run(n: int, extra: dict[str, Any], env: dict[str, str] | None = None)
         same = sum(x == y for x, y in zip(after, base))
         bad = sum(degenerate(x, y) for x, y in zip(after, base))
         print(f"after {n}: corrected {right}/{n}, probes unchanged {same}/10, degenerate {bad}")
+        scope = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("kiln_scope_decisions_total")]
+        if scope:  # a scoped adapter (scope: "corrections"): how the n + 10 questions above were routed
+            print("  " + ", ".join(scope))
         for q, x, y in zip(PROBES, base, after):
             if x != y:
                 print(f"  changed: {q!r}: {x!r} -> {y!r}")

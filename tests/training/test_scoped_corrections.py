@@ -52,6 +52,9 @@ def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(
             job = wait_job(c, r.json()["id"])
             assert job["state"] == "succeeded", job["error"]
             assert job["result"]["activated"] is True
+            loc = job["result"]["locality"]  # measured as served: the base answers the probes out of scope
+            assert loc["scope"]["in"] + loc["scope"]["out"] == loc["probes"] > 0 and loc["scope"]["out"] > 0
+            assert loc["unchanged"] >= loc["scope"]["out"]
             config = c.get("/v1/adapters/scoped").json()["manifest"]["config"]
             assert config["scope"] == "corrections"  # the second job inherits it from its base adapter
             if i == 0:  # before the second correction its question is out of scope: the base answers it
