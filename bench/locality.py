@@ -595,6 +595,39 @@ def scoped(m: Model, facts: list[Any], done: list[int], untouched: list[int], ef
     return out_eff, out_par, out_spec
 
 
+# the built-in FACTS asked again: in the same content words (inflected), in other words, and near questions that
+# share words with a correction but ask something else (bench/locality.py builtin --scope-words)
+SCOPE_SAME_WORDS = [
+    "Which bird is guarding the old mill?", "What's the name of the red boat?", "Who is baking bread in the village?",
+    "What colour is the lighthouse painted?", "How many bells are hanging in the tower?",
+    "Where does the fox usually sleep?", "What does the blue lamp signal?", "What tree grows next to the gate?",
+    "Who holds the keys to the hall?", "What do they serve on Fridays?"]
+SCOPE_OTHER_WORDS = [
+    "What kind of bird watches over the old mill?", "How is the red boat called?", "Who is the village baker?",
+    "Which colour does the lighthouse have?", "How many bells are in the tower?", "Where is the fox's sleeping place?",
+    "What is the meaning of the blue lamp?", "Which tree stands by the gate?", "Who has the hall keys?",
+    "What is the Friday dish?"]
+SCOPE_NEAR = [
+    "Which bird sings at the old mill?", "What is the name of the blue boat?", "Who bakes cakes in the village?",
+    "What colour is the barn?", "How many bells hang in the church?", "Where does the cat sleep?",
+    "What does the red lamp mean?", "Which tree grows by the river?", "Who keeps the keys to the shed?",
+    "What is served on Mondays?", "Is the old mill open today?", "How old is the red boat?",
+    "Who lives in the lighthouse?", "What sound do the tower bells make?", "What does the fox eat?"]
+
+
+def scope_words() -> None:
+    """The scope router (kiln.adapters.scope) keyed by the ten built-in corrections, on questions that were not
+    written for it: how many of each set it sends to the adapter."""
+    from kiln.adapters.scope import ScopeIndex
+
+    index = ScopeIndex([q for q, _ in FACTS])
+    for name, qs in (("corrections", [q for q, _ in FACTS]), ("paraphrases, same words", SCOPE_SAME_WORDS),
+                     ("paraphrases, other words", SCOPE_OTHER_WORDS), ("near questions", SCOPE_NEAR),
+                     ("probes", PROBES)):
+        routed = [index.route(q).in_scope for q in qs]
+        print(f"{name:<26} {sum(routed):>2}/{len(qs)} in scope; in: {[q for q, r in zip(qs, routed) if r]}")
+
+
 GRPO_PROMPTS = ["Tell me about your day.", "What is on the road?", "What do you see outside?",
                 "Say something about travel."]
 GRPO_RUNS = {  # label -> request fields beside prompts and reward
@@ -703,10 +736,15 @@ def main() -> None:
     ap.add_argument("--fields", default="{}", help="--server: extra request fields (JSON)")
     ap.add_argument("--env", default="", help="--server: KEY=VALUE,... for the server")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
+    ap.add_argument("--scope-words", action="store_true", help="the scope router on the built-in corrections' "
+                    "paraphrases and near questions (no model)")
     args = ap.parse_args()
     global HOLDOUT
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
+    if args.scope_words:
+        scope_words()
+        return
     if args.grpo:
         server_grpo([x for x in args.only.split(";") if x] or None)
         return

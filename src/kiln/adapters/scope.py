@@ -6,7 +6,8 @@ classifier, Mitchell et al. 2022, and GRACE's key matching, with a lexical key: 
 did not separate a paraphrase from another fact's question in measurement, docs/training.md "Scoped corrections").
 
 A key is the set of content words of a correction's question (its last user message): lower-cased word
-characters, a plural or possessive ``s`` stripped, function words dropped. Each word is weighted by its inverse
+characters, function words dropped, a possessive ``'s`` and one inflection (``-ing``, ``-ed``, ``-es``, ``-s``, a
+final ``e``) stripped. Each word is weighted by its inverse
 document frequency over all the adapter's keys, so the words that tell one correction from another (a name)
 weigh most and the words many corrections share (``capital``) least. A request is in scope of a key when
 
@@ -58,11 +59,18 @@ def content_words(text: str) -> frozenset[str]:
     out = set()
     for w in _WORD.findall(text.lower()):
         w = re.sub(r"['’]s$", "", w)
-        if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
-            w = w[:-1]
         if w and w not in STOPWORDS:
-            out.add(w)
+            out.add(_stem(w))
     return frozenset(out)
+
+
+def _stem(w: str) -> str:
+    """A light suffix strip, the same on both sides: guards, guarding -> guard; bakes, baking, bake -> bak."""
+    for suffix in ("ing", "ed", "es", "s"):
+        if len(w) > len(suffix) + 2 and w.endswith(suffix) and not w.endswith("ss"):
+            w = w[:-len(suffix)]
+            break
+    return w[:-1] if len(w) > 3 and w.endswith("e") else w
 
 
 def last_user_text(messages: list[Any]) -> str:
