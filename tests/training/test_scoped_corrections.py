@@ -4,8 +4,11 @@ by the base model, exactly; the decision is on the response and in /metrics; a c
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -38,7 +41,7 @@ def _scope_count(c, decision: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(home):
+def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(home, tmp_path):
     with kiln_server(home) as server:
         c = server.client
         base_id = c.get("/v1/models").json()["data"][0]["id"]
@@ -77,3 +80,13 @@ def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(
         assert r.status_code in (400, 422), r.text
         r = c.post("/v1/train/sft", json={"adapter": "x", "base_adapter": "scoped", "dataset_path": "d.jsonl"})
         assert r.status_code == 400 and "scope" in r.text, r.text
+        # the CLI's --scope
+        data = tmp_path / "fix.jsonl"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": FACTS[0][0]},
+                                                 {"role": "assistant", "content": FACTS[0][1]}]}) + "\n")
+        out = subprocess.run([sys.executable, "-m", "kiln.cli", "train", "sft", "--file", str(data), "--adapter",
+                              "cli-scoped", "--scope", "corrections", "--url", server.url, "--locality-override"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert c.get("/v1/adapters/cli-scoped").json()["manifest"]["config"]["scope"] == "corrections"
+        assert _ask(c, "cli-scoped", UNRELATED[0])[1][SCOPE_HEADER] == "out"
