@@ -90,3 +90,9 @@ def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(
         assert out.returncode == 0, out.stderr
         assert c.get("/v1/adapters/cli-scoped").json()["manifest"]["config"]["scope"] == "corrections"
         assert _ask(c, "cli-scoped", UNRELATED[0])[1][SCOPE_HEADER] == "out"
+    # the keys are the revision's manifest: a restarted server routes as before
+    with kiln_server(home) as server:
+        c = server.client
+        assert _ask(c, "scoped", FACTS[1][0])[1][SCOPE_HEADER] == "in"
+        text, headers = _ask(c, "scoped", UNRELATED[0])
+        assert headers[SCOPE_HEADER] == "out" and text == base[UNRELATED[0]]

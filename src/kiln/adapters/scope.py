@@ -99,7 +99,7 @@ class Decision:
 
 
 class ScopeIndex:
-    """The keys of an adapter's corrections and their word weights."""
+    """The keys of an adapter's corrections, their word weights, and which keys hold each word."""
 
     def __init__(self, questions: list[str], rest_recall: float = REST_RECALL):
         self.keys = [content_words(q) for q in questions]
@@ -110,6 +110,19 @@ class ScopeIndex:
                 df[w] = df.get(w, 0) + 1
         n = len(self.keys)
         self.weight = {w: math.log((n + 1) / (c + 1)) + 1.0 for w, c in df.items()}
+        self._parts = [self._split(k) for k in self.keys]
+        self._holding: dict[str, list[int]] = {}  # word -> the keys that hold it (the only ones a request can reach)
+        for i, k in enumerate(self.keys):
+            for w in k:
+                self._holding.setdefault(w, []).append(i)
+
+    def _split(self, key: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        """A key's most specific words (those of its highest weight) and the others."""
+        if not key:
+            return frozenset(), frozenset()
+        top = max(self.weight[x] for x in key)
+        tops = frozenset(x for x in key if self.weight[x] >= top - 1e-9)
+        return tops, key - tops
 
     @classmethod
     def from_corrections(cls, corrections: list[dict[str, Any]]) -> ScopeIndex:
@@ -125,28 +138,25 @@ class ScopeIndex:
             questions.append(last_user_text(msgs[:last]))
         return cls(questions)
 
-    def _match(self, key: frozenset[str], words: frozenset[str]) -> tuple[bool, float]:
-        if not key:
-            return False, 0.0
-        w = self.weight
-        total = sum(w[x] for x in key)
-        score = sum(w[x] for x in key if x in words) / total
-        top = max(w[x] for x in key)
-        tops = {x for x in key if w[x] >= top - 1e-9}
+    def _weight(self, words: frozenset[str]) -> float:
+        return sum(self.weight[x] for x in words)
+
+    def _match(self, i: int, words: frozenset[str]) -> tuple[bool, float]:
+        key = self.keys[i]
+        tops, rest = self._parts[i]
+        score = self._weight(key & words) / self._weight(key)
         if not tops <= words:
             return False, score
-        rest = key - tops
         if not rest:
             return True, score
-        held = sum(w[x] for x in rest if x in words) / sum(w[x] for x in rest)
-        return held >= self.rest_recall - 1e-12, score
+        return self._weight(rest & words) / self._weight(rest) >= self.rest_recall - 1e-12, score
 
     def route(self, text: str) -> Decision:
         """Is ``text`` (a request's last user message) in scope of some key?"""
         words = content_words(text)
         best = Decision(False, 0.0, -1)
-        for i, key in enumerate(self.keys):
-            ok, score = self._match(key, words)
+        for i in sorted({i for w in words for i in self._holding.get(w, ())}):
+            ok, score = self._match(i, words)
             if ok and (not best.in_scope or score > best.score):
                 best = Decision(True, score, i)
             elif not best.in_scope and score > best.score:
