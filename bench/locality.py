@@ -497,6 +497,9 @@ WORLD_SETTINGS = {
     "defaults (weight decay 1), scoped corrections": Setting("scope", lr=2e-3, anchor=64, anchor_per_step=8,
                                                              anchor_weight=8, every=1, weight_decay=1.0, scope=True,
                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "weight decay 1, no anchor, scoped corrections": Setting("scope-a0", lr=2e-3, every=1, weight_decay=1.0,
+                                                             scope=True,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
