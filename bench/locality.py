@@ -93,6 +93,8 @@ class Setting:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (pulls the adapter towards zero: the base)
     adam_eps: float = 0.0  # AdamW's eps (0: torch's 1e-8); larger damps the steps of coordinates with tiny gradients
     whiten_world: bool = False  # world: measure the whitening on the world's own questions (the anchor's unchanged)
+    scope: bool = False  # world: route each probe by the corrections' scope keys (kiln.adapters.scope); out of scope
+    # the base answers
 
 
 class Model:
@@ -368,6 +370,9 @@ def server_run(n: int, extra: dict[str, Any], env: dict[str, str] | None = None)
         same = sum(x == y for x, y in zip(after, base))
         bad = sum(degenerate(x, y) for x, y in zip(after, base))
         print(f"after {n}: corrected {right}/{n}, probes unchanged {same}/10, degenerate {bad}")
+        scope = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("kiln_scope_decisions_total")]
+        if scope:  # a scoped adapter (scope: "corrections"): how the n + 10 questions above were routed
+            print("  " + ", ".join(scope))
         for q, x, y in zip(PROBES, base, after):
             if x != y:
                 print(f"  changed: {q!r}: {x!r} -> {y!r}")
@@ -489,6 +494,12 @@ WORLD_SETTINGS = {
     "defaults, weight decay 1, anchor x16 w16": Setting("wd1x16", lr=2e-3, anchor=64, anchor_per_step=16,
                                                         anchor_weight=16, every=1, weight_decay=1.0,
                                                         targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults (weight decay 1), scoped corrections": Setting("scope", lr=2e-3, anchor=64, anchor_per_step=8,
+                                                             anchor_weight=8, every=1, weight_decay=1.0, scope=True,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
+    "weight decay 1, no anchor, scoped corrections": Setting("scope-a0", lr=2e-3, every=1, weight_decay=1.0,
+                                                             scope=True,
+                                                             targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -534,6 +545,8 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                 eff = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in done])]
                 par = [m.text(a) for a in m.greedy("edit", [facts[j].question(1) for j in done])]
                 spec = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in untouched])]
+                if s.scope:
+                    eff, par, spec = scoped(m, facts, done, untouched, eff, par, spec, base_q)
                 e = sum(a == facts[j].answer(new_values[j]) for a, j in zip(eff, done)) / len(done)
                 p = sum(a == facts[j].answer(new_values[j]) for a, j in zip(par, done)) / len(done)
                 sp = sum(a == b for a, b in zip(spec, base_untouched)) / max(1, len(untouched))
@@ -555,6 +568,67 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                           f"lowest-margin facts changed", flush=True)
                     print(f"   {len(changed)} other facts changed, {into} of them into a corrected value; "
                           + "; ".join(f"{b!r} -> {a!r}" for b, a in changed[:4]), flush=True)
+
+
+def scoped(m: Model, facts: list[Any], done: list[int], untouched: list[int], eff: list[str], par: list[str],
+           spec: list[str], base_q: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """The answers a scoped adapter gives: each probe routed by the corrections' scope keys
+    (:class:`kiln.adapters.scope.ScopeIndex`), the adapter's answer in scope, the base's out of scope; prints the
+    router's confusion (untouched facts of a land with a corrected fact counted apart)."""
+    from kiln.adapters.scope import ScopeIndex
+
+    index = ScopeIndex([facts[j].question(0) for j in done])
+    base_par = [m.text(a) for a in m.greedy(None, [facts[j].question(1) for j in done])]
+    held = sum(index.route(facts[j].paraphrase()).in_scope for j in done)
+    r_eff = [index.route(facts[j].question(0)).in_scope for j in done]
+    r_par = [index.route(facts[j].question(1)).in_scope for j in done]
+    r_spec = [index.route(facts[j].question(0)).in_scope for j in untouched]
+    lands = {facts[j].entity for j in done}
+    near = [i for i, j in enumerate(untouched) if facts[j].entity in lands]
+    far = [i for i, j in enumerate(untouched) if facts[j].entity not in lands]
+    out_eff = [a if r else base_q[j] for a, r, j in zip(eff, r_eff, done)]
+    out_par = [a if r else b for a, r, b in zip(par, r_par, base_par)]
+    out_spec = [a if r else base_q[j] for a, r, j in zip(spec, r_spec, untouched)]
+    kept = [out_spec[i] == base_q[untouched[i]] for i in range(len(untouched))]
+    print(f"   router: corrected questions in scope {sum(r_eff)}/{len(done)}, paraphrases in scope "
+          f"{sum(r_par)}/{len(done)} (held-out form {held}/{len(done)}); untouched facts in scope: same land as a "
+          f"correction {sum(r_spec[i] for i in near)}/{len(near)} (kept {sum(kept[i] for i in near)}), other lands "
+          f"{sum(r_spec[i] for i in far)}/{len(far)} (kept {sum(kept[i] for i in far)}); the adapter alone keeps "
+          f"{sum(a == base_q[j] for a, j in zip(spec, untouched))}/{len(untouched)}", flush=True)
+    return out_eff, out_par, out_spec
+
+
+# the built-in FACTS asked again: in the same content words (inflected), in other words, and near questions that
+# share words with a correction but ask something else (bench/locality.py builtin --scope-words)
+SCOPE_SAME_WORDS = [
+    "Which bird is guarding the old mill?", "What's the name of the red boat?", "Who is baking bread in the village?",
+    "What colour is the lighthouse painted?", "How many bells are hanging in the tower?",
+    "Where does the fox usually sleep?", "What does the blue lamp signal?", "What tree grows next to the gate?",
+    "Who holds the keys to the hall?", "What do they serve on Fridays?"]
+SCOPE_OTHER_WORDS = [
+    "What kind of bird watches over the old mill?", "How is the red boat called?", "Who is the village baker?",
+    "Which colour does the lighthouse have?", "How many bells are in the tower?", "Where is the fox's sleeping place?",
+    "What is the meaning of the blue lamp?", "Which tree stands by the gate?", "Who has the hall keys?",
+    "What is the Friday dish?"]
+SCOPE_NEAR = [
+    "Which bird sings at the old mill?", "What is the name of the blue boat?", "Who bakes cakes in the village?",
+    "What colour is the barn?", "How many bells hang in the church?", "Where does the cat sleep?",
+    "What does the red lamp mean?", "Which tree grows by the river?", "Who keeps the keys to the shed?",
+    "What is served on Mondays?", "Is the old mill open today?", "How old is the red boat?",
+    "Who lives in the lighthouse?", "What sound do the tower bells make?", "What does the fox eat?"]
+
+
+def scope_words() -> None:
+    """The scope router (kiln.adapters.scope) keyed by the ten built-in corrections, on questions that were not
+    written for it: how many of each set it sends to the adapter."""
+    from kiln.adapters.scope import ScopeIndex
+
+    index = ScopeIndex([q for q, _ in FACTS])
+    for name, qs in (("corrections", [q for q, _ in FACTS]), ("paraphrases, same words", SCOPE_SAME_WORDS),
+                     ("paraphrases, other words", SCOPE_OTHER_WORDS), ("near questions", SCOPE_NEAR),
+                     ("probes", PROBES)):
+        routed = [index.route(q).in_scope for q in qs]
+        print(f"{name:<26} {sum(routed):>2}/{len(qs)} in scope; in: {[q for q, r in zip(qs, routed) if r]}")
 
 
 GRPO_PROMPTS = ["Tell me about your day.", "What is on the road?", "What do you see outside?",
@@ -665,10 +739,15 @@ def main() -> None:
     ap.add_argument("--fields", default="{}", help="--server: extra request fields (JSON)")
     ap.add_argument("--env", default="", help="--server: KEY=VALUE,... for the server")
     ap.add_argument("--no-holdout", action="store_true", help="let the anchor rehearse the probe questions")
+    ap.add_argument("--scope-words", action="store_true", help="the scope router on the built-in corrections' "
+                    "paraphrases and near questions (no model)")
     args = ap.parse_args()
     global HOLDOUT
     HOLDOUT = not args.no_holdout
     print(f"load: {os.getloadavg()}")
+    if args.scope_words:
+        scope_words()
+        return
     if args.grpo:
         server_grpo([x for x in args.only.split(";") if x] or None)
         return

@@ -25,6 +25,7 @@ from kiln.serving.output_parser import OutputParser
 from kiln.serving.protocol import IGNORED_FIELDS_HEADER, ChatCompletionRequest, CompletionRequest
 from kiln.serving.render import chat_prompt, completion_prompt, prompt_list
 from kiln.serving.request_params import sampling_params
+from kiln.serving.scope_routing import route as route_scope
 from kiln.serving.state import KilnState
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ async def _prepare_chat(state: KilnState, body: ChatCompletionRequest) -> Prepar
     output = OutputParser.for_chat(state, body, prompt)
     max_tokens = max_tokens_for(state, body.max_completion_tokens or body.max_tokens, len(prompt))
     params = await sampling_params(state, body, max_tokens, logprobs, output=output)
-    return PreparedRequest(adapter, (prompt,), (None,), tuple(params), body.n, max_tokens, logprobs, headers, output)
+    adapter, scoped = route_scope(state, adapter, body.messages)  # a scoped adapter: the base out of scope
+    return PreparedRequest(adapter, (prompt,), (None,), tuple(params), body.n, max_tokens, logprobs,
+                           headers | scoped, output)
 
 
 async def _prepare_completion(state: KilnState, body: CompletionRequest) -> PreparedRequest:

@@ -94,11 +94,15 @@ def sft(
     fsdp: bool = typer.Option(False, "--fsdp", help="with --distributed: shard the base model across the processes"),
     locality_override: bool = typer.Option(False, "--locality-override",
                                            help="serve it even when the locality guard would hold it back"),
+    scope: Optional[str] = typer.Option(None, "--scope", help="corrections: the adapter answers only questions about "
+                                        "its corrections, the base model the rest; off; default: the base adapter's"),
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)
     if locality_override:
         body["locality"] = {"override": True}
+    if scope is not None:
+        body["scope"] = scope
     body["examples"] = read_json_rows(file)
     if distributed is not None:
         from kiln.training.run import launch

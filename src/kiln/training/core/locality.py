@@ -154,9 +154,11 @@ def _write_probe_set(peft_model: Any, codec: TextCodec, *, probes: int, max_toke
 
 
 def measure(peft_model: Any, adapter: str, probes: ProbeSet, codec: TextCodec, *, max_tokens: int, pad_id: int,
-            end_ids: Sequence[int]) -> dict[str, Any]:
+            end_ids: Sequence[int], in_scope: Sequence[bool] | None = None) -> dict[str, Any]:
     """The locality figures of adapter ``adapter`` (loaded in ``peft_model``) on ``probes`` (module doc). Call
-    under exclusive ownership; the previously active adapter is active again afterwards."""
+    under exclusive ownership; the previously active adapter is active again afterwards. ``in_scope``: per probe,
+    whether a scoped adapter (``kiln.adapters.scope``) answers it; the others are answered by the base model when
+    served, so they count as the base's answer with KL 0 (``scope`` in the figures counts both)."""
     import torch
 
     from kiln.training.core.step import completion_logits
@@ -181,9 +183,16 @@ def measure(peft_model: Any, adapter: str, probes: ProbeSet, codec: TextCodec, *
         release_private(peft_model, adapter, previous)
     per_token = (base.exp() * (base - tuned)).sum(-1).clamp_min(0.0)  # KL(base || adapter) at each answer token
     lengths = [len(a) for a in probes.answers]
+    if in_scope is not None:  # out of scope the base answers: its own answer, no divergence
+        answers = [a if routed else list(b) for a, b, routed in zip(answers, probes.answers, in_scope)]
+        per_token = torch.cat([x if routed else torch.zeros_like(x)
+                               for x, routed in zip(per_token.split(lengths), in_scope)])
     per_probe = [float(x.mean()) for x in per_token.split(lengths)]
-    return summary(probes, answers, per_probe, float(per_token.mean()), max(per_probe), len(per_token), codec,
-                   end_ids, time.perf_counter() - t0)
+    figures = summary(probes, answers, per_probe, float(per_token.mean()), max(per_probe), len(per_token), codec,
+                      end_ids, time.perf_counter() - t0)
+    if in_scope is not None:
+        figures["scope"] = {"in": sum(in_scope), "out": len(in_scope) - sum(in_scope)}
+    return figures
 
 
 def summary(probes: ProbeSet, answers: Sequence[Sequence[int]], per_probe_kl: Sequence[float], kl_mean: float,
@@ -221,19 +230,21 @@ def _cut(s: str) -> str:
 
 
 def job_locality(peft_model: Any, adapter: str, loaded: Any, engine: Any, section: Any, request: dict[str, Any],
-                 exclusive: Callable[[], Any], suites: Any = None) -> dict[str, Any] | None:
+                 exclusive: Callable[[], Any], suites: Any = None, scope: Any = None) -> dict[str, Any] | None:
     """A training job's locality figures (``adapter``: its private adapter in ``peft_model``), or None when the
     server's ``section`` (``settings.locality``) or the job's ``request`` (its ``locality`` field) turns the
     measure off. ``exclusive``: the job's exclusive-ownership context (the probes run under it); ``suites``: the
-    eval suite store (``.get(name)``) a request's ``eval_suite`` is read from."""
+    eval suite store (``.get(name)``) a request's ``eval_suite`` is read from; ``scope``: a scoped adapter's
+    :class:`kiln.adapters.scope.ScopeIndex` (probes out of its scope are served by the base model)."""
     if not section.measure or not request.get("measure", True):
         return None
     t0 = time.perf_counter()
     with exclusive():
         probes, codec, pad_id, end_ids = served_probe_set(peft_model, loaded, engine, section,
                                                           user_probes(request, suites))
+        routed = None if scope is None else [scope.route(q).in_scope for q in probes.questions]
         figures = measure(peft_model, adapter, probes, codec, max_tokens=section.max_tokens, pad_id=pad_id,
-                          end_ids=end_ids)
+                          end_ids=end_ids, in_scope=routed)
     return figures | {"seconds": round(time.perf_counter() - t0, 4)}
 
 

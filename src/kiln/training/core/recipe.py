@@ -118,14 +118,15 @@ class TrainingRecipe:
         (:func:`kiln.adapters.locality_guard.guard_verdict`); a measure that fails leaves ``error`` instead of
         figures (the guard then holds the adapter back)."""
         from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
+        from kiln.adapters.scope import scope_index
         from kiln.config import LocalitySettings
         from kiln.training.core.locality import job_locality
 
         section = self.ctx.locality if self.ctx.locality is not None else LocalitySettings()
         request = self.plan.request.get("locality") or {}
-        try:
+        try:  # a scoped adapter (scope "corrections") is measured as served: the base answers out of scope
             figures = job_locality(self.peft_model, self.private, self.ctx.model, self.ctx.engine, section, request,
-                                   self.ctx.hooks.exclusive, self.ctx.suites)
+                                   self.ctx.hooks.exclusive, self.ctx.suites, scope_index(self.plan.request))
         except Exception as exc:  # noqa: BLE001 - recorded; the guard holds the adapter back
             log.exception("locality measure of job %s failed", self.job_id)
             figures = {"error": f"the locality measure failed: {type(exc).__name__}: {exc}"}

@@ -1,0 +1,60 @@
+"""Route a request addressed to a scoped adapter: in scope of its corrections -> the adapter, else the base model.
+
+An adapter published with ``scope: "corrections"`` (``kiln.adapters.scope``) keeps its corrections in its
+revision's manifest config; the routing index is built from them on first use and cached per (name, revision), so
+a new revision is routed by its own corrections and a crash loses nothing (the manifest is the record). The
+decision is reported on the response (header :data:`SCOPE_HEADER`: ``in`` or ``out``) and counted in
+``kiln_scope_decisions_total``. Requests to unscoped adapters and to the base model pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kiln.adapters.scope import ScopeIndex, last_user_text, scope_index
+from kiln.serving.state import KilnState
+
+log = logging.getLogger(__name__)
+
+SCOPE_HEADER = "x-kiln-scope"
+_CACHE_SIZE = 64
+_cache: OrderedDict[tuple[int, str, str], ScopeIndex | None] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _index(state: KilnState, adapter: str, revision: str) -> ScopeIndex | None:
+    key = (id(state.store), adapter, revision)
+    with _lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    try:
+        index = scope_index(state.store.get(adapter, revision).manifest.config)
+    except Exception as exc:  # a private or vanished revision: served unscoped, as before
+        log.debug("no scope for %s@%s: %s", adapter, revision, exc)
+        index = None
+    with _lock:
+        _cache[key] = index
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return index
+
+
+def route(state: KilnState, adapter: str | None, messages: list[Any]) -> tuple[str | None, dict[str, str]]:
+    """``(the adapter that serves the request, response headers)``: ``adapter`` unchanged unless it is scoped and
+    the request's last user message is outside its corrections, then ``None`` (the bare base model)."""
+    if adapter is None:
+        return None, {}
+    revision = state.engine.active_adapters().get(adapter)
+    if revision is None:
+        return adapter, {}
+    index = _index(state, adapter, revision)
+    if index is None:
+        return adapter, {}
+    decision = index.route(last_user_text(messages))
+    verdict = "in" if decision.in_scope else "out"
+    state.metrics.scope_decisions[verdict].inc()
+    return (adapter if decision.in_scope else None), {SCOPE_HEADER: verdict}
