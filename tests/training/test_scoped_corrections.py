@@ -73,6 +73,22 @@ def test_a_scoped_adapter_answers_its_corrections_and_the_base_answers_the_rest(
             assert headers[SCOPE_HEADER] == "out" and headers["x-kiln-adapter-revision"] == "base"
             assert text == base[q]
         assert _scope_count(c, "in") == 2 and _scope_count(c, "out") == 1 + len(UNRELATED)
+        # completions are routed on their prompts: text, token IDs, and several prompts at once
+        def complete(prompt):
+            r = c.post("/v1/completions", json={"model": "scoped", "prompt": prompt, "temperature": 0,
+                                                "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            return [ch["text"] for ch in r.json()["choices"]], r.headers
+        ids = c.post("/tokenize", json={"model": base_id, "prompt": UNRELATED[0]}).json()["tokens"]
+        for prompt, verdict in [(FACTS[0][0], "in"), (UNRELATED[0], "out"), (ids, "out"),
+                                ([FACTS[1][0], UNRELATED[1]], "mixed"), (UNRELATED[1:], "out")]:
+            texts, headers = complete(prompt)
+            assert headers[SCOPE_HEADER] == verdict, (prompt, verdict)
+            assert headers["x-kiln-adapter-revision"] == ("base" if verdict == "out" else revision)
+        base_text = c.post("/v1/completions", json={"model": f"{base_id}@base", "prompt": UNRELATED[0],
+                                                    "temperature": 0, "max_tokens": 8}).json()["choices"][0]["text"]
+        assert complete(UNRELATED[0])[0] == [base_text]
+        assert _scope_count(c, "mixed") == 1
         # the base model's own ID and an unscoped adapter are never routed
         assert SCOPE_HEADER not in _ask(c, f"{base_id}@base", FACTS[0][0])[1]
         # a scoped job needs inline examples (the keys are its corrections)

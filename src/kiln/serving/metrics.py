@@ -22,7 +22,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 GRAMMAR_OUTCOMES = ("compiled", "cached", "refused", "timeout", "busy")  # fixed label set
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")  # training jobs and eval runs
 ADAPTER_ACTIONS = ("load", "unload")
-SCOPE_DECISIONS = ("in", "out")  # kiln.serving.scope_routing
+SCOPE_DECISIONS = ("in", "out", "mixed")  # kiln.serving.scope_routing
 # kiln.runtime.cycle_faults' classes (fixed label set; not imported: that module loads torch)
 FAULT_CLASSES = ("forward_error", "out_of_memory", "unknown_state")
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -64,7 +64,8 @@ class Metrics(Observer):
                                          "job (a step, or one piece of a step sliced while serving waits)",
                                          buckets=DURATION_BUCKETS, registry=r)
         scope = Counter("kiln_scope_decisions", "Requests addressed to an adapter scoped to its corrections, by "
-                        "decision: in (the adapter answered) or out (the base model answered)", ["decision"],
+                        "decision: in (the adapter answered), out (the base model answered) or mixed (a completion request with "
+                        "prompts on both sides, answered by the adapter)", ["decision"],
                         registry=r)
         self.scope_decisions = {d: scope.labels(decision=d) for d in SCOPE_DECISIONS}
         self.recent = RecentLatency()

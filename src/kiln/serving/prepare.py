@@ -26,6 +26,7 @@ from kiln.serving.protocol import IGNORED_FIELDS_HEADER, ChatCompletionRequest, 
 from kiln.serving.render import chat_prompt, completion_prompt, prompt_list
 from kiln.serving.request_params import sampling_params
 from kiln.serving.scope_routing import route as route_scope
+from kiln.serving.scope_routing import route_texts
 from kiln.serving.state import KilnState
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,14 @@ async def _prepare_completion(state: KilnState, body: CompletionRequest) -> Prep
     params = (await sampling_params(state, body, max_tokens, body.logprobs, body.n * len(prompts))
               if max_tokens else [])
     texts = tuple(p if isinstance(p, str) else None for p in raw)
-    return PreparedRequest(adapter, tuple(prompts), texts, tuple(params), body.n, max_tokens, body.logprobs, headers)
+    adapter, scoped = route_texts(state, adapter, lambda: prompt_texts(state, texts, prompts))  # a scoped adapter: the base when no prompt is in scope
+    return PreparedRequest(adapter, tuple(prompts), texts, tuple(params), body.n, max_tokens, body.logprobs,
+                           headers | scoped)
+
+
+def prompt_texts(state: KilnState, texts: Sequence[str | None], prompts: Sequence[list[int]]) -> list[str]:
+    """Each completion prompt's text (token-ID prompts decoded)."""
+    return [t if t is not None else state.engine.decode(ids) for t, ids in zip(texts, prompts)]
 
 
 # -- the model -------------------------------------------------------------------------------------

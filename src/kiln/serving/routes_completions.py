@@ -36,7 +36,7 @@ from kiln.serving.generation import (
     usage_json,
 )
 from kiln.serving.openai_responses import CompletionResponse
-from kiln.serving.prepare import PreparedRequest, prepare
+from kiln.serving.prepare import PreparedRequest, prepare, prompt_texts
 from kiln.serving.prompt_logprobs import echo_logprobs, join_logprobs, prompt_logprobs_json, score, trim_rows
 from kiln.serving.protocol import CompletionRequest
 from kiln.serving.sse import DeltaFrame, SSEResponse
@@ -76,7 +76,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
 
 def _echo_texts(state: KilnState, prepared: PreparedRequest) -> list[str]:
     """Each prompt's text as ``echo`` puts it before the completion (token-ID prompts decoded)."""
-    return [t if t is not None else state.engine.decode(ids) for t, ids in zip(prepared.texts, prepared.prompts)]
+    return prompt_texts(state, prepared.texts, prepared.prompts)
 
 
 async def _scored(state: KilnState, body: CompletionRequest, prepared: PreparedRequest, receive: Receive,

@@ -3,7 +3,8 @@
 An adapter published with ``scope: "corrections"`` (``kiln.adapters.scope``) keeps its corrections in its
 revision's manifest config; the routing index is built from them on first use and cached per (name, revision), so
 a new revision is routed by its own corrections and a crash loses nothing (the manifest is the record). The
-decision is reported on the response (header :data:`SCOPE_HEADER`: ``in`` or ``out``) and counted in
+decision is reported on the response (header :data:`SCOPE_HEADER`: ``in``, ``out``, or ``mixed`` for a
+completion request whose prompts disagree) and counted in
 ``kiln_scope_decisions_total``. Requests to unscoped adapters and to the base model pass through untouched.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from kiln.adapters.scope import ScopeIndex, last_user_text, scope_index
@@ -46,6 +48,14 @@ def _index(state: KilnState, adapter: str, revision: str) -> ScopeIndex | None:
 def route(state: KilnState, adapter: str | None, messages: list[Any]) -> tuple[str | None, dict[str, str]]:
     """``(the adapter that serves the request, response headers)``: ``adapter`` unchanged unless it is scoped and
     the request's last user message is outside its corrections, then ``None`` (the bare base model)."""
+    return route_texts(state, adapter, lambda: [last_user_text(messages)])
+
+
+def route_texts(state: KilnState, adapter: str | None,
+                texts: Callable[[], list[str]]) -> tuple[str | None, dict[str, str]]:
+    """:func:`route` for a completion request's prompts. One adapter serves a request, so several prompts go to
+    the adapter when any of them is in scope (header ``mixed`` when some are not: those are answered by the
+    adapter too), and to the base when none is. ``texts`` is called only for a scoped adapter."""
     if adapter is None:
         return None, {}
     revision = state.engine.active_adapters().get(adapter)
@@ -54,7 +64,7 @@ def route(state: KilnState, adapter: str | None, messages: list[Any]) -> tuple[s
     index = _index(state, adapter, revision)
     if index is None:
         return adapter, {}
-    decision = index.route(last_user_text(messages))
-    verdict = "in" if decision.in_scope else "out"
+    inside = [index.route(t).in_scope for t in texts()]
+    verdict = "in" if all(inside) else "mixed" if any(inside) else "out"
     state.metrics.scope_decisions[verdict].inc()
-    return (adapter if decision.in_scope else None), {SCOPE_HEADER: verdict}
+    return (adapter if any(inside) else None), {SCOPE_HEADER: verdict}
