@@ -201,6 +201,27 @@ def test_chat_streams_and_a_correction_is_served_by_the_new_adapter(page, server
         page.screenshot(path=ROOT / "docs" / "img" / "dashboard.png")
 
 
+def test_a_scoped_correction_from_the_chat(page, server):
+    _open(page, "chat")
+    page.wait_for_selector("#chat-model option", state="attached")
+    page.select_option("#chat-model", server.client.get("/v1/models").json()["data"][0]["id"])
+    _ask_in_page(page, QUESTION).locator("button.correct").click()
+    page.fill("#correct-text", CORRECTION)
+    page.fill("#correct-adapter", "ui-scoped")
+    page.check("#correct-scope")
+    with page.expect_request(lambda r: r.url.endswith("/v1/train/sft")) as sent:
+        page.click("#correct-submit")
+    assert sent.value.post_data_json["scope"] == "corrections"
+    page.wait_for_selector(".msg.assistant.proof[data-done], #correct-status[data-held-back]")
+    job = server.client.get(f"/v1/train/jobs/{page.get_attribute('#correct-status', 'data-job-id')}").json()
+    assert job["state"] == "succeeded", job["error"]
+    config = server.client.get("/v1/adapters/ui-scoped").json()["manifest"]["config"]
+    assert config["scope"] == "corrections"
+    r = server.client.post("/v1/chat/completions", json={"model": "ui-scoped", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]})
+    assert r.status_code == 200 and r.headers["x-kiln-scope"] == "out"
+
+
 def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, server, artifacts):
     _open(page, "training")
     form = "#sft-form"

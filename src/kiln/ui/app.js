@@ -580,6 +580,7 @@
     const corrected = $('#correct-text').value;
     const adapter = $('#correct-adapter').value.trim();
     const body = { adapter, auto_load: true, examples: [{ messages: [...history, { role: 'assistant', content: corrected }] }] };
+    if ($('#correct-scope').checked) body.scope = 'corrections'; // unchecked: a continued adapter keeps its own
     const button = $('#correct-submit');
     button.disabled = true;
     delete status.dataset.jobState;
