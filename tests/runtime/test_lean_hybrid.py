@@ -70,8 +70,10 @@ class Harness:
             batch = reordered(batch, order)
         with torch.inference_mode():
             logits = self.lean.forward_batch(batch, self.kv, self.states)
-        if order is not None:
-            logits = logits[torch.tensor(order).argsort()]
+        if order is not None:  # back to batch_of's rows, then only those batch_of keeps a logit of
+            everyone = [*decoding] + [r for r, _ in chunks]
+            kept = [i for i, r in enumerate(everyone) if i < len(decoding) or any(r is c for c in completing)]
+            logits = logits[torch.tensor(order).argsort()][kept]
         self.captured = {id(([*decoding] + [r for r, _ in chunks])[order[i] if order else i]): snaps
                          for i, snaps in batch.captured.items()}
         for r in decoding:
@@ -99,8 +101,8 @@ class Harness:
 
 
 def reordered(batch, order):
-    """``batch`` with its rows' spans packed in ``order`` (every row keeps one logit: no completing chunks
-    beside decode rows out of order are needed by the tests)."""
+    """``batch`` with its rows' spans packed in ``order``; every row keeps the logit of its last token
+    (Harness.cycle picks those batch_of would keep)."""
     from kiln.runtime.lean_hybrid import HybridBatch
 
     ids, row_of, pos_of, spans, keep = [], [], [], [], []
