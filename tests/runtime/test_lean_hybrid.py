@@ -234,6 +234,9 @@ def test_chunked_equals_recurrence_and_splits():
     assert torch.allclose(marks[70], s1, atol=1e-5) and torch.equal(marks[t], s3)
     _, s100 = gdn.chunked(q[:100], k[:100], v[:100], decay[:100], beta[:100], s0)
     assert torch.allclose(marks[100], s100, atol=1e-5) and not torch.allclose(marks[100], s1, atol=1e-3)
+    zero = torch.zeros_like(s0)  # no start state (None: its terms are skipped) == an all-zero one
+    for got, want in zip(gdn.chunked(q, k, v, decay, beta, None), gdn.chunked(q, k, v, decay, beta, zero)):
+        assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_unsupported_models_keep_transformers():
