@@ -57,14 +57,25 @@ class Harness:
         return SimpleNamespace(tokens=list(prompt), prefilled=0, pos=0, blocks=[], generated=[], adapter_key=key,
                                state_slot=self.states.allocate())
 
-    def cycle(self, decoding, chunks):
+    def cycle(self, decoding, chunks, snap_every=0, order=None):
+        """One packed forward; ``order`` (a permutation of decoding + chunk rows) reorders the rows'
+        spans in the packed sequence (logits stay in batch_of's order); returns (logits, completing)
+        and keeps the batch's snapshots in ``self.captured``."""
         for r in decoding:
             self._blocks(r, r.pos + 1)
         for r, c in chunks:
             self._blocks(r, r.prefilled + c)
-        batch, completing = batch_of(decoding, chunks, self.kv, "cpu")
+        batch, completing = batch_of(decoding, chunks, self.kv, "cpu", snap_every)
+        if order is not None:
+            batch = reordered(batch, order)
         with torch.inference_mode():
             logits = self.lean.forward_batch(batch, self.kv, self.states)
+        if order is not None:  # back to batch_of's rows, then only those batch_of keeps a logit of
+            everyone = [*decoding] + [r for r, _ in chunks]
+            kept = [i for i, r in enumerate(everyone) if i < len(decoding) or any(r is c for c in completing)]
+            logits = logits[torch.tensor(order).argsort()][kept]
+        self.captured = {id(([*decoding] + [r for r, _ in chunks])[order[i] if order else i]): snaps
+                         for i, snaps in batch.captured.items()}
         for r in decoding:
             r.pos += 1
         for r, c in chunks:
@@ -87,6 +98,25 @@ class Harness:
             for r, lg in zip(decoding + completing, logits):
                 r.generated.append(int(lg.argmax()))
         return [r.generated for r in rows]
+
+
+def reordered(batch, order):
+    """``batch`` with its rows' spans packed in ``order``; every row keeps the logit of its last token
+    (Harness.cycle picks those batch_of would keep)."""
+    from kiln.runtime.lean_hybrid import HybridBatch
+
+    ids, row_of, pos_of, spans, keep = [], [], [], [], []
+    for new, r in enumerate(order):
+        first, n = batch.spans[r]
+        spans.append((len(ids), n))
+        ids += batch.ids[first:first + n].tolist()
+        pos_of += batch.pos_of[first:first + n].tolist()
+        row_of += [new] * n
+        keep.append(len(ids) - 1)
+    return HybridBatch(ids=torch.tensor(ids), row_of=torch.tensor(row_of), pos_of=torch.tensor(pos_of),
+                       spans=tuple(spans), slots=tuple(batch.slots[r] for r in order),
+                       fresh=tuple(batch.fresh[r] for r in order), table=batch.table[torch.tensor(order)],
+                       keep=torch.tensor(keep), keys=batch.keys, snap_every=batch.snap_every)
 
 
 def prompts(lengths, seed=3):
@@ -198,6 +228,15 @@ def test_chunked_equals_recurrence_and_splits():
     o1, s1 = gdn.chunked(q[:70], k[:70], v[:70], decay[:70], beta[:70], s0)
     o2, s2 = gdn.chunked(q[70:], k[70:], v[70:], decay[70:], beta[70:], s1)
     assert torch.allclose(torch.cat([o1, o2]), ref, atol=1e-5) and torch.allclose(s2, state[0], atol=1e-5)
+    marks = {70: None, 100: None, t: None}  # copies inside one pass: a block ends at each mark
+    o3, s3 = gdn.chunked(q, k, v, decay, beta, s0, marks=marks)
+    assert torch.allclose(o3, ref, atol=1e-5) and torch.allclose(s3, state[0], atol=1e-5)
+    assert torch.allclose(marks[70], s1, atol=1e-5) and torch.equal(marks[t], s3)
+    _, s100 = gdn.chunked(q[:100], k[:100], v[:100], decay[:100], beta[:100], s0)
+    assert torch.allclose(marks[100], s100, atol=1e-5) and not torch.allclose(marks[100], s1, atol=1e-3)
+    zero = torch.zeros_like(s0)  # no start state (None: its terms are skipped) == an all-zero one
+    for got, want in zip(gdn.chunked(q, k, v, decay, beta, None), gdn.chunked(q, k, v, decay, beta, zero)):
+        assert torch.allclose(got, want, atol=1e-6)
 
 
 def test_unsupported_models_keep_transformers():
@@ -238,3 +277,55 @@ def test_snapshots_restore_the_state_at_a_prefix(model):
         h.states.recurrent[i][second.state_slot].zero_()
     logits, _ = h.cycle([], [(second, len(prompt) - 128)])
     assert not torch.allclose(logits[0], want, atol=ATOL)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["packed-prompts", "prompts-between-decodes"])
+def test_batched_prompt_path_equals_per_row(model, interleaved):
+    """The prompt chunks of a cycle run their per-token parts once, packed together, and the delta
+    rule per row with the prefix-cache copies taken inside its block loop: the same logits, conv
+    windows, recurrent states and snapshots (positions and contents) as the reference path, which runs
+    each chunk alone and splits it into separate passes at every snapshot position."""
+    every = 16
+    lengths = (150, 33, 5, 1, 64)
+    runs = {}
+    for batched in (True, False):
+        h = Harness(model)
+        h.lean.batched_prompts = batched
+        rows = [h.row(p) for p in prompts(lengths, seed=9)]
+        a, b, c, d, e = rows
+        out, snaps = [], []
+        # cycle 1: every row's first chunk (a's ends off the snapshot grid); 2 and 3: a continues from
+        # position 40 (snapshots at 48, 64, 80, ...) beside the others' decode steps
+        plan = [([], [(a, 40), (b, 33), (c, 5), (d, 1), (e, 20)]),
+                ([b, c, d], [(a, 50), (e, 44)]),
+                ([b, c, d, e], [(a, 60)])]
+        for decoding, chunks in plan:
+            n = len(decoding) + len(chunks)
+            order = None
+            if interleaved and decoding:  # prompt spans between decode spans: the non-contiguous gather
+                order = [n - 1] + list(range(n - 1))
+            if interleaved and not decoding:
+                order = list(range(n))[::-1]
+            logits, completing = h.cycle(decoding, chunks, snap_every=every, order=order)
+            out.append(logits)
+            snaps.append({rows.index(next(r for r in rows if id(r) == key)): v for key, v in h.captured.items()})
+            for r in decoding + completing:
+                r.generated.append(int(logits[(decoding + completing).index(r)].argmax()))
+        slots = [r.state_slot for r in rows]
+        states = [(conv[slots].clone(), rec[slots].clone()) for conv, rec in zip(h.states.conv, h.states.recurrent)]
+        runs[batched] = out, snaps, states
+    (bo, bs, bst), (ro, rs, rst) = runs[True], runs[False]
+    for x, y in zip(bo, ro):
+        assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()
+    for (cx, sx), (cy, sy) in zip(bst, rst):
+        assert torch.allclose(cx, cy, atol=1e-5) and torch.allclose(sx, sy, atol=1e-5)
+    assert [{r: sorted(v) for r, v in s.items()} for s in bs] == [{r: sorted(v) for r, v in s.items()} for s in rs]
+    assert [sorted(s.get(0, ())) for s in bs] == [[16, 32], [48, 64, 80], [96, 112, 128, 144]]  # row a's
+    assert sorted(bs[0][1]) == [16, 32] and sorted(bs[1][4]) == [32, 48, 64]  # b (33 tokens), e's 2nd chunk
+    for s_b, s_r in zip(bs, rs):
+        for r in s_b:
+            for pos in s_b[r]:
+                for (cx, sx), (cy, sy) in zip(s_b[r][pos], s_r[r][pos]):
+                    assert torch.allclose(cx, cy, atol=1e-5) and torch.allclose(sx, sy, atol=1e-5)
+    want = hf_logits(model, prompts(lengths, seed=9)[0])[-1]
+    assert torch.allclose(bo[2][-1], want, atol=ATOL)  # and both are transformers' forward

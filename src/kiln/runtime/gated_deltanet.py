@@ -100,34 +100,55 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, layer: GdnLayer) -> torch.Tenso
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+            state: torch.Tensor | None, chunk: int = CHUNK,
+            marks: dict[int, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule over one row's tokens in blocks of ``chunk`` (WY form) -> (o ``[t, heads, v_dim]``,
     final state ``[heads, k_dim, v_dim]``). ``q``/``k`` ``[t, heads, k_dim]`` as :func:`heads` gives them,
-    ``v`` ``[t, heads, v_dim]``, ``g``/``beta`` ``[t, heads]``, ``state`` the state before the first token.
+    ``v`` ``[t, heads, v_dim]``, ``g``/``beta`` ``[t, heads]``, ``state`` the state before the first token
+    (``None``: an empty one; the first block then skips its terms). ``marks``: token counts (1..t) after
+    which a copy of the state is put in (``marks[end]``); a block also ends at each mark, so the copies
+    equal the final states of separate passes split there.
 
     Within a block (positions 1..L, G the running sum of g): the pseudo-values U solve
     ``(I + A) U = beta*V - diag(beta * e^G) K S0`` with ``A[t, j] = beta_t e^(G_t - G_j) k_t.k_j`` (j < t);
     then ``O = (Q e^G) S0 + (Q K^T o D) U`` with ``D[t, j] = e^(G_t - G_j)`` (j <= t), and the block ends
     in ``S = e^(G_L) S0 + (K e^(G_L - G))^T U``."""
     outs = []
-    s = state.float()
-    for at in range(0, q.shape[0], chunk):
-        qc, kc, vc = (x[at:at + chunk].transpose(0, 1) for x in (q, k, v))  # [heads, L, dim]
-        gc, bc = g[at:at + chunk].t(), beta[at:at + chunk].t().float()  # [heads, L]
-        n = qc.shape[1]
+    s = None if state is None else state.float()
+    t = q.shape[0]
+    stops = sorted(e for e in (marks or ()) if 0 < e < t)
+    at = 0
+    while at < t:
+        end = min(at + chunk, t)
+        while stops and stops[0] <= at:
+            stops.pop(0)
+        if stops and stops[0] < end:
+            end = stops[0]
+        qc, kc, vc = (x[at:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, dim]
+        gc, bc = g[at:end].t(), beta[at:end].t().float()  # [heads, L]
         cum = gc.cumsum(-1)
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # D
-        system = (kc @ kc.transpose(-1, -2) * decay * bc[:, :, None]).tril(-1)
-        system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-        rhs = torch.cat([vc * bc[..., None], kc * (bc * cum.exp())[..., None]], -1)
-        sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ s
-        o = (qc * cum.exp()[..., None]) @ s + (qc @ kc.transpose(-1, -2) * decay) @ u
+        # D: exp then tril (above the diagonal G_t - G_j > 0 may overflow to inf; tril writes zeros there)
+        decay = (cum[:, :, None] - cum[:, None, :]).exp().tril()
+        kt = kc.transpose(-1, -2)
+        # solve_triangular reads only the strict lower triangle of a unit-triangular system: no tril, no diagonal
+        system = kc @ kt * decay * bc[:, :, None]
         last = cum[:, -1:]
-        s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+        if s is None:
+            u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+            o = (qc @ kt * decay) @ u
+            s = (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+        else:
+            rhs = torch.cat([vc * bc[..., None], kc * (bc * cum.exp())[..., None]], -1)
+            sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+            u = sol[..., :vc.shape[-1]] - sol[..., vc.shape[-1]:] @ s
+            o = (qc * cum.exp()[..., None]) @ s + (qc @ kt * decay) @ u
+            s = s * last.exp()[..., None] + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
         outs.append(o.transpose(0, 1))
-    return torch.cat(outs), s
+        at = end
+        if marks is not None and end in marks:
+            marks[end] = s.clone()
+    assert s is not None
+    return (torch.cat(outs) if len(outs) > 1 else outs[0]), s
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -12,11 +12,14 @@ chunks of any rows side by side, ``[tokens, hidden]``, each token tagged with it
   kernel: partial rotary); without the kernel, each row gathers its blocks for SDPA;
 * Gated DeltaNet: the rows decoding one token run the fused decode step (kiln.runtime.gated_deltanet:
   one C call per layer over all of them, state read and written in place in the linear-state pool;
-  its torch reference when the kernel is unavailable); each prompt chunk runs the convolution over its
-  stored window and the chunked (WY) delta rule from its stored state (fresh rows: zero window, zero
-  state), so a prompt split over cycles gives the same state as one pass; with the prefix cache
-  (``HybridBatch.snap_every``) the chunk runs in pieces at every multiple of it and the state there
-  is copied out (kiln.runtime.linear_state.LinearSnapshots);
+  its torch reference when the kernel is unavailable); the prompt chunks of the cycle run their
+  per-token parts (the convolution over each row's stored window, SiLU, q/k norms, gates, the gated
+  output norm) once over all their tokens packed together, and the chunked (WY) delta rule per row
+  from its stored state (fresh rows: zero window, empty state), so a prompt split over cycles gives
+  the same state as one pass; with the prefix cache (``HybridBatch.snap_every``) a WY block also ends
+  at every multiple of it inside the chunk and the state there is copied out
+  (kiln.runtime.linear_state.LinearSnapshots). ``batched_prompts=False`` runs the reference instead:
+  each chunk alone, in separate passes split at those multiples (the tests hold both equal);
 * the MLP with gate|up fused.
 
 Packed weights (``pack=True``) and LoRA rows come from :class:`~kiln.runtime.lean_forward.LeanForward`
@@ -88,8 +91,10 @@ def _shifted_norm(h: torch.Tensor, norm: Any, cache: dict[int, tuple[int, torch.
 class LeanHybrid(LeanForward):
     """``logits = lean(batch, kv, states)`` for one Qwen3.5 hybrid (module docstring)."""
 
-    def __init__(self, model: Any, *, pack: bool = False, kernel: Any = None, gdn_kernel: Any = None):
+    def __init__(self, model: Any, *, pack: bool = False, kernel: Any = None, gdn_kernel: Any = None,
+                 batched_prompts: bool = True):
         self._ones: dict[int, tuple[int, torch.Tensor]] = {}
+        self.batched_prompts = batched_prompts  # False: the per-row reference prompt path (_delta_chunk)
         cfg = model.config
         self.rotary_dim = int((getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
                               * (cfg.rope_parameters or {}).get("partial_rotary_factor", 1.0))
@@ -180,17 +185,91 @@ class LeanHybrid(LeanForward):
             else:
                 out.index_copy_(0, tok, o)
         stepped = set(steps)
+        prompts = [r for r in range(len(batch.spans)) if r not in stepped]
+        if prompts and self.batched_prompts:
+            self._delta_prompts(mixed, z, b, a, conv, state, layer, batch, prompts, out)
+            return out
         with one_torch_thread():  # small per-row ops: more threads only wait for each other (docs/benchmarks.md)
-            for r, (first, n) in enumerate(batch.spans):
-                if r not in stepped:
-                    sl = slice(first, first + n)
-                    marks = self._marks(batch, r)
-                    out[sl] = self._delta_chunk(mixed[sl], z[sl], b[sl], a[sl], conv, state, batch.slots[r],
-                                                batch.fresh[r], layer, marks)
-                    start = int(batch.pos_of[first]) if marks else 0
-                    for at, snap in marks.items():  # keyed by the prompt position the state stands at
-                        batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
+            for r in prompts:  # the reference path: every prompt chunk on its own
+                first, n = batch.spans[r]
+                sl = slice(first, first + n)
+                marks = self._marks(batch, r)
+                out[sl] = self._delta_chunk(mixed[sl], z[sl], b[sl], a[sl], conv, state, batch.slots[r],
+                                            batch.fresh[r], layer, marks)
+                self._capture(batch, r, marks)
         return out
+
+    @staticmethod
+    def _capture(batch: HybridBatch, r: int, marks: dict[int, Any]) -> None:
+        """File row ``r``'s snapshots (chunk offset -> copy) under the prompt position the state stands at."""
+        if not marks:
+            return
+        start = int(batch.pos_of[batch.spans[r][0]])
+        for at, snap in marks.items():
+            batch.captured.setdefault(r, {}).setdefault(start + at, []).append(snap)
+
+    def _delta_prompts(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       conv: torch.Tensor, state: torch.Tensor, layer: gdn.GdnLayer, batch: HybridBatch,
+                       rows: list[int], out: torch.Tensor) -> None:
+        """Every prompt chunk of the cycle at once: the convolution, SiLU, q/k norms, gates and the gated
+        norm run once over all their tokens packed together (each row's segment behind its stored
+        window; the outputs that straddle two segments are dropped); only the chunked delta rule runs
+        per row, taking the prefix-cache copies at its block ends (``marks``). Writes ``out``'s rows."""
+        spans = [batch.spans[r] for r in rows]
+        kernel = conv.shape[-1]
+        dev = mixed.device
+        contiguous = all(spans[j][0] + spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1))
+        if contiguous:
+            tok: slice | torch.Tensor = slice(spans[0][0], spans[-1][0] + spans[-1][1])
+        else:
+            tok = torch.tensor([f + i for f, n in spans for i in range(n)], device=dev)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[tok] if isinstance(tok, slice) else t.index_select(0, tok)
+
+        slots = torch.tensor([batch.slots[r] for r in rows], dtype=torch.long, device=dev)
+        windows = conv.index_select(0, slots)  # [rows, conv_dim, kernel] (a copy)
+        for j, r in enumerate(rows):
+            if batch.fresh[r]:
+                windows[j].zero_()
+        m = pick(mixed).t().to(conv.dtype)  # [conv_dim, tokens]
+        pieces: list[torch.Tensor] = []
+        seg: list[int] = []  # where each row's segment (window, then its tokens) starts in `full`
+        outs_at: list[int] = []
+        ends: list[int] = []
+        at = tok_at = 0
+        for j, (_, n) in enumerate(spans):
+            pieces += [windows[j], m[:, tok_at:tok_at + n]]
+            seg.append(at)
+            outs_at.extend(range(at + 1, at + 1 + n))  # the conv output whose window ends at each token
+            ends.extend(range(at + n, at + n + kernel))  # the row's new window: its last `kernel` inputs
+            at += kernel + n
+            tok_at += n
+        full = torch.cat(pieces, -1)  # [conv_dim, sum(kernel + n)]
+        conv.index_copy_(0, slots, full.index_select(1, torch.tensor(ends, device=dev))
+                         .view(-1, len(rows), kernel).transpose(0, 1))
+        y = F.conv1d(full[None], layer.conv_w[:, None, :], groups=full.shape[0])[0]
+        y = F.silu(y.index_select(1, torch.tensor(outs_at, device=dev)).t())
+        q, k, v = gdn.heads(y, layer)
+        g, beta = gdn.gates(pick(a), pick(b), layer)
+        o = q.new_empty(q.shape[0], layer.v_heads, layer.v_dim)
+        tok_at = 0
+        with one_torch_thread():  # small per-row ops: more threads only wait for each other (docs/benchmarks.md)
+            for j, r in enumerate(rows):
+                n = spans[j][1]
+                sl = slice(tok_at, tok_at + n)
+                marks = self._marks(batch, r)
+                s0 = None if batch.fresh[r] else state[batch.slots[r]]  # None: empty (cheaper first block)
+                o[sl], state[batch.slots[r]] = gdn.chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], s0, marks=marks)
+                for end in marks:  # the conv window at each mark: the `kernel` inputs before it
+                    marks[end] = (full[:, seg[j] + end:seg[j] + end + kernel].clone(), marks[end])
+                self._capture(batch, r, marks)
+                tok_at += n
+        normed = gdn.gated_norm(o, pick(z), layer)
+        if isinstance(tok, slice):
+            out[tok] = normed
+        else:
+            out.index_copy_(0, tok, normed)
 
     @staticmethod
     def _marks(batch: HybridBatch, r: int) -> dict[int, Any]:
