@@ -144,3 +144,67 @@ def test_big_hybrid_bench_path_end_to_end(tmp_path):
         assert 0 < r["probe_kl"] < 0.2 and r["weight_bytes"] < r["float_bytes"]
         assert r["tok_s_c1"] > 0 and r["tok_s_c4"] > 0 and r["peak_rss"] >= r["rss_ready"] > 0
         assert r["layers"] == {r["mode"]: 31} and r["head"] == "int8"
+
+
+def _multimodal_checkpoint(out: Path, builtin_model_dir: Path, dtype: torch.dtype) -> Path:
+    """The published multimodal Qwen3.5 layout (``model.language_model.*``, a vision tower), every tensor
+    stored as ``dtype``, plus an ``mtp.*`` tensor the causal LM does not have."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.hybrid_models import build_tiny_hybrid
+
+    build_tiny_hybrid(out, builtin_model_dir, multimodal=True)
+    (shard,) = sorted(out.glob("*.safetensors"))
+    tensors = {k: v.to(dtype).contiguous() for k, v in load_file(shard).items()}
+    assert any(k.startswith("model.language_model.") for k in tensors)
+    assert any(k.startswith("model.visual.") for k in tensors)
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128, dtype=dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_a_multimodal_checkpoint_streams_like_the_whole_load(stored, mode, builtin_model_dir, tmp_path, monkeypatch):
+    """``model.language_model.*`` maps onto the causal LM, the vision tower and MTP tensors are never
+    read, bf16 on disk becomes the model dtype: no fallback to ``load_model``, and the same packed
+    weights and logits as that fallback gives."""
+    from kiln.runtime import loader, quantize_load
+
+    model_dir = _multimodal_checkpoint(tmp_path / "mm", builtin_model_dir, stored)
+    whole = load_model(model_dir, device="cpu")
+    want = quantize_loaded(whole, mode, None)
+
+    def no_fallback(*a, **k):
+        raise AssertionError("load_quantized fell back to load_model")
+
+    read: list[str] = []
+    get = quantize_load._Checkpoint.get
+
+    def spy(self, key):
+        read.append(key)
+        return get(self, key)
+
+    monkeypatch.setattr(loader, "load_model", no_fallback)
+    monkeypatch.setattr(quantize_load._Checkpoint, "get", spy)
+    got = load_quantized(model_dir, mode)
+    assert read and not [k for k in read if k.startswith(("model.visual.", "mtp.", "model.language_model."))]
+    a, b = whole.model.state_dict(), got.model.state_dict()
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert next(got.model.get_input_embeddings().parameters()).dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(whole.model(input_ids=PROMPT).logits, got.model(input_ids=PROMPT).logits)
+    assert got.quantization.layers == want.layers and got.quantization.kernel == want.kernel
+    assert got.quantization.probe_kl == pytest.approx(want.probe_kl, rel=1e-3)
+
+
+def test_model_name_maps_the_language_model_prefix_only():
+    from kiln.runtime.quantize_load import model_name
+
+    assert model_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert model_name("model.language_model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert model_name("lm_head.weight") == "lm_head.weight"
+    assert model_name("model.visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
+    assert model_name("mtp.fc.weight") == "mtp.fc.weight"
+    assert model_name("model.layers.0.input_layernorm.weight") == "model.layers.0.input_layernorm.weight"

@@ -17,9 +17,13 @@ quantized forward. The probe texts run as one right-padded batch (causal layers:
 tokens never see its padding), so each float weight is read once.
 
 The result is the same model, packed weights and report as ``load_model`` followed by
-``quantize_loaded`` (tests/runtime/test_quantize_load.py checks it). Checkpoints whose tensor names
-transformers renames at load (a multimodal Qwen3.5's ``model.language_model.*``) take that path instead:
-:func:`missing_tensors` says whether the names match.
+``quantize_loaded`` (tests/runtime/test_quantize_load.py checks it). A published multimodal Qwen3.5
+checkpoint (``Qwen3_5ForConditionalGeneration``) streams too: its ``model.language_model.*`` names map
+onto the causal LM's ``model.*`` (:func:`model_name`, the rename transformers applies when it loads
+that checkpoint as ``Qwen3_5ForCausalLM``), and the tensors the causal LM lacks (``model.visual.*``,
+``mtp.*``) are never read. bf16 (or f16) tensors on disk are converted to the model dtype as they are
+read. Checkpoints whose names still do not match take the whole-model path instead:
+:func:`missing_tensors` says whether they match.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is refused
 
 
 class _Checkpoint:
-    """The checkpoint's tensors by name over its safetensors shards, read one at a time into memory of
+    """The checkpoint's tensors by the causal LM's names (:func:`model_name`) over its safetensors shards,
+    read one at a time into memory of
     their own (plain reads, not a memory map: a mapped shard stays resident in the process while any
     tensor from it lives, so the float projections read and quantized would be counted, and kept, with
     the norms beside them; the 4B shape's server held 12 GB of file pages that way)."""
@@ -62,7 +67,7 @@ class _Checkpoint:
             for key, meta in header.items():
                 if key != "__metadata__":
                     begin, end = meta["data_offsets"]
-                    self.where[key] = (shard, meta["dtype"], tuple(meta["shape"]), 8 + size + begin, 8 + size + end)
+                    self.where[model_name(key)] = (shard, meta["dtype"], tuple(meta["shape"]), 8 + size + begin, 8 + size + end)
 
     def get(self, key: str) -> torch.Tensor:
         path, dtype, shape, begin, end = self.where[key]
@@ -109,6 +114,16 @@ def skeleton(config: Any, dtype: torch.dtype) -> Any:
 
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+_LANGUAGE_MODEL = "model.language_model."
+
+
+def model_name(key: str) -> str:
+    """The causal LM's name for checkpoint tensor ``key``: a multimodal checkpoint's
+    ``model.language_model.X`` is ``model.X``; every other name is unchanged (the vision tower's
+    ``model.visual.*`` and ``mtp.*`` then match nothing in the causal LM and are skipped)."""
+    return "model." + key[len(_LANGUAGE_MODEL):] if key.startswith(_LANGUAGE_MODEL) else key
 
 
 def missing_tensors(model: Any, names: set[str]) -> list[str]:
