@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kiln.adapters.scope import last_user_text
 from kiln.errors import Conflict, InvalidRequest, RateLimited, Unavailable
 from kiln.evals.judge_format import CHOICES, judge_messages
 
@@ -107,11 +108,6 @@ def _submit(engine: Any, ids: list[int], adapter: str | None) -> Any:
             if time.monotonic() > deadline:
                 raise
             time.sleep(OVERLOAD_WAIT_S)
-
-
-def last_user_text(messages: Sequence[Any]) -> str:
-    """The prompt a judge is shown: the last user message's content."""
-    return next((m.content for m in reversed(messages) if m.role == "user"), "")
 
 
 def preference_verdicts(engine: Any, judge: str | None, suite: Any, completions: list[list[dict[str, Any]]],

@@ -100,7 +100,8 @@ async def _prepare_completion(state: KilnState, body: CompletionRequest) -> Prep
     params = (await sampling_params(state, body, max_tokens, body.logprobs, body.n * len(prompts))
               if max_tokens else [])
     texts = tuple(p if isinstance(p, str) else None for p in raw)
-    adapter, scoped = route_texts(state, adapter, lambda: prompt_texts(state, texts, prompts))  # a scoped adapter: the base when no prompt is in scope
+    # a scoped adapter: the base model answers when no prompt is in its scope
+    adapter, scoped = route_texts(state, adapter, lambda: prompt_texts(state, texts, prompts))
     return PreparedRequest(adapter, tuple(prompts), texts, tuple(params), body.n, max_tokens, body.logprobs,
                            headers | scoped)
 

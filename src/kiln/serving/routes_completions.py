@@ -56,7 +56,7 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
     base = {"id": f"cmpl-{request_id()}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
     timeout = state.settings.server.request_timeout_s
-    echo_texts = _echo_texts(state, prepared) if body.echo else None
+    echo_texts = prompt_texts(state, prepared.texts, prepared.prompts) if body.echo else None
     scored = await _scored(state, body, prepared, receive, timeout)
     if prepared.max_tokens == 0:
         headers = {**revision_header(None, prepared.adapter, state), **prepared.headers}
@@ -72,11 +72,6 @@ async def completion_response(state: KilnState, body: CompletionRequest, receive
         results = await collect(receive, sub, timeout)
     return JSONResponse({**base, **_answer(state, body, prepared, results, echo_texts, scored)},
                         headers=headers)  # CompletionResponse
-
-
-def _echo_texts(state: KilnState, prepared: PreparedRequest) -> list[str]:
-    """Each prompt's text as ``echo`` puts it before the completion (token-ID prompts decoded)."""
-    return prompt_texts(state, prepared.texts, prepared.prompts)
 
 
 async def _scored(state: KilnState, body: CompletionRequest, prepared: PreparedRequest, receive: Receive,

@@ -114,9 +114,6 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
 
     check_tool_parser_setting(settings.serving.tool_call_parser)  # a bad name fails before the model loads
     check_reasoning_parser_setting(settings.serving.reasoning_parser)
-    from kiln.config import check_quantize_engine
-
-    check_quantize_engine(settings, loaded_settings.sources)  # before the model loads
     secure_state_dirs(settings)
     model = loaded_model if loaded_model is not None else load_configured_model(settings)
     quantize_configured(settings, model)

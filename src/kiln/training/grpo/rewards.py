@@ -199,7 +199,8 @@ def _preference_reward(prompts: Sequence[RolloutPrompt], engine: Any, adapter: s
     """Reward = P(completion better than the prompt's reference) from a judge adapter's A/B logprobs
     (:mod:`kiln.evals.judge_preference`, both orders averaged): a value in [0, 1], no sampling."""
     from kiln.evals.judge_format import PREFERENCE_FORMAT
-    from kiln.evals.judge_preference import last_user_text, preferences
+    from kiln.adapters.scope import last_user_text
+    from kiln.evals.judge_preference import preferences
 
     missing = [i for i, p in enumerate(prompts) if not (p.reference or "").strip()]
     if missing:

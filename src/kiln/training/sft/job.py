@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
+from kiln.adapters.scope import SCOPE_CORRECTIONS, SCOPE_KEY, resolved_scope
 from kiln.runtime.model_family import is_hybrid
 from kiln.training.core.anchor import anchor_piece, anchor_term
 from kiln.training.core.checkpoints import Checkpoint
@@ -68,7 +69,6 @@ from kiln.training.schemas import (
     GRPORequest,
     SFTRequest,
 )
-from kiln.adapters.scope import SCOPE_CORRECTIONS, SCOPE_KEY, resolved_scope
 from kiln.training.sft.corrections import with_corrections
 
 if TYPE_CHECKING:
