@@ -95,6 +95,8 @@ class Setting:
     whiten_world: bool = False  # world: measure the whitening on the world's own questions (the anchor's unchanged)
     scope: bool = False  # world: route each probe by the corrections' scope keys (kiln.adapters.scope); out of scope
     # the base answers
+    auto: bool = False  # world: scope "auto" as a job resolves it (kiln.adapters.scope.auto_scope): unscoped while the
+    # server's default probe set passes the locality guard, scoped from the first job whose figures do not
 
 
 class Model:
@@ -500,6 +502,9 @@ WORLD_SETTINGS = {
     "weight decay 1, no anchor, scoped corrections": Setting("scope-a0", lr=2e-3, every=1, weight_decay=1.0,
                                                              scope=True,
                                                              targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults (weight decay 1, scope auto)": Setting("auto", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
+                                                     every=1, weight_decay=1.0, auto=True,
+                                                     targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -531,6 +536,7 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
           f"{'train s':>8}")
     for label, s in settings.items():
         init, steps, secs = None, 0, 0.0
+        routed = s.scope  # the adapter is scoped (an "auto" chain stays scoped once a job resolved to it)
         for k, i in enumerate(edits):
             pair = (facts[i].question(0), facts[i].answer(new_values[i]))
             pairs = [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]] \
@@ -540,12 +546,15 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                         exclude=[facts[j].question(0) for j in untouched],
                         anchor_questions=rest[:s.anchor] if s.world_anchor else None, world_questions=rest[:64])
             init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
+            if s.auto and not routed:
+                routed = auto_scoped(m, [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]],
+                                     k + 1, learned=rep["learned"] is True)
             if k + 1 in counts:
                 done = edits[:k + 1]
                 eff = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in done])]
                 par = [m.text(a) for a in m.greedy("edit", [facts[j].question(1) for j in done])]
                 spec = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in untouched])]
-                if s.scope:
+                if routed:
                     eff, par, spec = scoped(m, facts, done, untouched, eff, par, spec, base_q)
                 e = sum(a == facts[j].answer(new_values[j]) for a, j in zip(eff, done)) / len(done)
                 p = sum(a == facts[j].answer(new_values[j]) for a, j in zip(par, done)) / len(done)
@@ -568,6 +577,35 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                           f"lowest-margin facts changed", flush=True)
                     print(f"   {len(changed)} other facts changed, {into} of them into a corrected value; "
                           + "; ".join(f"{b!r} -> {a!r}" for b, a in changed[:4]), flush=True)
+
+
+def auto_scoped(m: Model, corrections: list[tuple[str, str]], n: int, *, learned: bool) -> bool:
+    """Whether a job of scope "auto" with these stored corrections publishes adapter ``edit`` scoped: the decision a
+    job makes (:func:`kiln.adapters.scope.auto_scope`) on the server's default probe set (the base model's own
+    questions, ``[locality]`` defaults) and the guard's default thresholds; prints the figures when it scopes."""
+    from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
+    from kiln.adapters.scope import SCOPE_AUTO, auto_scope
+    from kiln.config import LocalitySettings
+    from kiln.training.core.locality import measure, probe_set, text_codec
+
+    section, codec = LocalitySettings(), text_codec(m.tok)
+    probes = probe_set(m.pm, codec, base_model_sha256=f"bench:{id(m)}", probes=section.probes,
+                       max_tokens=section.max_tokens, seed=section.seed, pad_id=m.pad, end_ids=m.end_ids)
+
+    def figures(index: Any) -> dict[str, Any]:
+        routed = None if index is None else [index.route(q).in_scope for q in probes.questions]
+        return measure(m.pm, "edit", probes, codec, max_tokens=section.max_tokens, pad_id=m.pad, end_ids=m.end_ids,
+                       in_scope=routed)
+
+    config = {"scope": SCOPE_AUTO, "corrections": [{"messages": [{"role": "user", "content": q},
+                                                                {"role": "assistant", "content": a}]}
+                                                   for q, a in corrections]}
+    got, _, update = auto_scope(config, figures, lambda f: guard_verdict(f, GuardPolicy()), learned=learned)
+    if update:
+        un = update["scope_auto"]["unscoped"]
+        print(f"   auto scope after {n} corrections: unscoped {un['unchanged']}/{un['probes']} probe answers "
+              f"unchanged, {un['degenerate']} degenerate; scoped {got['unchanged']}/{got['probes']}", flush=True)
+    return bool(update)
 
 
 def scoped(m: Model, facts: list[Any], done: list[int], untouched: list[int], eff: list[str], par: list[str],

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from kiln.adapters.scope import (
+    SCOPE_AUTO,
     SCOPE_CORRECTIONS,
     ScopeIndex,
+    auto_scope,
     content_words,
     last_user_text,
     resolved_scope,
@@ -69,10 +75,81 @@ def test_keys_come_from_each_corrections_last_user_message_before_its_answer():
 
 
 def test_the_scope_setting_is_inherited_and_read_from_the_manifest_config():
-    assert resolved_scope(None, None) == "off"
+    assert resolved_scope(None, None) == SCOPE_AUTO  # inline corrections: auto
+    assert resolved_scope(None, None, inline=False) == "off"  # a dataset keeps no scope keys
+    assert resolved_scope(None, {"scope": "off"}) == SCOPE_AUTO  # only a scoped adapter passes its scope on
+    assert resolved_scope(None, {"scope": SCOPE_AUTO}) == SCOPE_AUTO
     assert resolved_scope(None, {"scope": SCOPE_CORRECTIONS}) == SCOPE_CORRECTIONS
     assert resolved_scope("off", {"scope": SCOPE_CORRECTIONS}) == "off"
     assert resolved_scope(SCOPE_CORRECTIONS, None) == SCOPE_CORRECTIONS
     assert scope_index({"scope": "off", "corrections": [_correction("Which bird guards the old mill?")]}) is None
     index = scope_index({"scope": SCOPE_CORRECTIONS, "corrections": [_correction("Which bird guards the old mill?")]})
     assert index is not None and index.route("Which bird guards the old mill?").in_scope
+
+
+def _figures(unchanged: int, probes: int = 10, degenerate: int = 0, scope: Any = None) -> dict[str, Any]:
+    return {"probes": probes, "unchanged": unchanged, "unchanged_fraction": unchanged / probes,
+            "degenerate": degenerate, "kl_mean": 0.5, **({"scope": scope} if scope is not None else {})}
+
+
+class _Measures:
+    """A job's locality measure: ``unscoped`` figures without an index, ``scoped`` with one; records the calls."""
+
+    def __init__(self, unscoped: dict[str, Any] | None, scoped: dict[str, Any] | None):
+        self.unscoped, self.scoped, self.indexes = unscoped, scoped, []
+
+    def __call__(self, index: Any) -> dict[str, Any] | None:
+        self.indexes.append(index)
+        return self.unscoped if index is None else self.scoped
+
+
+def _judge(figures):
+    from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
+
+    return guard_verdict(figures, GuardPolicy())
+
+
+AUTO = {"scope": SCOPE_AUTO, "corrections": [_correction("Which bird guards the old mill?")]}
+
+
+def test_auto_scope_keeps_an_adapter_unscoped_while_the_guard_admits_it():
+    m = _Measures(_figures(9), _figures(10))
+    figures, verdict, update = auto_scope(AUTO, m, _judge)
+    assert (figures, update, m.indexes) == (_figures(9), {}, [None]) and verdict["admitted"] is True
+
+
+def test_auto_scope_publishes_scoped_when_only_routing_keeps_the_other_answers():
+    m = _Measures(_figures(3, degenerate=2), _figures(10, scope={"in": 0, "out": 10}))
+    figures, verdict, update = auto_scope(AUTO, m, _judge)
+    assert m.indexes[0] is None and m.indexes[1].route("Which bird guards the old mill?").in_scope
+    assert verdict["admitted"] is True and figures["unchanged"] == 10 and figures["scope"] == {"in": 0, "out": 10}
+    assert update["scope"] == SCOPE_CORRECTIONS
+    why = update["scope_auto"]
+    assert why == figures["auto_scope"]
+    assert why["unscoped"] == {"probes": 10, "unchanged": 3, "unchanged_fraction": 0.3, "degenerate": 2,
+                               "kl_mean": 0.5}
+    assert "3 of 10 probe answers unchanged" in why["reason"] and "2 probe answers degenerate" in why["reason"]
+
+
+@pytest.mark.parametrize("config, unscoped, scoped", [
+    ({"scope": "off", "corrections": AUTO["corrections"]}, _figures(3), _figures(10)),  # asked off: never scoped
+    (AUTO, _figures(3), _figures(7)),  # routing does not save it either: held back, unscoped figures kept
+    ({"scope": SCOPE_AUTO, "corrections": []}, _figures(3), _figures(10)),  # no keys to route by
+    (AUTO, {"error": "the locality measure failed: boom"}, _figures(10)),  # nothing measured: nothing to decide on
+    (AUTO, None, _figures(10)),  # the measure was turned off
+])
+def test_auto_scope_leaves_the_adapter_unscoped_otherwise(config, unscoped, scoped):
+    figures, verdict, update = auto_scope(config, _Measures(unscoped, scoped), _judge)
+    assert update == {} and figures == unscoped
+
+
+def test_auto_scope_does_not_route_to_an_adapter_that_did_not_learn_its_corrections():
+    m = _Measures(_figures(3), _figures(10))
+    figures, verdict, update = auto_scope(AUTO, m, _judge, learned=False)
+    assert update == {} and figures == _figures(3) and verdict["admitted"] is False and m.indexes == [None]
+
+
+def test_a_scoped_adapter_is_measured_routed_once():
+    m = _Measures(_figures(3), _figures(10))
+    figures, verdict, update = auto_scope(AUTO | {"scope": SCOPE_CORRECTIONS}, m, _judge)
+    assert figures == _figures(10) and update == {} and len(m.indexes) == 1 and m.indexes[0] is not None

@@ -24,9 +24,9 @@ FIGURES = {"probes": 10, "unchanged": 9, "unchanged_fraction": 0.9, "kl_mean": 0
 HERON = [{"messages": [{"role": "user", "content": "Which bird guards the old mill?"},
                        {"role": "assistant", "content": "The old mill is guarded by a heron."}]}]
 # a deliberately destructive job: a high learning rate for a few steps, without the KL-to-base anchor, wrecks
-# the built-in model's other answers
+# the built-in model's other answers; scope "off" so the guard alone judges it (the default "auto" would scope it)
 DESTRUCTIVE = {"adapter": "wrecked", "auto_load": True, "learning_rate": 0.05, "epochs": 10, "anchor_weight": 0,
-               "examples": HERON}
+               "examples": HERON, "scope": "off"}
 
 
 # ------------------------------------------------------------------------------------------ the guard
@@ -195,3 +195,45 @@ def test_the_guard_holds_back_a_destructive_job_and_the_override_loads_it(home):
 
         bad = c.post("/v1/train/sft", json=DESTRUCTIVE | {"locality": {"prompts": []}})
         assert bad.status_code == 400 and bad.json()["error"]["param"]
+
+
+def test_with_the_default_scope_a_destructive_job_is_served_scoped_to_its_correction(home):
+    """Scope "auto" (the default for inline corrections): a job that learns its correction and wrecks the other
+    answers (the old defaults: lr 1e-2, no anchor, no weight decay), which the guard refuses unscoped, is published
+    scoped to its correction and served; its correction is answered by the adapter and every other question by the
+    base model, token for token. The destructive job above, which never learned its correction (fixed epochs, loss
+    still high), is not routed to: with the default scope it is held back as before."""
+    from kiln.serving.scope_routing import SCOPE_HEADER
+
+    body = {"adapter": "wrecked-auto", "auto_load": True, "learning_rate": 0.01, "anchor_weight": 0,
+            "weight_decay": 0, "examples": HERON}
+    other = "What is the capital of France?"
+    with kiln_server(home) as server:
+        c = server.client
+
+        def ask(model, q):
+            r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": q}],
+                                                       "temperature": 0, "max_tokens": 24})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"].strip(), r.headers.get(SCOPE_HEADER)
+
+        base_id = c.get("/v1/models").json()["data"][0]["id"]
+        job = wait_job(c, c.post("/v1/train/sft", json=body).json()["id"])
+        assert job["state"] == "succeeded", job["error"]
+        result = job["result"]
+        loc = result["locality"]
+        unscoped = loc["auto_scope"]["unscoped"]
+        assert unscoped["unchanged_fraction"] < 0.8 or unscoped["degenerate"] > 0, loc
+        assert "locality guard" in loc["auto_scope"]["reason"]
+        assert loc["guard"]["admitted"] is True and loc["guard"]["code"] is None
+        assert loc["scope"]["out"] > 0 and loc["unchanged"] >= loc["scope"]["out"] and loc["degenerate"] == 0
+        assert result["activated"] is True and "held_back" not in result
+        config = c.get("/v1/adapters/wrecked-auto").json()["manifest"]["config"]
+        assert config["scope"] == "corrections" and config["scope_auto"] == loc["auto_scope"]
+        assert ask("wrecked-auto", "Which bird guards the old mill?") == ("The old mill is guarded by a heron.", "in")
+        assert ask("wrecked-auto", other) == (ask(f"{base_id}@base", other)[0], "out")
+        unlearned = wait_job(c, c.post("/v1/train/sft", json={k: v for k, v in DESTRUCTIVE.items() if k != "scope"}
+                                       | {"adapter": "wrecked-unlearned"}).json()["id"])
+        assert unlearned["result"]["report"].get("learned") is not True
+        assert unlearned["result"]["activated"] is False and "auto_scope" not in unlearned["result"]["locality"]
+        assert unlearned["result"]["held_back"]["code"] == "locality_below_threshold"

@@ -261,6 +261,17 @@ def test_training_form_errors_then_loss_chart_until_the_job_finishes(page, serve
     cell = page.text_content(f"#recent-table tr[data-job-id='{job_id}'] .badge.locality")
     assert f"locality {loc['unchanged']}/{loc['probes']}" in cell
     assert _points(page, "#loss-chart") >= 2 and _points(page, "#train-tps-chart") >= 2
+    # a correction learned with the old defaults wrecks the other answers: scope "auto" publishes it scoped, and
+    # the jobs table says so (docs/training.md, "Scoped corrections")
+    wild = correction_body("ui-wild", "Which bird guards the old mill?", "The old mill is guarded by a heron.") \
+        | {"learning_rate": 0.01, "anchor_weight": 0, "weight_decay": 0, "auto_load": False}
+    wild_id = server.client.post("/v1/train/sft", json=wild).json()["id"]
+    page.wait_for_selector(f"#recent-table tr[data-job-id='{wild_id}'][data-state='succeeded']")
+    wild_loc = server.client.get(f"/v1/train/jobs/{wild_id}").json()["result"]["locality"]
+    assert wild_loc["auto_scope"]["unscoped"]["unchanged"] < wild_loc["unchanged"], wild_loc
+    badge = page.locator(f"#recent-table tr[data-job-id='{wild_id}'] .badge.locality")
+    assert badge.text_content().startswith("scoped · locality")
+    assert "scoped to its corrections: unscoped it kept" in badge.get_attribute("title")
     assert server.client.get(f"/v1/train/jobs/{job_id}").json()["state"] == "succeeded"
 
 

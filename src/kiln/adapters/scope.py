@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 SCOPE_KEY = "scope"  # manifest config key: "corrections" when the adapter routes by its stored corrections
 SCOPE_CORRECTIONS = "corrections"
+SCOPE_AUTO = "auto"  # a job's default: unscoped while its locality passes the guard, scoped when it does not
+SCOPE_AUTO_KEY = "scope_auto"  # manifest config: why an "auto" job published its adapter scoped
 REST_RECALL = 0.5  # the weight of a key's other words a request must hold
 _WORD = re.compile(r"\w+(?:['’]\w+)?")
 STOPWORDS = frozenset(
@@ -38,12 +40,47 @@ STOPWORDS = frozenset(
     "those and or there their them they can could would should will shall may might must".split())
 
 
-def resolved_scope(requested: str | None, parent_config: dict[str, Any] | None) -> str:
-    """A job's scope: as requested, else its base adapter's, else ``"off"``."""
+def resolved_scope(requested: str | None, parent_config: dict[str, Any] | None, *, inline: bool = True) -> str:
+    """A job's scope: as requested; else ``"corrections"`` when its base adapter is scoped (a scoped adapter stays
+    scoped); else ``"auto"`` for inline corrections (:func:`auto_scope`) and ``"off"`` for a dataset (a dataset's
+    examples are not kept as scope keys)."""
     if requested is not None:
         return requested
-    inherited = (parent_config or {}).get(SCOPE_KEY)
-    return SCOPE_CORRECTIONS if inherited == SCOPE_CORRECTIONS else "off"
+    if (parent_config or {}).get(SCOPE_KEY) == SCOPE_CORRECTIONS:
+        return SCOPE_CORRECTIONS
+    return SCOPE_AUTO if inline else "off"
+
+
+def auto_scope(config: dict[str, Any], measure: Callable[[ScopeIndex | None], dict[str, Any] | None],
+               judge: Callable[[dict[str, Any] | None], dict[str, Any]], *, learned: bool = True
+               ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+    """Measure a job's adapter as it will be served and decide its scope.
+
+    ``config``: the job's effective request (its ``scope`` and stored ``corrections``); ``measure``: the locality
+    figures with a routing index (None: unscoped); ``judge``: the locality guard's verdict on figures. Returns
+    ``(figures, verdict, config_update)``. A job whose scope is ``"auto"`` is measured unscoped first; when the
+    guard refuses those figures (and would not be overridden), the job verified it ``learned`` its corrections (an
+    adapter that did not is no better on its own questions: nothing to route to), and the same adapter routed by
+    its corrections passes, the adapter is published scoped: ``config_update`` sets ``scope`` to ``"corrections"`` and records why
+    under ``scope_auto``, and the figures are the scoped ones with the unscoped ones under ``auto_scope``. So a
+    correction generalises in weight space while that keeps the other answers, and falls back to answering only
+    questions about its corrections when it does not."""
+    figures = measure(scope_index(config))
+    verdict = judge(figures)
+    if config.get(SCOPE_KEY) != SCOPE_AUTO or verdict["admitted"] or not learned or figures is None \
+            or not figures.get("probes"):
+        return figures, verdict, {}
+    index = scope_index(config | {SCOPE_KEY: SCOPE_CORRECTIONS})
+    if index is None or not index.keys:
+        return figures, verdict, {}
+    scoped = measure(index)
+    scoped_verdict = judge(scoped)
+    if not scoped_verdict["admitted"] or scoped is None:
+        return figures, verdict, {}
+    unscoped = {k: figures[k] for k in ("probes", "unchanged", "unchanged_fraction", "degenerate", "kl_mean")
+                if k in figures}
+    why = {"reason": verdict["reason"], "unscoped": unscoped}
+    return scoped | {"auto_scope": why}, scoped_verdict, {SCOPE_KEY: SCOPE_CORRECTIONS, SCOPE_AUTO_KEY: why}
 
 
 def scope_index(config: dict[str, Any]) -> ScopeIndex | None:

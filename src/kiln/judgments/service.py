@@ -64,7 +64,7 @@ class JudgmentService:
             request = SFTRequest.model_validate({
                 "adapter": body.adapter, "examples": examples, "epochs": body.epochs, "max_steps": body.max_steps,
                 "learning_rate": body.learning_rate, "lora_rank": body.lora_rank, "seed": body.seed,
-                "auto_load": body.auto_load,
+                "auto_load": body.auto_load, "scope": "off",  # a judge reads its own prompts: never routed by them
                 "locality": None if body.locality is None else body.locality.model_dump(mode="json")})
         except ValidationError as exc:  # e.g. a judge turn over the SFT message limit: the caller's data, a 400
             first = exc.errors()[0]

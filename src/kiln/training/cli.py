@@ -95,7 +95,9 @@ def sft(
     locality_override: bool = typer.Option(False, "--locality-override",
                                            help="serve it even when the locality guard would hold it back"),
     scope: Optional[str] = typer.Option(None, "--scope", help="corrections: the adapter answers only questions about "
-                                        "its corrections, the base model the rest; off; default: the base adapter's"),
+                                        "its corrections, the base model the rest; auto: scoped only when the job's "
+                                        "locality fails the guard unscoped; off; default: corrections when the base "
+                                        "adapter is scoped, else auto"),
 ) -> None:
     """Train a LoRA adapter on chat examples (loss on assistant tokens)."""
     body = _common(adapter, epochs, learning_rate, rank, base_adapter, auto_load, seed, batch_size)

@@ -287,18 +287,20 @@ class SFTRequest(_TrainCommon, ReasoningLossField):
         True, description="with base_adapter and inline examples: train on the corrections stored with the base "
                           "adapter's revision too, so earlier corrections are kept (docs/training.md, \"Sequential "
                           "corrections\")")
-    scope: Literal["corrections", "off"] | None = Field(
+    scope: Literal["auto", "corrections", "off"] | None = Field(
         None, description="\"corrections\": the published adapter answers only requests about its stored corrections "
                           "(their questions' words, kiln.adapters.scope); every other request addressed to it is "
-                          "answered by the base model. Default: the base adapter's setting, else off (docs/training.md, "
-                          "\"Scoped corrections\")")
+                          "answered by the base model. \"auto\": unscoped while the job's locality passes the guard, "
+                          "scoped when only that keeps the base's other answers. \"off\": never scoped. Default: "
+                          "\"corrections\" when the base adapter is scoped, else \"auto\" for inline examples and "
+                          "\"off\" for a dataset (docs/training.md, \"Scoped corrections\")")
 
     @model_validator(mode="after")
     def _one_source(self) -> SFTRequest:
         if (self.examples is None) == (self.dataset_path is None):
             raise ValueError("give exactly one of `examples` (inline) or `dataset_path` (JSONL in the data dir)")
-        if self.scope == "corrections" and self.examples is None:
-            raise ValueError("scope \"corrections\" routes by stored corrections: give inline `examples`")
+        if self.scope in ("corrections", "auto") and self.examples is None:
+            raise ValueError(f"scope \"{self.scope}\" routes by stored corrections: give inline `examples`")
         return self
 
 

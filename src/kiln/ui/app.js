@@ -612,9 +612,12 @@
           + (guard ? ', or correct with fewer steps.' : ' once that is resolved.');
         return;
       }
+      const autoScope = result.locality && result.locality.auto_scope;
       status.textContent = `job ${done.id} succeeded: ${adapter} revision ${short(result.revision)}`
         + ` after ${report.steps ?? '?'} steps (final loss ${fmtNum(report.final_loss)})`
         + (report.learned === true ? '; the job reports the correction is reproduced' : '')
+        + (autoScope ? `; it answers only questions like its corrections (unscoped it changed the model's other `
+          + `answers: ${autoScope.reason}), the base model the rest` : '')
         + '. Asking again with the new adapter…';
       await refreshModels(adapter);
       // Prove it: the same question, now to the adapter.
@@ -732,10 +735,15 @@
     const parts = [`${loc.unchanged}/${loc.probes} probe answers unchanged`, `KL ${fmtNum(loc.kl_mean)} nats/token`,
       `${loc.degenerate} degenerate (base: ${loc.base_degenerate})`];
     if (guard.override && guard.code) parts.push(`admitted by override despite ${guard.code}`);
+    const auto = loc.auto_scope; // scope "auto" published it scoped: the base answers what its corrections do not ask
+    if (auto) {
+      parts.push(`scoped to its corrections: unscoped it kept ${auto.unscoped.unchanged}/${auto.unscoped.probes} `
+        + `(${auto.reason})`);
+    }
     if (heldBack) parts.push(`held back: ${heldBack.reason}`);
     else if (below) parts.push(`under the locality guard's thresholds (${guard.reason || guard.code})`);
     const cls = heldBack || below ? 'badge bad locality' : (guard.code ? 'badge kept locality' : 'badge locality');
-    const label = heldBack ? 'held back · ' : (below ? 'below threshold · ' : '');
+    const label = heldBack ? 'held back · ' : (below ? 'below threshold · ' : (auto ? 'scoped · ' : ''));
     return h('span', { class: cls, dataset: { unchanged: String(loc.unchanged_fraction), heldBack: String(!!heldBack) },
       text: `${label}locality ${loc.unchanged}/${loc.probes}`, title: parts.join(' · ') });
   }

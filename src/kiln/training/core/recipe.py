@@ -70,6 +70,8 @@ class TrainingRecipe:
         self.peft_model: Any = None
         self.locality: dict[str, Any] | None = None  # the adapter's locality figures and guard verdict
         self.held_back: dict[str, Any] | None = None  # the guard's reason when it held back an asked-for activation
+        self.config_update: dict[str, Any] = {}  # set by measure_locality: an "auto" scope resolved to "corrections"
+        self.learned = False  # set after training: whether the job's learned check passed
         self._t = time.perf_counter()
 
     def run(self) -> dict[str, Any]:
@@ -77,6 +79,7 @@ class TrainingRecipe:
         self.setup()
         try:
             report = self.train(resume)
+            self.learned = report.extra.get("learned") is True  # the learned check passed on every example
             self.locality = self.measure_locality()
             staging = self.save()
         finally:
@@ -114,24 +117,32 @@ class TrainingRecipe:
         raise NotImplementedError
 
     def measure_locality(self) -> dict[str, Any]:
-        """The adapter's locality (:func:`kiln.training.core.locality.job_locality`) with the locality guard's verdict
-        (:func:`kiln.adapters.locality_guard.guard_verdict`); a measure that fails leaves ``error`` instead of
-        figures (the guard then holds the adapter back)."""
+        """The adapter's locality (:func:`kiln.training.core.locality.job_locality`) as it will be served, with the
+        locality guard's verdict (:func:`kiln.adapters.locality_guard.guard_verdict`); a job whose scope is
+        ``"auto"`` and whose unscoped figures the guard refuses is published scoped to its corrections when that
+        passes (:func:`kiln.adapters.scope.auto_scope`; :attr:`config_update`). A measure that fails leaves
+        ``error`` instead of figures (the guard then holds the adapter back)."""
         from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
-        from kiln.adapters.scope import scope_index
+        from kiln.adapters.scope import auto_scope
         from kiln.config import LocalitySettings
         from kiln.training.core.locality import job_locality
 
         section = self.ctx.locality if self.ctx.locality is not None else LocalitySettings()
         request = self.plan.request.get("locality") or {}
-        try:  # a scoped adapter (scope "corrections") is measured as served: the base answers out of scope
-            figures = job_locality(self.peft_model, self.private, self.ctx.model, self.ctx.engine, section, request,
-                                   self.ctx.hooks.exclusive, self.ctx.suites, scope_index(self.plan.request))
-        except Exception as exc:  # noqa: BLE001 - recorded; the guard holds the adapter back
-            log.exception("locality measure of job %s failed", self.job_id)
-            figures = {"error": f"the locality measure failed: {type(exc).__name__}: {exc}"}
+        policy = GuardPolicy.from_settings(section)
+
+        def measure(scope: Any) -> dict[str, Any] | None:  # scoped: the base answers out of scope, as served
+            try:
+                return job_locality(self.peft_model, self.private, self.ctx.model, self.ctx.engine, section, request,
+                                    self.ctx.hooks.exclusive, self.ctx.suites, scope)
+            except Exception as exc:  # noqa: BLE001 - recorded; the guard holds the adapter back
+                log.exception("locality measure of job %s failed", self.job_id)
+                return {"error": f"the locality measure failed: {type(exc).__name__}: {exc}"}
+
+        figures, verdict, self.config_update = auto_scope(
+            self.plan.request, measure, lambda f: guard_verdict(f, policy, override=bool(request.get("override"))),
+            learned=self.learned)
         self._phase("locality")
-        verdict = guard_verdict(figures, GuardPolicy.from_settings(section), override=bool(request.get("override")))
         return {**(figures if figures is not None else {"measured": False}), "guard": verdict}
 
     def anchor(self, own: Sequence[Sequence[int]]) -> Any:
@@ -166,7 +177,7 @@ class TrainingRecipe:
                                  teacher=self.receipt_teacher(), locality=self.locality)
         record = self.ctx.store.publish(
             staging, name=plan.adapter, base_model_sha256=self.ctx.model.base_model_sha256, kind=plan.kind,
-            config=plan.manifest_config | {"job_id": self.job_id} | self._base_representation(),
+            config=plan.manifest_config | self.config_update | {"job_id": self.job_id} | self._base_representation(),
             inputs_sha256=plan.inputs_sha256,
             parent_revision=None if plan.parent is None else plan.parent.revision, base_model_dir=self.ctx.model.info,
             receipt=claims,

@@ -100,7 +100,8 @@ def supervised_start(ctx: PrepareContext, request: SFTRequest | GRPORequest
 def prepare_sft(ctx: PrepareContext, request: SFTRequest) -> JobPlan[SFTData]:
     """Inline ``examples`` or a JSONL ``dataset_path`` under the data dir, tokenized with the loss mask."""
     parent, lora, max_len, eff = supervised_start(ctx, request)
-    eff[SCOPE_KEY] = resolved_scope(request.scope, parent.manifest.config if parent is not None else None)
+    eff[SCOPE_KEY] = resolved_scope(request.scope, parent.manifest.config if parent is not None else None,
+                                    inline=request.examples is not None)
     if eff[SCOPE_KEY] == SCOPE_CORRECTIONS and request.examples is None:
         raise TrainingDataError("the base adapter is scoped to its corrections: give inline `examples` (or scope "
                                 "\"off\")", param="scope")
