@@ -400,15 +400,23 @@ def _probe_ids(tokenizer: Any) -> list[list[int]]:
 
 def probe_logprobs(model: Any, tokenizer: Any) -> list[torch.Tensor]:
     """Next-token log-probabilities ``[tokens, vocab]`` of each probe text (float64)."""
-    device = next(model.parameters()).device
-    out = []
+    return batched_logprobs(model, _probe_ids(tokenizer))
+
+
+def batched_logprobs(model: Any, ids: list[list[int]]) -> list[torch.Tensor]:
+    """Next-token log-probabilities (float64, ``[len, vocab]``) of each non-empty row of ``ids``, run as one
+    right-padded batch (a row's real tokens never attend to its padding in a causal model), so each weight is
+    read once: the streamed load (:mod:`kiln.runtime.quantize_load`) reads its float weights from disk."""
+    rows = [r for r in ids if r]
+    if not rows:
+        return []
+    width = max(len(r) for r in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, :len(r)] = torch.tensor(r)
     with torch.no_grad():
-        for ids in _probe_ids(tokenizer):
-            if not ids:
-                continue
-            logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]
-            out.append(torch.log_softmax(logits.double(), dim=-1))
-    return out
+        logits = model(input_ids=batch.to(next(model.parameters()).device)).logits
+    return [torch.log_softmax(logits[i, :len(r)].double(), dim=-1) for i, r in enumerate(rows)]
 
 
 def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> tuple[float, int]:

@@ -160,21 +160,6 @@ class _DiskLinear(torch.nn.Module):
         return F.linear(x, self.ckpt.get(self.key).to(x.dtype), self.bias)
 
 
-def batched_logprobs(model: Any, ids: list[list[int]]) -> list[torch.Tensor]:
-    """Next-token log-probabilities (float64, ``[len, vocab]``) of each row of ``ids``, run as one
-    right-padded batch (a row's real tokens never attend to its padding in a causal model)."""
-    rows = [r for r in ids if r]
-    if not rows:
-        return []
-    width = max(len(r) for r in rows)
-    batch = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        batch[i, :len(r)] = torch.tensor(r)
-    with torch.no_grad():
-        logits = model(input_ids=batch).logits
-    return [torch.log_softmax(logits[i, :len(r)].double(), dim=-1) for i, r in enumerate(rows)]
-
-
 def load_quantized(spec: Any, mode: str, *, dtype: str = "auto", model_id: str | None = None,
                    info: Any = None, max_kl: float | None = None, kernel: str | None = None) -> Any:
     """A :class:`kiln.runtime.loader.LoadedModel` on the CPU with its linear layers quantized as
@@ -260,12 +245,12 @@ def _stream_in(model: Any, ckpt: _Checkpoint, mode: str, dt: str, kernel: str | 
     ids = q._probe_ids(tokenizer)
     for parent, name, disk in float_ref:  # the reference: float weights read from disk, the float head
         parent._modules[name] = disk
-    reference = batched_logprobs(model, ids)
+    reference = q.batched_logprobs(model, ids)
     for parent, name, layer in quantized:
         parent._modules[name] = layer
     float_layers = sum(1 for mod in model.modules() if type(mod) is torch.nn.Linear)
     head = q.quantize_head(model, chosen)
-    kl, tokens = q.mean_kl(reference, batched_logprobs(model, ids))
+    kl, tokens = q.mean_kl(reference, q.batched_logprobs(model, ids))
     return q.QuantizationReport(mode, mode, chosen, counts, float_layers, before, q.weight_bytes(model),
                                 probe_kl=kl, probe_tokens=tokens, kernel_ms=timings,
                                 head="int8" if head else dt)
