@@ -275,8 +275,10 @@ class TeachersSettings(_Section):
     @field_validator("credentials")
     @classmethod
     def _ids(cls, value: dict[str, TeacherCredential]) -> dict[str, TeacherCredential]:
+        from kiln.system.credentials import CREDENTIAL_ID_PATTERN
+
         for cid in value:
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cid):
+            if not re.fullmatch(CREDENTIAL_ID_PATTERN, cid):
                 raise ValueError(f"credential id {cid!r}: 1-64 letters, digits, '.', '_', '-'")
         return value
 

@@ -36,3 +36,6 @@ def rules(*parts: Schema) -> Schema:
 
 
 NOT_NULL: Schema = {"not": {"type": "null"}}
+
+# "not blank" as a JSON Schema pattern (an unanchored search): one character that str.isspace() calls no space
+NOT_BLANK_SCHEMA: Schema = {"pattern": r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"}

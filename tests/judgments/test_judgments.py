@@ -77,10 +77,18 @@ def test_record_validate_page_export(server):
     error(c.get("/v1/judgments/nope"), 404, "judgment_not_found")
     error(c.get("/v1/judgments", params={"limit": 0}), 400, "invalid_request")
     error(c.get("/v1/judgments", params={"after": "jdg-0000000000000000"}), 404, "judgment_not_found")
-    error(c.post("/v1/judgments/train", json={"adapter": "j"}), 400, "too_few_judgments")
+    # What the server's state decides carries HTTP's status for it, with the typed envelope: too few judgments
+    # stored is a conflict with the store (409; the same request succeeds once more are recorded), a judge that
+    # is not served an unknown model (404, as vLLM answers an unknown LoRA).
+    few = error(c.post("/v1/judgments/train", json={"adapter": "j"}), 409, "too_few_judgments")
+    assert few["type"] == "conflict_error" and "the store has 1" in few["message"] and "POST /v1/judgments" in few["hint"]
     error(c.post("/v1/judgments/train", json={"adapter": "bad name"}), 400, "invalid_request")
-    error(c.post("/v1/judgments/compare", json={"judge": "missing", "prompt": "p", "response_a": "a",
-                                                "response_b": "b"}), 400, "judge_not_loaded")
+    absent = error(c.post("/v1/judgments/compare", json={"judge": "missing", "prompt": "p", "response_a": "a",
+                                                         "response_b": "b"}), 404, "judge_not_loaded")
+    assert absent["type"] == "not_found_error" and absent["param"] == "judge" and "/load" in absent["hint"]
+    # a judge is an adapter name (its pattern is in /openapi.json): any other text is the caller's mistake
+    error(c.post("/v1/judgments/compare", json={"judge": "", "prompt": "p", "response_a": "a", "response_b": "b"}),
+          400, "invalid_request")
 
     for i in range(2):
         assert c.post("/v1/judgments", json={**ok, "prompt": f"q{i}", "preferred": "b"}).status_code == 201

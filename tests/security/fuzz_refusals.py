@@ -22,28 +22,28 @@ ANY = r".*"
 GENERATION = r"POST /(v1/chat/completions|v1/completions|v1/completions/batch|tokenize|detokenize)"
 EVAL_SUITES = r"POST /v1/evals/(suites|suites/import|runs|comparisons)"
 # (operation regex, error code, message regex, reason): matched with re.fullmatch / re.search
+#
+# Not here, because the document states them or HTTP does: the configured limits.* and the vocabulary's size
+# (the served document's bounds, kiln.serving.openapi_bounds); what the server's state decides (a credential not
+# configured or a judge not loaded: 404; too few judgments stored: 409), which positive_data_acceptance accepts.
 SCHEMA_CANNOT_STATE: list[tuple[str, str, str, str]] = [
-    # server state: configuration, stored objects, loaded adapters
-    (GENERATION, "limit_exceeded", r"limits\.max_\w+=\d+", "a configured limit (limits.*), not in the static document"),
-    (r"POST /v1/teachers", "unknown_credential", r"is not configured", "a configured credential"),
-    (r"POST /v1/judgments/train", "too_few_judgments", r"the store has \d+", "the number of stored judgments"),
-    (r"POST /v1/judgments/compare", "judge_not_loaded", r"is not loaded", "which judge adapters are loaded"),
-    # the model: its tokenizer and vocabulary
+    # the model's tokenizer: how many tokens a text makes (token-ID prompts are bounded in the document)
     (ANY, "context_length_exceeded", r"tokens", "a prompt's token count"),
     (r"POST /v1/judgments/train", "example_too_long", r"tokens; max_seq_len", "a prompt's token count"),
-    (GENERATION, "invalid_token_id", r"outside the vocabulary", "the model's vocabulary size"),
     # what a value holds, beyond a JSON Schema pattern
     (r"POST /v1/adapters/[^/]+/upload", "unsafe_archive", ANY, "the bytes of an upload (a gzip tar with the "
                                                                  "adapter's two files)"),
     (EVAL_SUITES, "invalid_regex", r"under RE2", "a regex's syntax (RE2)"),
     (EVAL_SUITES, "invalid_jsonl", r"is not JSON", "JSONL text"),
+    (r"POST /v1/evals/suites/import", "invalid_suite", r"the imported suite is invalid",
+     "JSONL rows that are not eval examples"),
     (EVAL_SUITES, "dataset_outside_eval_dir", r"not valid UTF-8", "a lone surrogate in a file name"),
-    (EVAL_SUITES, "invalid_suite", r"at least 1 item", "JSONL text (no rows)"),
     # rules relating values that JSON Schema cannot compare, or an array's last item
     (EVAL_SUITES, "invalid_reference", r"is not one of [A-Z]+", "a reference against its scorer's choices"),
     (r"POST /v1/judgments", "invalid_request", r"response_a and response_b are the same text",
      "two answers that must differ"),
     (GENERATION, "invalid_request", r"min_tokens=\d+ exceeds max_tokens=\d+", "two numbers compared"),
+    (GENERATION, "limit_exceeded", r"batching\.max_queued_rows", "prompts x n rows (a product of two fields)"),
     (r"POST /v1/(evals/(suites|runs|comparisons)|train/\w+)", "invalid_request",
      r"the last one must not be an assistant turn", "the role of the last message"),
 ]

@@ -7,6 +7,8 @@ import json
 import socket
 import time
 
+from kiln.config import LimitsSettings
+
 PROMPTS = ["The capital of France is", [5, 6, 7, 8], "Once upon a time"]
 
 
@@ -49,7 +51,9 @@ def test_documented_in_openapi(openapi_checker):
     op = spec["paths"]["/v1/completions/batch"]["post"]
     ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
     prompts = spec["components"]["schemas"][ref]["properties"]["prompts"]
-    assert prompts["maxItems"] == 256 and prompts["minItems"] == 1 and "max_batch_prompts" in prompts["description"]
+    # the served document states this server's limits.max_batch_prompts (the default, 64), not only the ceiling (256)
+    assert prompts["maxItems"] == LimitsSettings().max_batch_prompts and prompts["minItems"] == 1
+    assert "max_batch_prompts" in prompts["description"]
 
 
 def _metric(http, name: str) -> float:

@@ -134,8 +134,13 @@ def test_url_rules(pair):
     _err(post(base | {"url": "https://teacher.example.com:8443"}), 400, "teacher_url_not_loopback")
     _err(post(base | {"url": "https://teacher.example.com", "credential_id": "primary-vllm"}), 400,
          "teacher_url_origin_mismatch")
-    _err(post(base | {"url": "https://teacher.example.com:8443", "credential_id": "nope"}), 400,
-         "unknown_credential")
+    # a credential the configuration does not have: 404 (a resource this server lacks), with the typed envelope
+    unknown = _err(post(base | {"url": "https://teacher.example.com:8443", "credential_id": "nope"}), 404,
+                   "unknown_credential")
+    assert unknown["type"] == "not_found_error" and unknown["param"] == "credential_id"
+    assert "[teachers.credentials.<id>]" in unknown["hint"]
+    # an id no configuration can hold (kiln.toml's rule, published in /openapi.json): the caller's mistake
+    _err(post(base | {"url": "https://teacher.example.com:8443", "credential_id": ""}), 400, "invalid_request")
 
 
 # ----------------------------------------------------------------- a misbehaving teacher

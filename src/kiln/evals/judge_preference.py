@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kiln.adapters.scope import last_user_text
-from kiln.errors import Conflict, InvalidRequest, RateLimited, Unavailable
+from kiln.errors import Conflict, NotFound, RateLimited, Unavailable
 from kiln.evals.judge_format import CHOICES, judge_messages
 
 SCORE_TIMEOUT_S = 120.0
@@ -37,13 +37,14 @@ class Preference:
 
 
 def served_judge_revision(engine: Any, judge: str | None, *, param: str) -> str | None:
-    """The revision the engine serves ``judge`` at (None: the base model); 400 ``judge_not_loaded``."""
+    """The revision the engine serves ``judge`` at (None: the base model); 404 ``judge_not_loaded``: a model
+    this server does not serve now (as vLLM and Kiln's generation routes answer an unknown model or LoRA)."""
     if judge is None:
         return None
     revision = engine.active_adapters().get(judge)
     if revision is None:
-        raise InvalidRequest(f"judge adapter {judge!r} is not loaded", code="judge_not_loaded", param=param,
-                             hint="load it with POST /v1/adapters/{name}/load")
+        raise NotFound(f"judge adapter {judge!r} is not loaded", code="judge_not_loaded", param=param,
+                       hint="load it with POST /v1/adapters/{name}/load")
     return revision
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
 from kiln.adapter_names import NAME_SCHEMA, REVISION_SCHEMA
 from kiln.runtime.chat_generation import ChatGenerationFields
-from kiln.wire_rules import NOT_NULL, field_is, rules, when
+from kiln.wire_rules import NOT_BLANK_SCHEMA, NOT_NULL, field_is, rules, when
 
 MAX_EXAMPLES = 2_000
 MAX_MESSAGES = 64
@@ -337,7 +337,8 @@ class ImportRequest(_Wire):
 
     name: str = Field(json_schema_extra=SUITE_NAME_SCHEMA)
     description: str = Field("", max_length=4_096)
-    jsonl: str | None = None
+    # text with no row (empty or blank) is refused here: a non-space character (JSONL content is checked on import)
+    jsonl: Annotated[str, Field(json_schema_extra=NOT_BLANK_SCHEMA)] | None = None
     dataset_path: Annotated[str, Field(max_length=1_024, json_schema_extra={"pattern": DATASET_PATH_PATTERN})] | None = \
         Field(None, description="relative, inside eval_dir/datasets: '/'-separated parts, none empty, '.' or "
                                  "'..'")

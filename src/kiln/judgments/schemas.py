@@ -9,14 +9,15 @@ judgments to train on).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from kiln.adapters.manifest import MAX_LORA_RANK
 from kiln.adapter_names import NAME_RE as ADAPTER_NAME_RE
 from kiln.adapter_names import NAME_SCHEMA
 from kiln.training.schemas import LocalityRequest
+from kiln.wire_rules import NOT_BLANK_SCHEMA
 
 MAX_PROMPT_CHARS = 16_384
 MAX_RESPONSE_CHARS = 16_384
@@ -30,10 +31,6 @@ AUTHOR_RE = re.compile(r"^[A-Za-z0-9@._:+ -]{1,128}$")
 
 class _Wire(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-# _not_blank as a JSON Schema pattern (an unanchored search): one character that str.isspace() calls no space
-NOT_BLANK_SCHEMA: dict[str, Any] = {"pattern": r"[^\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"}
 
 
 def _not_blank(v: str) -> str:
@@ -133,7 +130,9 @@ class JudgeTrainResponse(BaseModel):
 class CompareRequest(_Wire):
     """Ask a judge which of two responses is better."""
 
-    judge: str | None = Field(None, description="a served judge adapter; omitted: the base model")
+    judge: Annotated[str, StringConstraints(max_length=NAME_SCHEMA["maxLength"], pattern=NAME_SCHEMA["pattern"])] | \
+        None = Field(None, description="a served judge adapter (an adapter name; 404 when it is not loaded); "
+                     "omitted: the base model")
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     response_a: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS)
     response_b: str = Field(min_length=1, max_length=MAX_RESPONSE_CHARS)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from pydantic import ValidationError
 
 from kiln.canonical import canonical_json_bytes
-from kiln.errors import InvalidRequest, Unavailable
+from kiln.errors import Conflict, InvalidRequest, Unavailable
 from kiln.evals.judge_preference import preferences, served_judge_revision
 from kiln.judgments import format as fmt
 from kiln.judgments.schemas import CompareRequest, JudgeTrainRequest, JudgmentCreate
@@ -56,9 +56,10 @@ class JudgmentService:
                               hint="start the server with training.enabled = true (KILN_TRAINING_ENABLED=1)")
         rows = self.store.latest_preferences(body.limit)
         if len(rows) < MIN_TRAIN_JUDGMENTS:
-            raise InvalidRequest(f"training a judge needs at least {MIN_TRAIN_JUDGMENTS} judgments that prefer a "
-                                 f"response (ties are not trained on); the store has {len(rows)}",
-                                 code="too_few_judgments", hint="record more with POST /v1/judgments")
+            # the store's state, not the request: 409, and the same request succeeds once enough are recorded
+            raise Conflict(f"training a judge needs at least {MIN_TRAIN_JUDGMENTS} judgments that prefer a "
+                           f"response (ties are not trained on); the store has {len(rows)}",
+                           code="too_few_judgments", hint="record more with POST /v1/judgments")
         examples = fmt.training_examples(rows)
         try:
             request = SFTRequest.model_validate({

@@ -22,6 +22,7 @@ from kiln.config import LoadedSettings
 from kiln.serving.body_limit import BodyLimitMiddleware
 from kiln.serving.errors import install_error_handlers
 from kiln.serving.openapi import install_openapi
+from kiln.serving.openapi_bounds import RuntimeBounds
 from kiln.serving.paths import PathRedactor
 from kiln.serving.security import SecurityMiddleware, SecurityPolicy
 from kiln.serving.state import (  # noqa: F401  (re-exported: build_state is the public entry)
@@ -95,7 +96,7 @@ def create_app(loaded_settings: LoadedSettings, loaded_model=None, *, state: Kil
     routers += (routes_judgments.router,)
     for router in routers:
         app.include_router(router)
-    install_openapi(app, kiln_state.model_id)
+    install_openapi(app, kiln_state.model_id, RuntimeBounds.of(kiln_state))
     # Innermost first: the generation routes skip FastAPI's per-request machinery but stay
     # inside the metrics, body-limit and security middlewares.
     app.add_middleware(FastRoutes, state=kiln_state, routes=FAST_ROUTES)

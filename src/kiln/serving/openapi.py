@@ -30,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 
 from kiln.serving import openai_responses as oai
 from kiln.serving import protocol as p
+from kiln.serving.openapi_bounds import RuntimeBounds, apply_runtime_bounds
 
 REF = "#/components/schemas/{model}"
 
@@ -61,8 +62,9 @@ def _teacher_docs() -> dict[tuple[str, str], RouteDoc]:
     from kiln.serving.routes_teachers import TeacherInfo, TeacherList, TeacherManifestInfo
 
     return {
-        # 409: alias exists or the teacher's answer breaks the identity contract; 413: answer over the byte cap;
-        # 503: teacher unreachable or its credential unusable.
+        # 404: credential_id names no configured credential (unknown_credential), or a local teacher's adapter is
+        # not loaded; 409: alias exists or the teacher's answer breaks the identity contract; 413: answer over the
+        # byte cap; 503: teacher unreachable or its credential unusable.
         ("post", "/v1/teachers"): RouteDoc(TeacherInfo, (400, 404, 409, 413, 503), status=201),
         ("get", "/v1/teachers"): RouteDoc(TeacherList, (503,)),
         ("get", "/v1/teachers/{alias}"): RouteDoc(TeacherInfo, (404, 503)),
@@ -98,11 +100,12 @@ def _judgment_docs() -> dict[tuple[str, str], RouteDoc]:
         ("get", "/v1/judgments"): RouteDoc(j.JudgmentList, (400, 404, 503)),
         ("get", "/v1/judgments/export"): RouteDoc(None, (503,), media="application/x-ndjson"),
         ("get", "/v1/judgments/{judgment_id}"): RouteDoc(j.Judgment, (404, 503)),
-        # 400: too few judgments or a training field; 403: stable profile; 404/409/503 as for POST /v1/train/sft.
+        # 400: a training field or judgments that do not fit an SFT request; 403: stable profile; 409: too few
+        # judgments stored (too_few_judgments); 404/409/503 as for POST /v1/train/sft.
         ("post", "/v1/judgments/train"): RouteDoc(j.JudgeTrainResponse, (400, 403, 404, 409, 503), status=202),
-        # 400: judge not loaded or prompt too long; 409: the tokenizer cannot answer with one letter;
-        # 429: the engine's queue stayed full; 503: the judge did not answer in time.
-        ("post", "/v1/judgments/compare"): RouteDoc(j.CompareResponse, (400, 409, 429, 503)),
+        # 400: prompt too long; 404: the judge is not loaded (judge_not_loaded); 409: the tokenizer cannot answer
+        # with one letter; 429: the engine's queue stayed full; 503: the judge did not answer in time.
+        ("post", "/v1/judgments/compare"): RouteDoc(j.CompareResponse, (400, 404, 409, 429, 503)),
     }
 
 
@@ -246,11 +249,13 @@ REQUEST_EXAMPLES: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
 }
 
 
-def install_openapi(app: FastAPI, model_id: str | None = None) -> None:
+def install_openapi(app: FastAPI, model_id: str | None = None, bounds: RuntimeBounds | None = None) -> None:
     """Replace ``app.openapi`` with the completed document (generated once, then cached).
 
     ``model_id`` (the served model) becomes the example of every request's ``model``
-    field, so the docs' "try it out" and API fuzzers start from a request that runs.
+    field, so the docs' "try it out" and API fuzzers start from a request that runs;
+    ``bounds`` (the configured limits, the context and the vocabulary) tighten the request
+    schemas (:mod:`kiln.serving.openapi_bounds`).
     """
 
     def openapi() -> dict[str, Any]:
@@ -260,6 +265,8 @@ def install_openapi(app: FastAPI, model_id: str | None = None) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             components.update(_component_schemas())
+            if bounds is not None:
+                apply_runtime_bounds(components, bounds)
             if model_id is not None:
                 for name in ("ChatCompletionRequest", "CompletionRequest"):
                     model_field = components.get(name, {}).get("properties", {}).get("model")

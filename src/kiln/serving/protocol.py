@@ -34,6 +34,7 @@ MAX_USER_CHARS = 256
 MAX_CONTENT_PARTS = 256
 MAX_MESSAGES = 100_000
 MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_KEY = r"^[0-9]{1,9}$"  # a token ID as a string (kiln.serving.openapi_bounds adds the vocabulary's bound)
 MAX_PROMPTS = 256  # prompts in one completion request
 MAX_GUIDED_CHOICES = 1024
 MAX_TOOLS = 128
@@ -200,7 +201,9 @@ _CONSTRAINTS = (_given("guided_json"), _given("guided_regex"), _given("guided_ch
                 field_is("response_format", {"allOf": [NOT_NULL, {"properties": {"type": {"not": {"const": "text"}}}}]}))
 
 
-_SAMPLING_RULES = rules(*(never_both(a, b) for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:]))
+_SAMPLING_RULES = rules(*(never_both(a, b) for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:]),
+                        # stream_options only with stream=true (prepare.check_request)
+                        when(field_is("stream_options", NOT_NULL), field_is("stream", {"const": True})))
 
 
 class _Sampling(_Request):
@@ -223,9 +226,11 @@ class _Sampling(_Request):
                                      "the output so far (OpenAI)")
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="vLLM/transformers: "
                                       "> 1 discourages tokens of the prompt and output")
-    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+    # propertyNames: patternProperties alone would leave other keys unconstrained in the document
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=LOGIT_BIAS_KEY)],
                                Annotated[float, Field(ge=-100.0, le=100.0)]],
-                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+                          Field(max_length=MAX_LOGIT_BIAS,
+                                json_schema_extra={"propertyNames": {"pattern": LOGIT_BIAS_KEY}})] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, in [-100, 100]")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM: keep tokens with p >= min_p * p(best)")
     min_tokens: WireInt = Field(0, ge=0, le=MAX_TOKENS, description="vLLM: no end-of-sequence or stop token before "

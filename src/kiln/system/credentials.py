@@ -13,7 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from kiln.errors import InvalidRequest, Unavailable
+from kiln.errors import NotFound, Unavailable
+
+# a credential's <id> in kiln.toml (config) and a teacher registration's ``credential_id`` (published in /openapi.json)
+CREDENTIAL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class CredentialError(Unavailable):
@@ -65,9 +68,10 @@ class CredentialHandle:
 def resolve_credential(credentials: Mapping[str, object], credential_id: str) -> CredentialHandle:
     cred = credentials.get(credential_id)
     if cred is None:
-        raise InvalidRequest(f"credential_id {credential_id!r} is not configured",
-                             code="unknown_credential",
-                             hint="add [teachers.credentials.<id>] origin and api_key_env to kiln.toml and restart")
+        # a resource the request names that this server does not have (its configuration's): 404
+        raise NotFound(f"credential_id {credential_id!r} is not configured", code="unknown_credential",
+                       param="credential_id",
+                       hint="add [teachers.credentials.<id>] origin and api_key_env to kiln.toml and restart")
     handle = CredentialHandle(credential_id, cred.origin, cred.api_key_env)  # type: ignore[attr-defined]
     problem = _secret_problem(handle.api_key_env, os.environ)
     if problem is not None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.canonical import atomic_write_json, sha256_hex
 from kiln.errors import Conflict, InvalidRequest, NotFound
-from kiln.system.credentials import CredentialHandle, resolve_credential
+from kiln.system.credentials import CREDENTIAL_ID_PATTERN, CredentialHandle, resolve_credential
 from kiln.teachers.identity import IDENTITY_SCHEMA, PROTOCOL, TeacherIdentityV1
 from kiln.teachers.probe import LocalTeacher, ProbeReport, RemoteTeacher, StudentFacts, probe
 from kiln.wire_rules import NOT_NULL, field_is, rules, when
@@ -79,7 +79,8 @@ class TeacherRequest(BaseModel):
     model_id: str | None = Field(None, min_length=1, max_length=128,
                                  description="remote: the teacher's served model ID")
     url: str | None = Field(None, max_length=MAX_URL_CHARS, description="remote: exact base URL")
-    credential_id: str | None = Field(None, max_length=64, description="a [teachers.credentials.<id>] entry")
+    credential_id: str | None = Field(None, max_length=64, pattern=CREDENTIAL_ID_PATTERN,
+                                      description="a [teachers.credentials.<id>] entry (404 when none has this id)")
     adapter: str | None = Field(None, max_length=64, description="local: a loaded adapter to teach with")
 
     @model_validator(mode="before")
