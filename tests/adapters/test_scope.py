@@ -153,3 +153,14 @@ def test_a_scoped_adapter_is_measured_routed_once():
     m = _Measures(_figures(3), _figures(10))
     figures, verdict, update = auto_scope(AUTO | {"scope": SCOPE_CORRECTIONS}, m, _judge)
     assert figures == _figures(10) and update == {} and len(m.indexes) == 1 and m.indexes[0] is not None
+
+
+def test_kiln_train_says_when_the_default_scope_published_the_adapter_scoped():
+    from kiln.training.cli import locality_lines
+
+    m = _Measures(_figures(3, degenerate=2), _figures(10, scope={"in": 0, "out": 10}))
+    figures, _, _ = auto_scope(AUTO, m, _judge)
+    lines = locality_lines(figures)
+    assert lines[0].startswith("locality: 10 of 10 probe answers unchanged")
+    assert lines[1].startswith("scoped to its corrections") and "unscoped it kept 3 of 10 probe answers" in lines[1]
+    assert len(locality_lines(_figures(9))) == 1 and locality_lines({"measured": False}) == []

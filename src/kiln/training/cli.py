@@ -39,10 +39,8 @@ def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
     res = job["result"]
     typer.echo(f"published {res['adapter']} revision {res['revision'][:12]}"
                + (" (serving now)" if res["activated"] else "") + f" in {res['timings_s']['total']:.2f}s")
-    loc = res.get("locality") or {}
-    if loc.get("unchanged_fraction") is not None:
-        typer.echo(f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL "
-                   f"{loc['kl_mean']:.4f} nats/token, {loc['degenerate']} made degenerate")
+    for line in locality_lines(res.get("locality") or {}):
+        typer.echo(line)
     held = res.get("held_back")
     if held and str(held.get("code", "")).startswith("locality_"):  # the locality guard
         typer.echo(f"not served: {held['reason']} (serve it anyway: kiln adapters load {res['adapter']}, "
@@ -50,6 +48,21 @@ def _submit(kind: str, url: str, body: dict[str, Any], wait: bool) -> None:
     elif held:  # the activation was refused (quarantine, memory, a failed canary)
         typer.echo(f"not served ({held['code']}): {held['reason']} (kiln adapters load {res['adapter']} "
                    "once that is resolved)", err=True)
+
+
+def locality_lines(loc: dict[str, Any]) -> list[str]:
+    """What ``kiln train`` prints of a job's locality: the figures, and when scope "auto" published the adapter
+    scoped, that it answers only questions about its corrections and why (docs/training.md, "Scoped corrections")."""
+    if loc.get("unchanged_fraction") is None:
+        return []
+    lines = [f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL "
+             f"{loc['kl_mean']:.4f} nats/token, {loc['degenerate']} made degenerate"]
+    auto = loc.get("auto_scope")
+    if auto:
+        un = auto.get("unscoped") or {}
+        lines.append(f"scoped to its corrections: it answers questions about them and the base model the rest "
+                     f"(unscoped it kept {un.get('unchanged')} of {un.get('probes')} probe answers: {auto.get('reason')})")
+    return lines
 
 
 def _common(adapter: str, epochs: Optional[int], lr: Optional[float], rank: Optional[int], base: Optional[str],
