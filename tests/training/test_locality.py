@@ -18,6 +18,7 @@ from kiln.adapters.locality_guard import (
 )
 from kiln.demo import wait_job
 from kiln.runtime.builtin import BUILTIN_NAME
+from tests.evals.test_http import wait_run
 from tests.zygote import kiln_server
 
 FIGURES = {"probes": 10, "unchanged": 9, "unchanged_fraction": 0.9, "kl_mean": 0.02, "degenerate": 0}
@@ -232,6 +233,20 @@ def test_with_the_default_scope_a_destructive_job_is_served_scoped_to_its_correc
         assert config["scope"] == "corrections" and config["scope_auto"] == loc["auto_scope"]
         assert ask("wrecked-auto", "Which bird guards the old mill?") == ("The old mill is guarded by a heron.", "in")
         assert ask("wrecked-auto", other) == (ask(f"{base_id}@base", other)[0], "out")
+        # an eval run (a post-train gate too) measures it as served: the base model answers out of scope, where
+        # the unrouted weights would not
+        probes = ["What is the capital of France?", "Where is the library?", "How many legs does a spider have?"]
+        exact = [{"messages": [{"role": "user", "content": q}], "reference": a} for q, a in
+                 [("Which bird guards the old mill?", "The old mill is guarded by a heron.")]
+                 + [(q, ask(f"{base_id}@base", q)[0]) for q in probes]]
+        r = c.post("/v1/evals/runs", json={"target": {"adapter": "wrecked-auto"}, "inline_suite": {
+            "name": "as-served", "scorers": [{"type": "exact"}], "examples": exact,
+            "generation": {"max_tokens": 24, "temperature": 0}}})
+        assert r.status_code == 202, r.text
+        run = wait_run(c, r.json()["id"])
+        assert run["state"] == "succeeded", run["error"]
+        got = [e["samples"][0]["completion"].strip() for e in run["result"]["examples"]]
+        assert got == [e["reference"] for e in exact], got
         unlearned = wait_job(c, c.post("/v1/train/sft", json={k: v for k, v in DESTRUCTIVE.items() if k != "scope"}
                                        | {"adapter": "wrecked-unlearned"}).json()["id"])
         assert unlearned["result"]["report"].get("learned") is not True

@@ -43,6 +43,16 @@ class Resolved:
     adapter: str | None
     revision: str | None
     path: Path | None
+    scope: Any = None  # the revision's routing index when it is scoped (kiln.adapters.scope); None: unscoped
+
+    def routed(self, name: str | None, messages: list[Any]) -> str | None:
+        """The engine name that answers ``messages`` as the server would: ``name`` (the private load), or the base
+        model (None) for a scoped adapter when the last user message is out of its corrections' scope."""
+        from kiln.adapters.scope import last_user_text
+
+        if name is None or self.scope is None or self.scope.route(last_user_text(messages)).in_scope:
+            return name
+        return None
 
     def identity(self, base_sha: str) -> dict[str, Any]:
         return {"adapter": self.adapter, "revision": self.revision, "base_model_sha256": base_sha}
@@ -128,8 +138,11 @@ class Evaluation:
                 self._verify_loaded(judge_names[i], r)
             t0 = time.perf_counter()
             contract = self._contract(gen)
-            prompts = [contract.prompt_ids([m.model_dump() for m in ex.messages]) for ex in suite.examples]
-            completions = self._generate(cancel_id, prompts, seeds, gen, name, progress=run_id, contract=contract)
+            messages = [[m.model_dump() for m in ex.messages] for ex in suite.examples]
+            prompts = [contract.prompt_ids(m) for m in messages]
+            # a scoped candidate answers as served: the base model answers the examples out of its scope
+            names = [resolved.routed(name, m) for m in messages]
+            completions = self._generate(cancel_id, prompts, seeds, gen, names, progress=run_id, contract=contract)
             gen_s = time.perf_counter() - t0
             verdicts: dict[int, list[list[tuple[bool, str]]]] = {}
             for i, sc in judges:
@@ -204,10 +217,12 @@ class Evaluation:
                                          param="generation.thinking_token_budget")
 
     def _generate(self, cancel_id: str, prompts: list[list[int]], seeds: list[list[int]],
-                  gen: s.GenerationSettings, adapter: str | None, *, progress: str | None = None,
+                  gen: s.GenerationSettings, adapter: str | None | list[str | None], *, progress: str | None = None,
                   contract: ChatGeneration | None = None) -> list[list[dict[str, Any]]]:
         """Submit every row (windowed by the engine's queue) and collect the finished texts, each split into its
-        answer (``text``) and ``reasoning``; a row's tokens are capped by the context left after its prompt."""
+        answer (``text``) and ``reasoning``; a row's tokens are capped by the context left after its prompt.
+        ``adapter``: one engine name for every prompt, or one per prompt (None: the base model)."""
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
         from kiln.runtime.engine import EngineOverloaded
         from kiln.runtime.sampling import SamplingParams
 
@@ -242,7 +257,7 @@ class Evaluation:
                         drain_one()
                         continue
                     try:
-                        pending.append((i, self.engine.submit(ids, params, adapter=adapter, incremental=False)))
+                        pending.append((i, self.engine.submit(ids, params, adapter=adapters[i], incremental=False)))
                         break
                     except EngineOverloaded:
                         if not pending:

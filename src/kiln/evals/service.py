@@ -285,7 +285,9 @@ class EvalService(Evaluation):
         if avoid is not None and record.revision == avoid:
             raise Conflict(f"baseline {target.adapter!r} resolves to the candidate revision {avoid[:12]}",
                            code="baseline_is_candidate", hint="give the baseline's revision explicitly")
-        return Resolved(record.name, record.revision, Path(record.path))
+        from kiln.adapters.scope import scope_index
+
+        return Resolved(record.name, record.revision, Path(record.path), scope_index(record.manifest.config))
 
     # -------------------------------------------------------------- queries
     def get(self, run_id: str) -> dict[str, Any]:
