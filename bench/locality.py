@@ -97,6 +97,8 @@ class Setting:
     # the base answers
     auto: bool = False  # world: scope "auto" as a job resolves it (kiln.adapters.scope.auto_scope): unscoped while the
     # server's default probe set passes the locality guard, scoped from the first job whose figures do not
+    auto_world_probes: bool = False  # world, auto: the probe set is the operator's own, the world's questions left
+    # over (neither corrected nor measured; run with --spec-sample below 100), `[locality] probes = 0`
 
 
 class Model:
@@ -505,6 +507,9 @@ WORLD_SETTINGS = {
     "defaults (weight decay 1, scope auto)": Setting("auto", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8,
                                                      every=1, weight_decay=1.0, auto=True,
                                                      targets=("down_proj", "gate_proj", "up_proj")),
+    "defaults, scope auto, probed on the world's own questions": Setting(
+        "auto-wq", lr=2e-3, anchor=64, anchor_per_step=8, anchor_weight=8, every=1, weight_decay=1.0, auto=True,
+        auto_world_probes=True, targets=("down_proj", "gate_proj", "up_proj")),
     "plain PEFT loop, lr 1e-4, 100 steps": Setting("plain", lr=1e-4, max_steps=100, plain=True, replay=False),
 }
 
@@ -548,7 +553,8 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
             init, steps, secs = adapter_state(m, "edit"), steps + rep["steps"], secs + rep["seconds"]
             if s.auto and not routed:
                 routed = auto_scoped(m, [(facts[j].question(0), facts[j].answer(new_values[j])) for j in edits[:k + 1]],
-                                     k + 1, learned=rep["learned"] is True)
+                                     k + 1, learned=rep["learned"] is True,
+                                     user_probes=rest[:64] if s.auto_world_probes else None)
             if k + 1 in counts:
                 done = edits[:k + 1]
                 eff = [m.text(a) for a in m.greedy("edit", [facts[j].question(0) for j in done])]
@@ -579,18 +585,21 @@ def world_run(m: Model, counts: list[int], settings: dict[str, Setting], spec_sa
                           + "; ".join(f"{b!r} -> {a!r}" for b, a in changed[:4]), flush=True)
 
 
-def auto_scoped(m: Model, corrections: list[tuple[str, str]], n: int, *, learned: bool) -> bool:
+def auto_scoped(m: Model, corrections: list[tuple[str, str]], n: int, *, learned: bool,
+                user_probes: list[str] | None = None) -> bool:
     """Whether a job of scope "auto" with these stored corrections publishes adapter ``edit`` scoped: the decision a
     job makes (:func:`kiln.adapters.scope.auto_scope`) on the server's default probe set (the base model's own
-    questions, ``[locality]`` defaults) and the guard's default thresholds; prints the figures when it scopes."""
+    questions, ``[locality]`` defaults; or only ``user_probes``, as an operator's ``locality.prompts`` with
+    ``[locality] probes = 0``) and the guard's default thresholds; prints the figures when it scopes."""
     from kiln.adapters.locality_guard import GuardPolicy, guard_verdict
     from kiln.adapters.scope import SCOPE_AUTO, auto_scope
     from kiln.config import LocalitySettings
     from kiln.training.core.locality import measure, probe_set, text_codec
 
     section, codec = LocalitySettings(), text_codec(m.tok)
-    probes = probe_set(m.pm, codec, base_model_sha256=f"bench:{id(m)}", probes=section.probes,
-                       max_tokens=section.max_tokens, seed=section.seed, pad_id=m.pad, end_ids=m.end_ids)
+    probes = probe_set(m.pm, codec, base_model_sha256=f"bench:{id(m)}", probes=0 if user_probes else section.probes,
+                       max_tokens=section.max_tokens, seed=section.seed, user_prompts=user_probes or (),
+                       pad_id=m.pad, end_ids=m.end_ids)
 
     def figures(index: Any) -> dict[str, Any]:
         routed = None if index is None else [index.route(q).in_scope for q in probes.questions]
