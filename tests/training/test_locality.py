@@ -247,6 +247,17 @@ def test_with_the_default_scope_a_destructive_job_is_served_scoped_to_its_correc
         assert run["state"] == "succeeded", run["error"]
         got = [e["samples"][0]["completion"].strip() for e in run["result"]["examples"]]
         assert got == [e["reference"] for e in exact], got
+        # as a local teacher it teaches what it serves: the base model scores the prompts out of its scope, so an
+        # OPD student of it on such a prompt stays the base model there
+        assert c.post("/v1/teachers", json={"alias": "wild", "kind": "local", "adapter": "wrecked-auto"}).status_code \
+            == 201
+        r = c.post("/v1/train/opd", json={"adapter": "wild-student", "teacher": "wild", "auto_load": True,
+                                          "prompts": [{"messages": [{"role": "user", "content": other}]}],
+                                          "locality": {"override": True}})
+        assert r.status_code == 202, r.text
+        student = wait_job(c, r.json()["id"])
+        assert student["state"] == "succeeded", student["error"]
+        assert ask("wild-student", other)[0] == ask(f"{base_id}@base", other)[0]
         unlearned = wait_job(c, c.post("/v1/train/sft", json={k: v for k, v in DESTRUCTIVE.items() if k != "scope"}
                                        | {"adapter": "wrecked-unlearned"}).json()["id"])
         assert unlearned["result"]["report"].get("learned") is not True

@@ -208,12 +208,15 @@ class LocalTeacher:
         self.engine, self.model_id, self.adapter, self._fingerprint = engine, model_id, adapter, fingerprint
 
     def score(self, prompts: Sequence[Sequence[int]], top_k: int, *, max_bytes: int,
-              vocab_size: int | None, score_from: Sequence[int] | None = None) -> ScoreResult:
+              vocab_size: int | None, score_from: Sequence[int] | None = None,
+              base_rows: Sequence[bool] | None = None) -> ScoreResult:
         """``score_from[i]``: prompt ``i``'s rows before it may be ``None`` (the engine reuses cached prompt
-        blocks, :meth:`kiln.runtime.engine.Engine.score_prompt`)."""
+        blocks, :meth:`kiln.runtime.engine.Engine.score_prompt`); ``base_rows[i]``: score prompt ``i`` with the
+        base model (a scoped teacher adapter's prompt outside its corrections, answered by the base when served)."""
         starts = list(score_from) if score_from is not None else [0] * len(prompts)
-        futures = [self.engine.score_prompt(list(ids), top_k, adapter=self.adapter, score_from=s)
-                   for ids, s in zip(prompts, starts)]
+        base = list(base_rows) if base_rows is not None else [False] * len(prompts)
+        futures = [self.engine.score_prompt(list(ids), top_k, adapter=None if b else self.adapter, score_from=s)
+                   for ids, s, b in zip(prompts, starts, base)]
         out, total = [], 0
         for fut in futures:
             rows = fut.result()

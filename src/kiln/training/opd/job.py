@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from kiln.adapters.scope import last_user_text
 from kiln.errors import Conflict, InvalidRequest
 from kiln.runtime.chat_generation import ChatGeneration
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy
@@ -47,6 +48,7 @@ class OPDItem:
     student_ids: tuple[int, ...]
     teacher_ids: tuple[int, ...]
     gold_ids: tuple[int, ...] | None
+    teacher_in_scope: bool = True  # False: a scoped local teacher adapter would not answer it (the base does)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,22 @@ class OPDData:
     rehearsal: int = 0  # questions the base model writes for rehearsal rows (kiln.training.core.rehearsal)
     rehearsal_per_prompt: int = 1  # rehearsal rows per chosen prompt and step
     gen: Any = None  # kiln.runtime.chat_generation.ChatGeneration: prompts rendered, samples' thinking budget
+
+
+def _local_teacher_scope(ctx: PrepareContext, engine: Any, entry: dict[str, Any]) -> Any:
+    """The routing index of a local teacher adapter's served revision when it is scoped
+    (:mod:`kiln.adapters.scope`): the server answers the prompts outside its corrections with the base model, so
+    the teacher does too; None for a remote teacher (its server routes), the base model or an unscoped adapter."""
+    from kiln.adapters.scope import scope_index
+
+    adapter = entry.get("adapter")
+    if entry.get("kind") != "local" or adapter is None:
+        return None
+    revision = engine.active_adapters().get(adapter)
+    try:
+        return scope_index(ctx.store.get(adapter, revision).manifest.config)
+    except Exception:  # noqa: BLE001 - not in the store (a hand-loaded adapter): served unscoped, as the route does
+        return None
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -93,6 +111,7 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
     eos = tok.eos_token_id
     items = []
     assert request.prompts is not None
+    scope = _local_teacher_scope(ctx, engine, entry)
     for i, p in enumerate(request.prompts):
         msgs = [m.model_dump() for m in p.messages]
         s_ids = gen.prompt_ids(msgs)
@@ -104,7 +123,8 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
         if longest > limit or (gold is not None and len(s_ids) + len(gold) > limit):
             raise InvalidRequest(f"prompt {i} plus max_tokens ({longest} tokens) exceeds the limit of {limit}",
                                  code="sequence_too_long", hint="shorten the prompt or lower max_tokens")
-        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold))
+        routed = scope is None or scope.route(last_user_text(msgs)).in_scope
+        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold, teacher_in_scope=routed))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
                    request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
@@ -226,16 +246,18 @@ class _Scorer:
         self.model_id, self.vocab_size = model_id, vocab_size
         self.identity = _identity_of(data.teacher["identity"])
 
-    def __call__(self, seqs: list[list[int]], starts: list[int]) -> Any:
+    def __call__(self, seqs: list[list[int]], starts: list[int], items: list[int]) -> Any:
         """Rows before ``starts`` are not used (a local teacher skips them and reuses the cached prompt: its
-        ``score_from``)."""
+        ``score_from``); ``items``: each sequence's prompt, whose ``teacher_in_scope`` says whether a scoped
+        local teacher adapter answers it (else the base model scores it, as the server would answer)."""
         from kiln.teachers.probe import check_answer, check_request_fits, response_cap
 
         top_k = self.data.top_k
         check_request_fits(self.identity, seqs, top_k)
+        base = [not self.data.items[i].teacher_in_scope for i in items]
         scored = self.teacher.score(seqs, top_k, max_bytes=sum(response_cap(self.identity, len(s), top_k)
                                                                for s in seqs), vocab_size=self.vocab_size,
-                                    score_from=starts)
+                                    score_from=starts, **({"base_rows": base} if any(base) else {}))
         check_answer(scored, model_id=self.model_id, pinned=self.pinned)
         return scored
 
@@ -295,7 +317,7 @@ class _OPDSteps:
         loop.stats["teacher_path_rounds"] = int(loop.stats.get("teacher_path_rounds", 0)) + paths.discover(
             chosen, data.max_tokens, lambda todo: [sc.rows[-1] or {} for sc in self.score(
                 [list(data.items[i].teacher_ids) + known + [dummy] for i, known in todo],
-                [len(data.items[i].teacher_ids) + len(known) for i, known in todo]).prompts])
+                [len(data.items[i].teacher_ids) + len(known) for i, known in todo], [i for i, _ in todo]).prompts])
         loop.stats["teacher_s"] = round(loop.stats["teacher_s"] + time.perf_counter() - t_d, 4)
 
     def _sample(self, chosen: list[int], step: int) -> tuple[list[tuple[int, list[int]]], list[Any]]:
@@ -326,7 +348,8 @@ class _OPDSteps:
         final = {len(samples) - len(todo) + m: i for m, (i, _, left) in enumerate(todo) if left == 0}
         ask = [k for k in range(len(samples)) if final.get(k) not in self.path_rows]
         got = dict(zip(ask, self.score([list(data.items[samples[k][0]].teacher_ids) + samples[k][1] for k in ask],
-                                       [len(data.items[samples[k][0]].teacher_ids) for k in ask]).prompts)) \
+                                       [len(data.items[samples[k][0]].teacher_ids) for k in ask],
+                                       [samples[k][0] for k in ask]).prompts)) \
             if ask else {}
         rows: list[dict[int, float]] = []
         sampled: list[int] = []
