@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -231,6 +234,12 @@ def test_with_the_default_scope_a_destructive_job_is_served_scoped_to_its_correc
         assert result["activated"] is True and "held_back" not in result
         config = c.get("/v1/adapters/wrecked-auto").json()["manifest"]["config"]
         assert config["scope"] == "corrections" and config["scope_auto"] == loc["auto_scope"]
+        listed = {a["name"]: a for a in c.get("/v1/adapters").json()["data"]}["wrecked-auto"]
+        assert listed["receipt"]["locality"]["auto_scope"] == loc["auto_scope"]  # the adapters page's badge reads it
+        verify = subprocess.run([sys.executable, "-m", "kiln.cli", "adapters", "verify", "wrecked-auto",
+                                 "--base-model", str(home / "models" / BUILTIN_NAME)], capture_output=True, text=True,
+                                timeout=120, env=dict(os.environ, KILN_HOME=str(home), COLUMNS="200"))
+        assert verify.returncode == 0 and "scoped to its corrections by scope auto" in verify.stdout, verify.stdout
         assert ask("wrecked-auto", "Which bird guards the old mill?") == ("The old mill is guarded by a heron.", "in")
         assert ask("wrecked-auto", other) == (ask(f"{base_id}@base", other)[0], "out")
         # an eval run (a post-train gate too) measures it as served: the base model answers out of scope, where

@@ -159,5 +159,6 @@ def _locality_line(loc: dict) -> str:
     guard = loc["guard"]
     verdict = "passed" if not guard["code"] else guard["code"] + (" (admitted by override)" if guard["admitted"]
                                                                    else " (not activated by the job)")
+    scoped = "; scoped to its corrections by scope auto" if loc.get("auto_scope") else ""
     return (f"locality: {loc['unchanged']} of {loc['probes']} probe answers unchanged, mean KL {loc['kl_mean']} "
-            f"nats/token, {loc['degenerate']} made degenerate; guard {verdict}")
+            f"nats/token, {loc['degenerate']} made degenerate; guard {verdict}{scoped}")

@@ -92,7 +92,8 @@ def training_claims(*, job_id: str, plan_sha256: str, inputs: dict[str, Any], te
     return claims | ({"locality": locality} if locality is not None else {})
 
 
-LOCALITY_SUMMARY = ("probes", "unchanged", "unchanged_fraction", "kl_mean", "degenerate", "base_degenerate")
+LOCALITY_SUMMARY = ("probes", "unchanged", "unchanged_fraction", "kl_mean", "degenerate", "base_degenerate",
+                    "scope", "auto_scope")  # scope: {in, out} of a scoped adapter; auto_scope: why "auto" scoped it
 
 
 def locality_summary(locality: Any) -> dict[str, Any] | None:

@@ -540,7 +540,8 @@ class ReceiptSummary(_Response):
     gate: str | None = Field(description="the post-train gate's verdict recorded in the receipt")
     locality: dict[str, Any] | None = Field(
         None, description="the job's locality figures (probes, unchanged, unchanged_fraction, kl_mean, degenerate, "
-                          "base_degenerate, error) and the locality guard's verdict (admitted, code, override); "
+                          "base_degenerate, error; scope and auto_scope for a scoped adapter) and the locality "
+                          "guard's verdict (admitted, code, override); "
                           "None when not measured (docs/training.md, \"Locality\")")
 
 
