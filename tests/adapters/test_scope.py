@@ -164,3 +164,14 @@ def test_kiln_train_says_when_the_default_scope_published_the_adapter_scoped():
     assert lines[0].startswith("locality: 10 of 10 probe answers unchanged")
     assert lines[1].startswith("scoped to its corrections") and "unscoped it kept 3 of 10 probe answers" in lines[1]
     assert len(locality_lines(_figures(9))) == 1 and locality_lines({"measured": False}) == []
+
+
+@pytest.mark.parametrize("scope", ["auto", "corrections"])
+def test_a_routed_scope_needs_inline_corrections(scope):
+    from pydantic import ValidationError
+
+    from kiln.training.schemas import SFTRequest
+
+    with pytest.raises(ValidationError, match=f'scope "{scope}" routes by stored corrections'):
+        SFTRequest.model_validate({"adapter": "x", "scope": scope, "dataset_path": "d.jsonl"})
+    assert SFTRequest.model_validate({"adapter": "x", "dataset_path": "d.jsonl"}).scope is None  # resolves to off
