@@ -61,8 +61,9 @@ def auto_scope(config: dict[str, Any], measure: Callable[[ScopeIndex | None], di
     ``(figures, verdict, config_update)``. A job whose scope is ``"auto"`` is measured unscoped first; when the
     guard refuses those figures (and would not be overridden), the job verified it ``learned`` its corrections (an
     adapter that did not is no better on its own questions: nothing to route to), and the same adapter routed by
-    its corrections passes, the adapter is published scoped: ``config_update`` sets ``scope`` to ``"corrections"`` and records why
-    under ``scope_auto``, and the figures are the scoped ones with the unscoped ones under ``auto_scope``. So a
+    its corrections passes, the adapter is published scoped: ``config_update`` sets ``scope`` to
+    ``"corrections"`` and records why under ``scope_auto``, and the figures are the scoped ones with the unscoped
+    ones under ``auto_scope``. So a
     correction generalises in weight space while that keeps the other answers, and falls back to answering only
     questions about its corrections when it does not."""
     figures = measure(scope_index(config))
