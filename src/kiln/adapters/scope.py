@@ -23,10 +23,13 @@ calls it per request without touching the model.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+log = logging.getLogger(__name__)
 
 SCOPE_KEY = "scope"  # manifest config key: "corrections" when the adapter routes by its stored corrections
 SCOPE_CORRECTIONS = "corrections"
@@ -90,6 +93,19 @@ def scope_index(config: dict[str, Any]) -> ScopeIndex | None:
         return None
     stored = config.get("corrections")
     return ScopeIndex.from_corrections([e for e in stored if isinstance(e, dict)] if isinstance(stored, list) else [])
+
+
+def revision_scope(store: Any, adapter: str, revision: str | None) -> ScopeIndex | None:
+    """The routing index of ``adapter`` at ``revision`` in ``store`` (:class:`kiln.adapters.store.AdapterStore`);
+    None when it is not scoped, not loaded (``revision`` None) or not in the store (a private or vanished revision:
+    served unscoped)."""
+    if revision is None:
+        return None
+    try:
+        return scope_index(store.get(adapter, revision).manifest.config)
+    except Exception as exc:  # noqa: BLE001 - the store's typed errors and a damaged manifest alike: unscoped
+        log.debug("no scope for %s@%s: %s", adapter, revision, exc)
+        return None
 
 
 def content_words(text: str) -> frozenset[str]:
@@ -188,6 +204,10 @@ class ScopeIndex:
         if not rest:
             return True, score
         return self._weight(rest & words) / self._weight(rest) >= self.rest_recall - 1e-12, score
+
+    def covers(self, messages: list[Any]) -> bool:
+        """Whether a chat (its last user message, :func:`last_user_text`) is in scope: the adapter answers it."""
+        return self.route(last_user_text(messages)).in_scope
 
     def route(self, text: str) -> Decision:
         """Is ``text`` (a request's last user message) in scope of some key?"""

@@ -48,11 +48,7 @@ class Resolved:
     def routed(self, name: str | None, messages: list[Any]) -> str | None:
         """The engine name that answers ``messages`` as the server would: ``name`` (the private load), or the base
         model (None) for a scoped adapter when the last user message is out of its corrections' scope."""
-        from kiln.adapters.scope import last_user_text
-
-        if name is None or self.scope is None or self.scope.route(last_user_text(messages)).in_scope:
-            return name
-        return None
+        return name if name is None or self.scope is None or self.scope.covers(messages) else None
 
     def identity(self, base_sha: str) -> dict[str, Any]:
         return {"adapter": self.adapter, "revision": self.revision, "base_model_sha256": base_sha}
@@ -222,10 +218,10 @@ class Evaluation:
         """Submit every row (windowed by the engine's queue) and collect the finished texts, each split into its
         answer (``text``) and ``reasoning``; a row's tokens are capped by the context left after its prompt.
         ``adapter``: one engine name for every prompt, or one per prompt (None: the base model)."""
-        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
         from kiln.runtime.engine import EngineOverloaded
         from kiln.runtime.sampling import SamplingParams
 
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
         window = max(1, self.engine.config.max_queued_rows // 2)
         out: list[list[dict[str, Any]] | None] = [None] * len(prompts)
         pending: list[tuple[int, Any]] = []

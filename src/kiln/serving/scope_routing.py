@@ -10,16 +10,13 @@ completion request whose prompts disagree) and counted in
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from kiln.adapters.scope import ScopeIndex, last_user_text, scope_index
+from kiln.adapters.scope import ScopeIndex, last_user_text, revision_scope
 from kiln.serving.state import KilnState
-
-log = logging.getLogger(__name__)
 
 SCOPE_HEADER = "x-kiln-scope"
 _CACHE_SIZE = 64
@@ -33,11 +30,7 @@ def _index(state: KilnState, adapter: str, revision: str) -> ScopeIndex | None:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    try:
-        index = scope_index(state.store.get(adapter, revision).manifest.config)
-    except Exception as exc:  # a private or vanished revision: served unscoped, as before
-        log.debug("no scope for %s@%s: %s", adapter, revision, exc)
-        index = None
+    index = revision_scope(state.store, adapter, revision)  # a private or vanished revision: unscoped
     with _lock:
         _cache[key] = index
         while len(_cache) > _CACHE_SIZE:

@@ -193,10 +193,10 @@ class DistributedRecipe(SFTRecipe):
         barrier(self.world)
         return record
 
-    def measure_locality(self) -> dict[str, Any] | None:  # type: ignore[override]
+    def measure_locality(self, report: Any) -> dict[str, Any] | None:  # type: ignore[override]
         """One process measures as the server does; a torchrun world does not measure yet (the adapter is
         sharded or replicated across the ranks): its receipt has no locality."""
-        return None if self.world.distributed else super().measure_locality()
+        return None if self.world.distributed else super().measure_locality(report)
 
     def activate(self, record: AdapterRecord | None) -> None:  # type: ignore[override]
         self.activated = False  # no server here: `kiln adapters load <name>` serves it

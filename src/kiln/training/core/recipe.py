@@ -71,7 +71,6 @@ class TrainingRecipe:
         self.locality: dict[str, Any] | None = None  # the adapter's locality figures and guard verdict
         self.held_back: dict[str, Any] | None = None  # the guard's reason when it held back an asked-for activation
         self.config_update: dict[str, Any] = {}  # set by measure_locality: an "auto" scope resolved to "corrections"
-        self.learned = False  # set after training: whether the job's learned check passed
         self._t = time.perf_counter()
 
     def run(self) -> dict[str, Any]:
@@ -79,8 +78,7 @@ class TrainingRecipe:
         self.setup()
         try:
             report = self.train(resume)
-            self.learned = report.extra.get("learned") is True  # the learned check passed on every example
-            self.locality = self.measure_locality()
+            self.locality = self.measure_locality(report)
             staging = self.save()
         finally:
             self.ctx.engine.delete_private_adapter(self.private)
@@ -116,7 +114,7 @@ class TrainingRecipe:
     def train(self, resume: Checkpoint | None) -> Report:
         raise NotImplementedError
 
-    def measure_locality(self) -> dict[str, Any]:
+    def measure_locality(self, report: Report) -> dict[str, Any]:
         """The adapter's locality (:func:`kiln.training.core.locality.job_locality`) as it will be served, with the
         locality guard's verdict (:func:`kiln.adapters.locality_guard.guard_verdict`); a job whose scope is
         ``"auto"`` and whose unscoped figures the guard refuses is published scoped to its corrections when that
@@ -141,7 +139,7 @@ class TrainingRecipe:
 
         figures, verdict, self.config_update = auto_scope(
             self.plan.request, measure, lambda f: guard_verdict(f, policy, override=bool(request.get("override"))),
-            learned=self.learned)
+            learned=report.extra.get("learned") is True)  # the learned check passed on every example
         self._phase("locality")
         return {**(figures if figures is not None else {"measured": False}), "guard": verdict}
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from kiln.adapters.scope import last_user_text
+from kiln.adapters.scope import revision_scope
 from kiln.errors import Conflict, InvalidRequest
 from kiln.runtime.chat_generation import ChatGeneration
 from kiln.training.core.engine_sampling import check_samples_fit_queue, sample_policy
@@ -74,16 +74,10 @@ def _local_teacher_scope(ctx: PrepareContext, engine: Any, entry: dict[str, Any]
     """The routing index of a local teacher adapter's served revision when it is scoped
     (:mod:`kiln.adapters.scope`): the server answers the prompts outside its corrections with the base model, so
     the teacher does too; None for a remote teacher (its server routes), the base model or an unscoped adapter."""
-    from kiln.adapters.scope import scope_index
-
     adapter = entry.get("adapter")
     if entry.get("kind") != "local" or adapter is None:
         return None
-    revision = engine.active_adapters().get(adapter)
-    try:
-        return scope_index(ctx.store.get(adapter, revision).manifest.config)
-    except Exception:  # noqa: BLE001 - not in the store (a hand-loaded adapter): served unscoped, as the route does
-        return None
+    return revision_scope(ctx.store, adapter, engine.active_adapters().get(adapter))
 
 
 def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
@@ -123,8 +117,7 @@ def prepare_opd(ctx: PrepareContext, request: OPDRequest) -> JobPlan[OPDData]:
         if longest > limit or (gold is not None and len(s_ids) + len(gold) > limit):
             raise InvalidRequest(f"prompt {i} plus max_tokens ({longest} tokens) exceeds the limit of {limit}",
                                  code="sequence_too_long", hint="shorten the prompt or lower max_tokens")
-        routed = scope is None or scope.route(last_user_text(msgs)).in_scope
-        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold, teacher_in_scope=routed))
+        items.append(OPDItem(tuple(s_ids), tuple(t_ids), gold, teacher_in_scope=scope is None or scope.covers(msgs)))
     inputs = [p.model_dump(mode="json") for p in request.prompts]
     data = OPDData(tuple(items), entry, request.samples_per_prompt, request.temperature, request.top_p,
                    request.max_tokens, request.top_k, request.loss, request.ce_weight or 0.0,
