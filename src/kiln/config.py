@@ -107,7 +107,7 @@ class ModelSettings(_Section):
 class BatchingSettings(_Section):
     token_budget: int = Field(512, ge=1, le=1_000_000)  # tokens (prompt chunks + decoding rows) per scheduling cycle
     max_running_rows: int = Field(32, ge=1, le=4096)  # rows decoding at once
-    max_queued_rows: int = Field(256, ge=0, le=1_000_000)  # rows waiting for a slot (429 beyond)
+    max_queued_rows: int = Field(256, ge=1, le=1_000_000)  # rows waiting for a slot (429 beyond); 0 would serve nothing
     prefill_chunk_tokens: int = Field(256, ge=1, le=1_000_000)  # a long prompt is prefilled in chunks of this many tokens
     kv_budget_bytes: int = Field(0, ge=0)  # paged KV pool size; 0: max_running_rows x max_model_len worth
     kv_budget_fraction: float = Field(0.0, ge=0.0, le=0.9)  # or this fraction of RAM (CUDA: device memory)

@@ -145,3 +145,56 @@ def test_decimals_below_is_exactly_the_keys_under_the_vocabulary(n):
         for key in {text, text.zfill(9), "0" + text}:
             if len(key) <= 9:
                 assert bool(pattern.fullmatch(key)) == (v < n), (n, key)
+
+
+def _request_components() -> dict[str, Any]:
+    """The five request schemas apply_runtime_bounds lowers, as pydantic generates them (static ceilings)."""
+    from pydantic.json_schema import models_json_schema
+
+    from kiln.serving import protocol as p
+
+    models = (p.ChatCompletionRequest, p.CompletionRequest, p.BatchCompletionRequest, p.TokenizeChatRequest,
+              p.DetokenizeRequest)
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/$defs/{model}")
+    return defs["$defs"]
+
+
+def test_no_stop_sequences_allowed_refuses_a_single_stop_string_in_the_document():
+    """``limits.max_stop_sequences = 0``: the server refuses ``stop: "x"`` (one sequence, over 0), so the
+    document must not admit it either; before, only the array member was lowered and the string stayed."""
+    import jsonschema
+
+    from kiln.serving.openapi_bounds import RuntimeBounds, apply_runtime_bounds
+    from kiln.serving.prepare import check_limits
+    from kiln.errors import InvalidRequest
+
+    limits = LimitsSettings(max_stop_sequences=0)
+    components = _request_components()
+    apply_runtime_bounds(components, RuntimeBounds(vocab_size=100, max_model_len=64, max_request_rows=8,
+                                                   limits=limits))
+    stop = components["CompletionRequest"]["properties"]["stop"]
+    check = jsonschema.Draft202012Validator(stop)
+    assert not check.is_valid("x") and not check.is_valid(["x"])
+    assert check.is_valid([]) and check.is_valid(None)
+    state = type("S", (), {"settings": type("T", (), {"limits": limits})()})()
+    req = type("R", (), {"n": 1})()
+    check_limits(state, req, None, [])  # what the document admits passes
+    with pytest.raises(InvalidRequest, match="max_stop_sequences=0"):
+        check_limits(state, req, None, ["x"])
+    # with a bound of 1 or more, a lone string stays admitted (it is one sequence)
+    components = _request_components()
+    apply_runtime_bounds(components, RuntimeBounds(vocab_size=100, max_model_len=64, max_request_rows=8,
+                                                   limits=LimitsSettings(max_stop_sequences=1)))
+    assert jsonschema.Draft202012Validator(components["ChatCompletionRequest"]["properties"]["stop"]).is_valid("x")
+
+
+def test_a_queue_of_zero_rows_is_a_config_error():
+    """``batching.max_queued_rows = 0`` would refuse every generation request (no row can queue) while the
+    document still admitted ``n = 1``: the setting is refused at load instead."""
+    from pydantic import ValidationError
+
+    from kiln.config import BatchingSettings
+
+    assert BatchingSettings(max_queued_rows=1).max_queued_rows == 1
+    with pytest.raises(ValidationError, match="max_queued_rows"):
+        BatchingSettings(max_queued_rows=0)

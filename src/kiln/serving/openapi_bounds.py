@@ -8,7 +8,8 @@ client (or a fuzzer) reading ``/openapi.json`` knows what will be refused before
 * a token ID (token-ID prompts, ``stop_token_ids``, ``/detokenize`` tokens): ``maximum`` vocabulary
   size - 1, and a ``logit_bias`` key (a token ID as a string) a pattern of the decimals below the
   vocabulary size; a token-ID prompt: at most ``max_model_len`` - 1 IDs (a longer one leaves no room to answer);
-* ``n`` <= ``limits.max_n`` (and ``batching.max_queued_rows``), ``stop`` <= ``limits.max_stop_sequences``,
+* ``n`` <= ``limits.max_n`` (and ``batching.max_queued_rows``), ``stop`` <= ``limits.max_stop_sequences``
+  (with 0, a single stop string is no longer admitted either),
   ``logprobs`` / ``top_logprobs`` <= ``limits.max_logprobs``, ``prompt_logprobs`` <=
   ``limits.max_prompt_logprobs``, ``max_tokens`` / ``max_completion_tokens`` <= ``limits.max_tokens_cap``,
   ``messages`` <= ``limits.max_messages``, the batch route's ``prompts`` <= ``limits.max_batch_prompts``,
@@ -52,7 +53,7 @@ class RuntimeBounds:
     def limits_table(self) -> list[tuple[tuple[str, ...], str, str, int]]:
         """(components, property, keyword, bound): each configured limit where a request states it."""
         lim = self.limits
-        rows = max(1, self.max_request_rows)  # 0 queues nothing at all; a schema cannot say "no n", so >= 1
+        rows = self.max_request_rows  # >= 1: batching.max_queued_rows (and vLLM's running rows) are at least 1
         return [
             (SAMPLING, "n", "maximum", min(lim.max_n, rows)),
             (SAMPLING, "stop", "maxItems", lim.max_stop_sequences),
@@ -71,13 +72,15 @@ def apply_runtime_bounds(components: dict[str, Any], bounds: RuntimeBounds) -> N
     for names, prop, keyword, bound in bounds.limits_table():
         for schema in _properties(components, names, prop):
             _lower(schema, keyword, bound)
+            if keyword == "maxItems" and bound == 0 and "anyOf" in schema:  # a lone item (``stop: "x"``) is one too
+                schema["anyOf"] = [m for m in schema["anyOf"] if m.get("type") in ("array", "null")]
     last_id = bounds.vocab_size - 1
     prompt_len = bounds.max_model_len - 1
     for schema in _properties(components, (COMPLETION,), "prompt"):
         _token_ids(schema, last_id, prompt_len)
         for member in schema.get("anyOf", ()):  # a list of prompts (not of IDs): each is at least one row
             if member.get("type") == "array" and member.get("items", {}).get("type") != "integer":
-                _lower(member, "maxItems", max(1, bounds.max_request_rows))
+                _lower(member, "maxItems", bounds.max_request_rows)
     for schema in _properties(components, (BATCH,), "prompts"):
         _token_ids(schema, last_id, prompt_len)
     for schema in _properties(components, SAMPLING, "stop_token_ids"):
