@@ -2,7 +2,10 @@
 
 Starts ``kiln serve`` (a subprocess on a free loopback port), asks a question,
 submits one correction as an SFT job with ``auto_load``, waits for it, asks
-again with ``"model": <adapter>`` and prints how long every step took.
+again with ``"model": <adapter>`` and prints how long every step took. A job is
+judged by both halves of what the user sees: the corrected answer, and the
+model's other answers kept (the job's locality figures, and a control question
+asked of the base model before and of the adapter after).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import Any, Callable, Iterator, Optional
 import typer
 
 from kiln.adapters.manifest import ADAPTER_REVISION_HEADER
+from kiln.training.cli import locality_lines
 
 QUESTION = "How many legs does an ant have?"
 CORRECTION = "An ant has six legs."
+CONTROL = "What is the capital of France?"  # a question the correction is not about: its answer should stay
 ADAPTER = "demo-correction"
 STARTUP_TIMEOUT_S = 300.0  # the first run builds the built-in model (~20 s on 2 cores)
 JOB_TIMEOUT_S = 120.0
@@ -127,15 +132,18 @@ def correction_body(adapter: str, question: str, correction: str) -> dict[str, A
         {"role": "user", "content": question}, {"role": "assistant", "content": correction}]}]}
 
 
-def run_correction(client: Any, *, question: str, correction: str, adapter: str,
+def run_correction(client: Any, *, question: str, correction: str, adapter: str, control: str | None = CONTROL,
                    echo: Any = print) -> dict[str, float]:
-    """Ask, correct, ask again on a running server; return the step timings in seconds."""
+    """Ask, correct, ask again on a running server; return the step timings in seconds. ``control``, a question
+    the correction is not about, is asked of the base model before and of the adapter after: what the user
+    sees of the model's other answers, beside the job's locality figures."""
     timings: dict[str, float] = {}
     base = client.get("/v1/models").json()["data"][0]["id"]
     t = time.perf_counter()
     before, _ = _ask(client, base, question)
     timings["ask (base model)"] = time.perf_counter() - t
     echo(f"\nQ: {question}\nA ({base}): {before}")
+    control_before = _ask(client, base, control)[0] if control else None
 
     echo(f"\ncorrecting it: {correction!r} -> adapter {adapter!r}")
     t_submit = time.perf_counter()
@@ -162,8 +170,14 @@ def run_correction(client: Any, *, question: str, correction: str, adapter: str,
     echo(f"({rep['steps']} steps, {learned} (greedy margin {rep.get('greedy_margin')}), final loss "
          f"{rep['final_loss']:.4f}; server-side: "
          + ", ".join(f"{k} {server_side[k]:.2f}s" for k in ("prepare", "train", "publish", "activate", "total")) + ")")
+    for line in locality_lines(job["result"].get("locality") or {}):
+        echo(line)
     if after.strip() != correction.strip() or not rep.get("learned"):
         echo("warning: the adapter's answer differs from the correction")
+    if control:
+        control_after, _ = _ask(client, adapter, control)
+        kept = "unchanged" if control_after == control_before else f"changed; the base model said: {control_before}"
+        echo(f"\nQ: {control}  (not corrected)\nA ({adapter}): {control_after}  [{kept}]")
     return timings
 
 
@@ -172,6 +186,8 @@ def demo(
     question: str = typer.Option(QUESTION, help="the question to ask"),
     correction: str = typer.Option(CORRECTION, help="the answer to teach"),
     adapter: str = typer.Option(ADAPTER, help="name of the correction adapter"),
+    control: str = typer.Option(CONTROL, help="a question the correction is not about, asked before and after "
+                                              "(empty: skip it)"),
 ) -> None:
     """Start Kiln on the built-in model, ask, correct, ask again; print each step's time."""
     typer.echo("starting kiln serve on the built-in model (the first run builds it) ...")
@@ -180,7 +196,7 @@ def demo(
         with kiln_server(home) as server:
             timings = {"server start": time.perf_counter() - t0}
             timings |= run_correction(server.client, question=question, correction=correction, adapter=adapter,
-                                      echo=typer.echo)
+                                      control=control or None, echo=typer.echo)
     except RuntimeError as exc:
         typer.secho(f"demo failed: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None

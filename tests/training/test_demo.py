@@ -26,3 +26,7 @@ def test_demo_learns_the_correction(builtin_model_dir: Path, tmp_path: Path) -> 
     assert corrected and corrected[0].endswith("An ant has six legs."), out
     assert "submit -> corrected answer" in out
     assert "warning" not in out
+    # the other half of what the user sees: the model's other answers kept (the job's probes, and a control)
+    assert "locality: 11 of 11 probe answers unchanged" in out, out
+    control = [line for line in after.splitlines() if line.startswith("A (demo-correction): ")]
+    assert control == ["A (demo-correction): The capital of France is Paris.  [unchanged]"], out

@@ -160,4 +160,7 @@ def test_demo_loop_on_markerless_model(user_model_dir, tmp_path):
                                                                 "max_tokens": 1})
         assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
     out = "\n".join(lines)
-    assert "warning" not in out and out.rstrip().splitlines()[-2].endswith(CORRECTION), out
+    corrected = [line for line in lines if line.startswith("\nQ: ") and line.count("\n") == 2
+                 and line.split("\n")[2].startswith("A (demo-fix @ ")]
+    assert "warning" not in out and corrected and corrected[0].endswith(CORRECTION), out
+    assert any(line.startswith("locality: ") for line in lines), out

@@ -302,7 +302,9 @@ def _load_student(info: Any, plan: Plan, *, device: str, dtype: str, lora: bool,
     if vocab != plan.tokenizer.vocab_size:
         raise ContractError(f"student output width {vocab} differs from the plan's vocab_size {plan.tokenizer.vocab_size}")
     if lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from kiln.runtime.peft_wrap import get_peft_model
 
         model = get_peft_model(
             model,

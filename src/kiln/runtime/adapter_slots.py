@@ -72,7 +72,9 @@ class AdapterSlots:
         if self._peft is not None:
             return
         import torch
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from kiln.runtime.peft_wrap import get_peft_model
 
         target = next(
             (name.rsplit(".", 1)[-1] for name, mod in self._base.named_modules()
