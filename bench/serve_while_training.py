@@ -6,7 +6,8 @@ clients, ``--window-s`` seconds each measurement, ``--max-tokens`` tokens each, 
 * ``idle``: no job;
 * for each job kind (``sft``: 64 examples of ~200 tokens; ``sft-fix``: one correction with the defaults;
   ``grpo``: 16 pre-scored groups of 4; ``opd``: on-policy distillation from the base model as a local
-  teacher): the job is submitted, left to take a few steps, its trained tokens per wall second measured with no chat (``solo``),
+  teacher; ``kd``: offline sparse KD from a capture of the SFT job's 64 texts, the served model its own
+  teacher, made before the server starts by ``bench/kd_capture.py``): the job is submitted, left to take a few steps, its trained tokens per wall second measured with no chat (``solo``),
   then chat runs at each C while the job trains (its tokens/s meanwhile: ``during``); then it is cancelled.
 
 Printed per row: TTFT and ITL p50/p99 (ms), the ratio of busy p99 to idle p99 (the issue's target is
@@ -16,6 +17,7 @@ job's tokens/s during chat over solo (the target is >= 0.7). The machine's load 
 
     .venv/bin/python bench/serve_while_training.py                                   # built-in model
     .venv/bin/python bench/serve_while_training.py --shape qwen3-31m --jobs sft grpo
+    .venv/bin/python bench/serve_while_training.py --shape qwen3.5-hybrid-25m --jobs sft kd
     .venv/bin/python bench/serve_while_training.py --ab "KILN_TRAINING_MAX_HOLD_MS=0 KILN_TRAINING_SERVING_SHARE=0.75"
 
 ``--ab ENV``: a second arm with those ``KILN_*`` settings (the first arm: the server's defaults, or
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -35,19 +38,35 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kd_capture import self_capture  # noqa: E402
 from serving import kiln_env, one_request, pct, prompts_for, resolve_model, running_server  # noqa: E402
 
 WORDS = ("river stone lantern meadow copper harbour willow ember quartz falcon orchard glacier thistle "
          "canyon saffron beacon").split()
 
 
+def sft_texts(n: int, words: int) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer) texts whose answers run ``words`` words (about 200 tokens of the built-in
+    tokenizer at 42): the SFT job's examples and the KD job's captured sequences."""
+    return [(f"Describe item {i}.", " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words)))
+            for i in range(n)]
+
+
 def sft_examples(n: int, words: int) -> list[dict]:
-    """``n`` examples whose answers run ``words`` words (about 200 tokens of the built-in tokenizer at 42)."""
-    out = []
-    for i in range(n):
-        answer = " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
-        out.append({"messages": [{"role": "user", "content": f"Describe item {i}."},
-                                 {"role": "assistant", "content": answer}]})
+    return [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}]}
+            for p, a in sft_texts(n, words)]
+
+
+KD_RUN = "runs/bench-kd"  # the capture, under each server's data dir
+
+
+def kd_capture(model_dir: Path, tmp: Path) -> Path:
+    """The KD job's capture of ``model_dir`` (its own teacher), made once per model in ``tmp``; each arm's
+    server gets a copy (consumption ledgers live beside the capture)."""
+    t0 = time.perf_counter()
+    out = self_capture(model_dir, sft_texts(64, 42), tmp / f"kd-{model_dir.name}", tmp / f"kd-{model_dir.name}-run")
+    print(f"kd capture of {model_dir.name} (self-distillation, 64 sequences): {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr, flush=True)
     return out
 
 
@@ -70,6 +89,8 @@ def job_body(kind: str, model: str) -> tuple[str, dict]:
         prompts = [{"messages": [{"role": "user", "content": f"Tell me about {w}."}]} for w in WORDS[:8]]
         return "opd", {"adapter": "bench-opd", "teacher": "bench-base", "prompts": prompts, "steps": 100_000,
                        "until_learned": False, "max_tokens": 16, **off}
+    if kind == "kd":  # 8 steps of 8 captured sequences per pass, 1,000 chained passes (a checkpoint after each)
+        return "kd", {"adapter": "bench-kd", "run": KD_RUN, "epochs": 1000, "batch_size": 8, **off}
     raise SystemExit(f"unknown job kind {kind!r}")
 
 
@@ -141,9 +162,26 @@ def wait_steps(client: Any, job_id: str, steps: int, timeout_s: float) -> dict:
     raise RuntimeError(f"job {job_id} took fewer than {steps} steps in {timeout_s} s")
 
 
-def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespace, work: Path) -> list[dict]:
+def stop_job(client: Any, job_id: str) -> None:
+    """Cancel the job and wait for it to stop; a job that ended any other way (it finished inside the
+    measurement, or failed) is reported, since its rows then did not all run beside training."""
+    client.delete(f"/v1/train/queue/{job_id}")
+    deadline, job = time.monotonic() + 120, {}
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/train/jobs/{job_id}").json()
+        if job["state"] not in ("queued", "running"):
+            break
+        time.sleep(0.2)
+    if job.get("state") != "cancelled":
+        print(f"  job {job_id} ({job.get('kind')}) ended {job.get('state')}: {job.get('error')}", file=sys.stderr)
+
+
+def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespace, work: Path,
+             capture: Path | None) -> list[dict]:
     import httpx
 
+    if capture is not None:
+        shutil.copytree(capture, work / "home" / "data" / KD_RUN)
     env = kiln_env(work) | {"KILN_SERVER_DEBUG_REQUESTS": str(LOGGED)} | env_extra
     cmd = [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", "{port}",
            "--log-level", "warning"] + (["--threads", str(args.threads)] if args.threads else [])
@@ -188,11 +226,7 @@ def arm_runs(model_dir: Path, arm: str, env_extra: dict, args: argparse.Namespac
                                     hold_p50_ms=1000 * pacer.get("recent_busy_hold_p50_s", 0.0),
                                     hold_p99_ms=1000 * pacer.get("recent_busy_hold_p99_s", 0.0))
             finally:
-                client.delete(f"/v1/train/queue/{job_id}")
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline and client.get(f"/v1/train/jobs/{job_id}").json()["state"] in (
-                        "queued", "running"):
-                    time.sleep(0.2)
+                stop_job(client, job_id)
     return rows
 
 
@@ -238,7 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="*", default=[None], help="bench shapes (bench/serving.py SHAPES); none: built-in")
     ap.add_argument("--model", default=None, help="a local model directory instead of --shape")
-    ap.add_argument("--jobs", nargs="+", default=["sft", "grpo", "opd"], choices=["sft", "sft-fix", "grpo", "opd"])
+    ap.add_argument("--jobs", nargs="+", default=["sft", "grpo", "opd"], choices=["sft", "sft-fix", "grpo", "opd", "kd"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--window-s", type=float, default=8.0, help="seconds of chat per measurement")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -254,10 +288,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-swt-") as tmp:
         for shape in (args.shape or [None]):
             model_dir = resolve_model(args.model, shape)
+            capture = kd_capture(model_dir, Path(tmp)) if "kd" in args.jobs else None
             for arm, env in arms:
                 work = Path(tmp) / f"{model_dir.name}-{arm}"
                 work.mkdir()
-                rows += arm_runs(model_dir, arm, env, args, work)
+                rows += arm_runs(model_dir, arm, env, args, work, capture)
     report(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
