@@ -40,3 +40,18 @@ def build_tiny_hybrid(out: Path, tokenizer_dir: Path, *, multimodal: bool = Fals
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def greedy_rows(engine, batch: list[list[int]], new_tokens: int, deadline_s: float) -> list[list[int]]:
+    """``engine``'s greedy continuations of ``batch`` (every prompt queued before the first cycle)."""
+    from kiln.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    subs = [engine.submit(p, [params], incremental=False) for p in batch]
+    out = []
+    for sub in subs:
+        stream, row = sub.streams[0], sub._rows[0]
+        while (chunk := stream.next_chunk_sync(deadline_s)) is not None and chunk.finish_reason is None:
+            pass
+        out.append(list(row.generated))
+    return out

@@ -27,6 +27,7 @@ PURE_MODULES = [
     "kiln.cli",
     "kiln.client",
     "kiln.runtime.loader",
+    "kiln.runtime.linear_kernels",
     "kiln.runtime.builtin",
     "kiln.runtime.ownership",
     "kiln.distill.contract",

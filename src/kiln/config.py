@@ -102,6 +102,10 @@ class ModelSettings(_Section):
     quantize: Literal["none", "int8", "int4"] = "none"
     # refuse to start when the probe set's mean per-token KL(float || quantized) in nats exceeds this
     quantize_max_kl: float | None = Field(None, ge=0)
+    # a Qwen3.5 hybrid's Gated DeltaNet functions in transformers' forward: auto: flash-linear-attention's and
+    # causal-conv1d's kernels for CUDA tensors where installed (the hybrid-cuda extra), else the torch reference;
+    # reference: the torch reference everywhere (GET /health linear_state.kernels; docs/serving.md "Model families")
+    linear_kernels: Literal["auto", "reference"] = "auto"
 
 
 class BatchingSettings(_Section):

@@ -41,6 +41,7 @@ def test_kiln_config_env_selects_file(tmp_path) -> None:
         ("[sever]\nport = 1\n", "sever"),
         ("[server]\nport = 70000\n", "server.port"),
         ("[limits]\ndefault_max_tokens = 4000\n", "default_max_tokens"),
+        ('[model]\nlinear_kernels = "fla"\n', "model.linear_kernels"),
         ("[server\n", "not valid TOML"),
     ],
 )

@@ -18,8 +18,7 @@ import torch
 
 from kiln.runtime.engine import Engine, EngineConfig
 from kiln.runtime.loader import ModelLoadError, load_model
-from kiln.runtime.sampling import SamplingParams
-from tests.hybrid_models import build_tiny_hybrid
+from tests.hybrid_models import build_tiny_hybrid, greedy_rows
 from tests.serving.conftest import KILN, free_port, start_server, stop_server
 
 PROMPT_LENGTHS = (5, 17, 40, 3, 33, 70, 8, 51)  # several longer than one 16-token prefill chunk
@@ -58,15 +57,7 @@ def reference(model, prompt: list[int]) -> list[int]:
 
 
 def run_concurrently(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    subs = [engine.submit(p, [params], incremental=False) for p in batch]  # all queued before the first cycle
-    out = []
-    for sub in subs:
-        stream, row = sub.streams[0], sub._rows[0]
-        while (chunk := stream.next_chunk_sync(DEADLINE_S)) is not None and chunk.finish_reason is None:
-            pass
-        out.append(list(row.generated))
-    return out
+    return greedy_rows(engine, batch, NEW_TOKENS, DEADLINE_S)
 
 
 def wait_released(engine: Engine) -> dict:
@@ -215,6 +206,9 @@ def test_server_reports_the_family_and_the_effective_prefix_cache(server):
     assert h["model_family"]["kind"] == "hybrid" and h["model_family"]["architecture"] == "Qwen3_5ForCausalLM"
     assert h["linear_state"]["slots_used"] == 0 and h["linear_state"]["slots_total"] > 0
     assert h["linear_state"]["snapshots_max"] == 4 * h["linear_state"]["slots_total"]  # the hybrid prefix cache
+    kernels = h["linear_state"]["kernels"]  # the CPU: Kiln's lean forward, transformers' on the torch reference
+    assert kernels["requested"] == "auto" and kernels["effective"] == "lean-c"
+    assert kernels["functions"]["chunk_gated_delta_rule"] == "torch" and kernels["reason"].startswith("cpu: ")
     cards = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
     assert cards[0]["model_family"]["linear_attention_layers"] == 4
     eff = httpx.get(f"{server.base_url}/v1/config", timeout=10).json()["effective"]

@@ -51,6 +51,8 @@ def test_streamed_load_equals_quantizing_the_loaded_model(kind, mode, builtin_mo
         assert getattr(report, field) == getattr(want, field), field
     assert report.probe_kl > 0 and report.probe_kl == pytest.approx(want.probe_kl, rel=1e-3)
     assert got.base_model_sha256 == whole.base_model_sha256
+    assert got.linear_kernels == whole.linear_kernels  # a hybrid's Gated DeltaNet route (None: attention)
+    assert (got.linear_kernels is None) == (kind == "attention")
 
 
 def test_streamed_load_holds_one_float_linear_weight_at_a_time(hybrid_dir, monkeypatch):

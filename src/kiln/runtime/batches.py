@@ -23,7 +23,8 @@ also has a ``state_slot``) run the lean hybrid forward (kiln.runtime.lean_hybrid
 supports the model and the rows' adapters: every generation cycle, decode tokens and prompt
 chunks of any lengths and adapters, is one packed forward over variable-length rows. Otherwise
 (scoring rows, other devices, ``lean_forward = false``, unsupported adapters) they run
-transformers' forward with the paged cache wrapped in a
+transformers' forward (its Gated DeltaNet functions as kiln.runtime.linear_kernels chose them:
+package kernels for CUDA tensors, else the torch reference) with the paged cache wrapped in a
 :class:`~kiln.runtime.linear_state.LinearStepState`: decode steps batch every row as usual; the
 chunks that start a row's state go left-padded into one forward (the linear layers zero the
 padding's inputs, and zero inputs before an empty state leave it empty), the others one forward

@@ -193,6 +193,8 @@ class Engine(TokenFacade):
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
                           model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
                           paged_attention=self._paged_attention(dtype), states=states)
+        kernels = getattr(loaded, "linear_kernels", None)  # a hybrid's Gated DeltaNet route (/health)
+        self.linear_kernels = kernels.describe(lean=batches.hybrid is not None) if kernels is not None else None
         if states is not None and batches.snapshots is None:  # no state snapshots (transformers' path): no cache
             kv.prefix_cache = False
         self._probe(batches)

@@ -69,6 +69,7 @@ class LoadedModel:
     extra: dict[str, Any] = field(default_factory=dict)
     family: Any = None  # kiln.runtime.model_family.ModelFamily (None for models not loaded by load_model)
     quantization: Any = None  # kiln.runtime.quantize.QuantizationReport once model.quantize ran (None: not run)
+    linear_kernels: Any = None  # a hybrid's kiln.runtime.linear_kernels.LinearKernels (None: no Gated DeltaNet layer)
 
     @property
     def base_model_sha256(self) -> str:
@@ -186,13 +187,18 @@ def load_model(
     dtype: str = "auto",
     model_id: str | None = None,
     info: ModelDirInfo | None = None,
+    linear_kernels: str | None = None,
 ) -> LoadedModel:
     """Verify then load a model directory with transformers (safetensors only). A multimodal
     checkpoint whose language model transformers can load alone (Qwen3.5's) loads as that; a model
-    the engine cannot run is refused here, naming its architecture (kiln.runtime.model_family)."""
+    the engine cannot run is refused here, naming its architecture (kiln.runtime.model_family). A
+    hybrid's Gated DeltaNet functions get their implementation for its device here
+    (kiln.runtime.linear_kernels; ``linear_kernels``: ``model.linear_kernels``, None keeps the
+    process's choice)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kiln.runtime.linear_kernels import resolve
     from kiln.runtime.model_family import describe
 
     info = info or inspect_model_dir(spec)
@@ -229,4 +235,5 @@ def load_model(
         device=dev,
         dtype=dt,
         family=family,
+        linear_kernels=resolve(model, dev, linear_kernels),
     )

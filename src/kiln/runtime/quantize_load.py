@@ -170,6 +170,7 @@ def load_quantized(spec: Any, mode: str, *, dtype: str = "auto", model_id: str |
 
     from kiln.runtime.loader import (LoadedModel, ModelLoadError, QuantizationRefused, inspect_model_dir,
                                      load_model, resolve_dtype)
+    from kiln.runtime import linear_kernels
     from kiln.runtime.model_family import describe
 
     if mode not in ("int8", "int4"):
@@ -198,7 +199,8 @@ def load_quantized(spec: Any, mode: str, *, dtype: str = "auto", model_id: str |
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     loaded = LoadedModel(model=model, tokenizer=tokenizer, info=info, model_id=model_id or info.path.name,
-                         device="cpu", dtype=dt, family=family, quantization=report)
+                         device="cpu", dtype=dt, family=family, quantization=report,
+                         linear_kernels=linear_kernels.resolve(model, "cpu"))
     if max_kl is not None and report.probe_kl is not None and report.probe_kl > max_kl:
         raise QuantizationRefused(q.refusal(mode, report, max_kl))
     return loaded

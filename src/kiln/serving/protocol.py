@@ -436,7 +436,9 @@ class HealthResponse(_Response):
     memory_budget: dict[str, Any] | None = None
     vllm: dict[str, Any] | None = None  # serving.engine = "vllm": state, pid, snapshot, fingerprint, rank decision
     model_family: dict[str, Any] | None = None  # as in /v1/models (kiln.runtime.model_family)
-    linear_state: dict[str, int] | None = None  # hybrid models: slots_total, slots_used, bytes (per-row GDN state)
+    # hybrid models: slots_total, slots_used, bytes (per-row GDN state), the prefix cache's snapshots, and kernels:
+    # what runs the Gated DeltaNet functions (requested, effective, functions, reason; kiln.runtime.linear_kernels)
+    linear_state: dict[str, Any] | None = None
 
 
 class SettingValue(_Response):

@@ -18,6 +18,7 @@ follows a chat request (route -> ``state.engine``) and a training job (route ->
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from pathlib import Path
 
 from kiln.config import LoadedSettings, Settings
 from kiln.serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from fastapi import Request
@@ -126,6 +129,8 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     else:
         engine = Engine(model, engine_config, observer=metrics)
     engine_box.append(engine)
+    if (kernels := getattr(engine, "linear_kernels", None)) is not None:
+        log.info("hybrid Gated DeltaNet kernels: %s", kernels)
     store = AdapterStore(settings.adapters_path)
     memory = build_memory_budget(settings, model, engine)
     from kiln.teachers.service import build_teachers
@@ -261,6 +266,9 @@ def load_configured_model(settings: Settings) -> LoadedModel:
 
     torch.set_num_threads(settings.model.threads or default_threads())
     path = settings.model.path or ensure_builtin_model(settings.home_path)
+    from kiln.runtime.linear_kernels import choose
+
+    choose(settings.model.linear_kernels)  # a hybrid's Gated DeltaNet kernels (kiln.runtime.linear_kernels)
     mode = settings.model.quantize
     if mode != "none" and resolve_device(settings.model.device) == "cpu":  # never the whole float model
         from kiln.runtime.quantize_load import load_quantized
