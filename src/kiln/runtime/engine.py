@@ -193,8 +193,10 @@ class Engine(TokenFacade):
                           max_rows=cfg.max_running_rows, max_blocks=kv.blocks_for(cfg.max_model_len),
                           model=self.model, lean=cfg.lean_forward, packed_weights=cfg.packed_weights,
                           paged_attention=self._paged_attention(dtype), states=states)
-        kernels = getattr(loaded, "linear_kernels", None)  # a hybrid's Gated DeltaNet route (/health)
+        kernels = getattr(loaded, "linear_kernels", None)  # a hybrid's Gated DeltaNet route (/health linear_state.kernels)
         self.linear_kernels = kernels.describe(lean=batches.hybrid is not None) if kernels is not None else None
+        if self.linear_kernels is not None:
+            log.info("hybrid Gated DeltaNet kernels: %s", self.linear_kernels)
         if states is not None and batches.snapshots is None:  # no state snapshots (transformers' path): no cache
             kv.prefix_cache = False
         self._probe(batches)
@@ -280,7 +282,10 @@ class Engine(TokenFacade):
         return self._scheduler.steps
 
     def stats(self) -> dict[str, Any]:
-        return self._scheduler.stats()
+        stats = self._scheduler.stats()
+        if self.linear_kernels is not None:
+            stats["linear_kernels"] = self.linear_kernels
+        return stats
 
     def health(self) -> tuple[bool, str | None]:
         """``(ok, reason)``: not ok when stopped, failed, or stuck in one step past ``stall_timeout_s``."""

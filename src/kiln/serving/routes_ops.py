@@ -93,7 +93,7 @@ async def health(request: Request) -> JSONResponse:
         | {k[len("linear_"):]: stats[k] for k in ("linear_snapshots", "linear_snapshots_max", "linear_snapshot_hits",
                                                   "linear_snapshot_evictions") if k in stats}
         # what runs its Gated DeltaNet functions: requested, effective, per function, why (kiln.runtime.linear_kernels)
-        | {"kernels": getattr(engine, "linear_kernels", None)}
+        | {"kernels": stats.get("linear_kernels")}
         if "linear_state_slots_total" in stats else None,
         "engine_error": why,
         # once a cycle failure latched the engine (unknown completion state): {class, reason}; restart the server

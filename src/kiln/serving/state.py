@@ -18,7 +18,6 @@ follows a chat request (route -> ``state.engine``) and a training job (route ->
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,8 +27,6 @@ from pathlib import Path
 
 from kiln.config import LoadedSettings, Settings
 from kiln.serving.metrics import Metrics
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # heavy modules (torch) load only when the state is built
     from fastapi import Request
@@ -129,8 +126,6 @@ def build_state(loaded_settings: LoadedSettings, loaded_model: LoadedModel | Non
     else:
         engine = Engine(model, engine_config, observer=metrics)
     engine_box.append(engine)
-    if (kernels := getattr(engine, "linear_kernels", None)) is not None:
-        log.info("hybrid Gated DeltaNet kernels: %s", kernels)
     store = AdapterStore(settings.adapters_path)
     memory = build_memory_budget(settings, model, engine)
     from kiln.teachers.service import build_teachers
