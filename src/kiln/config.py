@@ -152,6 +152,8 @@ class TrainingSettings(_Section):
     serving_share: float = Field(0.5, ge=0.0, lt=1.0, allow_inf_nan=False)
     # while chats wait, the longest one training hold should take: steps are sliced into micro-batches to fit (0: whole steps)
     max_hold_ms: float = Field(50.0, ge=0.0, le=60_000.0, allow_inf_nan=False)
+    # while chats wait, each hold's budget is this many of serving's recent cycles (at least 2 ms, at most max_hold_ms; 0: max_hold_ms alone)
+    hold_cycles: float = Field(0.0, ge=0.0, le=1_000.0, allow_inf_nan=False)
     # while chats wait, also cut a row's forward and backward between decoder layers, so one long row is several holds (docs/latency.md)
     layer_holds: bool = True
     warm_up: bool = True  # build the default anchor, the locality probes and a first LoRA adapter at start, before the first job needs them (docs/training.md, "Locality"; GET /v1/train/status warm_up)

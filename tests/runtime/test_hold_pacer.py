@@ -28,6 +28,28 @@ def test_budget_only_while_serving_is_busy():
     assert off.budget_s() is None  # 0: no bound
 
 
+def test_hold_cycles_size_the_budget_from_servings_cycle_within_its_bounds():
+    """training.hold_cycles: the budget follows serving's measured cycle (a hold stalls a stream about that many
+    of its own steps), never under min_hold_ms, never over max_hold_ms, and max_hold_ms alone without a measure."""
+    cycle: dict[str, float | None] = {"s": 0.004}
+    pacer = HoldPacer(AcceleratorOwnership(), lambda: True, max_hold_ms=50, hold_cycles=2, min_hold_ms=2,
+                      cycle_s=lambda: cycle["s"])
+    assert pacer.budget_s() == pytest.approx(0.008)  # 2 x 4 ms
+    assert pacer.snapshot()["last_budget_ms"] == pytest.approx(8.0) and pacer.snapshot()["hold_cycles"] == 2
+    cycle["s"] = 0.0005
+    assert pacer.budget_s() == pytest.approx(0.002)  # 1 ms, raised to the 2 ms floor
+    cycle["s"] = 0.2
+    assert pacer.budget_s() == pytest.approx(0.050)  # 400 ms, capped at max_hold_ms
+    cycle["s"] = None
+    assert pacer.budget_s() == pytest.approx(0.050)  # no measure yet (or a vLLM engine): max_hold_ms
+    fixed = HoldPacer(AcceleratorOwnership(), lambda: True, max_hold_ms=50, cycle_s=lambda: 0.001)
+    assert fixed.budget_s() == pytest.approx(0.050)  # hold_cycles 0 (the default): max_hold_ms alone
+    off = HoldPacer(AcceleratorOwnership(), lambda: True, max_hold_ms=0, hold_cycles=2, cycle_s=lambda: 0.004)
+    assert off.budget_s() is None  # max_hold_ms 0 still turns slicing off
+    idle = HoldPacer(AcceleratorOwnership(), lambda: False, max_hold_ms=50, hold_cycles=2, cycle_s=lambda: 0.004)
+    assert idle.budget_s() is None
+
+
 def test_gap_gives_serving_its_share_after_each_busy_hold():
     clock, slept = FakeClock(), []
     busy = {"v": True}
@@ -84,7 +106,8 @@ def test_waiting_serving_cycle_runs_between_two_holds():
     assert order == ["hold 1", "serve", "hold 2"]
 
 
-@pytest.mark.parametrize("kw", [{"serving_share": 1.0}, {"serving_share": -0.1}, {"max_hold_ms": -1}])
+@pytest.mark.parametrize("kw", [{"serving_share": 1.0}, {"serving_share": -0.1}, {"max_hold_ms": -1},
+                                {"hold_cycles": -1}])
 def test_refuses_out_of_range_settings(kw):
     with pytest.raises(ValueError):
         HoldPacer(AcceleratorOwnership(), lambda: True, **kw)

@@ -55,6 +55,7 @@ def test_chats_during_a_job_slice_its_steps_and_show_in_status(builtin_model_dir
                 t.join(120)
         pacer, serving = status["pacer"], status["serving"]
         assert pacer["serving_share"] == 0.5 and pacer["max_hold_ms"] == 50.0
+        assert pacer["hold_cycles"] == 0 and pacer["last_budget_ms"] == 50.0  # the default: max_hold_ms alone
         assert pacer["busy_holds"] > 0 and pacer["longest_busy_hold_s"] > 0 and pacer["holds"] >= pacer["busy_holds"]
         assert serving["itl_count"] > 0 and serving["itl_p99_ms"] >= serving["itl_p50_ms"] > 0
         assert serving["ttft_count"] > 0

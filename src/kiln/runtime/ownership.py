@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 
 RECENT_HOLDS = 256  # busy holds HoldPacer.snapshot's percentiles are taken over
+MIN_HOLD_MS = 2.0  # the shortest budget hold_cycles gives a hold (below it each hold's fixed cost dominates)
 
 
 class OwnershipError(RuntimeError):
@@ -111,7 +112,10 @@ class HoldPacer:
     """Paces one trainer's exclusive holds while serving has work (``busy()``: rows running or queued).
 
     * :meth:`budget_s` is how long the next hold may take: ``max_hold_ms`` while serving is busy, None
-      when it is idle (or the bound is 0: off), so an idle server trains in whole steps.
+      when it is idle (or the bound is 0: off), so an idle server trains in whole steps. With
+      ``hold_cycles`` > 0 the budget follows the serving load: that many of serving's recent cycles
+      (``cycle_s()``, the engine's average generation cycle), at least ``min_hold_ms``, at most
+      ``max_hold_ms``; so a hold stalls a stream about as long as ``hold_cycles`` of its own steps.
     * :meth:`hold` takes exclusive ownership; while serving is busy it first leaves serving
       ``serving_share`` of the time: after a hold of ``d`` seconds it waits
       ``d * share / (1 - share)`` (at most ``max_gap_s``) before it asks again. Without that gap a
@@ -121,14 +125,18 @@ class HoldPacer:
     """
 
     def __init__(self, ownership: AcceleratorOwnership, busy: Callable[[], bool], *, serving_share: float = 0.5,
-                 max_hold_ms: float = 50.0, max_gap_s: float = 1.0,
+                 max_hold_ms: float = 50.0, max_gap_s: float = 1.0, hold_cycles: float = 0.0,
+                 min_hold_ms: float = MIN_HOLD_MS, cycle_s: Callable[[], float | None] = lambda: None,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
         if not 0.0 <= serving_share < 1.0:
             raise ValueError(f"serving_share must be in [0, 1), got {serving_share}")
-        if max_hold_ms < 0:
-            raise ValueError(f"max_hold_ms must be >= 0, got {max_hold_ms}")
-        self.ownership, self.busy = ownership, busy
+        if max_hold_ms < 0 or hold_cycles < 0 or min_hold_ms < 0:
+            raise ValueError(f"max_hold_ms, hold_cycles and min_hold_ms must be >= 0, got {max_hold_ms}, "
+                             f"{hold_cycles}, {min_hold_ms}")
+        self.ownership, self.busy, self.cycle_s = ownership, busy, cycle_s
         self.serving_share, self.max_hold_s, self.max_gap_s = serving_share, max_hold_ms / 1000.0, max_gap_s
+        self.hold_cycles, self.min_hold_s = hold_cycles, min_hold_ms / 1000.0
+        self.last_budget_s: float | None = None  # the budget the latest busy hold was given
         self._clock, self._sleep = clock, sleep
         self.last_hold_s = 0.0
         self.holds = 0  # exclusive holds taken
@@ -142,7 +150,12 @@ class HoldPacer:
         """Seconds the next hold may take (the trainer slices its work to fit); None: no bound now."""
         if self.max_hold_s <= 0 or not self.busy():
             return None
-        return self.max_hold_s
+        budget = self.max_hold_s
+        cycle = self.cycle_s() if self.hold_cycles > 0 else None
+        if cycle is not None and cycle > 0:
+            budget = min(budget, max(self.min_hold_s, self.hold_cycles * cycle))
+        self.last_budget_s = budget
+        return budget
 
     def gap_s(self) -> float:
         """How long serving gets before the next hold, after the last one (0 when serving is idle)."""
@@ -170,10 +183,12 @@ class HoldPacer:
                     self.longest_busy_hold_s = max(self.longest_busy_hold_s, self.last_hold_s)
                     self._recent_busy.append(self.last_hold_s)
 
-    def snapshot(self) -> dict[str, float | int]:
+    def snapshot(self) -> dict[str, float | int | None]:
         recent = sorted(self._recent_busy)
         p = (lambda q: round(recent[min(len(recent) - 1, q * len(recent) // 100)], 6)) if recent else (lambda q: 0.0)
+        budget = None if self.last_budget_s is None else round(self.last_budget_s * 1000, 3)
         return {"serving_share": self.serving_share, "max_hold_ms": round(self.max_hold_s * 1000, 3),
+                "hold_cycles": self.hold_cycles, "last_budget_ms": budget,
                 "holds": self.holds, "busy_holds": self.busy_holds, "yields": self.yields,
                 "yielded_s": round(self.yielded_s, 6), "longest_busy_hold_s": round(self.longest_busy_hold_s, 6),
                 "recent_busy_hold_p50_s": p(50), "recent_busy_hold_p99_s": p(99)}

@@ -94,6 +94,7 @@ log = logging.getLogger("kiln.engine")
 
 JOIN_TIMEOUT_S = 30.0  # engine.stop waits this long for the thread, then gives up loudly
 HYBRID_UNSETTLED = "a hybrid model's forward updates its linear state in place, so a failed cycle cannot be rerun"
+CYCLE_EWMA = 0.2  # weight of the newest generation cycle in Scheduler.cycle_s
 
 
 class Scheduler:
@@ -133,6 +134,9 @@ class Scheduler:
         self._restart: RestartRequired | None = None
         self._busy_since: float | None = None  # monotonic start of the iteration under way; None when idle
         self.steps = 0
+        # an exponential average of the generation cycles' seconds (forward + sampling): the cadence the
+        # streams see, from which the trainer sizes its holds (training.hold_cycles); None before the first
+        self.cycle_s: float | None = None
 
     @property
     def step_cost(self) -> StepCost:
@@ -232,6 +236,7 @@ class Scheduler:
                 "token_budget": self.planner.token_budget(),  # lower than batching.token_budget after an OOM
                 "busy_s": None if busy is None else round(busy, 3),
                 "step_cost": self.step_cost.snapshot(),
+                "cycle_s": None if self.cycle_s is None else round(self.cycle_s, 6),
                 "admitting": self._admitting,
                 "prefill_threads": self.config.prefill_threads if self.planner.wide_min_tokens is not None else None,
                 "wide_prefill_steps": self.wide_steps,
@@ -448,7 +453,9 @@ class Scheduler:
         self.steps += 1
         self.wide_steps += out.wide
         if observe and not plan.scoring and not out.wide:
-            self.step_cost.observe(plan.generation_tokens, out.forward_s + sample_s)
+            seconds = out.forward_s + sample_s
+            self.step_cost.observe(plan.generation_tokens, seconds)
+            self.cycle_s = seconds if self.cycle_s is None else self.cycle_s + CYCLE_EWMA * (seconds - self.cycle_s)
         self._notify(touched)
 
     def _apply_contained(self, plan: CyclePlan, out: ForwardOutput) -> None:

@@ -498,6 +498,9 @@ class HoldPacing(_Response):
 
     serving_share: float = Field(description="training.serving_share: serving's share of the time between holds")
     max_hold_ms: float = Field(description="training.max_hold_ms: one hold's budget while serving waits (0: whole steps)")
+    hold_cycles: float = Field(0.0, description="training.hold_cycles: the budget as this many of serving's recent "
+                                                "cycles, within max_hold_ms (0: max_hold_ms alone)")
+    last_budget_ms: float | None = Field(None, description="the budget the latest hold was given while serving waited")
     holds: int = Field(description="exclusive holds the trainer took since start-up")
     busy_holds: int = Field(description="of them, taken while serving had rows")
     yields: int = Field(description="gaps left to serving between holds")

@@ -91,7 +91,8 @@ class TrainingService:
         t = settings.training
         # while chats wait, each hold is bounded (steps sliced to fit) and serving gets its share between holds
         self.pacer = HoldPacer(engine.ownership, self._serving_busy, serving_share=t.serving_share,
-                               max_hold_ms=t.max_hold_ms, max_gap_s=MAX_YIELD_S)
+                               max_hold_ms=t.max_hold_ms, max_gap_s=MAX_YIELD_S, hold_cycles=t.hold_cycles,
+                               cycle_s=self._serving_cycle_s)
         self.warm_up = WarmUp(enabled=settings.training.warm_up)
         self._thread = threading.Thread(target=self._worker, name="kiln-trainer", daemon=True)
         if self.jobs.reconciled:
@@ -249,6 +250,11 @@ class TrainingService:
     def _serving_busy(self) -> bool:
         st = self.engine.stats()  # every engine has it (kiln.runtime.serving_engine.ServingEngine)
         return bool(st.get("active_rows") or st.get("queued_rows"))
+
+    def _serving_cycle_s(self) -> float | None:
+        """The engine's recent generation cycle in seconds (None: not measured, as with the vLLM engine)."""
+        cycle = self.engine.stats().get("cycle_s")
+        return None if cycle is None else float(cycle)
 
     @contextmanager
     def _step_ownership(self) -> Iterator[None]:
