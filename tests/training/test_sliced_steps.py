@@ -392,3 +392,60 @@ def test_a_whole_step_begun_idle_is_cut_when_a_chat_arrives(model_and_rows):
     report = run_sft(peft_model, "w", rows, Plan(5e-3, 1, 6, 0, max_steps=1), pad_id=pad, hooks=hooks)
     assert report.steps == 1 and "sliced_steps" not in report.extra
     assert holds.holds > 2 * report.extra["layer_holds"]["holds"] // 2 > 4  # cut between layers, not one hold
+
+
+def test_layer_holds_cuts_is_the_units_total_over_the_longest():
+    from torch import nn
+
+    from kiln.training.core.segments import LayerHolds
+
+    holds = LayerHolds([nn.Identity() for _ in range(4)], lambda: None, lambda: None)  # type: ignore[arg-type]
+    assert holds.cuts() == 1.0  # nothing timed yet
+    holds.estimate_s.update(forward=0.01, head=0.02, first_backward=0.03, backward=0.02)
+    # 4 forwards + head + first backward + 3 backwards = 0.04 + 0.02 + 0.03 + 0.06 = 0.15, over the longest 0.03
+    assert holds.cuts() == pytest.approx(5.0)
+    holds.estimate_s["head"] = 1.0  # a head far longer than the rest: the piece can hardly be cut
+    assert holds.cuts() == pytest.approx(1.13)  # (0.04 + 1.0 + 0.03 + 0.06) / 1.0
+
+
+def test_an_idle_step_whose_layer_would_outlast_a_hold_is_split_and_trains_the_same(model_and_rows):
+    """With serving idle a step is one piece, unless one of its layer units would outlast training.max_hold_ms
+    should a chat arrive mid-step (max_hold): then it is split as if that were the budget. Not counted as a
+    sliced step (serving did not wait), and the adapter trains as the whole steps do."""
+    peft_model, rows, pad = model_and_rows
+    plan = Plan(5e-3, 3, 6, 0)
+    whole = _sft(peft_model, rows, pad, "idle-whole", plan, CountingHolds(None))
+    counted = CountingHolds(None)
+    hooks = Hooks(exclusive=counted.hooks().exclusive, hold_budget=lambda: None, max_hold=lambda: 1e-9)
+    add_private_adapter(peft_model, "idle-split", lora_config(4, 8, ["q_proj", "v_proj"]), seed=plan.seed)
+    split = run_sft(peft_model, "idle-split", rows, plan, pad_id=pad, hooks=hooks)
+    assert whole.steps == split.steps == 3 and "sliced_steps" not in split.extra
+    # the first step is one piece (no time per token measured yet), the next two one row per piece
+    assert counted.holds > 3 * 2 + 2 * (len(rows) - 1)
+    assert split.final_loss == pytest.approx(whole.final_loss, rel=1e-5)
+    _close(peft_model, "idle-whole", "idle-split")
+
+
+def test_busy_pieces_are_sized_for_the_holds_layer_cuts_make(model_and_rows):
+    """While serving waits, a piece holds budget x cuts / seconds-per-token tokens: layer cuts split it into
+    holds of about the budget, so pieces need not be as small as one hold's whole forward and backward."""
+    from kiln.training.core.loop import TrainLoop
+
+    peft_model, _rows, _pad = model_and_rows
+    add_private_adapter(peft_model, "sizes", lora_config(4, 8, ["q_proj", "v_proj"]), seed=0)
+    loop = TrainLoop(peft_model, "sizes", Plan(1e-3, 1, 6, 0), Hooks(hold_budget=lambda: 0.05), 1, None)
+    asked: list[int] = []
+
+    def slicer(batch, limit):
+        asked.append(limit)
+        return [batch]
+
+    loop.s_per_token = 0.001
+    loop.pieces("batch", slicer)
+    assert asked == [50]  # nothing timed yet: one hold's worth (0.05 s / 1 ms)
+    assert loop.layer_holds is not None
+    loop.layer_holds.estimate_s.update(forward=0.01, head=0.01, first_backward=0.02, backward=0.02)
+    loop.pieces("batch", slicer)
+    layers = len(loop.layer_holds.layers)
+    cuts = (layers * 0.01 + 0.01 + 0.02 + (layers - 1) * 0.02) / 0.02
+    assert asked[-1] == int(0.05 * cuts / 0.001)

@@ -99,6 +99,8 @@ class Hooks:
     plan_sha256: str = ""
     # seconds one exclusive hold may take now (serving is waiting), None: no bound (kiln.runtime.ownership.HoldPacer)
     hold_budget: Callable[[], float | None] = lambda: None
+    # the configured longest hold (training.max_hold_ms) in seconds whether serving waits or not; None: slicing off
+    max_hold: Callable[[], float | None] = lambda: None
     # while a hold is bounded, cut a piece between decoder layers too (kiln.training.core.segments; training.layer_holds)
     layer_holds: bool = True
 
@@ -242,6 +244,7 @@ class TrainLoop:
         self.last_step_s = 0.0  # the last update's seconds under exclusive ownership (train)
         self.s_per_token = 0.0  # forward+backward seconds per token, measured (sizes pieces to the hold budget)
         self.tokens_in_step = 0  # a sliced step's tokens whose pieces are done (progress while the step runs)
+        self.split_idle = False  # the step under way was split with serving idle (Loop.pieces)
         self._last_progress = 0.0
         # a compiled trunk runs its layers inside one graph: no hooks between them, pieces stay whole
         layers = cuttable_layers(peft_model) if hooks.layer_holds and not plan.compile else []
@@ -343,11 +346,26 @@ class TrainLoop:
                 at_end()
 
     def pieces(self, batch: Any, slicer: Slicer | None) -> Sequence[Piece] | None:
-        """The step's pieces when a hold is bounded now and the kind can slice; None: one hold for the step."""
-        budget = self.hooks.hold_budget()
-        if slicer is None or budget is None:
+        """The step's pieces when the kind can slice; None: one hold for the step (or one piece cut between layers).
+
+        While a hold is bounded, a piece's tokens are sized so that the piece's forward and backward fit in
+        as many holds as :class:`LayerHolds` can cut it into (its units' total over the longest), each hold
+        about the budget: one whole hold per piece without layer cuts. With serving idle a step is one piece,
+        unless one layer unit of the whole step would outlast ``max_hold`` should a chat arrive mid-step:
+        then it is split as if the budget were ``max_hold``, so no later hold outgrows it by a whole batch."""
+        self.split_idle = False
+        if slicer is None:
             return None
-        limit = max(1, int(budget / self.s_per_token)) if self.s_per_token > 0 else 1
+        budget = self.hooks.hold_budget()
+        cuts = self.layer_holds.cuts() if self.layer_holds is not None else 1.0
+        if budget is None:
+            cap = self.hooks.max_hold() if self.layer_holds is not None else None
+            if cap is None or self.s_per_token <= 0:
+                return None
+            split = slicer(batch, max(1, int(cap * cuts / self.s_per_token)))
+            self.split_idle = len(split) > 1
+            return split if self.split_idle else None
+        limit = max(1, int(budget * cuts / self.s_per_token)) if self.s_per_token > 0 else 1
         return slicer(batch, limit)
 
     def update(self, s: StepInput, loss_step: Callable[[Any], torch.Tensor | float],
@@ -357,7 +375,7 @@ class TrainLoop:
         for the optimizer step. With :class:`LayerHolds` a step begun while serving idles is one piece, cut
         between layers should a chat arrive while it runs (a chat would otherwise wait for the whole step)."""
         pieces = self.pieces(s.batch, slicer)
-        sliced = bool(pieces)
+        sliced = bool(pieces) and not self.split_idle  # cut because serving waited (an idle split is not counted)
         if not pieces and self.layer_holds is not None and slicer is not None:  # a kind that slices: a tensor loss
             pieces = [Piece(partial(loss_step, s.batch), 1.0, s.tokens)]
         if not pieces:

@@ -189,6 +189,15 @@ class LayerHolds:
         torch.autograd.backward(tensor, grad)
         self._measure(unit, self.clock() - t0)
 
+    def cuts(self) -> float:
+        """How many holds one piece's forward and backward can be cut into at best: its measured units'
+        total over the longest unit (1.0 until every kind of unit has been timed)."""
+        e, n = self.estimate_s, len(self.layers)
+        if min(e.values()) <= 0:
+            return 1.0
+        total = n * e["forward"] + e["head"] + e["first_backward"] + (n - 1) * e["backward"]
+        return max(1.0, total / max(e.values()))
+
     def snapshot(self) -> dict[str, float | int]:
         """The holds taken and each unit's estimated milliseconds (a job's progress: ``layer_holds``)."""
         return {"holds": self.holds, **{f"{k}_ms": round(1000 * v, 2) for k, v in self.estimate_s.items()}}

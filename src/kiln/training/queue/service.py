@@ -318,6 +318,7 @@ class TrainingService:
         hooks = Hooks(
             exclusive=self._step_ownership,
             hold_budget=self.pacer.budget_s,
+            max_hold=lambda: self.pacer.max_hold_s or None,
             layer_holds=self.settings.training.layer_holds,
             should_cancel=self._should_cancel,
             on_progress=lambda p: self._progress(job.id, p),
