@@ -61,6 +61,7 @@ def test_chats_during_a_job_slice_its_steps_and_show_in_status(builtin_model_dir
         assert serving["ttft_count"] > 0
         metrics = c.get("/metrics").text
         for name in ("kiln_training_busy_holds", "kiln_training_longest_busy_hold_seconds", "kiln_training_yields",
-                     "kiln_training_serving_share 0.5", "kiln_training_max_hold_milliseconds 50.0"):
+                     "kiln_training_serving_share 0.5", "kiln_training_max_hold_milliseconds 50.0",
+                     "kiln_training_hold_cycles 0.0"):
             assert name in metrics, name
         assert c.delete(f"/v1/train/queue/{job['id']}").status_code == 200

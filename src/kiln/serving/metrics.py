@@ -184,6 +184,8 @@ PACER_GAUGES = (  # (snapshot key, metric, help): docs/latency.md
     ("yielded_s", "kiln_training_yielded_seconds", "Seconds of those gaps (cumulative)"),
     ("serving_share", "kiln_training_serving_share", "training.serving_share: serving's share between holds"),
     ("max_hold_ms", "kiln_training_max_hold_milliseconds", "training.max_hold_ms: one hold's budget while serving waits"),
+    ("hold_cycles", "kiln_training_hold_cycles",
+     "training.hold_cycles: the hold budget in serving's recent cycles (0: max_hold_ms alone)"),
 )
 
 
