@@ -44,17 +44,19 @@ def test_identity_names_the_int8_base(int8_server):
 def test_greedy_completion_over_int8_equals_an_in_process_int8_engine(int8_server, builtin_model_dir):
     from openai import OpenAI
 
+    import httpx
+
     from kiln.runtime.engine import Engine, EngineConfig
-    from kiln.runtime.loader import load_model
-    from kiln.runtime.quantize import quantize_loaded
+    from kiln.runtime.quantize_load import load_quantized
     from kiln.runtime.sampling import SamplingParams
 
     client = OpenAI(base_url=f"{int8_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     out = client.chat.completions.create(model=int8_server.model_id, messages=PROMPT, max_tokens=16, temperature=0)
     text = out.choices[0].message.content
     assert out.usage.completion_tokens > 0
-    loaded = load_model(builtin_model_dir, device="cpu")
-    quantize_loaded(loaded, "int8", None)
+    # the server timed its kernel choice (quantize.choose_kernel); the same kernel here, so the numbers are the same
+    kernel = httpx.get(f"{int8_server.base_url}/v1/config", timeout=30).json()["effective"]["quantization"]["kernel"]
+    loaded = load_quantized(builtin_model_dir, "int8", kernel=kernel)
     engine = Engine(loaded, EngineConfig()).start()
     try:
         ids = engine.encode_chat(PROMPT)
