@@ -357,16 +357,17 @@ class TrainLoop:
         if slicer is None:
             return None
         budget = self.hooks.hold_budget()
-        cuts = self.layer_holds.cuts() if self.layer_holds is not None else 1.0
+        idle = budget is None
         if budget is None:
-            cap = self.hooks.max_hold() if self.layer_holds is not None else None
-            if cap is None or self.s_per_token <= 0:
+            budget = self.hooks.max_hold() if self.layer_holds is not None else None
+            if budget is None or self.s_per_token <= 0:
                 return None
-            split = slicer(batch, max(1, int(cap * cuts / self.s_per_token)))
+        cuts = self.layer_holds.cuts() if self.layer_holds is not None else 1.0
+        split = slicer(batch, max(1, int(budget * cuts / self.s_per_token)) if self.s_per_token > 0 else 1)
+        if idle:
             self.split_idle = len(split) > 1
             return split if self.split_idle else None
-        limit = max(1, int(budget * cuts / self.s_per_token)) if self.s_per_token > 0 else 1
-        return slicer(batch, limit)
+        return split
 
     def update(self, s: StepInput, loss_step: Callable[[Any], torch.Tensor | float],
                around: Callable[[], AbstractContextManager[Any]] = nullcontext, slicer: Slicer | None = None) -> None:

@@ -89,6 +89,7 @@ class TrainingService:
         self._cancel_running = threading.Event()
         self._running: str | None = None
         t = settings.training
+        self._cycle_s: float | None = None  # serving's recent generation cycle, from the last busy check
         # while chats wait, each hold is bounded (steps sliced to fit) and serving gets its share between holds
         self.pacer = HoldPacer(engine.ownership, self._serving_busy, serving_share=t.serving_share,
                                max_hold_ms=t.max_hold_ms, max_gap_s=MAX_YIELD_S, hold_cycles=t.hold_cycles,
@@ -249,12 +250,14 @@ class TrainingService:
 
     def _serving_busy(self) -> bool:
         st = self.engine.stats()  # every engine has it (kiln.runtime.serving_engine.ServingEngine)
+        cycle = st.get("cycle_s")
+        self._cycle_s = None if cycle is None else float(cycle)  # read by the pacer right after (one stats call)
         return bool(st.get("active_rows") or st.get("queued_rows"))
 
     def _serving_cycle_s(self) -> float | None:
-        """The engine's recent generation cycle in seconds (None: not measured, as with the vLLM engine)."""
-        cycle = self.engine.stats().get("cycle_s")
-        return None if cycle is None else float(cycle)
+        """The engine's recent generation cycle in seconds, as the last busy check read it (None: not measured,
+        as with the vLLM engine). HoldPacer.budget_s asks ``busy()`` first, so this is that same reading."""
+        return self._cycle_s
 
     @contextmanager
     def _step_ownership(self) -> Iterator[None]:
